@@ -1,0 +1,43 @@
+//! Wire types, validation and error codes of the Fathom Sandbox Protocol v1 (FSP/1), sandboxd profile.
+//!
+//! The authoritative text is `spec/fsp-v1.md`. This crate does no I/O: the daemon hands it the text of each
+//! WebSocket frame and gets back a typed [`ClientMessage`] or a [`RequestError`] that maps one-to-one onto an FSP
+//! `error` message; it builds [`ServerMessage`]s and turns them into frames with [`encode`].
+//!
+//! - [`envelope`]: protocol version, execution ids and timestamps shared by every message.
+//! - [`client`]: `execute`, `cancel`, `ping` and [`parse_client_message`], which applies the refusal rules of
+//!   spec sections 2 and 3 in a fixed order (JSON, object, `id`, `v`, `type`, `ts`, body, semantic checks).
+//! - [`server`]: `ack`, `status`, `stdout`/`stderr`, `result`, `error`, `pong`, [`encode`] and
+//!   [`parse_server_message`] (for clients and tests).
+//! - [`limits`]: requested and effective resource limits, defaults and [`RequestedLimits::resolve`].
+//! - [`error`]: [`ErrorCode`] with its retryability, and [`RequestError`].
+//! - [`validate`]: path, glob and environment checks used by `execute`.
+//! - [`output`]: [`Utf8Chunker`], which turns raw pipe bytes into chunks that never split a UTF-8 sequence.
+
+pub mod client;
+pub mod envelope;
+pub mod error;
+pub mod language;
+pub mod limits;
+pub mod output;
+pub mod server;
+pub mod validate;
+
+pub use client::{
+    parse_client_message, ArtifactsRequest, CancelRequest, ClientMessage, ExecuteRequest,
+    FileContentError, FileEncoding, FileSpec, PingRequest,
+};
+pub use envelope::{
+    format_ts, is_valid_id, now_ts, parse_ts, TimestampError, MAX_ID_LEN, PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
+};
+pub use error::{ErrorCode, RequestError};
+pub use language::{Language, UnknownLanguage};
+pub use limits::{LimitDefaults, LimitError, Limits, RequestedLimits};
+pub use output::{Chunk, OutputEncoding, Utf8Chunker};
+pub use server::{
+    encode, encode_with_ts, parse_server_envelope, parse_server_message, Capabilities,
+    ErrorMessage, ExecStatus, Isolation, Load, OutputChunk, Pong, Reason, ResourceUsage,
+    ResultMessage, ServerEnvelope, ServerMessage, SANDBOXD_EXTENSIONS,
+};
+pub use validate::{validate_env_var, validate_relative_path, EnvError, PathError, MAX_PATH_LEN};

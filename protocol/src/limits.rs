@@ -1,0 +1,274 @@
+//! Resource limits: what `execute` asks for, the defaults, and the limits in effect (spec section 3).
+//!
+//! A requested value above the server's maximum is refused, never clamped, and so is 0.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::RequestError;
+
+/// The limits in effect for one execution (sent in `ack.limits`), or a server's maximums (`pong`'s
+/// `capabilities.max_limits`). Every value is at least 1.
+///
+/// Unknown fields are ignored when parsing, as a client must tolerate fields a server adds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Limits {
+    /// Wall-clock time before the execution is killed with status `timeout`.
+    pub timeout_ms: u64,
+    /// Memory limit of the execution's cgroup, in MiB.
+    pub memory_mb: u64,
+    /// Relative CPU weight.
+    pub cpu_shares: u64,
+    /// Bytes of stdout and stderr together before the execution is killed (`output_limit`).
+    pub max_output_bytes: u64,
+    /// Maximum number of processes and threads.
+    pub pids_max: u64,
+    /// Size of the writable scratch space, in MiB.
+    pub disk_mb: u64,
+}
+
+/// Defaults for the limits `execute` may leave out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LimitDefaults {
+    /// Default [`Limits::cpu_shares`].
+    pub cpu_shares: u64,
+    /// Default [`Limits::max_output_bytes`] (1 MiB).
+    pub max_output_bytes: u64,
+    /// Default [`Limits::pids_max`].
+    pub pids_max: u64,
+    /// Default [`Limits::disk_mb`].
+    pub disk_mb: u64,
+}
+
+impl Limits {
+    /// The spec's defaults for the optional limits. `timeout_ms` and `memory_mb` have none: they are required.
+    pub const DEFAULTS: LimitDefaults = LimitDefaults {
+        cpu_shares: 512,
+        max_output_bytes: 1024 * 1024,
+        pids_max: 64,
+        disk_mb: 64,
+    };
+
+    /// Each limit with its wire name, in declaration order.
+    pub const fn entries(&self) -> [(&'static str, u64); 6] {
+        [
+            ("timeout_ms", self.timeout_ms),
+            ("memory_mb", self.memory_mb),
+            ("cpu_shares", self.cpu_shares),
+            ("max_output_bytes", self.max_output_bytes),
+            ("pids_max", self.pids_max),
+            ("disk_mb", self.disk_mb),
+        ]
+    }
+}
+
+/// The `limits` object of an `execute`. Unknown fields are refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a limits object")]
+pub struct RequestedLimits {
+    /// Required wall-clock limit in milliseconds.
+    pub timeout_ms: u64,
+    /// Required memory limit in MiB.
+    pub memory_mb: u64,
+    /// CPU weight; default [`LimitDefaults::cpu_shares`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_shares: Option<u64>,
+    /// Output limit (stdout and stderr together); default [`LimitDefaults::max_output_bytes`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_bytes: Option<u64>,
+    /// Process limit; default [`LimitDefaults::pids_max`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids_max: Option<u64>,
+    /// Scratch space in MiB; default [`LimitDefaults::disk_mb`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
+}
+
+impl RequestedLimits {
+    /// Only the two required limits; the rest take their defaults.
+    pub const fn new(timeout_ms: u64, memory_mb: u64) -> Self {
+        RequestedLimits {
+            timeout_ms,
+            memory_mb,
+            cpu_shares: None,
+            max_output_bytes: None,
+            pids_max: None,
+            disk_mb: None,
+        }
+    }
+
+    /// The limits in effect: defaults filled in, then every value checked against `max`.
+    ///
+    /// Refuses 0 and any value above its maximum (naming the limit and the maximum); never clamps.
+    pub fn resolve(&self, max: &Limits) -> Result<Limits, LimitError> {
+        let defaults = Limits::DEFAULTS;
+        let limits = Limits {
+            timeout_ms: self.timeout_ms,
+            memory_mb: self.memory_mb,
+            cpu_shares: self.cpu_shares.unwrap_or(defaults.cpu_shares),
+            max_output_bytes: self.max_output_bytes.unwrap_or(defaults.max_output_bytes),
+            pids_max: self.pids_max.unwrap_or(defaults.pids_max),
+            disk_mb: self.disk_mb.unwrap_or(defaults.disk_mb),
+        };
+        for ((limit, value), (_, max)) in limits.entries().into_iter().zip(max.entries()) {
+            if value == 0 {
+                return Err(LimitError::Zero { limit });
+            }
+            if value > max {
+                return Err(LimitError::AboveMaximum { limit, value, max });
+            }
+        }
+        Ok(limits)
+    }
+}
+
+/// A requested limit the server refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    /// The limit is 0.
+    #[error("Field limits.{limit} must be greater than 0")]
+    Zero {
+        /// Wire name of the limit, e.g. `memory_mb`.
+        limit: &'static str,
+    },
+    /// The limit is above the server's configured maximum.
+    #[error("Field limits.{limit} {value} exceeds the maximum {max}")]
+    AboveMaximum {
+        /// Wire name of the limit, e.g. `memory_mb`.
+        limit: &'static str,
+        /// The requested value, or the default when the request left the limit out.
+        value: u64,
+        /// The server's maximum.
+        max: u64,
+    },
+}
+
+impl LimitError {
+    /// Wire name of the refused limit.
+    pub const fn limit(&self) -> &'static str {
+        match self {
+            LimitError::Zero { limit } | LimitError::AboveMaximum { limit, .. } => limit,
+        }
+    }
+
+    /// The `INVALID_REQUEST` error for the execution `id`.
+    pub fn into_request_error(self, id: &str) -> RequestError {
+        RequestError::invalid(Some(id.to_owned()), self.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAX: Limits = Limits {
+        timeout_ms: 60_000,
+        memory_mb: 1024,
+        cpu_shares: 1024,
+        max_output_bytes: 8 * 1024 * 1024,
+        pids_max: 256,
+        disk_mb: 512,
+    };
+
+    #[test]
+    fn resolve_fills_defaults() {
+        let limits = RequestedLimits::new(30_000, 256).resolve(&MAX).unwrap();
+        assert_eq!(
+            limits,
+            Limits {
+                timeout_ms: 30_000,
+                memory_mb: 256,
+                cpu_shares: 512,
+                max_output_bytes: 1_048_576,
+                pids_max: 64,
+                disk_mb: 64
+            }
+        );
+        let exact = RequestedLimits {
+            timeout_ms: MAX.timeout_ms,
+            memory_mb: MAX.memory_mb,
+            cpu_shares: Some(MAX.cpu_shares),
+            max_output_bytes: Some(MAX.max_output_bytes),
+            pids_max: Some(MAX.pids_max),
+            disk_mb: Some(MAX.disk_mb),
+        };
+        assert_eq!(exact.resolve(&MAX).unwrap(), MAX);
+    }
+
+    #[test]
+    fn resolve_refuses_above_maximum_without_clamping() {
+        let err = RequestedLimits::new(30_000, 4096)
+            .resolve(&MAX)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            LimitError::AboveMaximum {
+                limit: "memory_mb",
+                value: 4096,
+                max: 1024
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "Field limits.memory_mb 4096 exceeds the maximum 1024"
+        );
+        let req = RequestedLimits {
+            pids_max: Some(257),
+            ..RequestedLimits::new(1, 1)
+        };
+        assert_eq!(req.resolve(&MAX).unwrap_err().limit(), "pids_max");
+        // A default above a small maximum is refused too: the client did not ask for less.
+        let small = Limits { disk_mb: 32, ..MAX };
+        let err = RequestedLimits::new(1, 1).resolve(&small).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "Field limits.disk_mb 64 exceeds the maximum 32"
+        );
+    }
+
+    #[test]
+    fn resolve_refuses_zero() {
+        let cases: [(RequestedLimits, &str); 6] = [
+            (RequestedLimits::new(0, 1), "timeout_ms"),
+            (RequestedLimits::new(1, 0), "memory_mb"),
+            (
+                RequestedLimits {
+                    cpu_shares: Some(0),
+                    ..RequestedLimits::new(1, 1)
+                },
+                "cpu_shares",
+            ),
+            (
+                RequestedLimits {
+                    max_output_bytes: Some(0),
+                    ..RequestedLimits::new(1, 1)
+                },
+                "max_output_bytes",
+            ),
+            (
+                RequestedLimits {
+                    pids_max: Some(0),
+                    ..RequestedLimits::new(1, 1)
+                },
+                "pids_max",
+            ),
+            (
+                RequestedLimits {
+                    disk_mb: Some(0),
+                    ..RequestedLimits::new(1, 1)
+                },
+                "disk_mb",
+            ),
+        ];
+        for (req, name) in cases {
+            let err = req.resolve(&MAX).unwrap_err();
+            assert_eq!(err, LimitError::Zero { limit: name });
+            assert_eq!(
+                err.to_string(),
+                format!("Field limits.{name} must be greater than 0")
+            );
+            let req_err = err.into_request_error("exec_1");
+            assert_eq!(req_err.id.as_deref(), Some("exec_1"));
+            assert_eq!(req_err.code, crate::ErrorCode::InvalidRequest);
+        }
+    }
+}

@@ -1,0 +1,576 @@
+//! Cgroups: which hierarchy the host runs, the daemon-owned parent cgroup, per-execution usage and leftovers.
+//!
+//! libcontainer creates each execution's leaf (`<parent>/<id>`) and writes its limits. This module owns what
+//! libcontainer does not: checking that every controller sandboxd needs is there (fail closed), creating and
+//! removing the parent, reading peak memory / cpu time / OOM kills before the leaf goes away, and removing what a
+//! crashed daemon left under its parent. Every function takes the cgroupfs root as a parameter so it is tested
+//! against a fake tree in a tempdir; nothing here touches a cgroup outside `<root>/<hierarchy>/<parent>`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// The default cgroupfs mount point.
+pub const DEFAULT_ROOT: &str = "/sys/fs/cgroup";
+
+/// v1 controllers an execution's limits and usage need.
+const V1_REQUIRED: &[&str] = &["memory", "pids", "cpu", "cpuacct"];
+/// v2 controllers an execution's limits and usage need.
+const V2_REQUIRED: &[&str] = &["memory", "pids", "cpu"];
+
+/// Which cgroup hierarchy limits are enforced through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupVersion {
+    /// Legacy or hybrid hosts: one hierarchy per controller.
+    V1,
+    /// Unified hierarchy.
+    V2,
+}
+
+impl CgroupVersion {
+    /// `"v1"` or `"v2"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::V1 => "v1",
+            Self::V2 => "v2",
+        }
+    }
+}
+
+/// Resource usage of one execution, read from its cgroup after the program ended and before the cgroup is removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Usage {
+    /// High-water mark of memory charged to the cgroup, bytes.
+    pub peak_memory_bytes: u64,
+    /// CPU time of every process of the cgroup, nanoseconds.
+    pub cpu_time_ns: u64,
+    /// How many processes the kernel OOM killer killed in this cgroup.
+    pub oom_kills: u64,
+}
+
+/// A cgroup directory removed during leftover cleanup, and how many processes had to be killed in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    /// The directory removed.
+    pub path: PathBuf,
+    /// Processes found in it and killed.
+    pub killed: usize,
+}
+
+/// The cgroup setup sandboxd works in: version, cgroupfs root and the daemon-owned parent (relative, no leading
+/// slash, e.g. `sandboxd`).
+#[derive(Debug, Clone)]
+pub struct Cgroups {
+    version: CgroupVersion,
+    root: PathBuf,
+    parent: String,
+}
+
+impl Cgroups {
+    /// Detects the host's setup with libcgroups (hybrid counts as v1, as libcgroups treats it).
+    pub fn detect(root: &Path, parent: &str) -> Result<Self> {
+        let setup = libcgroups::common::get_cgroup_setup_with_root(root).map_err(|e| {
+            Error::Cgroup(format!(
+                "Cannot detect the cgroup setup under {}: {e}",
+                root.display()
+            ))
+        })?;
+        let version = match setup {
+            libcgroups::common::CgroupSetup::Unified => CgroupVersion::V2,
+            libcgroups::common::CgroupSetup::Legacy | libcgroups::common::CgroupSetup::Hybrid => {
+                CgroupVersion::V1
+            }
+        };
+        Self::with_version(version, root, parent)
+    }
+
+    /// Uses a known version (tests use this with a fake tree).
+    pub fn with_version(version: CgroupVersion, root: &Path, parent: &str) -> Result<Self> {
+        let parent = parent.trim_matches('/').to_owned();
+        if parent.is_empty()
+            || parent
+                .split('/')
+                .any(|c| c.is_empty() || c == "." || c == "..")
+        {
+            return Err(Error::Cgroup(format!("Invalid cgroup parent {parent:?}")));
+        }
+        Ok(Self {
+            version,
+            root: root.to_owned(),
+            parent,
+        })
+    }
+
+    /// The hierarchy version.
+    pub fn version(&self) -> CgroupVersion {
+        self.version
+    }
+
+    /// The parent, relative to each hierarchy root.
+    pub fn parent(&self) -> &str {
+        &self.parent
+    }
+
+    /// The absolute `linux.cgroupsPath` for an execution: `/<parent>/<id>`.
+    pub fn cgroups_path(&self, id: &str) -> String {
+        format!("/{}/{}", self.parent, id)
+    }
+
+    /// Every hierarchy directory: v1 one per mounted controller set (real directories holding `cgroup.procs`,
+    /// the hybrid `unified` mount excluded), v2 the root.
+    pub fn hierarchies(&self) -> Vec<PathBuf> {
+        match self.version {
+            CgroupVersion::V2 => vec![self.root.clone()],
+            CgroupVersion::V1 => {
+                let mut out = Vec::new();
+                let Ok(entries) = fs::read_dir(&self.root) else {
+                    return out;
+                };
+                for entry in entries.flatten() {
+                    let name = entry.file_name();
+                    if name == "unified" {
+                        continue;
+                    }
+                    let Ok(ft) = entry.file_type() else { continue };
+                    if ft.is_dir() && entry.path().join("cgroup.procs").exists() {
+                        out.push(entry.path());
+                    }
+                }
+                out.sort();
+                out
+            }
+        }
+    }
+
+    /// The v1 hierarchy that carries a controller (`cpu,cpuacct` counts for both).
+    fn v1_hierarchy(&self, controller: &str) -> Option<PathBuf> {
+        self.hierarchies().into_iter().find(|h| {
+            h.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.split(',').any(|c| c == controller))
+        })
+    }
+
+    /// Fails closed when a controller sandboxd needs is missing, naming it and what to do.
+    pub fn check_controllers(&self) -> Result<()> {
+        match self.version {
+            CgroupVersion::V1 => {
+                let missing: Vec<_> = V1_REQUIRED
+                    .iter()
+                    .filter(|c| self.v1_hierarchy(c).is_none())
+                    .copied()
+                    .collect();
+                if !missing.is_empty() {
+                    return Err(Error::Unsupported(format!(
+                        "cgroup v1 controller(s) {} not mounted under {}; mount them or boot with the unified hierarchy",
+                        missing.join(", "),
+                        self.root.display()
+                    )));
+                }
+                // Without memsw the memory limit cannot forbid swap; that only matters when the host has swap.
+                let memory = self.v1_hierarchy("memory").unwrap_or_default();
+                if host_has_swap() && !memory.join("memory.memsw.limit_in_bytes").exists() {
+                    return Err(Error::Unsupported(
+                        "the host has swap but memory.memsw is missing (boot with swapaccount=1), so \"no swap\" cannot be enforced"
+                            .into(),
+                    ));
+                }
+                Ok(())
+            }
+            CgroupVersion::V2 => {
+                let path = self.root.join("cgroup.controllers");
+                let have = fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+                let missing: Vec<_> = V2_REQUIRED
+                    .iter()
+                    .filter(|c| !have.split_whitespace().any(|h| h == **c))
+                    .copied()
+                    .collect();
+                if missing.is_empty() {
+                    Ok(())
+                } else {
+                    Err(Error::Unsupported(format!(
+                        "cgroup v2 controller(s) {} not available in {}",
+                        missing.join(", "),
+                        path.display()
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Creates the parent in every hierarchy (v2: and delegates the controllers to its children).
+    pub fn ensure_parent(&self) -> Result<()> {
+        for h in self.hierarchies() {
+            let dir = h.join(&self.parent);
+            fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+            if self.version == CgroupVersion::V1 && h.file_name().is_some_and(|n| n == "cpuset") {
+                // A new cpuset cgroup starts empty; children cannot be populated until the parent has cpus/mems.
+                for file in ["cpuset.cpus", "cpuset.mems"] {
+                    let mine = dir.join(file);
+                    if fs::read_to_string(&mine)
+                        .map(|s| s.trim().is_empty())
+                        .unwrap_or(false)
+                    {
+                        let from = h.join(file);
+                        let value = fs::read_to_string(&from).map_err(|e| Error::io(&from, e))?;
+                        fs::write(&mine, value.trim()).map_err(|e| Error::io(&mine, e))?;
+                    }
+                }
+            }
+            if self.version == CgroupVersion::V2 {
+                let control = dir.join("cgroup.subtree_control");
+                let want: String = V2_REQUIRED.iter().map(|c| format!("+{c} ")).collect();
+                fs::write(&control, want.trim()).map_err(|e| Error::io(&control, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The leaf of an execution in the hierarchy holding `controller` (v2: the only one).
+    fn leaf(&self, controller: &str, id: &str) -> Option<PathBuf> {
+        let h = match self.version {
+            CgroupVersion::V2 => self.root.clone(),
+            CgroupVersion::V1 => self.v1_hierarchy(controller)?,
+        };
+        Some(h.join(&self.parent).join(id))
+    }
+
+    /// Reads an execution's usage. Missing files read as zero (a kernel without `memory.peak`, say) but a leaf that
+    /// does not exist is an error: the usage would be made up.
+    pub fn usage(&self, id: &str) -> Result<Usage> {
+        let memory = self
+            .leaf("memory", id)
+            .ok_or_else(|| Error::Cgroup("no memory hierarchy".into()))?;
+        if !memory.is_dir() {
+            return Err(Error::Cgroup(format!(
+                "cgroup {} does not exist",
+                memory.display()
+            )));
+        }
+        match self.version {
+            CgroupVersion::V1 => {
+                let cpu = self
+                    .leaf("cpuacct", id)
+                    .ok_or_else(|| Error::Cgroup("no cpuacct hierarchy".into()))?;
+                Ok(Usage {
+                    peak_memory_bytes: read_u64(&memory.join("memory.max_usage_in_bytes")),
+                    cpu_time_ns: read_u64(&cpu.join("cpuacct.usage")),
+                    oom_kills: read_keyed(&memory.join("memory.oom_control"), "oom_kill"),
+                })
+            }
+            CgroupVersion::V2 => Ok(Usage {
+                peak_memory_bytes: read_u64(&memory.join("memory.peak")),
+                cpu_time_ns: read_keyed(&memory.join("cpu.stat"), "usage_usec")
+                    .saturating_mul(1000),
+                oom_kills: read_keyed(&memory.join("memory.events"), "oom_kill"),
+            }),
+        }
+    }
+
+    /// Every directory under the parent, in every hierarchy: what a crashed instance may have left.
+    pub fn leftovers(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for h in self.hierarchies() {
+            let Ok(entries) = fs::read_dir(h.join(&self.parent)) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    out.push(e.path());
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Kills every process in each leftover cgroup (they are ours: nothing else lives under our parent), then
+    /// removes the directories, deepest first.
+    pub fn remove_leftovers(&self) -> Vec<Result<Removed>> {
+        self.leftovers()
+            .into_iter()
+            .map(|dir| remove_tree(&dir))
+            .collect()
+    }
+
+    /// Removes one execution's leaf in every hierarchy if it is still there (libcontainer normally does this).
+    pub fn remove_leaf(&self, id: &str) -> Result<()> {
+        for h in self.hierarchies() {
+            let dir = h.join(&self.parent).join(id);
+            if dir.exists() {
+                remove_tree(&dir)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the (empty) parent in every hierarchy; used at daemon shutdown.
+    pub fn remove_parent(&self) -> Result<()> {
+        for h in self.hierarchies() {
+            let dir = h.join(&self.parent);
+            if dir.exists() {
+                remove_tree(&dir)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Kills the processes of a cgroup tree and removes it, children first. Processes are killed by the pids the
+/// cgroup lists; a fork racing the kill is caught by the next round (bounded).
+fn remove_tree(dir: &Path) -> Result<Removed> {
+    let mut killed = 0;
+    if let Ok(entries) = fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                killed += remove_tree(&e.path())?.killed;
+            }
+        }
+    }
+    let procs = dir.join("cgroup.procs");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pids: Vec<i32> = fs::read_to_string(&procs)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        if pids.is_empty() {
+            break;
+        }
+        for pid in pids {
+            if nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
+                .is_ok()
+            {
+                killed += 1;
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Cgroup(format!(
+                "processes in {} survive SIGKILL",
+                dir.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // rmdir can see EBUSY for a moment after the last task exits.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+            // A fake tree (tests) holds regular files; a real cgroupfs directory never does.
+            Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) && !is_cgroupfs(dir) => {
+                fs::remove_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+                break;
+            }
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!(dir = %dir.display(), error = %e, "rmdir of cgroup failed, retrying");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(Error::io(dir, e)),
+        }
+    }
+    Ok(Removed {
+        path: dir.to_owned(),
+        killed,
+    })
+}
+
+fn is_cgroupfs(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .map(|s| {
+            s.filesystem_type() == nix::sys::statfs::CGROUP_SUPER_MAGIC
+                || s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC
+        })
+        .unwrap_or(false)
+}
+
+fn host_has_swap() -> bool {
+    fs::read_to_string("/proc/swaps")
+        .map(|s| s.lines().count() > 1)
+        .unwrap_or(false)
+}
+
+fn read_u64(path: &Path) -> u64 {
+    fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Reads `key value` lines (memory.oom_control, memory.events, cpu.stat).
+fn read_keyed(path: &Path, key: &str) -> u64 {
+    fs::read_to_string(path)
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                let mut it = l.split_whitespace();
+                (it.next() == Some(key)).then(|| it.next().and_then(|v| v.parse().ok()))?
+            })
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(path: &Path, content: &str) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, content).unwrap();
+    }
+
+    fn fake_v1() -> tempfile::TempDir {
+        let t = tempfile::tempdir().unwrap();
+        for h in [
+            "memory",
+            "pids",
+            "cpu,cpuacct",
+            "cpuset",
+            "freezer",
+            "unified",
+        ] {
+            write(&t.path().join(h).join("cgroup.procs"), "");
+        }
+        std::os::unix::fs::symlink("cpu,cpuacct", t.path().join("cpu")).unwrap();
+        t
+    }
+
+    fn fake_v2(controllers: &str) -> tempfile::TempDir {
+        let t = tempfile::tempdir().unwrap();
+        write(&t.path().join("cgroup.procs"), "");
+        write(&t.path().join("cgroup.controllers"), controllers);
+        t
+    }
+
+    #[test]
+    fn v1_hierarchies_skip_unified_and_symlinks() {
+        let t = fake_v1();
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sandboxd").unwrap();
+        let names: Vec<_> = cg
+            .hierarchies()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            ["cpu,cpuacct", "cpuset", "freezer", "memory", "pids"]
+        );
+        cg.check_controllers().unwrap();
+    }
+
+    #[test]
+    fn v1_missing_controller_fails_closed() {
+        let t = tempfile::tempdir().unwrap();
+        write(&t.path().join("memory/cgroup.procs"), "");
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sandboxd").unwrap();
+        let err = cg.check_controllers().unwrap_err().to_string();
+        assert!(err.contains("pids") && err.contains("cpuacct"), "{err}");
+    }
+
+    #[test]
+    fn v1_usage_reads_peak_cpu_and_oom_kill() {
+        let t = fake_v1();
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sandboxd").unwrap();
+        let mem = t.path().join("memory/sandboxd/e1");
+        write(&mem.join("memory.max_usage_in_bytes"), "67108864\n");
+        write(
+            &mem.join("memory.oom_control"),
+            "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
+        );
+        write(
+            &t.path().join("cpu,cpuacct/sandboxd/e1/cpuacct.usage"),
+            "123456789\n",
+        );
+        assert_eq!(
+            cg.usage("e1").unwrap(),
+            Usage {
+                peak_memory_bytes: 64 << 20,
+                cpu_time_ns: 123_456_789,
+                oom_kills: 1
+            }
+        );
+        assert_eq!(cg.cgroups_path("e1"), "/sandboxd/e1");
+    }
+
+    #[test]
+    fn v2_usage_reads_peak_cpu_and_oom_kill() {
+        let t = fake_v2("cpuset cpu io memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "/sandboxd/").unwrap();
+        cg.check_controllers().unwrap();
+        let leaf = t.path().join("sandboxd/e2");
+        write(&leaf.join("memory.peak"), "1048576\n");
+        write(
+            &leaf.join("memory.events"),
+            "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n",
+        );
+        write(
+            &leaf.join("cpu.stat"),
+            "usage_usec 2500\nuser_usec 2000\nsystem_usec 500\n",
+        );
+        assert_eq!(
+            cg.usage("e2").unwrap(),
+            Usage {
+                peak_memory_bytes: 1 << 20,
+                cpu_time_ns: 2_500_000,
+                oom_kills: 2
+            }
+        );
+    }
+
+    #[test]
+    fn v2_missing_controller_fails_closed() {
+        let t = fake_v2("cpu io");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sandboxd").unwrap();
+        let err = cg.check_controllers().unwrap_err().to_string();
+        assert!(err.contains("memory") && err.contains("pids"), "{err}");
+    }
+
+    #[test]
+    fn v2_parent_delegates_controllers() {
+        let t = fake_v2("cpu memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sandboxd").unwrap();
+        cg.ensure_parent().unwrap();
+        let control = fs::read_to_string(t.path().join("sandboxd/cgroup.subtree_control")).unwrap();
+        assert_eq!(control, "+memory +pids +cpu");
+    }
+
+    #[test]
+    fn usage_of_missing_leaf_is_an_error() {
+        let t = fake_v2("cpu memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sandboxd").unwrap();
+        assert!(cg.usage("nope").is_err());
+    }
+
+    #[test]
+    fn leftovers_are_found_and_removed_only_under_the_parent() {
+        let t = fake_v1();
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sandboxd").unwrap();
+        write(&t.path().join("memory/sandboxd/old1/cgroup.procs"), "");
+        write(&t.path().join("pids/sandboxd/old1/cgroup.procs"), "");
+        write(&t.path().join("memory/someone-else/cgroup.procs"), "");
+        assert_eq!(cg.leftovers().len(), 2);
+        let removed = cg.remove_leftovers();
+        assert_eq!(removed.len(), 2);
+        assert!(removed
+            .iter()
+            .all(|r| r.as_ref().is_ok_and(|r| r.killed == 0)));
+        assert!(cg.leftovers().is_empty());
+        assert!(t.path().join("memory/someone-else").exists());
+    }
+
+    #[test]
+    fn parent_must_be_a_plain_relative_path() {
+        let t = fake_v1();
+        for bad in ["", "/", "a/../b", "a//b"] {
+            assert!(
+                Cgroups::with_version(CgroupVersion::V1, t.path(), bad).is_err(),
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! The container's pid 1: a libcontainer [`Executor`] that forks the program instead of becoming it.
+//!
+//! A program running as pid 1 of a pid namespace ignores every signal it has no handler for, even from itself
+//! (`os.kill(os.getpid(), SIGKILL)` would do nothing), and nobody reaps its orphans. So the container's init stays
+//! a small reaper: it forks, the child applies the last restrictions and `execve`s the program, and the parent
+//! reaps everything until the program itself ends. Then it writes how the program ended (exit code or signal) to a
+//! status pipe the helper holds the other end of, and exits; the kernel then kills whatever else is left in the
+//! pid namespace (double-forked daemons included).
+//!
+//! Everything here runs in the forked container process, which is single-threaded (the helper is).
+
+use std::ffi::CString;
+use std::os::fd::RawFd;
+
+use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{ForkResult, Pid};
+use oci_spec::runtime::Spec;
+
+use crate::sys;
+
+/// Exit code of the child when `execve` of the program failed (as shells do).
+pub const EXEC_FAILED: i32 = 127;
+
+/// How the program ended, as the init reports it on the status pipe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "value")]
+pub enum ProgramExit {
+    /// `exit(code)`.
+    Code(i32),
+    /// Killed by this signal number.
+    Signal(i32),
+}
+
+impl ProgramExit {
+    /// The record written on the status pipe: `exit N\n` or `signal N\n`.
+    pub fn encode(self) -> String {
+        match self {
+            Self::Code(c) => format!("exit {c}\n"),
+            Self::Signal(s) => format!("signal {s}\n"),
+        }
+    }
+
+    /// Parses a record; anything else (empty: the init died before writing) is `None`.
+    pub fn decode(record: &str) -> Option<Self> {
+        let mut it = record.trim_end_matches('\n').splitn(2, ' ');
+        let kind = it.next()?;
+        let value: i32 = it.next()?.parse().ok()?;
+        match kind {
+            "exit" => Some(Self::Code(value)),
+            "signal" => Some(Self::Signal(value)),
+            _ => None,
+        }
+    }
+}
+
+/// The executor libcontainer calls as the last step of container creation.
+#[derive(Clone)]
+pub struct InitExecutor {
+    /// Write end of the status pipe, inherited from the helper under this number.
+    pub status_fd: RawFd,
+}
+
+impl Executor for InitExecutor {
+    fn validate(&self, spec: &Spec) -> Result<(), ExecutorValidationError> {
+        let args = spec.process().as_ref().and_then(|p| p.args().as_ref());
+        match args {
+            Some(a) if !a.is_empty() && a[0].starts_with('/') => Ok(()),
+            _ => Err(ExecutorValidationError::ArgValidationError(
+                "process.args must start with an absolute program path".into(),
+            )),
+        }
+    }
+
+    fn exec(&self, spec: &Spec) -> Result<(), ExecutorError> {
+        let process = spec.process().as_ref().ok_or(ExecutorError::InvalidArg)?;
+        let args = to_cstrings(process.args().as_deref().unwrap_or_default())?;
+        let env = to_cstrings(process.env().as_deref().unwrap_or_default())?;
+        let program = args.first().cloned().ok_or(ExecutorError::InvalidArg)?;
+
+        // Keep only stdio and the status pipe: libcontainer marks the helper's other descriptors close-on-exec, but
+        // this process never execs, and holding another execution's pipe would keep that pipe from closing.
+        let fd = self.status_fd;
+        sys::close_range(3, fd - 1).map_err(other)?;
+        sys::close_range(fd + 1, RawFd::MAX).map_err(other)?;
+        // Die with the helper; and let no process in the container ptrace or inspect the init.
+        sys::set_parent_death_signal(Signal::SIGKILL).map_err(other)?;
+        sys::set_not_dumpable().map_err(other)?;
+
+        // SAFETY: this process is single-threaded (cloned by libcontainer from the single-threaded helper), so the
+        // child may run arbitrary code until it execs.
+        match unsafe { nix::unistd::fork() }.map_err(|e| other(e.to_string()))? {
+            ForkResult::Child => {
+                let _ = nix::unistd::close(fd);
+                // The program starts with the default signal mask whatever the helper had blocked.
+                let _ = nix::sys::signal::sigprocmask(
+                    SigmaskHow::SIG_SETMASK,
+                    Some(&SigSet::empty()),
+                    None,
+                );
+                let err = nix::unistd::execve(&program, &args, &env).err();
+                let msg = format!(
+                    "sandboxd: cannot execute {}: {}\n",
+                    program.to_string_lossy(),
+                    err.map(|e| e.desc()).unwrap_or("unknown error")
+                );
+                let _ = nix::unistd::write(std::io::stderr(), msg.as_bytes());
+                // SAFETY: _exit ends the forked child without running the parent's atexit handlers or destructors.
+                unsafe { libc::_exit(EXEC_FAILED) }
+            }
+            ForkResult::Parent { child } => {
+                let exit = reap_until(child);
+                let record = exit.encode();
+                // SAFETY: `fd` is the status pipe's write end, kept open above; it is not owned by any Rust object in
+                // this process, so wrapping it for the duration of one write is sound.
+                let status = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+                let _ = nix::unistd::write(status, record.as_bytes());
+                // SAFETY: as above, end the init without unwinding into libcontainer, which expects no return.
+                unsafe { libc::_exit(0) }
+            }
+        }
+    }
+}
+
+/// Reaps every child until `program` ends; returns how it ended.
+fn reap_until(program: Pid) -> ProgramExit {
+    loop {
+        match waitpid(None, None) {
+            Ok(WaitStatus::Exited(pid, code)) if pid == program => return ProgramExit::Code(code),
+            Ok(WaitStatus::Signaled(pid, sig, _)) if pid == program => {
+                return ProgramExit::Signal(sig as i32)
+            }
+            Ok(_) | Err(nix::Error::EINTR) => continue,
+            // ECHILD: nothing left to wait for, which cannot happen before the program is reaped; report a kill.
+            Err(_) => return ProgramExit::Signal(Signal::SIGKILL as i32),
+        }
+    }
+}
+
+fn to_cstrings(v: &[String]) -> Result<Vec<CString>, ExecutorError> {
+    v.iter()
+        .map(|s| CString::new(s.as_bytes()).map_err(|_| ExecutorError::InvalidArg))
+        .collect()
+}
+
+fn other(e: impl ToString) -> ExecutorError {
+    ExecutorError::Other(e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_records_round_trip() {
+        for e in [
+            ProgramExit::Code(0),
+            ProgramExit::Code(137),
+            ProgramExit::Signal(9),
+        ] {
+            assert_eq!(ProgramExit::decode(&e.encode()), Some(e));
+        }
+        assert_eq!(ProgramExit::decode(""), None);
+        assert_eq!(ProgramExit::decode("exit x"), None);
+        assert_eq!(ProgramExit::decode("boom 1"), None);
+    }
+}

@@ -1,0 +1,24 @@
+//! Containers for sandboxd.
+//!
+//! Every execution runs in a fresh container created through youki's `libcontainer`: new pid, mount, ipc, uts,
+//! net, cgroup and user namespaces, cgroup limits (v1 or v2), an ephemeral root built from an image, and a tiny
+//! init ([`init`]) that reaps orphans and reports how the program ended.
+//!
+//! Containers are never created by the multi-threaded daemon itself. [`helper::spawn_helper`] forks a
+//! single-threaded helper process before the async runtime starts; the daemon talks to it over a `SOCK_SEQPACKET`
+//! socket ([`ipc`]) with [`helper::HelperClient`], passing the program's stdio as file descriptors.
+//!
+//! Module map, one kernel mechanism per module: [`cgroups`] (limits, usage, leftovers), [`rootfs`] (host image,
+//! per-execution scratch), [`spec`] (the OCI runtime spec of an execution), [`init`] (the executor run as pid 1),
+//! [`helper`] (container lifecycle in the helper process), [`sys`] (the few raw syscalls, each with its `SAFETY`).
+
+pub mod cgroups;
+pub mod error;
+pub mod helper;
+pub mod init;
+pub mod ipc;
+pub mod rootfs;
+pub mod spec;
+pub mod sys;
+
+pub use error::{Error, Result};

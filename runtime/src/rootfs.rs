@@ -1,0 +1,478 @@
+//! Root filesystems: the embedded `host` image and each execution's scratch space.
+//!
+//! The `host` image is a skeleton directory holding only mount points and the host's top-level symlinks
+//! (`bin -> usr/bin` on merged-/usr systems); the container gets the host's `/usr` (and any real `/lib*`, `/bin`,
+//! `/sbin` directories) bind-mounted read-only, and a generated `/etc` with nothing of the host's but the dynamic
+//! linker cache and the alternatives links. The skeleton is built once at start-up and shared read-only.
+//!
+//! Each execution gets a [`Scratch`]: a size-limited tmpfs (`disk_mb`) mounted in the daemon's private mount
+//! namespace, holding the writable working directory and `/tmp`, plus a read-only directory with the code.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::mount::{MntFlags, MsFlags};
+
+use crate::error::{Error, Result};
+use crate::spec::BindMount;
+
+/// Where the working directory appears in the container.
+pub const WORKDIR: &str = "/workspace";
+/// Where the code file appears in the container (read-only).
+pub const CODE_DIR: &str = "/sandbox";
+
+/// Top-level host entries mirrored into the image: bind-mounted read-only when a directory, re-created when a
+/// symlink (merged /usr), skipped when absent.
+const HOST_TOP_LEVEL: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32"];
+/// Mount points of the skeleton.
+const MOUNT_POINTS: &[&str] = &[
+    "usr",
+    "etc",
+    "proc",
+    "dev",
+    "tmp",
+    "sys",
+    "workspace",
+    "sandbox",
+];
+
+/// The embedded default image: the host's /usr under a generated root.
+#[derive(Debug, Clone)]
+pub struct HostImage {
+    /// The skeleton root directory.
+    pub rootfs: PathBuf,
+    /// Read-only bind mounts from the host (`/usr`, real `/lib*` directories) and the generated `/etc`.
+    pub binds: Vec<BindMount>,
+    host_root: PathBuf,
+}
+
+impl HostImage {
+    /// Builds (or rebuilds) the image under `dir` from the host tree at `host_root` (`/` in production).
+    pub fn prepare(dir: &Path, host_root: &Path) -> Result<Self> {
+        if dir.exists() {
+            fs::remove_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
+        let rootfs = dir.join("rootfs");
+        let etc = dir.join("etc");
+        mkdir(&rootfs, 0o755)?;
+        for m in MOUNT_POINTS {
+            mkdir(&rootfs.join(m), 0o755)?;
+        }
+        let mut binds = vec![BindMount {
+            source: host_root.join("usr"),
+            destination: "/usr".into(),
+            readonly: true,
+        }];
+        for name in HOST_TOP_LEVEL {
+            let host = host_root.join(name);
+            match fs::symlink_metadata(&host) {
+                Ok(m) if m.file_type().is_symlink() => {
+                    let target = fs::read_link(&host).map_err(|e| Error::io(&host, e))?;
+                    let link = rootfs.join(name);
+                    std::os::unix::fs::symlink(&target, &link).map_err(|e| Error::io(&link, e))?;
+                }
+                Ok(m) if m.is_dir() => {
+                    mkdir(&rootfs.join(name), 0o755)?;
+                    binds.push(BindMount {
+                        source: host,
+                        destination: Path::new("/").join(name),
+                        readonly: true,
+                    });
+                }
+                _ => {}
+            }
+        }
+        write_etc(&etc, host_root)?;
+        binds.push(BindMount {
+            source: etc,
+            destination: "/etc".into(),
+            readonly: true,
+        });
+        // The skeleton itself must not be writable by anyone but root.
+        fs::set_permissions(&rootfs, fs::Permissions::from_mode(0o755))
+            .map_err(|e| Error::io(&rootfs, e))?;
+        Ok(Self {
+            rootfs,
+            binds,
+            host_root: fs::canonicalize(host_root).map_err(|e| Error::io(host_root, e))?,
+        })
+    }
+
+    /// Resolves a program inside the image to its absolute container path, if the image can run it: absolute
+    /// candidates are checked as is, bare names in `/usr/local/bin`, `/usr/bin` and `/bin`.
+    pub fn find_program(&self, candidates: &[&str]) -> Option<String> {
+        for c in candidates {
+            let paths: Vec<String> = if c.starts_with('/') {
+                vec![c.to_string()]
+            } else {
+                ["/usr/local/bin", "/usr/bin", "/bin"]
+                    .iter()
+                    .map(|d| format!("{d}/{c}"))
+                    .collect()
+            };
+            for p in paths {
+                if self.is_executable_in_image(&p) {
+                    return Some(p);
+                }
+            }
+        }
+        None
+    }
+
+    fn is_executable_in_image(&self, path: &str) -> bool {
+        // Only what the container can see: /usr and the mirrored top-level entries.
+        let rel = path.trim_start_matches('/');
+        let top = rel.split('/').next().unwrap_or_default();
+        if top != "usr" && !HOST_TOP_LEVEL.contains(&top) {
+            return false;
+        }
+        // Symlinks are resolved on the host; the target must also be inside the image (a pyenv shim under /root or
+        // an nvm node under /home would not exist in the container).
+        let Ok(real) = fs::canonicalize(self.host_root.join(rel)) else {
+            return false;
+        };
+        let Ok(real_rel) = real.strip_prefix(&self.host_root) else {
+            return false;
+        };
+        let real_top = real_rel
+            .components()
+            .next()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned());
+        if !real_top.is_some_and(|t| t == "usr" || HOST_TOP_LEVEL.contains(&t.as_str())) {
+            return false;
+        }
+        fs::metadata(&real)
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    }
+}
+
+fn mkdir(path: &Path, mode: u32) -> Result<()> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(path)
+        .map_err(|e| Error::io(path, e))
+}
+
+/// The generated `/etc`: identity files for root and nobody, local-only name resolution, and the two host pieces
+/// programs need to run at all (the dynamic linker cache and the alternatives symlinks into /usr).
+fn write_etc(etc: &Path, host_root: &Path) -> Result<()> {
+    mkdir(etc, 0o755)?;
+    let files: &[(&str, &str)] = &[
+        (
+            "passwd",
+            "root:x:0:0:root:/workspace:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        ),
+        ("group", "root:x:0:\nnogroup:x:65534:\n"),
+        ("hosts", "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"),
+        ("hostname", "sandbox\n"),
+        ("resolv.conf", "# sandboxd: executions have no network beyond loopback\n"),
+        ("nsswitch.conf", "passwd: files\ngroup: files\nshadow: files\nhosts: files\n"),
+    ];
+    for (name, content) in files {
+        let p = etc.join(name);
+        fs::write(&p, content).map_err(|e| Error::io(&p, e))?;
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).map_err(|e| Error::io(&p, e))?;
+    }
+    let cache = host_root.join("etc/ld.so.cache");
+    if cache.is_file() {
+        fs::copy(&cache, etc.join("ld.so.cache")).map_err(|e| Error::io(&cache, e))?;
+    }
+    let alternatives = host_root.join("etc/alternatives");
+    if let Ok(entries) = fs::read_dir(&alternatives) {
+        let dst = etc.join("alternatives");
+        mkdir(&dst, 0o755)?;
+        for e in entries.flatten() {
+            if let Ok(target) = fs::read_link(e.path()) {
+                // Only links that stay inside what the image shows.
+                if target.starts_with("/usr")
+                    || target.starts_with("/bin")
+                    || target.starts_with("/lib")
+                {
+                    let link = dst.join(e.file_name());
+                    std::os::unix::fs::symlink(&target, &link).map_err(|e| Error::io(&link, e))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One input file to place in the working directory before the program starts.
+#[derive(Debug, Clone)]
+pub struct InputFile {
+    /// Relative path, already validated by the protocol (no `..`, not absolute, no empty components).
+    pub path: String,
+    /// Content.
+    pub content: Vec<u8>,
+}
+
+/// An execution's writable space and code directory, under `<run_dir>/<id>/`.
+#[derive(Debug)]
+pub struct Scratch {
+    dir: PathBuf,
+    mounted: bool,
+}
+
+impl Scratch {
+    /// Creates `<run_dir>/<id>/`, mounts a tmpfs of `disk_bytes` on `scratch/` holding `workspace/` and `tmp/`
+    /// (owned by the execution's host id), writes the input files and the code file (`code/<code_name>`, read-only).
+    /// On error everything created so far is removed again.
+    pub fn create(
+        run_dir: &Path,
+        id: &str,
+        disk_bytes: u64,
+        host_id: u32,
+        code_name: &str,
+        code: &[u8],
+        files: &[InputFile],
+    ) -> Result<Self> {
+        let dir = run_dir.join(id);
+        fs::DirBuilder::new()
+            .mode(0o711)
+            .create(&dir)
+            .map_err(|e| Error::io(&dir, e))?;
+        let mut scratch = Self {
+            dir,
+            mounted: false,
+        };
+        match scratch.fill(disk_bytes, host_id, code_name, code, files) {
+            Ok(()) => Ok(scratch),
+            Err(e) => {
+                if let Err(cleanup) = scratch.remove() {
+                    tracing::error!(error = %cleanup, "cleanup of a failed scratch space failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn fill(
+        &mut self,
+        disk_bytes: u64,
+        host_id: u32,
+        code_name: &str,
+        code: &[u8],
+        files: &[InputFile],
+    ) -> Result<()> {
+        let tmpfs = self.dir.join("scratch");
+        mkdir(&tmpfs, 0o755)?;
+        let data = format!("size={disk_bytes},mode=0755,uid={host_id},gid={host_id}");
+        nix::mount::mount(
+            Some("sandboxd-scratch"),
+            &tmpfs,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(data.as_str()),
+        )
+        .map_err(|e| Error::sys(format!("mount tmpfs on {}", tmpfs.display()), e))?;
+        self.mounted = true;
+        let uid = Some(nix::unistd::Uid::from_raw(host_id));
+        let gid = Some(nix::unistd::Gid::from_raw(host_id));
+        let chown = |p: &Path| {
+            nix::unistd::chown(p, uid, gid)
+                .map_err(|e| Error::sys(format!("chown {}", p.display()), e))
+        };
+        for (name, mode) in [("workspace", 0o755), ("tmp", 0o1777)] {
+            let p = tmpfs.join(name);
+            mkdir(&p, mode)?;
+            fs::set_permissions(&p, fs::Permissions::from_mode(mode))
+                .map_err(|e| Error::io(&p, e))?;
+            chown(&p)?;
+        }
+        let workspace = tmpfs.join("workspace");
+        for f in files {
+            let target = workspace.join(&f.path);
+            let refuse = |reason: String| Error::InputFile {
+                path: f.path.clone(),
+                reason,
+            };
+            // Parents are created one by one and owned by the execution; the tree is fresh and only we write to it
+            // before the program starts, so no component can be a symlink.
+            let mut dir = workspace.clone();
+            if let Some(parent) = Path::new(&f.path).parent() {
+                for comp in parent.components() {
+                    dir.push(comp);
+                    match fs::symlink_metadata(&dir) {
+                        Ok(m) if m.is_dir() => {}
+                        Ok(_) => {
+                            return Err(refuse(format!(
+                                "{} is a file",
+                                dir.strip_prefix(&workspace).unwrap_or(&dir).display()
+                            )))
+                        }
+                        Err(_) => {
+                            fs::DirBuilder::new()
+                                .mode(0o755)
+                                .create(&dir)
+                                .map_err(|e| refuse(e.to_string()))?;
+                            chown(&dir)?;
+                        }
+                    }
+                }
+            }
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o644)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&target)
+                .map_err(|e| refuse(e.to_string()))?;
+            file.write_all(&f.content).map_err(|e| {
+                if e.raw_os_error() == Some(libc::ENOSPC) {
+                    refuse(format!(
+                        "the files do not fit in disk_mb ({disk_bytes} bytes)"
+                    ))
+                } else {
+                    refuse(e.to_string())
+                }
+            })?;
+            chown(&target)?;
+        }
+        let code_dir = self.dir.join("code");
+        mkdir(&code_dir, 0o755)?;
+        let code_path = code_dir.join(code_name);
+        fs::write(&code_path, code).map_err(|e| Error::io(&code_path, e))?;
+        fs::set_permissions(&code_path, fs::Permissions::from_mode(0o444))
+            .map_err(|e| Error::io(&code_path, e))?;
+        Ok(())
+    }
+
+    /// The bind mounts that put this scratch space into the container.
+    pub fn binds(&self) -> Vec<BindMount> {
+        let tmpfs = self.dir.join("scratch");
+        vec![
+            BindMount {
+                source: tmpfs.join("workspace"),
+                destination: WORKDIR.into(),
+                readonly: false,
+            },
+            BindMount {
+                source: tmpfs.join("tmp"),
+                destination: "/tmp".into(),
+                readonly: false,
+            },
+            BindMount {
+                source: self.dir.join("code"),
+                destination: CODE_DIR.into(),
+                readonly: true,
+            },
+        ]
+    }
+
+    /// The execution's directory (`<run_dir>/<id>`); libcontainer's bundle goes in it too.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The working directory as the host sees it (for artifact collection).
+    pub fn workspace(&self) -> PathBuf {
+        self.dir.join("scratch/workspace")
+    }
+
+    /// Unmounts the tmpfs and removes the directory. Idempotent.
+    pub fn remove(&mut self) -> Result<()> {
+        if self.mounted {
+            let tmpfs = self.dir.join("scratch");
+            match nix::mount::umount2(&tmpfs, MntFlags::MNT_DETACH) {
+                Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => self.mounted = false,
+                Err(e) => return Err(Error::sys(format!("umount {}", tmpfs.display()), e)),
+            }
+        }
+        match fs::remove_dir_all(&self.dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io(&self.dir, e)),
+        }
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Err(e) = self.remove() {
+            tracing::error!(dir = %self.dir.display(), error = %e, "scratch space cleanup failed");
+        }
+    }
+}
+
+/// Mounts a private tmpfs on `dir` (the daemon's run directory): per-execution state lives in memory and vanishes
+/// with the daemon's mount namespace if the daemon dies.
+pub fn mount_run_dir(dir: &Path) -> Result<()> {
+    mkdir(dir, 0o711)?;
+    nix::mount::mount(
+        Some("sandboxd-run"),
+        dir,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=0711"),
+    )
+    .map_err(|e| Error::sys(format!("mount tmpfs on {}", dir.display()), e))
+}
+
+/// Detaches the calling process (and the helper it forks later) from the host's mount propagation: mounts sandboxd
+/// makes are invisible on the host and disappear with the daemon, while host mounts still propagate in.
+pub fn unshare_mount_namespace() -> Result<()> {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| Error::sys("unshare(CLONE_NEWNS)", e))?;
+    nix::mount::mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_SLAVE,
+        None::<&str>,
+    )
+    .map_err(|e| Error::sys("mount --make-rslave /", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_image_mirrors_merged_usr_links_and_binds_real_dirs() {
+        let host = tempfile::tempdir().unwrap();
+        fs::create_dir_all(host.path().join("usr/bin")).unwrap();
+        fs::create_dir_all(host.path().join("lib64")).unwrap();
+        std::os::unix::fs::symlink("usr/bin", host.path().join("bin")).unwrap();
+        fs::create_dir_all(host.path().join("etc/alternatives")).unwrap();
+        std::os::unix::fs::symlink("/usr/bin/mawk", host.path().join("etc/alternatives/awk"))
+            .unwrap();
+        std::os::unix::fs::symlink("/root/secret", host.path().join("etc/alternatives/evil"))
+            .unwrap();
+        fs::write(host.path().join("etc/shadow"), "root:secret").unwrap();
+        let py = host.path().join("usr/bin/python3");
+        fs::write(&py, "").unwrap();
+        fs::set_permissions(&py, fs::Permissions::from_mode(0o755)).unwrap();
+
+        let state = tempfile::tempdir().unwrap();
+        let img = HostImage::prepare(&state.path().join("host"), host.path()).unwrap();
+        assert_eq!(
+            fs::read_link(img.rootfs.join("bin")).unwrap(),
+            Path::new("usr/bin")
+        );
+        let dests: Vec<_> = img.binds.iter().map(|b| b.destination.clone()).collect();
+        assert_eq!(
+            dests,
+            [PathBuf::from("/usr"), "/lib64".into(), "/etc".into()]
+        );
+        assert!(img.binds.iter().all(|b| b.readonly));
+        let etc = state.path().join("host/etc");
+        assert!(!etc.join("shadow").exists());
+        assert!(etc.join("alternatives/awk").is_symlink());
+        assert!(!etc.join("alternatives/evil").exists());
+        assert_eq!(
+            img.find_program(&["/usr/bin/python3"]).as_deref(),
+            Some("/usr/bin/python3")
+        );
+        assert_eq!(
+            img.find_program(&["python3"]).as_deref(),
+            Some("/usr/bin/python3")
+        );
+        assert_eq!(img.find_program(&["node", "nodejs"]), None);
+        // Outside what the image shows, even if the host has it.
+        assert_eq!(img.find_program(&["/etc/shadow"]), None);
+    }
+}

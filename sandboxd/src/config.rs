@@ -1,0 +1,387 @@
+//! Configuration: a YAML file (every key optional, unknown keys refused), `--listen` and `SANDBOXD_TOKEN`
+//! overrides, and the defaults a config-less start uses.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use protocol::Limits;
+use serde::Deserialize;
+
+/// Default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+/// Default state directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/sandboxd";
+/// Default number of executions running at once.
+pub const DEFAULT_MAX_CONCURRENT: usize = 8;
+/// Default number of executions waiting for a slot.
+pub const DEFAULT_MAX_QUEUE: usize = 32;
+/// Default grace period for running executions at SIGTERM.
+pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
+/// Default largest accepted WebSocket message.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 16 << 20;
+/// Default cgroup parent (relative to each hierarchy root).
+pub const DEFAULT_CGROUP_PARENT: &str = "sandboxd";
+/// Default first host uid/gid that container root maps to; execution slot `n` uses `uid_base + n`.
+pub const DEFAULT_UID_BASE: u32 = 200_000;
+/// Default `RLIMIT_NOFILE` in executions.
+pub const DEFAULT_NOFILE: u64 = 1024;
+/// Default maximums a request may ask for.
+pub const DEFAULT_MAX_LIMITS: Limits = Limits {
+    timeout_ms: 300_000,
+    memory_mb: 2048,
+    cpu_shares: 1024,
+    max_output_bytes: 16 << 20,
+    pids_max: 1024,
+    disk_mb: 1024,
+};
+
+/// The daemon's configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address of the HTTP/WebSocket listener.
+    pub listen: SocketAddr,
+    /// Directory for the token file, images and per-execution state.
+    pub state_dir: PathBuf,
+    /// Authentication.
+    pub auth: AuthConfig,
+    /// Admission control.
+    pub capacity: CapacityConfig,
+    /// Maximums for every limit of `execute`.
+    pub limits: LimitsConfig,
+    /// How long running executions may finish after SIGTERM before they are killed.
+    pub shutdown_grace_ms: u64,
+    /// Largest accepted WebSocket message; larger ones close the connection with 1009.
+    pub max_frame_bytes: usize,
+    /// Sandbox settings.
+    pub sandbox: SandboxConfig,
+}
+
+/// `auth:`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Accepted bearer tokens.
+    pub tokens: Vec<String>,
+}
+
+/// `capacity:`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CapacityConfig {
+    /// Executions running at once.
+    pub max_concurrent: usize,
+    /// Executions waiting for a slot; beyond that `SANDBOX_OVERLOADED`.
+    pub max_queue: usize,
+}
+
+impl Default for CapacityConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrent: DEFAULT_MAX_CONCURRENT,
+            max_queue: DEFAULT_MAX_QUEUE,
+        }
+    }
+}
+
+/// `limits:`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// The largest value a request may ask for, per limit.
+    pub max: MaxLimits,
+}
+
+/// `limits.max:` (same keys as the protocol's `limits`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MaxLimits {
+    /// Wall-clock timeout, ms.
+    pub timeout_ms: u64,
+    /// Memory, MiB.
+    pub memory_mb: u64,
+    /// CPU shares.
+    pub cpu_shares: u64,
+    /// Output bytes (stdout + stderr).
+    pub max_output_bytes: u64,
+    /// Processes and threads.
+    pub pids_max: u64,
+    /// Scratch space, MiB.
+    pub disk_mb: u64,
+}
+
+impl Default for MaxLimits {
+    fn default() -> Self {
+        let d = DEFAULT_MAX_LIMITS;
+        Self {
+            timeout_ms: d.timeout_ms,
+            memory_mb: d.memory_mb,
+            cpu_shares: d.cpu_shares,
+            max_output_bytes: d.max_output_bytes,
+            pids_max: d.pids_max,
+            disk_mb: d.disk_mb,
+        }
+    }
+}
+
+impl MaxLimits {
+    /// As protocol limits.
+    pub fn to_limits(&self) -> Limits {
+        Limits {
+            timeout_ms: self.timeout_ms,
+            memory_mb: self.memory_mb,
+            cpu_shares: self.cpu_shares,
+            max_output_bytes: self.max_output_bytes,
+            pids_max: self.pids_max,
+            disk_mb: self.disk_mb,
+        }
+    }
+}
+
+/// `sandbox:`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxConfig {
+    /// Cgroup parent the daemon owns (relative to each hierarchy root).
+    pub cgroup_parent: String,
+    /// cgroupfs root.
+    pub cgroup_root: PathBuf,
+    /// First host uid/gid container root maps to.
+    pub uid_base: u32,
+    /// `RLIMIT_NOFILE` of executions.
+    pub nofile: u64,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        Self {
+            cgroup_parent: DEFAULT_CGROUP_PARENT.into(),
+            cgroup_root: runtime::cgroups::DEFAULT_ROOT.into(),
+            uid_base: DEFAULT_UID_BASE,
+            nofile: DEFAULT_NOFILE,
+        }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: DEFAULT_LISTEN
+                .parse()
+                .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 7070))),
+            state_dir: DEFAULT_STATE_DIR.into(),
+            auth: AuthConfig::default(),
+            capacity: CapacityConfig::default(),
+            limits: LimitsConfig::default(),
+            shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            sandbox: SandboxConfig::default(),
+        }
+    }
+}
+
+/// A configuration that cannot be used; names the key and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("Cannot read config file {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The YAML does not parse or has an unknown key or a wrong type (serde's message names the key and line).
+    #[error("Invalid config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// serde_yaml's message, with the key path and location.
+        message: String,
+    },
+    /// A value parsed but is unusable.
+    #[error("Invalid config value {key}: {reason}")]
+    Value {
+        /// Dotted key.
+        key: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.to_owned(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses and validates YAML text.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        // An empty file is an empty mapping, not an error.
+        let config: Config = if text.trim().is_empty() {
+            Config::default()
+        } else {
+            let de = serde_yaml_ng::Deserializer::from_str(text);
+            serde_path_to_error::deserialize(de).map_err(|e| {
+                let path = e.path().to_string();
+                let inner = e.into_inner().to_string();
+                ConfigError::Parse {
+                    path: PathBuf::new(),
+                    message: if path == "." {
+                        inner
+                    } else {
+                        format!("{path}: {inner}")
+                    },
+                }
+            })?
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let positive = |key: &'static str, v: u64| {
+            if v == 0 {
+                Err(ConfigError::Value {
+                    key,
+                    reason: "must be at least 1".into(),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        positive(
+            "capacity.max_concurrent",
+            self.capacity.max_concurrent as u64,
+        )?;
+        positive("max_frame_bytes", self.max_frame_bytes as u64)?;
+        positive("sandbox.nofile", self.sandbox.nofile)?;
+        let m = &self.limits.max;
+        positive("limits.max.timeout_ms", m.timeout_ms)?;
+        positive("limits.max.memory_mb", m.memory_mb)?;
+        positive("limits.max.cpu_shares", m.cpu_shares)?;
+        positive("limits.max.max_output_bytes", m.max_output_bytes)?;
+        positive("limits.max.pids_max", m.pids_max)?;
+        positive("limits.max.disk_mb", m.disk_mb)?;
+        if m.cpu_shares < 2 {
+            return Err(ConfigError::Value {
+                key: "limits.max.cpu_shares",
+                reason: "the kernel's minimum is 2".into(),
+            });
+        }
+        for t in &self.auth.tokens {
+            if t.len() < 16 {
+                return Err(ConfigError::Value {
+                    key: "auth.tokens",
+                    reason: "every token must be at least 16 characters".into(),
+                });
+            }
+        }
+        if self.sandbox.uid_base == 0
+            || self
+                .sandbox
+                .uid_base
+                .checked_add(self.capacity.max_concurrent as u32)
+                .is_none()
+        {
+            return Err(ConfigError::Value {
+                key: "sandbox.uid_base",
+                reason: "must be a non-zero uid with room for one uid per concurrent execution"
+                    .into(),
+            });
+        }
+        runtime::cgroups::Cgroups::with_version(
+            runtime::cgroups::CgroupVersion::V1,
+            &self.sandbox.cgroup_root,
+            &self.sandbox.cgroup_parent,
+        )
+        .map_err(|e| ConfigError::Value {
+            key: "sandbox.cgroup_parent",
+            reason: e.to_string(),
+        })?;
+        if !self.state_dir.is_absolute() {
+            return Err(ConfigError::Value {
+                key: "state_dir",
+                reason: "must be an absolute path".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_all_defaults() {
+        let c = Config::parse("").unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.capacity.max_concurrent, DEFAULT_MAX_CONCURRENT);
+        assert_eq!(c.limits.max.to_limits(), DEFAULT_MAX_LIMITS);
+    }
+
+    #[test]
+    fn full_file_parses() {
+        let c = Config::parse(
+            "listen: 0.0.0.0:9000\nstate_dir: /srv/sbx\nauth:\n  tokens: [\"0123456789abcdef0123\"]\n\
+             capacity: {max_concurrent: 2, max_queue: 0}\nlimits:\n  max: {memory_mb: 512, timeout_ms: 1000}\n\
+             shutdown_grace_ms: 5\nsandbox: {cgroup_parent: sbx-test, uid_base: 300000}\n",
+        )
+        .unwrap();
+        assert_eq!(c.listen.port(), 9000);
+        assert_eq!(c.capacity.max_queue, 0);
+        assert_eq!(c.limits.max.memory_mb, 512);
+        assert_eq!(c.limits.max.pids_max, DEFAULT_MAX_LIMITS.pids_max);
+        assert_eq!(c.sandbox.cgroup_parent, "sbx-test");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = Config::parse("capacity:\n  max_concurent: 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("max_concurent") && e.contains("capacity"), "{e}");
+        let e = Config::parse("lisen: 1.2.3.4:5\n").unwrap_err().to_string();
+        assert!(e.contains("lisen"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_key_and_line() {
+        let e = Config::parse("listen: 127.0.0.1:1\ncapacity:\n  max_queue: lots\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("capacity.max_queue") && e.contains("line 3"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        for (yaml, key) in [
+            ("capacity: {max_concurrent: 0}", "capacity.max_concurrent"),
+            ("limits: {max: {memory_mb: 0}}", "limits.max.memory_mb"),
+            ("auth: {tokens: [short]}", "auth.tokens"),
+            ("state_dir: relative/dir", "state_dir"),
+            (
+                "sandbox: {cgroup_parent: \"../escape\"}",
+                "sandbox.cgroup_parent",
+            ),
+        ] {
+            let e = Config::parse(yaml).unwrap_err().to_string();
+            assert!(e.contains(key), "{yaml}: {e}");
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! `sandboxd`: the sandbox execution daemon.
+//!
+//! A thin binary over the `protocol` and `runtime` crates: configuration, start-up checks, crash leftovers,
+//! the container helper, the HTTP/WebSocket server and graceful shutdown. Start-up order matters: everything that
+//! forks (the helper) happens while the process is still single-threaded, before the tokio runtime exists.
+
+mod capacity;
+mod config;
+mod engine;
+mod server;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use protocol::{Isolation, Language};
+use runtime::cgroups::Cgroups;
+use runtime::helper::{HelperClient, HelperConfig, Request};
+use runtime::rootfs::HostImage;
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+use crate::engine::{Engine, LanguageRuntime};
+
+/// Process exit codes.
+#[repr(u8)]
+enum Exit {
+    /// Clean shutdown.
+    Ok = 0,
+    /// The daemon failed while running.
+    Runtime = 1,
+    /// The configuration is invalid.
+    Config = 2,
+    /// The host cannot provide the required isolation.
+    Host = 3,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "Sandbox execution daemon speaking FSP/1 over WebSocket"
+)]
+struct Cli {
+    /// YAML configuration file. Without it: defaults, 127.0.0.1:7070, a generated token.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Listen address, overriding the config file.
+    #[arg(long)]
+    listen: Option<std::net::SocketAddr>,
+    /// Log format.
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let config = match load_config(&cli) {
+        Ok(c) => c,
+        Err(e) => {
+            error!("{e:#}");
+            eprintln!("sandboxd: {e:#}");
+            return ExitCode::from(Exit::Config as u8);
+        }
+    };
+    match start(config) {
+        Ok(code) => ExitCode::from(code as u8),
+        Err(e) => {
+            error!("{e:#}");
+            eprintln!("sandboxd: {e:#}");
+            ExitCode::from(Exit::Host as u8)
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SANDBOXD_LOG").unwrap_or_else(|_| {
+        // libcontainer warns that it has no libseccomp: sandboxd installs its own filter instead.
+        tracing_subscriber::EnvFilter::new(
+            "info,libcontainer=warn,libcgroups=warn,libcontainer::process::init=error",
+        )
+    });
+    // Log to a duplicate of stderr, not to fd 2: libcontainer logs from inside the container's init, where fd 2
+    // is already the program's stderr pipe, and those lines belong in the daemon's log, not in the output.
+    let log: &'static std::fs::File =
+        match nix::fcntl::fcntl(2, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(3)) {
+            // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor that nothing else owns.
+            Ok(fd) => Box::leak(Box::new(unsafe {
+                <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd)
+            })),
+            Err(e) => {
+                eprintln!("sandboxd: cannot duplicate stderr for logging: {e}");
+                std::process::exit(Exit::Runtime as i32)
+            }
+        };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(move || log);
+    match format {
+        LogFormat::Text => builder.with_ansi(false).init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .init(),
+    }
+}
+
+fn load_config(cli: &Cli) -> anyhow::Result<Config> {
+    let mut config = match &cli.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(listen) = cli.listen {
+        config.listen = listen;
+    }
+    if let Ok(t) = std::env::var("SANDBOXD_TOKEN") {
+        if t.len() < 16 {
+            bail!("SANDBOXD_TOKEN must be at least 16 characters");
+        }
+        config.auth.tokens.push(t);
+    }
+    Ok(config)
+}
+
+/// With no config file, the daemon uses (or creates once, and prints once) `<state_dir>/token`.
+fn ensure_token(config: &mut Config, explicit_config: bool) -> anyhow::Result<()> {
+    if explicit_config {
+        if config.auth.tokens.is_empty() {
+            bail!("auth.tokens is empty and SANDBOXD_TOKEN is not set: refusing to run without authentication");
+        }
+        return Ok(());
+    }
+    let path = config.state_dir.join("token");
+    if let Ok(existing) = std::fs::read_to_string(&path) {
+        let t = existing.trim().to_owned();
+        if t.len() >= 16 {
+            info!(path = %path.display(), "using the token in the token file");
+            config.auth.tokens.push(t);
+            return Ok(());
+        }
+    }
+    let token: String = (0..32)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    f.write_all(format!("{token}\n").as_bytes())?;
+    println!(
+        "sandboxd: generated token {token} (saved to {})",
+        path.display()
+    );
+    config.auth.tokens.push(token);
+    Ok(())
+}
+
+fn start(mut config: Config) -> anyhow::Result<Exit> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!("sandboxd must run as root (it creates namespaces, cgroups and mounts)");
+    }
+    let explicit = std::env::args().any(|a| a == "--config" || a.starts_with("--config="));
+    std::fs::create_dir_all(&config.state_dir)
+        .with_context(|| format!("cannot create state_dir {}", config.state_dir.display()))?;
+    ensure_token(&mut config, explicit)?;
+
+    let cgroups = Cgroups::detect(&config.sandbox.cgroup_root, &config.sandbox.cgroup_parent)?;
+    cgroups.check_controllers()?;
+    runtime::rootfs::unshare_mount_namespace()?;
+
+    // What a crashed instance left behind: cgroups under our parent, and per-execution state.
+    for r in cgroups.remove_leftovers() {
+        match r {
+            Ok(r) => {
+                warn!(path = %r.path.display(), killed = r.killed, "removed a leftover cgroup")
+            }
+            Err(e) => bail!("cannot remove a leftover cgroup: {e}"),
+        }
+    }
+    let run_dir = config.state_dir.join("run");
+    remove_leftover_dir(&run_dir)?;
+    runtime::rootfs::mount_run_dir(&run_dir)?;
+    cgroups.ensure_parent()?;
+
+    let image = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
+    let languages = detect_languages(&image);
+    if languages.is_empty() {
+        bail!("the host image can run no language (no /usr/bin/python3, node, /bin/sh)");
+    }
+    let isolation = Isolation {
+        namespaces: ["pid", "mount", "ipc", "uts", "net", "cgroup", "user"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        cgroup_version: cgroups.version().as_str().into(),
+        seccomp: false,
+        landlock_abi: None,
+        user_namespace: true,
+        network: "loopback-only".into(),
+    };
+    let containers_dir = run_dir.join("containers");
+    let (helper_pid, helper_sock) = runtime::helper::spawn_helper(HelperConfig {
+        state_root: containers_dir,
+        cgroups: cgroups.clone(),
+    })?;
+    info!(pid = helper_pid.as_raw(), "container helper started");
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("sandboxd")
+        .build()
+        .context("cannot start the async runtime")?;
+    let result = rt.block_on(async move {
+        let helper = HelperClient::new(helper_sock, helper_pid)?;
+        let engine = Arc::new(Engine::new(
+            config,
+            helper,
+            cgroups.clone(),
+            image,
+            languages,
+            run_dir,
+            isolation,
+        ));
+        serve(engine.clone()).await?;
+        let _ = engine.helper.request(&Request::Shutdown, &[]).await;
+        anyhow::Ok(cgroups)
+    });
+    // The helper exits on Shutdown (or when our socket closes); wait so nothing outlives us.
+    let _ = nix::sys::wait::waitpid(helper_pid, None);
+    let cgroups = result?;
+    if let Err(e) = cgroups.remove_parent() {
+        warn!(error = %e, "cgroup parent not removed");
+    }
+    info!("stopped");
+    Ok(Exit::Ok)
+}
+
+fn remove_leftover_dir(dir: &Path) -> anyhow::Result<()> {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            warn!(path = %e.path().display(), "removing leftover execution state");
+        }
+        std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+fn detect_languages(image: &HostImage) -> BTreeMap<Language, LanguageRuntime> {
+    let table: [(Language, &[&str], &'static str); 4] = [
+        (Language::Python, &["/usr/bin/python3"], "main.py"),
+        (Language::Javascript, &["node", "nodejs"], "main.js"),
+        (Language::Shell, &["/bin/sh"], "main.sh"),
+        (Language::Elixir, &["elixir"], "main.exs"),
+    ];
+    let mut out = BTreeMap::new();
+    for (lang, candidates, file_name) in table {
+        match image.find_program(candidates) {
+            Some(program) => {
+                info!(language = lang.as_str(), program, "language available");
+                out.insert(lang, LanguageRuntime { program, file_name });
+            }
+            None => info!(
+                language = lang.as_str(),
+                "language not available in the host image"
+            ),
+        }
+    }
+    out
+}
+
+async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(engine.config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", engine.config.listen))?;
+    let addr = listener.local_addr()?;
+    info!(%addr, "listening");
+    let state = server::AppState {
+        engine: engine.clone(),
+        tokens: Arc::new(engine.config.auth.tokens.clone()),
+        connections: Arc::new(AtomicU64::new(0)),
+    };
+    let app = server::router(state);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stop_rx.await;
+            })
+            .await
+    });
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM: draining"),
+        _ = int.recv() => info!("SIGINT: draining"),
+        r = engine_dead(&engine) => { error!("{r}"); }
+    }
+    // Stop accepting connections and executions; let running ones finish within the grace period.
+    let _ = stop_tx.send(());
+    engine.capacity.close();
+    let grace = Duration::from_millis(engine.config.shutdown_grace_ms);
+    let drained = tokio::time::timeout(grace, wait_idle(&engine))
+        .await
+        .is_ok();
+    if !drained {
+        warn!(
+            active = engine.capacity.active(),
+            "grace period over; killing running executions"
+        );
+        engine.kill_all.send_replace(true);
+        if tokio::time::timeout(Duration::from_secs(30), wait_idle(&engine))
+            .await
+            .is_err()
+        {
+            error!("executions did not clean up within 30 s of being killed");
+        }
+    }
+    server.abort();
+    Ok(())
+}
+
+async fn wait_idle(engine: &Engine) {
+    while engine.capacity.active() > 0 || engine.capacity.queued() > 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn engine_dead(engine: &Engine) -> &'static str {
+    while engine.helper.is_alive() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    "the container helper died; shutting down"
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn exit_codes_are_distinct() {
+        use super::Exit;
+        let codes = [
+            Exit::Ok as u8,
+            Exit::Runtime as u8,
+            Exit::Config as u8,
+            Exit::Host as u8,
+        ];
+        let mut sorted = codes.to_vec();
+        sorted.dedup();
+        assert_eq!(sorted.len(), codes.len());
+    }
+}

@@ -1,0 +1,357 @@
+//! HTTP and WebSocket: `GET /healthz`, and `/ws`, the FSP/1 endpoint with bearer auth at the upgrade.
+//!
+//! Each connection has one reader (this task) and one writer task. Executions send their messages through a
+//! bounded, ordered queue, so a client that does not read slows its executions down instead of growing the
+//! daemon's memory; `pong` and refusals go through a separate queue the writer prefers, so a `ping` is answered
+//! while executions flood output.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use futures_util::{SinkExt, StreamExt};
+use protocol::{
+    ClientMessage, ErrorCode, ErrorMessage, RequestError, ServerMessage, SUPPORTED_VERSIONS,
+};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, info, warn, Instrument};
+
+use crate::capacity::Admission;
+use crate::engine::{Control, Engine};
+
+/// Messages of executions a connection buffers before executions wait (backpressure).
+const EXEC_QUEUE: usize = 64;
+/// Priority messages (pong, refusals) buffered; a client that sends this many requests without reading is dropped.
+const PRIORITY_QUEUE: usize = 1024;
+/// WebSocket close code for a message over the size limit.
+const CLOSE_TOO_BIG: u16 = 1009;
+
+/// Shared state of the HTTP server.
+#[derive(Clone)]
+pub struct AppState {
+    /// The engine.
+    pub engine: Arc<Engine>,
+    /// Accepted tokens.
+    pub tokens: Arc<Vec<String>>,
+    /// Connection counter (for log spans).
+    pub connections: Arc<AtomicU64>,
+}
+
+/// The router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/ws", get(ws))
+        .with_state(state)
+}
+
+async fn healthz(State(state): State<AppState>) -> Response {
+    let e = &state.engine;
+    let healthy = e.helper.is_alive();
+    let body = serde_json::json!({
+        "status": if healthy { "ok" } else { "unhealthy" },
+        "version": env!("CARGO_PKG_VERSION"),
+        "uptime_s": e.started.elapsed().as_secs(),
+        "active_executions": e.capacity.active(),
+        "queue_depth": e.capacity.queued(),
+        "max_concurrent": e.config.capacity.max_concurrent,
+        "max_queue": e.config.capacity.max_queue,
+        "languages": e.languages.keys().collect::<Vec<_>>(),
+        "isolation": e.isolation,
+    });
+    let code = if healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(body)).into_response()
+}
+
+/// Constant-time check of `Authorization: Bearer <token>` against every configured token.
+fn authorized(headers: &HeaderMap, tokens: &[String]) -> bool {
+    let Some(given) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    // Compare against all tokens without stopping early, so timing says nothing about which one was close.
+    tokens.iter().fold(false, |ok, t| {
+        constant_time_eq::constant_time_eq(given.as_bytes(), t.as_bytes()) | ok
+    })
+}
+
+async fn ws(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Response {
+    if !authorized(&headers, &state.tokens) {
+        return (StatusCode::UNAUTHORIZED, "unauthorized\n").into_response();
+    }
+    if let Some(v) = headers.get("x-protocol-version") {
+        let ok = v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .is_some_and(|n| SUPPORTED_VERSIONS.contains(&n));
+        if !ok {
+            let body = serde_json::json!({
+                "error": "unsupported protocol version",
+                "supported_versions": SUPPORTED_VERSIONS,
+            });
+            return (StatusCode::BAD_REQUEST, Json(body)).into_response();
+        }
+    }
+    let upgrade = match upgrade {
+        Ok(u) => u,
+        Err(rejection) => return rejection.into_response(),
+    };
+    let max = state.engine.config.max_frame_bytes;
+    let n = state.connections.fetch_add(1, Ordering::Relaxed);
+    upgrade
+        .max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| {
+            let span = tracing::info_span!("connection", conn = n);
+            connection(state.engine, socket).instrument(span)
+        })
+}
+
+/// A queued outgoing frame.
+enum Outgoing {
+    Message(ServerMessage),
+    Close(u16, &'static str),
+}
+
+/// The executions in flight on one connection, by id. An execution removes itself right before it sends its
+/// terminal message, so a client that saw the result may reuse the id at once.
+type Entries = HashMap<String, (u64, watch::Sender<Control>)>;
+
+#[derive(Clone, Default)]
+pub struct Registry {
+    inner: Arc<Mutex<Entries>>,
+    next: Arc<AtomicU64>,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers `id`; `None` if it is already in flight.
+    fn register(&self, id: &str) -> Option<(Registration, watch::Receiver<Control>)> {
+        let mut map = self.lock();
+        if map.contains_key(id) {
+            return None;
+        }
+        let token = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = watch::channel(Control::Run);
+        map.insert(id.to_owned(), (token, tx));
+        Some((
+            Registration {
+                registry: self.clone(),
+                id: id.to_owned(),
+                token,
+            },
+            rx,
+        ))
+    }
+
+    /// Cancels `id`: `Some(true)` if it was running, `Some(false)` if already cancelling, `None` if unknown.
+    fn cancel(&self, id: &str) -> Option<bool> {
+        let map = self.lock();
+        let (_, tx) = map.get(id)?;
+        Some(tx.send_if_modified(|c| {
+            let first = *c != Control::Cancel;
+            *c = Control::Cancel;
+            first
+        }))
+    }
+
+    /// Drops every control sender: each execution sees its client gone.
+    fn disconnect(&self) {
+        self.lock().clear();
+    }
+}
+
+/// An execution's entry in its connection's registry.
+pub struct Registration {
+    registry: Registry,
+    id: String,
+    token: u64,
+}
+
+impl Registration {
+    /// Leaves the registry (idempotent; a newer execution with the same id is left alone).
+    pub fn release(&self) {
+        let mut map = self.registry.lock();
+        if map.get(&self.id).is_some_and(|(t, _)| *t == self.token) {
+            map.remove(&self.id);
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+async fn connection(engine: Arc<Engine>, socket: WebSocket) {
+    info!("connected");
+    let (mut sink, mut stream) = socket.split();
+    let (exec_tx, mut exec_rx) = mpsc::channel::<ServerMessage>(EXEC_QUEUE);
+    let (prio_tx, mut prio_rx) = mpsc::channel::<Outgoing>(PRIORITY_QUEUE);
+    let writer = tokio::spawn(
+        async move {
+            loop {
+                let out = tokio::select! {
+                    biased;
+                    m = prio_rx.recv() => match m { Some(m) => m, None => break },
+                    m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
+                };
+                let frame = match out {
+                    Outgoing::Message(m) => Message::Text(protocol::encode(&m).into()),
+                    Outgoing::Close(code, reason) => {
+                        let _ = sink
+                            .send(Message::Close(Some(CloseFrame {
+                                code,
+                                reason: reason.into(),
+                            })))
+                            .await;
+                        break;
+                    }
+                };
+                if sink.send(frame).await.is_err() {
+                    break;
+                }
+            }
+        }
+        .in_current_span(),
+    );
+
+    let registry = Registry::default();
+    let reply = |m: ServerMessage| {
+        if prio_tx.try_send(Outgoing::Message(m)).is_err() {
+            warn!("client does not read its replies; closing");
+            return false;
+        }
+        true
+    };
+    while let Some(frame) = stream.next().await {
+        let text = match frame {
+            Ok(Message::Text(t)) => t,
+            Ok(Message::Binary(_)) => {
+                if !reply(RequestError::binary_frame().into()) {
+                    break;
+                }
+                continue;
+            }
+            Ok(Message::Close(_)) => break,
+            Ok(_) => continue,
+            Err(e) => {
+                let too_big = std::error::Error::source(&e)
+                    .and_then(|s| s.downcast_ref::<tokio_tungstenite::tungstenite::Error>())
+                    .is_some_and(|t| {
+                        matches!(t, tokio_tungstenite::tungstenite::Error::Capacity(_))
+                    });
+                if too_big {
+                    warn!("message over the size limit; closing with 1009");
+                    let _ = prio_tx.try_send(Outgoing::Close(CLOSE_TOO_BIG, "message too big"));
+                } else {
+                    debug!(error = %e, "connection error");
+                }
+                break;
+            }
+        };
+        let keep = match protocol::parse_client_message(&text) {
+            Err(e) => reply(e.into()),
+            Ok(ClientMessage::Ping(_)) => reply(ServerMessage::Pong(engine.pong())),
+            Ok(ClientMessage::Cancel(c)) => match registry.cancel(&c.id) {
+                Some(_) => true,
+                None => reply(RequestError::unknown_execution(&c.id).into()),
+            },
+            Ok(ClientMessage::Execute(req)) => {
+                let refusal = refuse(&engine, &req);
+                match refusal {
+                    Some(e) => reply(ServerMessage::Error(e)),
+                    None => match req.resolve_limits(&engine.max_limits()) {
+                        Err(e) => reply(e.into()),
+                        Ok(limits) => match registry.register(&req.id) {
+                            None => reply(RequestError::duplicate_execution(&req.id).into()),
+                            Some((registration, control)) => match engine.admit() {
+                                Admission::Overloaded => {
+                                    drop(registration);
+                                    reply(ServerMessage::Error(ErrorMessage::overloaded(&req.id)))
+                                }
+                                admission => {
+                                    let span = tracing::info_span!("execution", id = %req.id);
+                                    let engine = engine.clone();
+                                    let out = exec_tx.clone();
+                                    tokio::spawn(
+                                        engine
+                                            .run(req, limits, admission, out, control, registration)
+                                            .instrument(span),
+                                    );
+                                    true
+                                }
+                            },
+                        },
+                    },
+                }
+            }
+        };
+        if !keep {
+            break;
+        }
+    }
+    // Executions of this connection never outlive it.
+    registry.disconnect();
+    drop(exec_tx);
+    drop(prio_tx);
+    let _ = writer.await;
+    info!("disconnected");
+}
+
+/// Refusals that need the engine: language availability, unsupported extensions, files bigger than the scratch.
+fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessage> {
+    let id = Some(req.id.clone());
+    if !engine.languages.contains_key(&req.language) {
+        return Some(ErrorMessage::from(RequestError::language_not_supported(
+            &req.id,
+            req.language.as_str(),
+        )));
+    }
+    if req.artifacts.is_some() && !engine.extensions().iter().any(|e| e == "artifacts") {
+        return Some(ErrorMessage::new(
+            id,
+            ErrorCode::InvalidRequest,
+            "Field artifacts: this server does not implement the artifacts extension",
+        ));
+    }
+    let disk_mb = req
+        .limits
+        .disk_mb
+        .unwrap_or(protocol::Limits::DEFAULTS.disk_mb);
+    let total: u64 = req
+        .files
+        .iter()
+        .map(|f| f.decoded().map(|c| c.len() as u64).unwrap_or(0))
+        .sum();
+    if total > disk_mb << 20 {
+        return Some(ErrorMessage::new(
+            id,
+            ErrorCode::InvalidRequest,
+            format!("Field files: {total} bytes do not fit in limits.disk_mb ({disk_mb} MiB)"),
+        ));
+    }
+    None
+}
