@@ -270,38 +270,6 @@ impl Cgroups {
         }
     }
 
-    /// Makes cgroup migrations cheap for as long as the daemon lives (cgroup v1 only).
-    ///
-    /// Moving a task into a v1 cgroup takes `cgroup_threadgroup_rwsem` for writing, whose first writer in a while
-    /// waits for an RCU grace period: 7-27 ms per container here, most of an execution's overhead. The kernel's
-    /// `favordynmods` option keeps that lock in its writer-friendly mode (forks and exits then take an atomic
-    /// instead of a per-cpu count). sandboxd enables it by mounting a named v1 hierarchy of its own
-    /// (`name=sandboxd-favordynmods`, no controllers) with that option at `mountpoint`, inside its private mount
-    /// namespace: no existing cgroup or mount of the host is modified, and the effect ends with the daemon. On v2
-    /// the option belongs to the host's single root, so nothing is done. Returns whether it is in effect.
-    pub fn favor_dynamic_modifications(&self, mountpoint: &Path) -> Result<bool> {
-        if self.version != CgroupVersion::V1 {
-            return Ok(false);
-        }
-        fs::create_dir_all(mountpoint).map_err(|e| Error::io(mountpoint, e))?;
-        nix::mount::mount(
-            Some("cgroup"),
-            mountpoint,
-            Some("cgroup"),
-            nix::mount::MsFlags::MS_NOSUID
-                | nix::mount::MsFlags::MS_NODEV
-                | nix::mount::MsFlags::MS_NOEXEC,
-            Some("none,name=sandboxd-favordynmods,favordynmods"),
-        )
-        .map_err(|e| {
-            Error::sys(
-                format!("mount favordynmods hierarchy on {}", mountpoint.display()),
-                e,
-            )
-        })?;
-        Ok(true)
-    }
-
     /// Every directory under the parent, in every hierarchy: what a crashed instance may have left.
     pub fn leftovers(&self) -> Vec<PathBuf> {
         let mut out = Vec::new();

@@ -20,6 +20,7 @@ use tokio_tungstenite::tungstenite::Message;
 const TOKEN: &str = "bench-token-0123456789abcdef";
 const SAMPLES: usize = 100;
 const THROUGHPUT_RUNS: usize = 96;
+const SPARSE_SAMPLES: usize = 30;
 
 struct Daemon {
     child: std::process::Child,
@@ -43,7 +44,7 @@ impl Daemon {
                  capacity: {{max_concurrent: 16, max_queue: 256}}\n\
                  sandbox: {{cgroup_parent: sandboxd-bench-{}, uid_base: 400000}}\n",
                 dir.path().join("state").display(),
-                std::process::id()
+                std::process::id(),
             ),
         )
         .unwrap();
@@ -241,6 +242,24 @@ fn main() {
                 bare: b,
             });
         }
+        // Sparse traffic, the usual agent pattern: 200 ms idle before each execution (cold caches, idle CPUs).
+        let mut s = Vec::new();
+        let mut b = Vec::new();
+        for i in 0..SPARSE_SAMPLES {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            s.push(
+                execute(&mut ws, &format!("sparse-{i}"), "shell", "true\n")
+                    .await
+                    .0,
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            b.push(bare("/bin/sh", "sh", "true\n", tmp.path()).0);
+        }
+        rows.push(Row {
+            name: "shell `true`, 200 ms idle".into(),
+            sandbox: s,
+            bare: b,
+        });
     });
 
     println!();

@@ -150,9 +150,6 @@ pub struct SandboxConfig {
     pub uid_base: u32,
     /// `RLIMIT_NOFILE` of executions.
     pub nofile: u64,
-    /// cgroup v1: enable the kernel's `favordynmods` through a named hierarchy of sandboxd's own, which removes an
-    /// RCU grace period (7-27 ms) from every container creation. See `Cgroups::favor_dynamic_modifications`.
-    pub favor_dynmods: bool,
 }
 
 impl Default for SandboxConfig {
@@ -162,7 +159,6 @@ impl Default for SandboxConfig {
             cgroup_root: runtime::cgroups::DEFAULT_ROOT.into(),
             uid_base: DEFAULT_UID_BASE,
             nofile: DEFAULT_NOFILE,
-            favor_dynmods: true,
         }
     }
 }
@@ -396,7 +392,6 @@ mod tests {
                     ("cgroup_root", c.sandbox.cgroup_root.display().to_string()),
                     ("uid_base", c.sandbox.uid_base.to_string()),
                     ("nofile", c.sandbox.nofile.to_string()),
-                    ("favor_dynmods", c.sandbox.favor_dynmods.to_string()),
                 ]
                 .into(),
             }

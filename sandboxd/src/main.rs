@@ -203,16 +203,6 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     remove_leftover_dir(&run_dir)?;
     runtime::rootfs::mount_run_dir(&run_dir)?;
     cgroups.ensure_parent()?;
-    if config.sandbox.favor_dynmods {
-        // An optimisation, not an isolation layer: if the kernel lacks the option, say so and go on.
-        match cgroups.favor_dynamic_modifications(&run_dir.join("favordynmods")) {
-            Ok(true) => info!("cgroup favordynmods in effect (fast container creation)"),
-            Ok(false) => info!("cgroup favordynmods not applicable (cgroup v2)"),
-            Err(e) => {
-                warn!(error = %e, "cgroup favordynmods unavailable; container creation is slower")
-            }
-        }
-    }
 
     let image = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
     let languages = detect_languages(&image);
