@@ -486,6 +486,8 @@ struct Inner {
     sock: AsyncFd<OwnedFd>,
     routes: Mutex<HashMap<String, mpsc::UnboundedSender<Event>>>,
     alive: AtomicBool,
+    /// A `Shutdown` was sent: the helper's exit is expected.
+    stopping: AtomicBool,
     pid: Pid,
 }
 
@@ -505,6 +507,7 @@ impl HelperClient {
             sock,
             routes: Mutex::new(HashMap::new()),
             alive: AtomicBool::new(true),
+            stopping: AtomicBool::new(false),
             pid,
         });
         tokio::spawn(read_events(inner.clone()));
@@ -540,6 +543,9 @@ impl HelperClient {
     pub async fn request(&self, req: &Request, fds: &[BorrowedFd<'_>]) -> Result<()> {
         if !self.is_alive() {
             return Err(Error::HelperGone);
+        }
+        if matches!(req, Request::Shutdown) {
+            self.inner.stopping.store(true, Ordering::SeqCst);
         }
         let bytes = serde_json::to_vec(req).map_err(|e| Error::Protocol(e.to_string()))?;
         loop {
@@ -597,7 +603,11 @@ async fn read_events(inner: Arc<Inner>) {
                 Err(e) => tracing::error!(error = %e, "malformed event from the helper"),
             },
             Ok(Ok(None)) => {
-                tracing::error!("the container helper exited");
+                if inner.stopping.load(Ordering::SeqCst) {
+                    tracing::info!("the container helper stopped");
+                } else {
+                    tracing::error!("the container helper exited unexpectedly");
+                }
                 break;
             }
             Ok(Err(e)) => {
