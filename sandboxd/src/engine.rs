@@ -485,6 +485,10 @@ impl Engine {
                     }
                 },
             }
+            if client_gone {
+                // Nobody will read it: keep draining the pipes (so the program is not blocked) but drop the output.
+                pending.clear();
+            }
             if client_gone && kill_reason.is_none() && exited.is_none() {
                 kill_reason = Some(KillReason::Cancelled);
                 let _ = self.helper.request(&kill(cid), &[]).await;

@@ -1,0 +1,199 @@
+//! Isolation between executions and from the host: private /workspace and /tmp, a private pid namespace, root
+//! inside mapped to an unprivileged host uid per slot, and no network but loopback.
+
+use std::time::Duration;
+
+use protocol::ExecStatus;
+use serde_json::Value;
+
+use super::harness::{
+    exec_json, privileged, processes_with_arg, stdout_contains, unique_marker, wait_until, Client,
+    Daemon, DaemonOpts,
+};
+
+#[tokio::test]
+async fn concurrent_executions_are_isolated() {
+    let Some(_g) = privileged("concurrent_executions_are_isolated").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let marker = unique_marker();
+    let secret = format!("secret-{marker}");
+
+    // A writes its secrets and keeps running.
+    let a = format!(
+        "echo top-secret > /workspace/{secret}; echo top-secret > /tmp/{secret}; echo written; \
+         exec sleep 60.{marker}"
+    );
+    c.send_json(&exec_json("A", "shell", &a, 60_000, 64)).await;
+    c.observe("A's write", stdout_contains("A", "written"))
+        .await;
+    let a_proc = wait_until(
+        "A's process on the host",
+        Duration::from_secs(10),
+        || async {
+            processes_with_arg(&marker)
+                .into_iter()
+                .next()
+                .ok_or_else(|| "not yet".to_owned())
+        },
+    )
+    .await;
+    assert!(
+        d.uid_range().contains(&a_proc.uid),
+        "A's root runs as an unprivileged host uid in [uid_base, uid_base + max_concurrent): {a_proc:?}, range {:?}",
+        d.uid_range()
+    );
+
+    // B looks around.
+    let b = r#"
+import errno, json, os, socket
+out = {"uid": os.getuid(), "gid": os.getgid(), "uid_map": open("/proc/self/uid_map").read().split()}
+out["workspace"] = os.listdir("/workspace")
+out["tmp"] = os.listdir("/tmp")
+procs = []
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            procs.append(open("/proc/" + p + "/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass
+out["procs"] = procs
+try:
+    out["net"] = sorted(os.listdir("/sys/class/net"))
+except OSError as e:
+    out["net"] = None
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.settimeout(3)
+try:
+    s.connect(("1.1.1.1", 53))
+    out["connect"] = "connected"
+except OSError as e:
+    out["connect"] = e.errno
+print(json.dumps(out))
+"#;
+    let r = c.run(exec_json("B", "python", b, 30_000, 128)).await;
+    assert_eq!(
+        r.terminal_status(),
+        Some(ExecStatus::Completed),
+        "{}",
+        r.dump()
+    );
+    let out: Value =
+        serde_json::from_slice(&r.stdout()).unwrap_or_else(|e| panic!("{e}: {}", r.dump()));
+
+    let names = |k: &str| -> Vec<String> {
+        out[k]
+            .as_array()
+            .unwrap_or_else(|| panic!("{k}: {out}"))
+            .iter()
+            .map(|v| v.as_str().unwrap_or_default().to_owned())
+            .collect()
+    };
+    assert!(
+        !names("workspace").contains(&secret),
+        "B sees A's /workspace: {out}"
+    );
+    assert!(!names("tmp").contains(&secret), "B sees A's /tmp: {out}");
+    let procs = names("procs");
+    assert!(
+        procs
+            .iter()
+            .all(|p| !p.contains(&marker) && !p.contains("sleep")),
+        "B sees A's processes: {procs:?}"
+    );
+    assert!(
+        procs.len() <= 3,
+        "B's pid namespace holds only its own processes: {procs:?}"
+    );
+
+    assert_eq!(out["uid"], 0, "root inside: {out}");
+    let map: Vec<u64> = names("uid_map")
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert_eq!(map.len(), 3, "one uid_map line: {out}");
+    assert_eq!((map[0], map[2]), (0, 1), "uid 0 alone is mapped: {out}");
+    let host_uid = map[1] as u32;
+    assert!(
+        d.uid_range().contains(&host_uid),
+        "B's root maps to a host uid in {:?}: {out}",
+        d.uid_range()
+    );
+    assert_ne!(
+        host_uid, a_proc.uid,
+        "concurrent executions never share a host uid"
+    );
+
+    assert_eq!(out["connect"], 101, "no route out (ENETUNREACH): {out}");
+    if !out["net"].is_null() {
+        assert_eq!(
+            out["net"],
+            serde_json::json!(["lo"]),
+            "only loopback: {out}"
+        );
+    }
+
+    // A's own files were really there.
+    c.cancel("A").await;
+    let r = c.collect("A").await;
+    assert_eq!(
+        r.terminal_status(),
+        Some(ExecStatus::Cancelled),
+        "{}",
+        r.dump()
+    );
+}
+
+#[tokio::test]
+async fn executions_cannot_touch_the_host() {
+    let Some(_g) = privileged("executions_cannot_touch_the_host").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let host_file = d.dir().join(format!("host-{}", unique_marker()));
+    std::fs::write(&host_file, "host").unwrap();
+    let code = format!(
+        r#"
+import json, os
+out = {{}}
+for name, path in [("host_file", "{host}"), ("state", "{state}")]:
+    out[name] = os.path.exists(path)
+try:
+    open("/usr/bin/sandboxd-was-here", "w").write("x")
+    out["usr_write"] = "written"
+except OSError as e:
+    out["usr_write"] = e.errno
+try:
+    open("/etc/passwd", "a").write("x")
+    out["etc_write"] = "written"
+except OSError as e:
+    out["etc_write"] = e.errno
+print(json.dumps(out))
+"#,
+        host = host_file.display(),
+        state = d.state_dir.display()
+    );
+    let r = c.run(exec_json("host", "python", &code, 30_000, 128)).await;
+    assert_eq!(
+        r.terminal_status(),
+        Some(ExecStatus::Completed),
+        "{}",
+        r.dump()
+    );
+    let out: Value =
+        serde_json::from_slice(&r.stdout()).unwrap_or_else(|e| panic!("{e}: {}", r.dump()));
+    assert_eq!(
+        out["host_file"], false,
+        "the host's files are not visible: {out}"
+    );
+    assert_eq!(
+        out["state"], false,
+        "the daemon's state is not visible: {out}"
+    );
+    assert_ne!(out["usr_write"], "written", "the image is read-only: {out}");
+    assert_ne!(out["etc_write"], "written", "the image is read-only: {out}");
+    assert!(!std::path::Path::new("/usr/bin/sandboxd-was-here").exists());
+}
