@@ -1,0 +1,3 @@
+//! `sandboxctl` (work in progress).
+
+fn main() {}

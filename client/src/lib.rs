@@ -1,0 +1,1 @@
+//! Orchestrator client for sandboxd (work in progress).

@@ -1,0 +1,1 @@
+//! FSP/1 conformance suite (work in progress).

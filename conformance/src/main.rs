@@ -1,0 +1,3 @@
+//! `fsp-conformance` (work in progress).
+
+fn main() {}
