@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 
 use crate::cgroups::{Cgroups, Usage};
 use crate::error::{Error, Result};
-use crate::init::{InitExecutor, ProgramExit};
+use crate::init::{InitExecutor, ProgramExit, Report};
 use crate::ipc;
 
 /// A request from the daemon.
@@ -101,6 +101,8 @@ pub enum Event {
         id: String,
         /// How the program ended, if the init lived to report it.
         program: Option<ProgramExit>,
+        /// The program never ran: a restriction (landlock, seccomp) could not be applied.
+        setup_error: Option<String>,
         /// How the init ended.
         init: InitStatus,
         /// Cgroup usage; `None` with `usage_error` set when it could not be read.
@@ -139,6 +141,10 @@ pub struct HelperConfig {
     pub state_root: PathBuf,
     /// The cgroup setup (usage and leftover removal).
     pub cgroups: Cgroups,
+    /// The compiled seccomp profile every program gets.
+    pub seccomp: crate::seccomp::Profile,
+    /// The landlock policy every program gets.
+    pub landlock: crate::landlock::Policy,
 }
 
 /// Forks the helper. Must be called while the process is still single-threaded (before the async runtime).
@@ -328,6 +334,8 @@ impl Helper {
             .map_err(|e| Error::sys("pipe2", e))?;
         let executor = InitExecutor {
             status_fd: status_w.as_raw_fd(),
+            seccomp: self.config.seccomp.clone(),
+            landlock: self.config.landlock.clone(),
         };
         let container = ContainerBuilder::new(id.to_owned(), SyscallType::default())
             .with_root_path(&self.config.state_root)
@@ -347,15 +355,15 @@ impl Helper {
         let pid = container
             .pid()
             .ok_or_else(|| Error::Container("created container has no pid".into()))?;
-        self.running.insert(
-            id.to_owned(),
-            Running {
-                container,
-                pid,
-                status: status_r,
-                started: None,
-            },
-        );
+        let running = Running {
+            container,
+            pid,
+            status: status_r,
+            started: None,
+        };
+        // Registered first, so a failure below is cleaned up like any created container.
+        self.running.insert(id.to_owned(), running);
+        crate::sys::bring_up_loopback(pid)?;
         Ok(pid)
     }
 
@@ -429,14 +437,15 @@ impl Helper {
         };
         let mut record = String::new();
         let _ = std::fs::File::from(r.status).read_to_string(&mut record);
-        let program = ProgramExit::decode(&record);
+        let report = Report::decode(&record);
         let (usage, usage_error) = match self.config.cgroups.usage(id) {
             Ok(u) => (Some(u), None),
             Err(e) => (None, Some(e.to_string())),
         };
         self.send(&Event::Exited {
             id: id.to_owned(),
-            program,
+            program: report.exit,
+            setup_error: report.setup_error,
             init,
             usage,
             usage_error,

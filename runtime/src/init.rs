@@ -22,6 +22,8 @@ use crate::sys;
 
 /// Exit code of the child when `execve` of the program failed (as shells do).
 pub const EXEC_FAILED: i32 = 127;
+/// Exit code of the child when a restriction could not be applied (the status pipe says which).
+pub const SETUP_FAILED: i32 = 125;
 
 /// How the program ended, as the init reports it on the status pipe.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -55,11 +57,39 @@ impl ProgramExit {
     }
 }
 
+/// What the init reported on the status pipe.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// The last restrictions could not be applied: the program never ran.
+    pub setup_error: Option<String>,
+    /// How the program ended.
+    pub exit: Option<ProgramExit>,
+}
+
+impl Report {
+    /// Parses every line the init and its child wrote.
+    pub fn decode(text: &str) -> Self {
+        let mut r = Report::default();
+        for line in text.lines() {
+            if let Some(msg) = line.strip_prefix("setup ") {
+                r.setup_error.get_or_insert_with(|| msg.to_owned());
+            } else if let Some(e) = ProgramExit::decode(line) {
+                r.exit = Some(e);
+            }
+        }
+        r
+    }
+}
+
 /// The executor libcontainer calls as the last step of container creation.
 #[derive(Clone)]
 pub struct InitExecutor {
     /// Write end of the status pipe, inherited from the helper under this number.
     pub status_fd: RawFd,
+    /// The syscall filters, installed right before `execve`.
+    pub seccomp: crate::seccomp::Profile,
+    /// The filesystem access policy, applied right before the filters.
+    pub landlock: crate::landlock::Policy,
 }
 
 impl Executor for InitExecutor {
@@ -92,13 +122,35 @@ impl Executor for InitExecutor {
         // child may run arbitrary code until it execs.
         match unsafe { nix::unistd::fork() }.map_err(|e| other(e.to_string()))? {
             ForkResult::Child => {
-                let _ = nix::unistd::close(fd);
-                // The program starts with the default signal mask whatever the helper had blocked.
+                // The status pipe stays open (close-on-exec) so a failed restriction can be reported on it.
+                // SAFETY: `fd` is a raw descriptor no Rust object owns in this process; it stays open while borrowed.
+                let status = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+                // The program starts with the default signal mask and dispositions, whatever the helper had: an
+                // ignored signal survives execve (the Rust runtime ignores SIGPIPE, a background shell SIGINT).
                 let _ = nix::sys::signal::sigprocmask(
                     SigmaskHow::SIG_SETMASK,
                     Some(&SigSet::empty()),
                     None,
                 );
+                for sig in Signal::iterator() {
+                    if sig != Signal::SIGKILL && sig != Signal::SIGSTOP {
+                        // SAFETY: installing SIG_DFL runs no handler code; the process is single-threaded.
+                        let _ = unsafe {
+                            nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl)
+                        };
+                    }
+                }
+                // Fail closed: landlock, then seccomp (landlock needs syscalls the filter refuses).
+                if let Err(e) = self
+                    .landlock
+                    .restrict_self()
+                    .and_then(|()| self.seccomp.install())
+                {
+                    let line = format!("setup {}\n", e.to_string().replace('\n', " "));
+                    let _ = nix::unistd::write(status, line.as_bytes());
+                    // SAFETY: _exit ends the forked child without running destructors.
+                    unsafe { libc::_exit(SETUP_FAILED) }
+                }
                 let err = nix::unistd::execve(&program, &args, &env).err();
                 let msg = format!(
                     "sandboxd: cannot execute {}: {}\n",
@@ -164,5 +216,19 @@ mod tests {
         assert_eq!(ProgramExit::decode(""), None);
         assert_eq!(ProgramExit::decode("exit x"), None);
         assert_eq!(ProgramExit::decode("boom 1"), None);
+    }
+
+    #[test]
+    fn a_setup_failure_wins_over_the_exit_record() {
+        let r = Report::decode("setup landlock: not enforced\nexit 125\n");
+        assert_eq!(r.setup_error.as_deref(), Some("landlock: not enforced"));
+        assert_eq!(r.exit, Some(ProgramExit::Code(125)));
+        assert_eq!(
+            Report::decode("signal 9\n"),
+            Report {
+                setup_error: None,
+                exit: Some(ProgramExit::Signal(9))
+            }
+        );
     }
 }

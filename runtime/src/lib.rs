@@ -17,7 +17,9 @@ pub mod error;
 pub mod helper;
 pub mod init;
 pub mod ipc;
+pub mod landlock;
 pub mod rootfs;
+pub mod seccomp;
 pub mod spec;
 pub mod sys;
 

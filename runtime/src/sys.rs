@@ -36,3 +36,70 @@ pub fn set_parent_death_signal(signal: nix::sys::signal::Signal) -> Result<()> {
 pub fn set_not_dumpable() -> Result<()> {
     nix::sys::prctl::set_dumpable(false).map_err(|e| Error::sys("prctl(PR_SET_DUMPABLE)", e))
 }
+
+/// The Landlock ABI version the running kernel supports (0 when Landlock is not built in or not enabled).
+pub fn landlock_abi() -> i32 {
+    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
+    // SAFETY: with a null attribute pointer, size 0 and the VERSION flag, landlock_create_ruleset only returns the
+    // ABI version (or -1 with errno); it reads no memory and creates no descriptor.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<libc::c_void>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    if rc < 0 {
+        0
+    } else {
+        rc as i32
+    }
+}
+
+/// Sets `lo` up in the network namespace of process `pid` (a created container's init, not yet started).
+///
+/// A new network namespace has only `lo`, and it is down; "loopback only" means programs can still talk to
+/// themselves over 127.0.0.1. The container has no capabilities, so the helper (root in the initial user namespace)
+/// enters the namespace, raises the flag and returns. The helper is single-threaded, so nothing else runs in the
+/// borrowed namespace meanwhile.
+pub fn bring_up_loopback(pid: nix::unistd::Pid) -> Result<()> {
+    use std::os::fd::AsRawFd;
+
+    use nix::sched::{setns, CloneFlags};
+
+    let ns_path = format!("/proc/{pid}/ns/net");
+    let target = std::fs::File::open(&ns_path).map_err(|e| Error::io(&ns_path, e))?;
+    let own =
+        std::fs::File::open("/proc/self/ns/net").map_err(|e| Error::io("/proc/self/ns/net", e))?;
+    setns(&target, CloneFlags::CLONE_NEWNET).map_err(|e| Error::sys("setns(container net)", e))?;
+    let result = (|| {
+        let sock = nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Inet,
+            nix::sys::socket::SockType::Datagram,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .map_err(|e| Error::sys("socket for SIOCSIFFLAGS", e))?;
+        // SAFETY: an all-zero ifreq is a valid value; the name is copied below within its bounds.
+        let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+        for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+            *dst = *src as libc::c_char;
+        }
+        // SAFETY: SIOCGIFFLAGS reads the interface name from `req` and writes the flags into its union; `req`
+        // lives for the whole call and the descriptor is a socket.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
+            return Err(Error::sys("ioctl(SIOCGIFFLAGS lo)", nix::Error::last()));
+        }
+        // SAFETY: the union was just filled by SIOCGIFFLAGS, so reading ifru_flags reads initialised data.
+        unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+        // SAFETY: as above; SIOCSIFFLAGS reads the name and flags from `req`.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
+            return Err(Error::sys("ioctl(SIOCSIFFLAGS lo)", nix::Error::last()));
+        }
+        Ok(())
+    })();
+    // Always return to our own namespace, even when raising the flag failed.
+    setns(&own, CloneFlags::CLONE_NEWNET).map_err(|e| Error::sys("setns(back to own net)", e))?;
+    result
+}

@@ -25,6 +25,8 @@ pub const DEFAULT_CGROUP_PARENT: &str = "sandboxd";
 pub const DEFAULT_UID_BASE: u32 = 200_000;
 /// Default `RLIMIT_NOFILE` in executions.
 pub const DEFAULT_NOFILE: u64 = 1024;
+/// Default lowest Landlock ABI: 3 (Linux 6.2) handles truncation, so every write path is covered.
+pub const DEFAULT_LANDLOCK_MIN_ABI: i32 = 3;
 /// Default maximums a request may ask for.
 pub const DEFAULT_MAX_LIMITS: Limits = Limits {
     timeout_ms: 300_000,
@@ -150,6 +152,8 @@ pub struct SandboxConfig {
     pub uid_base: u32,
     /// `RLIMIT_NOFILE` of executions.
     pub nofile: u64,
+    /// The lowest Landlock ABI the daemon accepts; it refuses to start on a kernel with less.
+    pub landlock_min_abi: i32,
 }
 
 impl Default for SandboxConfig {
@@ -159,6 +163,7 @@ impl Default for SandboxConfig {
             cgroup_root: runtime::cgroups::DEFAULT_ROOT.into(),
             uid_base: DEFAULT_UID_BASE,
             nofile: DEFAULT_NOFILE,
+            landlock_min_abi: DEFAULT_LANDLOCK_MIN_ABI,
         }
     }
 }
@@ -267,6 +272,12 @@ impl Config {
         )?;
         positive("max_frame_bytes", self.max_frame_bytes as u64)?;
         positive("sandbox.nofile", self.sandbox.nofile)?;
+        if !(1..=runtime::landlock::MAX_ABI).contains(&self.sandbox.landlock_min_abi) {
+            return Err(ConfigError::Value {
+                key: "sandbox.landlock_min_abi",
+                reason: format!("must be between 1 and {}", runtime::landlock::MAX_ABI),
+            });
+        }
         let m = &self.limits.max;
         positive("limits.max.timeout_ms", m.timeout_ms)?;
         positive("limits.max.memory_mb", m.memory_mb)?;
@@ -392,6 +403,7 @@ mod tests {
                     ("cgroup_root", c.sandbox.cgroup_root.display().to_string()),
                     ("uid_base", c.sandbox.uid_base.to_string()),
                     ("nofile", c.sandbox.nofile.to_string()),
+                    ("landlock_min_abi", c.sandbox.landlock_min_abi.to_string()),
                 ]
                 .into(),
             }

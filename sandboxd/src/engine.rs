@@ -504,6 +504,7 @@ impl Engine {
 
         let Some(Event::Exited {
             program,
+            setup_error,
             init,
             usage,
             usage_error,
@@ -513,6 +514,13 @@ impl Engine {
         else {
             return Err((Some(prepared), internal("No exit event".into())));
         };
+        if let Some(e) = setup_error {
+            error!(error = %e, "sandbox setup failed; the program did not run");
+            return Err((
+                Some(prepared),
+                internal(format!("Sandbox setup failed: {e}")),
+            ));
+        }
         if let Some(e) = usage_error {
             error!(error = %e, "cgroup usage unreadable; reporting zeros");
         }

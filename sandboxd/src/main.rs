@@ -188,6 +188,19 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
 
     let cgroups = Cgroups::detect(&config.sandbox.cgroup_root, &config.sandbox.cgroup_parent)?;
     cgroups.check_controllers()?;
+    // Fail closed on every layer: a layer the host cannot provide stops the daemon here, not an execution later.
+    let (profile_text, arch) = runtime::seccomp::native_profile()?;
+    let seccomp = runtime::seccomp::compile(profile_text, arch)?;
+    let landlock_abi = runtime::sys::landlock_abi();
+    if landlock_abi < config.sandbox.landlock_min_abi {
+        bail!(
+            "landlock ABI {} found, sandbox.landlock_min_abi requires {} (enable CONFIG_SECURITY_LANDLOCK and lsm=landlock, or a newer kernel)",
+            landlock_abi,
+            config.sandbox.landlock_min_abi
+        );
+    }
+    let landlock_abi = landlock_abi.min(runtime::landlock::MAX_ABI);
+    info!(seccomp = %seccomp.digest, landlock_abi, "isolation layers ready");
     runtime::rootfs::unshare_mount_namespace()?;
 
     // What a crashed instance left behind: cgroups under our parent, and per-execution state.
@@ -215,15 +228,25 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
             .map(|s| s.to_string())
             .collect(),
         cgroup_version: cgroups.version().as_str().into(),
-        seccomp: false,
-        landlock_abi: None,
+        seccomp: true,
+        landlock_abi: Some(landlock_abi as u32),
         user_namespace: true,
         network: "loopback-only".into(),
     };
     let containers_dir = run_dir.join("containers");
+    let mut read_only: Vec<PathBuf> = image
+        .binds
+        .iter()
+        .filter(|b| b.readonly)
+        .map(|b| b.destination.clone())
+        .collect();
+    read_only.push(runtime::rootfs::CODE_DIR.into());
+    read_only.push("/proc".into());
     let (helper_pid, helper_sock) = runtime::helper::spawn_helper(HelperConfig {
         state_root: containers_dir,
         cgroups: cgroups.clone(),
+        seccomp,
+        landlock: runtime::landlock::Policy::for_execution(landlock_abi, read_only),
     })?;
     info!(pid = helper_pid.as_raw(), "container helper started");
 

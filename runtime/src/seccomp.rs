@@ -1,0 +1,303 @@
+//! Seccomp: the syscall profile of every program, as data.
+//!
+//! `seccomp-profiles/default.<arch>.json` (seccompiler's JSON format, a comment on every rule) holds two filters:
+//! `allowlist` (listed syscalls allowed, everything else `ENOSYS`, so `clone3` falls back to `clone` in glibc) and
+//! `denylist` (known-dangerous syscalls and argument patterns: `EPERM`). Both are installed, the allowlist first:
+//! for the same action class the kernel returns the most recently installed filter's value, so a dangerous call
+//! answers `EPERM` whether or not the allowlist lists it. The profiles are compiled at daemon start-up and
+//! installed with TSYNC by the container's init right before `execve`; a failure stops the execution.
+
+use seccompiler::{BpfProgram, TargetArch};
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// The x86_64 profile.
+pub const X86_64: &str = include_str!("../../seccomp-profiles/default.x86_64.json");
+/// The aarch64 profile.
+pub const AARCH64: &str = include_str!("../../seccomp-profiles/default.aarch64.json");
+
+/// A compiled profile.
+#[derive(Debug, Clone)]
+pub struct Profile {
+    /// Allowed syscalls; everything else `ENOSYS`.
+    pub allow: BpfProgram,
+    /// Dangerous syscalls and argument patterns: `EPERM`.
+    pub deny: BpfProgram,
+    /// `sha256:<hex>` of the profile text (part of an environment fingerprint).
+    pub digest: String,
+}
+
+/// The profile text for the architecture sandboxd was built for.
+pub fn native_profile() -> Result<(&'static str, TargetArch)> {
+    match std::env::consts::ARCH {
+        "x86_64" => Ok((X86_64, TargetArch::x86_64)),
+        "aarch64" => Ok((AARCH64, TargetArch::aarch64)),
+        other => Err(Error::Unsupported(format!(
+            "no seccomp profile for architecture {other}"
+        ))),
+    }
+}
+
+/// Compiles a profile text for an architecture.
+pub fn compile(text: &str, arch: TargetArch) -> Result<Profile> {
+    let mut map = seccompiler::compile_from_json(text.as_bytes(), arch)
+        .map_err(|e| Error::Unsupported(format!("seccomp profile does not compile: {e}")))?;
+    let mut take = |name: &str| {
+        map.remove(name)
+            .ok_or_else(|| Error::Unsupported(format!("seccomp profile has no `{name}` filter")))
+    };
+    let allow = take("allowlist")?;
+    let deny = take("denylist")?;
+    if !map.is_empty() {
+        return Err(Error::Unsupported(
+            "seccomp profile has filters other than allowlist and denylist".into(),
+        ));
+    }
+    Ok(Profile {
+        allow,
+        deny,
+        digest: format!("sha256:{:x}", Sha256::digest(text.as_bytes())),
+    })
+}
+
+impl Profile {
+    /// Installs both filters on every thread of the calling process (allowlist, then denylist).
+    pub fn install(&self) -> Result<()> {
+        for (name, prog) in [("allowlist", &self.allow), ("denylist", &self.deny)] {
+            seccompiler::apply_filter_all_threads(prog).map_err(|e| {
+                Error::Unsupported(format!("cannot install the seccomp {name}: {e}"))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use serde_json::Value;
+
+    use super::*;
+
+    /// Syscalls the issue requires to answer EPERM whatever their arguments.
+    const MUST_DENY: &[&str] = &[
+        "ptrace",
+        "process_vm_readv",
+        "process_vm_writev",
+        "mount",
+        "umount2",
+        "fsopen",
+        "fsmount",
+        "move_mount",
+        "open_tree",
+        "pivot_root",
+        "unshare",
+        "setns",
+        "keyctl",
+        "add_key",
+        "request_key",
+        "bpf",
+        "perf_event_open",
+        "userfaultfd",
+        "io_uring_setup",
+        "io_uring_enter",
+        "io_uring_register",
+        "init_module",
+        "finit_module",
+        "delete_module",
+        "kexec_load",
+        "kexec_file_load",
+        "reboot",
+        "swapon",
+        "swapoff",
+        "acct",
+        "open_by_handle_at",
+        "name_to_handle_at",
+        "quotactl",
+        "settimeofday",
+        "clock_settime",
+        "adjtimex",
+        "syslog",
+        "iopl",
+        "ioperm",
+    ];
+
+    /// Unconditional syscalls, and conditional rules (without comments) per syscall.
+    type FilterRules = (BTreeSet<String>, BTreeMap<String, BTreeSet<String>>);
+
+    fn profiles() -> [(&'static str, &'static str, TargetArch); 2] {
+        [
+            ("x86_64", X86_64, TargetArch::x86_64),
+            ("aarch64", AARCH64, TargetArch::aarch64),
+        ]
+    }
+
+    fn rules<'a>(doc: &'a Value, filter: &str) -> &'a Vec<Value> {
+        doc[filter]["filter"].as_array().unwrap()
+    }
+
+    #[test]
+    fn both_profiles_compile() {
+        for (name, text, arch) in profiles() {
+            let p = compile(text, arch).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(!p.allow.is_empty() && !p.deny.is_empty());
+            assert!(p.digest.starts_with("sha256:"));
+        }
+    }
+
+    #[test]
+    fn actions_are_enosys_for_unknown_and_eperm_for_denied() {
+        for (name, text, _) in profiles() {
+            let doc: Value = serde_json::from_str(text).unwrap();
+            assert_eq!(
+                doc["allowlist"]["mismatch_action"],
+                serde_json::json!({"errno": 38}),
+                "{name}"
+            );
+            assert_eq!(doc["allowlist"]["match_action"], "allow", "{name}");
+            assert_eq!(doc["denylist"]["mismatch_action"], "allow", "{name}");
+            assert_eq!(
+                doc["denylist"]["match_action"],
+                serde_json::json!({"errno": 1}),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_rule_and_condition_has_a_comment() {
+        for (name, text, _) in profiles() {
+            let doc: Value = serde_json::from_str(text).unwrap();
+            for filter in ["allowlist", "denylist"] {
+                for r in rules(&doc, filter) {
+                    let c = r["comment"].as_str().unwrap_or_default();
+                    assert!(c.len() > 3, "{name} {filter}: rule without a comment: {r}");
+                    for a in r["args"].as_array().into_iter().flatten() {
+                        assert!(
+                            a["comment"].as_str().is_some_and(|c| !c.is_empty()),
+                            "{name}: {a}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Redundant: a syscall listed twice unconditionally in one filter, the same conditional rule twice, or a
+    /// conditional rule next to an unconditional one. Contradictory: a syscall unconditionally in both filters
+    /// (the denylist would always win, so the allow entry lies), or a conditional deny of a syscall the allowlist
+    /// does not list (it would answer ENOSYS anyway, so the rule is dead).
+    #[test]
+    fn no_redundant_or_contradictory_rules() {
+        for (name, text, _) in profiles() {
+            let doc: Value = serde_json::from_str(text).unwrap();
+            let mut per_filter: BTreeMap<&str, FilterRules> = BTreeMap::new();
+            for filter in ["allowlist", "denylist"] {
+                let (plain, conditional) = per_filter.entry(filter).or_default();
+                for r in rules(&doc, filter) {
+                    let sys = r["syscall"].as_str().unwrap().to_owned();
+                    match r.get("args") {
+                        None => assert!(
+                            plain.insert(sys.clone()),
+                            "{name} {filter}: {sys} listed twice"
+                        ),
+                        Some(args) => {
+                            let mut key = args.clone();
+                            for a in key.as_array_mut().unwrap() {
+                                a.as_object_mut().unwrap().remove("comment");
+                            }
+                            assert!(
+                                conditional
+                                    .entry(sys.clone())
+                                    .or_default()
+                                    .insert(key.to_string()),
+                                "{name} {filter}: the same conditional rule for {sys} twice"
+                            );
+                        }
+                    }
+                }
+                for sys in conditional.keys() {
+                    assert!(
+                        !plain.contains(sys),
+                        "{name} {filter}: {sys} both with and without conditions"
+                    );
+                }
+            }
+            let (allow, allow_cond) = &per_filter["allowlist"];
+            let (deny, deny_cond) = &per_filter["denylist"];
+            assert!(
+                allow_cond.is_empty(),
+                "{name}: the allowlist allows by argument: keep conditions in the denylist"
+            );
+            for sys in deny {
+                assert!(
+                    !allow.contains(sys),
+                    "{name}: {sys} is both allowed and denied"
+                );
+            }
+            for sys in deny_cond.keys() {
+                assert!(
+                    allow.contains(sys),
+                    "{name}: conditional deny of {sys}, which the allowlist does not allow"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_required_denials_are_there() {
+        for (name, text, _) in profiles() {
+            let doc: Value = serde_json::from_str(text).unwrap();
+            let deny: BTreeSet<&str> = rules(&doc, "denylist")
+                .iter()
+                .filter(|r| r.get("args").is_none())
+                .map(|r| r["syscall"].as_str().unwrap())
+                .collect();
+            let allow: BTreeSet<&str> = rules(&doc, "allowlist")
+                .iter()
+                .map(|r| r["syscall"].as_str().unwrap())
+                .collect();
+            let table = match name {
+                "x86_64" => TargetArch::x86_64,
+                _ => TargetArch::aarch64,
+            };
+            for sys in MUST_DENY {
+                // Some syscalls do not exist on every architecture (iopl, ioperm on aarch64).
+                let exists = seccompiler::compile_from_json(
+                    format!(r#"{{"t":{{"mismatch_action":"allow","match_action":"allow","filter":[{{"syscall":"{sys}"}}]}}}}"#)
+                        .as_bytes(),
+                    table,
+                )
+                .is_ok();
+                if exists {
+                    assert!(
+                        deny.contains(sys),
+                        "{name}: {sys} must be denied with EPERM"
+                    );
+                }
+            }
+            assert!(
+                !allow.contains("clone3"),
+                "{name}: clone3 must answer ENOSYS so glibc falls back to clone"
+            );
+            let clone_rules = rules(&doc, "denylist")
+                .iter()
+                .filter(|r| r["syscall"] == "clone")
+                .count();
+            assert_eq!(clone_rules, 8, "{name}: one clone rule per CLONE_NEW* flag");
+            let ioctl: Vec<_> = rules(&doc, "denylist")
+                .iter()
+                .filter(|r| r["syscall"] == "ioctl")
+                .collect();
+            assert_eq!(ioctl.len(), 2, "{name}: TIOCSTI and TIOCLINUX");
+            for r in ioctl {
+                assert_eq!(
+                    r["args"][0]["type"], "dword",
+                    "{name}: ioctl requests compare 32 bits (high-bit variants)"
+                );
+            }
+        }
+    }
+}
