@@ -6,6 +6,7 @@
 
 mod capacity;
 mod config;
+mod doctor;
 mod engine;
 mod server;
 
@@ -60,6 +61,14 @@ struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Check that this host can provide every isolation layer, and how to fix what is missing.
+    Doctor,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -79,6 +88,10 @@ fn main() -> ExitCode {
             return ExitCode::from(Exit::Config as u8);
         }
     };
+    if let Some(Command::Doctor) = cli.command {
+        let ok = doctor::print(&doctor::run(&config));
+        return ExitCode::from(if ok { Exit::Ok } else { Exit::Host } as u8);
+    }
     match start(config, cli.config.is_some()) {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {

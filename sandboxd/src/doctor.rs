@@ -1,0 +1,240 @@
+//! `sandboxd doctor`: checks that this host can provide every isolation layer, and says how to fix what is missing.
+//! The daemon makes the same checks at start-up and refuses to run without a required layer; this command shows
+//! them all at once without starting anything.
+
+use std::path::Path;
+
+use crate::config::Config;
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Present.
+    Ok,
+    /// Missing and required: the daemon will refuse to start.
+    Missing,
+    /// Missing but optional (a feature is unavailable, isolation is not weaker).
+    Warn,
+}
+
+/// One line of the report.
+#[derive(Debug, Clone)]
+pub struct Check {
+    /// What was checked.
+    pub name: &'static str,
+    /// The outcome.
+    pub verdict: Verdict,
+    /// What was found.
+    pub detail: String,
+    /// How to fix it (empty when fine).
+    pub fix: &'static str,
+}
+
+fn check(name: &'static str, ok: bool, detail: String, fix: &'static str, required: bool) -> Check {
+    Check {
+        name,
+        verdict: match (ok, required) {
+            (true, _) => Verdict::Ok,
+            (false, true) => Verdict::Missing,
+            (false, false) => Verdict::Warn,
+        },
+        detail,
+        fix: if ok { "" } else { fix },
+    }
+}
+
+/// Runs every check.
+pub fn run(config: &Config) -> Vec<Check> {
+    let mut out = Vec::new();
+    let root = nix::unistd::geteuid().is_root();
+    out.push(check(
+        "root",
+        root,
+        format!("euid {}", nix::unistd::geteuid()),
+        "run sandboxd as root (it creates namespaces, cgroups and mounts)",
+        true,
+    ));
+
+    let release = nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let (major, minor) = parse_kernel(&release);
+    out.push(check(
+        "kernel",
+        (major, minor) >= (5, 13),
+        format!("Linux {release}"),
+        "use Linux 5.13 or newer (landlock, close_range with CLOEXEC, memory.peak on v2 needs 5.19)",
+        true,
+    ));
+
+    match runtime::cgroups::Cgroups::detect(
+        &config.sandbox.cgroup_root,
+        &config.sandbox.cgroup_parent,
+    ) {
+        Ok(cg) => {
+            let controllers = cg.check_controllers();
+            out.push(check(
+                "cgroups",
+                controllers.is_ok(),
+                match &controllers {
+                    Ok(()) => format!("cgroup {} with memory, pids, cpu", cg.version().as_str()),
+                    Err(e) => e.to_string(),
+                },
+                "mount the memory, pids, cpu and cpuacct controllers (v1) or enable them in cgroup.subtree_control (v2)",
+                true,
+            ));
+        }
+        Err(e) => out.push(check(
+            "cgroups",
+            false,
+            e.to_string(),
+            "mount cgroupfs at /sys/fs/cgroup",
+            true,
+        )),
+    }
+
+    let userns = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    out.push(check(
+        "user namespaces",
+        userns > 0,
+        format!("user.max_user_namespaces = {userns}"),
+        "sysctl -w user.max_user_namespaces=15000 (and CONFIG_USER_NS=y)",
+        true,
+    ));
+
+    let abi = runtime::sys::landlock_abi();
+    out.push(check(
+        "landlock",
+        abi >= config.sandbox.landlock_min_abi,
+        format!("ABI {abi} (required: {})", config.sandbox.landlock_min_abi),
+        "enable CONFIG_SECURITY_LANDLOCK and add landlock to the lsm= boot parameter, or use a newer kernel",
+        true,
+    ));
+
+    let seccomp_field = std::fs::read_to_string("/proc/self/status")
+        .map(|s| s.contains("Seccomp:"))
+        .unwrap_or(false);
+    let profile =
+        runtime::seccomp::native_profile().and_then(|(t, a)| runtime::seccomp::compile(t, a));
+    out.push(check(
+        "seccomp",
+        seccomp_field && profile.is_ok(),
+        match &profile {
+            Ok(p) => format!("filter mode available; profile {}", p.digest),
+            Err(e) => e.to_string(),
+        },
+        "enable CONFIG_SECCOMP_FILTER",
+        true,
+    ));
+
+    let filesystems = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    let has = |fs: &str| {
+        filesystems
+            .lines()
+            .any(|l| l.split_whitespace().last() == Some(fs))
+    };
+    out.push(check(
+        "tmpfs",
+        has("tmpfs"),
+        "scratch space and /dev".into(),
+        "enable CONFIG_TMPFS",
+        true,
+    ));
+    out.push(check(
+        "overlayfs",
+        has("overlay"),
+        "image roots (OCI images)".into(),
+        "modprobe overlay (needed for OCI images, not for the host image)",
+        false,
+    ));
+
+    for (name, path) in [
+        ("python", "/usr/bin/python3"),
+        ("javascript", "/usr/bin/node"),
+    ] {
+        let present = Path::new(path).exists();
+        out.push(Check {
+            name: if name == "python" {
+                "language python"
+            } else {
+                "language javascript"
+            },
+            verdict: if present { Verdict::Ok } else { Verdict::Warn },
+            detail: format!("{path} {}", if present { "present" } else { "absent" }),
+            fix: if present {
+                ""
+            } else if name == "python" {
+                "apt-get install python3"
+            } else {
+                "apt-get install nodejs"
+            },
+        });
+    }
+    out
+}
+
+fn parse_kernel(release: &str) -> (u32, u32) {
+    let mut it = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty());
+    let major = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let minor = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    (major, minor)
+}
+
+/// Prints the report; returns whether every required check passed.
+pub fn print(checks: &[Check]) -> bool {
+    for c in checks {
+        let tag = match c.verdict {
+            Verdict::Ok => "ok     ",
+            Verdict::Missing => "MISSING",
+            Verdict::Warn => "warn   ",
+        };
+        println!("{tag} {:<20} {}", c.name, c.detail);
+        if !c.fix.is_empty() {
+            println!("        {:<20} fix: {}", "", c.fix);
+        }
+    }
+    let ok = checks.iter().all(|c| c.verdict != Verdict::Missing);
+    println!(
+        "{}",
+        if ok {
+            "sandboxd can run here with every isolation layer."
+        } else {
+            "sandboxd will refuse to start until the MISSING items are fixed."
+        }
+    );
+    ok
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_versions_parse() {
+        assert_eq!(parse_kernel("6.18.44-fc-v657"), (6, 18));
+        assert_eq!(parse_kernel("5.4.0-150-generic"), (5, 4));
+        assert_eq!(parse_kernel("garbage"), (0, 0));
+    }
+
+    #[test]
+    fn this_host_passes_every_required_check() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED (needs root): doctor host check");
+            assert!(std::env::var_os("CI").is_none(), "CI runs as root");
+            return;
+        }
+        let checks = run(&Config::default());
+        for c in &checks {
+            assert_ne!(c.verdict, Verdict::Missing, "{c:?}");
+        }
+        // The layers the daemon reports are the ones doctor checks.
+        for name in ["cgroups", "landlock", "seccomp", "user namespaces"] {
+            assert!(checks.iter().any(|c| c.name == name), "{name}");
+        }
+    }
+}
