@@ -140,10 +140,9 @@ impl Executor for InitExecutor {
                         };
                     }
                 }
-                // Fail closed: landlock, then seccomp (landlock needs syscalls the filter refuses).
-                if let Err(e) = self
-                    .landlock
-                    .restrict_self()
+                // Fail closed: no capabilities, then landlock, then seccomp (landlock needs syscalls the filter refuses).
+                if let Err(e) = crate::caps::ensure_none()
+                    .and_then(|()| self.landlock.restrict_self())
                     .and_then(|()| self.seccomp.install())
                 {
                     let line = format!("setup {}\n", e.to_string().replace('\n', " "));
