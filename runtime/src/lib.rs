@@ -12,6 +12,7 @@
 //! per-execution scratch), [`spec`] (the OCI runtime spec of an execution), [`init`] (the executor run as pid 1),
 //! [`helper`] (container lifecycle in the helper process), [`sys`] (the few raw syscalls, each with its `SAFETY`).
 
+pub mod artifacts;
 pub mod caps;
 pub mod cgroups;
 pub mod error;

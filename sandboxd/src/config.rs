@@ -57,6 +57,36 @@ pub struct Config {
     pub max_frame_bytes: usize,
     /// Sandbox settings.
     pub sandbox: SandboxConfig,
+    /// Artifact collection and store.
+    pub artifacts: ArtifactsConfig,
+}
+
+/// `artifacts:`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ArtifactsConfig {
+    /// Files collected per execution at most.
+    pub max_files: usize,
+    /// Largest file collected, bytes.
+    pub max_file_bytes: u64,
+    /// Bytes collected per execution at most.
+    pub max_total_bytes: u64,
+    /// Manifests (and what only they reference) are kept this long, seconds.
+    pub retention_s: u64,
+    /// The store's size limit; unreferenced blobs go first, oldest first.
+    pub max_store_bytes: u64,
+}
+
+impl Default for ArtifactsConfig {
+    fn default() -> Self {
+        Self {
+            max_files: 64,
+            max_file_bytes: 64 << 20,
+            max_total_bytes: 64 << 20,
+            retention_s: 86_400,
+            max_store_bytes: 10 << 30,
+        }
+    }
 }
 
 /// `auth:`
@@ -181,6 +211,7 @@ impl Default for Config {
             shutdown_grace_ms: DEFAULT_SHUTDOWN_GRACE_MS,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             sandbox: SandboxConfig::default(),
+            artifacts: ArtifactsConfig::default(),
         }
     }
 }
@@ -382,6 +413,7 @@ mod tests {
         shutdown_grace_ms: u64,
         max_frame_bytes: usize,
         sandbox: std::collections::BTreeMap<&'static str, String>,
+        artifacts: std::collections::BTreeMap<&'static str, u64>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -404,6 +436,14 @@ mod tests {
                     ("uid_base", c.sandbox.uid_base.to_string()),
                     ("nofile", c.sandbox.nofile.to_string()),
                     ("landlock_min_abi", c.sandbox.landlock_min_abi.to_string()),
+                ]
+                .into(),
+                artifacts: [
+                    ("max_files", c.artifacts.max_files as u64),
+                    ("max_file_bytes", c.artifacts.max_file_bytes),
+                    ("max_total_bytes", c.artifacts.max_total_bytes),
+                    ("retention_s", c.artifacts.retention_s),
+                    ("max_store_bytes", c.artifacts.max_store_bytes),
                 ]
                 .into(),
             }

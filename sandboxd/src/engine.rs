@@ -28,6 +28,7 @@ use tracing::{debug, error, info, warn, Instrument};
 use crate::capacity::{Admission, Capacity, Slot};
 use crate::config::Config;
 use crate::server::Registration;
+use crate::store::Store;
 
 /// Bytes read from a pipe at once; also the largest output chunk sent.
 const READ_CHUNK: usize = 64 * 1024;
@@ -84,6 +85,10 @@ pub struct Engine {
     pub started: Instant,
     /// Set at the end of the shutdown grace period: every running execution is killed.
     pub kill_all: watch::Sender<bool>,
+    /// The artifact store.
+    pub store: Arc<Store>,
+    /// What identifies the environment apart from the limits (image, sandboxd version, seccomp profile).
+    pub fingerprint_base: String,
     nonce: String,
     seq: AtomicU64,
 }
@@ -99,6 +104,8 @@ impl Engine {
         languages: BTreeMap<Language, LanguageRuntime>,
         run_dir: PathBuf,
         isolation: Isolation,
+        store: Arc<Store>,
+        fingerprint_base: String,
     ) -> Self {
         let capacity = Capacity::new(config.capacity.max_concurrent, config.capacity.max_queue);
         Self {
@@ -112,6 +119,8 @@ impl Engine {
             isolation,
             started: Instant::now(),
             kill_all: watch::channel(false).0,
+            store,
+            fingerprint_base,
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }
@@ -124,7 +133,7 @@ impl Engine {
 
     /// Protocol extensions this server implements.
     pub fn extensions(&self) -> Vec<String> {
-        vec!["files".into(), "base64_output".into()]
+        vec!["files".into(), "base64_output".into(), "artifacts".into()]
     }
 
     /// The `pong` for a `ping`.
@@ -569,6 +578,36 @@ impl Engine {
             peak_memory_mb = resource_usage.peak_memory_mb,
             "program ended"
         );
+        let fingerprint = self.fingerprint(limits);
+        let artifacts = match (&req.artifacts, reason) {
+            // A cancelled execution's files are not collected (artifact-manifest.md).
+            (Some(_), Reason::Cancelled) | (None, _) => None,
+            (Some(wanted), _) => {
+                let engine = self.clone();
+                let wanted = wanted.clone();
+                let workspace = prepared.scratch.workspace();
+                let (exec_id, fp) = (id.to_owned(), fingerprint.clone());
+                let t0 = Instant::now();
+                let manifest = tokio::task::spawn_blocking(move || {
+                    engine.collect_artifacts(&wanted, &workspace, &exec_id, &fp)
+                })
+                .await
+                .map_err(|e| internal(format!("Artifact collection panicked: {e}")));
+                match manifest {
+                    Ok(Ok(m)) => {
+                        debug!(ms = t0.elapsed().as_millis() as u64, "artifacts collected");
+                        Some(m)
+                    }
+                    Ok(Err(e)) => {
+                        return Err((
+                            Some(prepared),
+                            internal(format!("Artifact collection failed: {e}")),
+                        ))
+                    }
+                    Err(e) => return Err((Some(prepared), e)),
+                }
+            }
+        };
         let mut messages: Vec<ServerMessage> = pending.into_iter().collect();
         if client_gone {
             messages.clear();
@@ -584,7 +623,7 @@ impl Engine {
             id: id.into(),
             status,
         });
-        messages.push(ServerMessage::Result(result(
+        let mut res = result(
             id,
             Some(exit),
             reason,
@@ -592,8 +631,109 @@ impl Engine {
             resource_usage,
             [stream.sent[0], stream.sent[1]],
             stream.truncated,
-        )));
+        );
+        res.artifacts = artifacts;
+        res.environment_fingerprint = Some(fingerprint);
+        messages.push(ServerMessage::Result(res));
         Ok((Some(prepared), messages))
+    }
+
+    /// `sha256:` of the image, sandboxd version, seccomp profile and the limits in effect.
+    pub fn fingerprint(&self, limits: &Limits) -> String {
+        use sha2::Digest;
+        let text = format!(
+            "{};limits={}",
+            self.fingerprint_base,
+            serde_json::to_string(limits).unwrap_or_default()
+        );
+        format!("sha256:{:x}", sha2::Sha256::digest(text.as_bytes()))
+    }
+
+    /// Collects the requested files from the working directory into the store and returns the manifest.
+    fn collect_artifacts(
+        &self,
+        wanted: &protocol::ArtifactsRequest,
+        workspace: &std::path::Path,
+        exec_id: &str,
+        fingerprint: &str,
+    ) -> Result<serde_json::Value, String> {
+        let cfg = &self.config.artifacts;
+        let patterns = runtime::artifacts::Patterns::new(
+            &wanted.paths,
+            &wanted.types.clone().unwrap_or_default(),
+        )
+        .map_err(|e| e.to_string())?;
+        let limits = runtime::artifacts::Limits {
+            max_files: cfg.max_files,
+            max_file_bytes: cfg.max_file_bytes,
+            max_total_bytes: cfg.max_total_bytes,
+            max_listed_skips: 256,
+        };
+        let collection =
+            runtime::artifacts::collect(workspace, &patterns, limits).map_err(|e| e.to_string())?;
+        let _writing = self.store.writing();
+        let mut artifacts = Vec::new();
+        let mut skipped: Vec<serde_json::Value> = collection
+            .skipped
+            .iter()
+            .map(|s| serde_json::json!({"path": s.path, "reason": s.reason}))
+            .collect();
+        for mut f in collection.found {
+            let path = f.path.clone();
+            let stored = self
+                .store
+                .put(&mut f.file, f.size, |head| content_type(&path, head));
+            match stored {
+                Ok(st) => {
+                    let mime = content_type(&f.path, &st.head);
+                    let mut entry = serde_json::json!({
+                        "type": f.artifact_type,
+                        "path": f.path,
+                        "ref": format!("artifact://sha256/{}", st.hex),
+                        "checksum": format!("sha256:{}", st.hex),
+                        "size_bytes": st.size,
+                        "mime_type": mime,
+                    });
+                    if let Some(p) = preview(&st.head) {
+                        entry["preview"] = p.into();
+                    }
+                    artifacts.push(entry);
+                }
+                Err(e) => {
+                    warn!(path = %f.path, error = %e, "artifact not stored");
+                    skipped.push(serde_json::json!({"path": f.path, "reason": "unreadable"}));
+                }
+            }
+        }
+        let manifest_id = format!(
+            "am_{:x}{:08x}",
+            SystemClock::millis(),
+            rand::random::<u32>()
+        );
+        let mut manifest = serde_json::json!({
+            "manifest_id": manifest_id,
+            "execution_id": exec_id,
+            "generated_at": protocol::now_ts(),
+            "environment_fingerprint": fingerprint,
+            "artifacts": artifacts,
+            "skipped": skipped,
+        });
+        let listed = manifest["skipped"]
+            .as_array()
+            .map(|a| a.len() as u64)
+            .unwrap_or(0);
+        let total_skipped: u64 = collection.skipped_counts.values().sum();
+        if total_skipped > listed || collection.walk_truncated {
+            manifest["dropped"] = serde_json::json!({
+                "by_reason": collection.skipped_counts,
+                "not_listed": total_skipped.saturating_sub(listed),
+                "walk_truncated": collection.walk_truncated,
+            });
+        }
+        self.store
+            .save_manifest(&manifest_id, &manifest)
+            .map_err(|e| format!("cannot save the manifest: {e}"))?;
+        Ok(manifest)
     }
 
     /// Scratch space with the input files and the code, and the bundle's `config.json`.
@@ -718,6 +858,39 @@ fn result(
         artifacts: None,
         environment_fingerprint: None,
     }
+}
+
+struct SystemClock;
+
+impl SystemClock {
+    fn millis() -> u128 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0)
+    }
+}
+
+/// The content type of an artifact: from its name, else text or binary by its first bytes.
+fn content_type(path: &str, head: &[u8]) -> String {
+    match mime_guess::from_path(path).first() {
+        Some(m) => m.essence_str().to_owned(),
+        None if preview(head).is_some() => "text/plain".into(),
+        None => "application/octet-stream".into(),
+    }
+}
+
+/// The first bytes as text, if they are text (valid UTF-8 up to a cut character, no NUL).
+fn preview(head: &[u8]) -> Option<String> {
+    if head.contains(&0) {
+        return None;
+    }
+    let valid = match std::str::from_utf8(head) {
+        Ok(s) => s,
+        Err(e) if e.error_len().is_none() => std::str::from_utf8(&head[..e.valid_up_to()]).ok()?,
+        Err(_) => return None,
+    };
+    Some(valid.to_owned())
 }
 
 /// `SIGKILL` for 9; `SIG<n>` for numbers nix has no name for.

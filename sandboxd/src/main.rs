@@ -9,6 +9,7 @@ mod config;
 mod doctor;
 mod engine;
 mod server;
+mod store;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -247,6 +248,19 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         network: "loopback-only".into(),
     };
     let containers_dir = run_dir.join("containers");
+    let store = Arc::new(
+        store::Store::open(
+            &config.state_dir.join("artifacts"),
+            Duration::from_secs(config.artifacts.retention_s),
+            config.artifacts.max_store_bytes,
+        )
+        .context("cannot open the artifact store")?,
+    );
+    let fingerprint_base = format!(
+        "image=host;sandboxd={};seccomp={}",
+        env!("CARGO_PKG_VERSION"),
+        seccomp.digest
+    );
     let mut read_only: Vec<PathBuf> = image
         .binds
         .iter()
@@ -278,7 +292,25 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
             languages,
             run_dir,
             isolation,
+            store.clone(),
+            fingerprint_base,
         ));
+        // The collector: at start-up, then every ten minutes.
+        tokio::spawn(async move {
+            loop {
+                let s = store.clone();
+                match tokio::task::spawn_blocking(move || s.gc(std::time::SystemTime::now())).await
+                {
+                    Ok(Ok(r)) if r.blobs_removed + r.manifests_removed > 0 => {
+                        info!(?r, "artifact GC")
+                    }
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => warn!(error = %e, "artifact GC failed"),
+                    Err(e) => warn!(error = %e, "artifact GC panicked"),
+                }
+                tokio::time::sleep(Duration::from_secs(600)).await;
+            }
+        });
         serve(engine.clone()).await?;
         let _ = engine.helper.request(&Request::Shutdown, &[]).await;
         anyhow::Ok(cgroups)

@@ -48,6 +48,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/ws", get(ws))
+        .route("/artifacts/sha256/{hex}", get(artifact))
         .with_state(state)
 }
 
@@ -71,6 +72,38 @@ async fn healthz(State(state): State<AppState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, Json(body)).into_response()
+}
+
+/// `GET` (and `HEAD`) `/artifacts/sha256/<hex>`: the stored content, with the same bearer auth as `/ws`.
+async fn artifact(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Path(hex): axum::extract::Path<String>,
+) -> Response {
+    if !authorized(&headers, &state.tokens) {
+        return (StatusCode::UNAUTHORIZED, "unauthorized\n").into_response();
+    }
+    let Some(path) = state.engine.store.blob(&hex) else {
+        return (StatusCode::NOT_FOUND, "no such artifact\n").into_response();
+    };
+    let file = match tokio::fs::File::open(&path).await {
+        Ok(f) => f,
+        Err(_) => return (StatusCode::NOT_FOUND, "no such artifact\n").into_response(),
+    };
+    let len = file.metadata().await.map(|m| m.len()).unwrap_or(0);
+    let body = axum::body::Body::from_stream(tokio_util::io::ReaderStream::new(file));
+    (
+        [
+            (
+                axum::http::header::CONTENT_TYPE,
+                state.engine.store.content_type(&hex),
+            ),
+            (axum::http::header::CONTENT_LENGTH, len.to_string()),
+            (axum::http::header::ETAG, format!("\"sha256:{hex}\"")),
+        ],
+        body,
+    )
+        .into_response()
 }
 
 /// Constant-time check of `Authorization: Bearer <token>` against every configured token.
@@ -330,12 +363,16 @@ fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessag
             req.language.as_str(),
         )));
     }
-    if req.artifacts.is_some() && !engine.extensions().iter().any(|e| e == "artifacts") {
-        return Some(ErrorMessage::new(
-            id,
-            ErrorCode::InvalidRequest,
-            "Field artifacts: this server does not implement the artifacts extension",
-        ));
+    if let Some(a) = &req.artifacts {
+        if let Err(e) =
+            runtime::artifacts::Patterns::new(&a.paths, &a.types.clone().unwrap_or_default())
+        {
+            return Some(ErrorMessage::new(
+                id,
+                ErrorCode::InvalidRequest,
+                format!("Field artifacts.paths: {e}"),
+            ));
+        }
     }
     let disk_mb = req
         .limits

@@ -12,3 +12,4 @@ mod lifecycle;
 mod limits;
 mod output;
 mod requests;
+mod artifacts;
