@@ -678,32 +678,40 @@ impl Engine {
             .iter()
             .map(|s| serde_json::json!({"path": s.path, "reason": s.reason}))
             .collect();
+        let mut staged = Vec::with_capacity(collection.found.len());
         for mut f in collection.found {
             let path = f.path.clone();
-            let stored = self
+            match self
                 .store
-                .put(&mut f.file, f.size, |head| content_type(&path, head));
-            match stored {
-                Ok(st) => {
-                    let mime = content_type(&f.path, &st.head);
-                    let mut entry = serde_json::json!({
-                        "type": f.artifact_type,
-                        "path": f.path,
-                        "ref": format!("artifact://sha256/{}", st.hex),
-                        "checksum": format!("sha256:{}", st.hex),
-                        "size_bytes": st.size,
-                        "mime_type": mime,
-                    });
-                    if let Some(p) = preview(&st.head) {
-                        entry["preview"] = p.into();
-                    }
-                    artifacts.push(entry);
-                }
+                .stage(&mut f.file, f.size, |head| content_type(&path, head))
+            {
+                Ok(st) => staged.push((f.path, f.artifact_type, st)),
                 Err(e) => {
                     warn!(path = %f.path, error = %e, "artifact not stored");
                     skipped.push(serde_json::json!({"path": f.path, "reason": "unreadable"}));
                 }
             }
+        }
+        let (meta, blobs): (Vec<_>, Vec<_>) =
+            staged.into_iter().map(|(p, t, s)| ((p, t), s)).unzip();
+        let stored = self
+            .store
+            .commit(blobs)
+            .map_err(|e| format!("cannot store artifacts: {e}"))?;
+        for ((path, artifact_type), st) in meta.into_iter().zip(stored) {
+            let mime = content_type(&path, &st.head);
+            let mut entry = serde_json::json!({
+                "type": artifact_type,
+                "path": path,
+                "ref": format!("artifact://sha256/{}", st.hex),
+                "checksum": format!("sha256:{}", st.hex),
+                "size_bytes": st.size,
+                "mime_type": mime,
+            });
+            if let Some(p) = preview(&st.head) {
+                entry["preview"] = p.into();
+            }
+            artifacts.push(entry);
         }
         let manifest_id = format!(
             "am_{:x}{:08x}",

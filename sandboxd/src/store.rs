@@ -31,6 +31,14 @@ pub struct Stored {
     pub head: Vec<u8>,
 }
 
+/// A blob written and hashed but not yet under its content address.
+#[derive(Debug)]
+pub struct Staged {
+    tmp: tempfile::NamedTempFile,
+    stored: Stored,
+    content_type: String,
+}
+
 /// What a collector run did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct GcReport {
@@ -100,13 +108,14 @@ impl Store {
             .unwrap_or_else(|_| "application/octet-stream".into())
     }
 
-    /// Stores the content of `src`, at most `limit` bytes (more is an error: the file grew since it was sized).
-    pub fn put(
+    /// Copies the content of `src` (at most `limit` bytes; more is an error: the file grew since it was sized) to a
+    /// temporary file while hashing it. Nothing is visible under a content address until [`Store::commit`].
+    pub fn stage(
         &self,
         src: &mut impl Read,
         limit: u64,
         content_type: impl FnOnce(&[u8]) -> String,
-    ) -> io::Result<Stored> {
+    ) -> io::Result<Staged> {
         let tmp = tempfile::NamedTempFile::new_in(self.root.join("tmp"))?;
         let mut hasher = Sha256::new();
         let mut head = Vec::new();
@@ -131,18 +140,52 @@ impl Store {
             }
             out.write_all(&buf[..n])?;
         }
-        let hex = format!("{:x}", hasher.finalize());
-        let dest = self.root.join("sha256").join(&hex);
-        if dest.exists() {
-            // Stored once: the temporary copy is dropped.
-            return Ok(Stored { hex, size, head });
+        let content_type = content_type(&head);
+        Ok(Staged {
+            tmp,
+            stored: Stored {
+                hex: format!("{:x}", hasher.finalize()),
+                size,
+                head,
+            },
+            content_type,
+        })
+    }
+
+    /// Makes staged blobs durable and visible: one `syncfs` for all their data, then the renames (content already
+    /// present is kept and the copy dropped), then one directory fsync. A crash before the renames leaves only
+    /// temporary files, which the next [`Store::open`] removes.
+    pub fn commit(&self, staged: Vec<Staged>) -> io::Result<Vec<Stored>> {
+        if staged.is_empty() {
+            return Ok(Vec::new());
         }
-        tmp.as_file().sync_all()?;
-        let type_file = self.root.join("sha256").join(format!("{hex}.type"));
-        fs::write(&type_file, content_type(&head))?;
-        tmp.persist(&dest).map_err(|e| e.error)?;
-        fsync_dir(&self.root.join("sha256"))?;
-        Ok(Stored { hex, size, head })
+        nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(staged[0].tmp.as_file()))
+            .map_err(io::Error::from)?;
+        let dir = self.root.join("sha256");
+        let mut out = Vec::with_capacity(staged.len());
+        for s in staged {
+            let dest = dir.join(&s.stored.hex);
+            if !dest.exists() {
+                fs::write(dir.join(format!("{}.type", s.stored.hex)), &s.content_type)?;
+                s.tmp.persist(&dest).map_err(|e| e.error)?;
+            }
+            out.push(s.stored);
+        }
+        fsync_dir(&dir)?;
+        Ok(out)
+    }
+
+    /// [`Store::stage`] and [`Store::commit`] of one blob.
+    #[cfg(test)]
+    pub fn put(
+        &self,
+        src: &mut impl Read,
+        limit: u64,
+        content_type: impl FnOnce(&[u8]) -> String,
+    ) -> io::Result<Stored> {
+        let staged = self.stage(src, limit, content_type)?;
+        let mut v = self.commit(vec![staged])?;
+        v.pop().ok_or_else(|| io::Error::other("nothing committed"))
     }
 
     /// Writes a manifest (atomically) so the collector knows what it references.
@@ -197,7 +240,7 @@ impl Store {
             blobs.push((age(&e.path()), name, size));
         }
         // Oldest first.
-        blobs.sort_by(|a, b| b.0.cmp(&a.0));
+        blobs.sort_by_key(|b| std::cmp::Reverse(b.0));
         for (blob_age, hex, size) in blobs {
             if live.contains(&hex) {
                 continue;
