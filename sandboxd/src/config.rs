@@ -75,6 +75,8 @@ pub struct ArtifactsConfig {
     pub retention_s: u64,
     /// The store's size limit; unreferenced blobs go first, oldest first.
     pub max_store_bytes: u64,
+    /// Eager upload of every collected artifact (optional).
+    pub upload: Option<crate::upload::UploadConfig>,
 }
 
 impl Default for ArtifactsConfig {
@@ -85,6 +87,7 @@ impl Default for ArtifactsConfig {
             max_total_bytes: 64 << 20,
             retention_s: 86_400,
             max_store_bytes: 10 << 30,
+            upload: None,
         }
     }
 }
@@ -352,6 +355,12 @@ impl Config {
             key: "sandbox.cgroup_parent",
             reason: e.to_string(),
         })?;
+        if let Some(u) = &self.artifacts.upload {
+            u.validate().map_err(|reason| ConfigError::Value {
+                key: "artifacts.upload.url",
+                reason,
+            })?;
+        }
         if !self.state_dir.is_absolute() {
             return Err(ConfigError::Value {
                 key: "state_dir",
@@ -413,7 +422,7 @@ mod tests {
         shutdown_grace_ms: u64,
         max_frame_bytes: usize,
         sandbox: std::collections::BTreeMap<&'static str, String>,
-        artifacts: std::collections::BTreeMap<&'static str, u64>,
+        artifacts: std::collections::BTreeMap<&'static str, Option<u64>>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -439,11 +448,12 @@ mod tests {
                 ]
                 .into(),
                 artifacts: [
-                    ("max_files", c.artifacts.max_files as u64),
-                    ("max_file_bytes", c.artifacts.max_file_bytes),
-                    ("max_total_bytes", c.artifacts.max_total_bytes),
-                    ("retention_s", c.artifacts.retention_s),
-                    ("max_store_bytes", c.artifacts.max_store_bytes),
+                    ("max_files", Some(c.artifacts.max_files as u64)),
+                    ("max_file_bytes", Some(c.artifacts.max_file_bytes)),
+                    ("max_total_bytes", Some(c.artifacts.max_total_bytes)),
+                    ("retention_s", Some(c.artifacts.retention_s)),
+                    ("max_store_bytes", Some(c.artifacts.max_store_bytes)),
+                    ("upload", None),
                 ]
                 .into(),
             }

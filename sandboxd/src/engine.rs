@@ -594,8 +594,11 @@ impl Engine {
                 .await
                 .map_err(|e| internal(format!("Artifact collection panicked: {e}")));
                 match manifest {
-                    Ok(Ok(m)) => {
+                    Ok(Ok(mut m)) => {
                         debug!(ms = t0.elapsed().as_millis() as u64, "artifacts collected");
+                        if let Some(cfg) = &self.config.artifacts.upload {
+                            self.upload_artifacts(cfg, &mut m).await;
+                        }
                         Some(m)
                     }
                     Ok(Err(e)) => {
@@ -742,6 +745,57 @@ impl Engine {
             .save_manifest(&manifest_id, &manifest)
             .map_err(|e| format!("cannot save the manifest: {e}"))?;
         Ok(manifest)
+    }
+
+    /// Uploads every artifact of a manifest eagerly; the returned URI replaces the ref, a failure is reported on the
+    /// artifact and the content stays in the local store. The manifest is saved again with the outcome.
+    async fn upload_artifacts(
+        &self,
+        cfg: &crate::upload::UploadConfig,
+        manifest: &mut serde_json::Value,
+    ) {
+        let mut failures = 0u64;
+        for a in manifest["artifacts"].as_array_mut().into_iter().flatten() {
+            let Some(hex) = a["checksum"]
+                .as_str()
+                .and_then(|c| c.strip_prefix("sha256:"))
+                .map(str::to_owned)
+            else {
+                continue;
+            };
+            let Some(blob) = self.store.blob(&hex) else {
+                continue;
+            };
+            let mime = a["mime_type"]
+                .as_str()
+                .unwrap_or("application/octet-stream")
+                .to_owned();
+            match crate::upload::upload(cfg, &blob, &hex, &mime).await {
+                Ok(uri) => {
+                    a["ref"] = uri.into();
+                    a["uploaded"] = true.into();
+                }
+                Err(e) => {
+                    failures += 1;
+                    a["upload_error"] = e.into();
+                }
+            }
+        }
+        if failures > 0 {
+            manifest["upload_failures"] = failures.into();
+        }
+        let (store, id, m) = (
+            self.store.clone(),
+            manifest["manifest_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            manifest.clone(),
+        );
+        let saved = tokio::task::spawn_blocking(move || store.save_manifest(&id, &m)).await;
+        if !matches!(saved, Ok(Ok(()))) {
+            warn!("the manifest could not be saved again after the upload");
+        }
     }
 
     /// Scratch space with the input files and the code, and the bundle's `config.json`.

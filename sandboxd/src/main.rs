@@ -10,6 +10,7 @@ mod doctor;
 mod engine;
 mod server;
 mod store;
+mod upload;
 
 use std::collections::BTreeMap;
 use std::io::Write;

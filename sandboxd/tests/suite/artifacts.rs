@@ -445,3 +445,182 @@ async fn malformed_artifact_requests_are_refused() {
         );
     }
 }
+
+/// With an upload endpoint configured, every artifact is POSTed eagerly with its hash; the endpoint's
+/// `backendUri` replaces the ref; a failing endpoint is retried, and an endpoint that never answers is reported on
+/// the artifact while the content stays downloadable from the daemon.
+#[tokio::test]
+async fn artifacts_upload_eagerly_with_retries_and_report_failures() {
+    let Some(_g) = privileged("artifacts_upload_eagerly_with_retries_and_report_failures").await
+    else {
+        return;
+    };
+    // The backend: fails the first request, then answers with a URI; records what it received.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let backend_port = listener.local_addr().unwrap().port();
+    let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let rec = received.clone();
+    tokio::spawn(async move {
+        let mut n = 0;
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            n += 1;
+            let mut buf = vec![0u8; 1 << 20];
+            let mut got = Vec::new();
+            // Read headers and the body (Content-Length) of one request.
+            loop {
+                let k = s.read(&mut buf).await.unwrap_or(0);
+                if k == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..k]);
+                let text = String::from_utf8_lossy(&got).to_string();
+                if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse().unwrap())
+                        })
+                        .unwrap_or(0);
+                    if body.len() >= len {
+                        break;
+                    }
+                }
+            }
+            let text = String::from_utf8_lossy(&got).to_string();
+            rec.lock().unwrap().push(text.clone());
+            let answer = if n == 1 {
+                "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_owned()
+            } else {
+                let hash = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-hash: sha256:"))
+                    .unwrap_or("none")
+                    .trim()
+                    .to_owned();
+                let body = format!(r#"{{"backendUri":"backend://blobs/{hash}"}}"#);
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+            };
+            let _ = s.write_all(answer.as_bytes()).await;
+        }
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let port = super::harness::free_port();
+    let parent = format!("sandboxd-test-{}-upload", std::process::id());
+    let _cg = super::harness::CgroupParentGuard(parent.clone());
+    let token = format!("upload-token-{:016x}", rand::random::<u64>());
+    let dead_port = super::harness::free_port();
+    let config = json!({
+        "listen": format!("127.0.0.1:{port}"),
+        "state_dir": dir.path().join("state"),
+        "auth": {"tokens": [token]},
+        "sandbox": {"cgroup_parent": parent, "uid_base": 910_000},
+        "artifacts": {"upload": {"url": format!("http://127.0.0.1:{backend_port}/upload"), "token": "backend-secret", "attempts": 3, "backoff_ms": 10}},
+    });
+    let config_path = dir.path().join("config.yaml");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let state_dir = dir.path().join("state");
+    let d = Daemon::launch(super::harness::Launch {
+        args: vec!["--config".into(), config_path.display().to_string()],
+        port,
+        token: token.clone(),
+        dir,
+        state_dir,
+        cgroup_parent: parent.clone(),
+        uid_base: 910_000,
+        max_concurrent: 8,
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    let run = c
+        .run(with(
+            exec_json(
+                "up",
+                "shell",
+                "mkdir -p out && printf 'upload me' > out/u.txt",
+                30_000,
+                64,
+            ),
+            json!({"artifacts": {"paths": ["out/*"]}}),
+        ))
+        .await;
+    let hex = format!("{:x}", Sha256::digest(b"upload me"));
+    let m = manifest(&run);
+    let a = by_path(&m, "out/u.txt");
+    assert_eq!(a["ref"], format!("backend://blobs/{hex}"), "{m:#}");
+    assert_eq!(a["uploaded"], true);
+    assert_eq!(a["checksum"], format!("sha256:{hex}"));
+    let got = received.lock().unwrap().clone();
+    assert_eq!(got.len(), 2, "one failure, one retry");
+    assert!(got[1].contains("authorization: Bearer backend-secret"));
+    assert!(got[1].ends_with("upload me"));
+    drop(c);
+    drop(d);
+
+    // An endpoint nobody answers: every attempt fails, the failure is reported, nothing is dropped.
+    let dir = tempfile::tempdir().unwrap();
+    let port = super::harness::free_port();
+    let config = json!({
+        "listen": format!("127.0.0.1:{port}"),
+        "state_dir": dir.path().join("state"),
+        "auth": {"tokens": [token]},
+        "sandbox": {"cgroup_parent": parent, "uid_base": 910_000},
+        "artifacts": {"upload": {"url": format!("http://127.0.0.1:{dead_port}/upload"), "token": "x", "attempts": 2, "backoff_ms": 10}},
+    });
+    let config_path = dir.path().join("config.yaml");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let state_dir = dir.path().join("state");
+    let d = Daemon::launch(super::harness::Launch {
+        args: vec!["--config".into(), config_path.display().to_string()],
+        port,
+        token,
+        dir,
+        state_dir,
+        cgroup_parent: parent,
+        uid_base: 910_000,
+        max_concurrent: 8,
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    let run = c
+        .run(with(
+            exec_json(
+                "down",
+                "shell",
+                "mkdir -p out && printf 'kept locally' > out/k.txt",
+                30_000,
+                64,
+            ),
+            json!({"artifacts": {"paths": ["out/*"]}}),
+        ))
+        .await;
+    assert_eq!(run.terminal_status(), Some(ExecStatus::Completed));
+    let m = manifest(&run);
+    let a = by_path(&m, "out/k.txt");
+    let hex = format!("{:x}", Sha256::digest(b"kept locally"));
+    assert_eq!(a["ref"], format!("artifact://sha256/{hex}"));
+    assert!(
+        a["upload_error"]
+            .as_str()
+            .unwrap()
+            .starts_with("2 attempts failed"),
+        "{a}"
+    );
+    assert_eq!(m["upload_failures"], 1);
+    let (code, _, body) = fetch(
+        &d,
+        "GET",
+        &format!("/artifacts/sha256/{hex}"),
+        Some(d.token()),
+    )
+    .await;
+    assert_eq!((code, body.as_slice()), (200, &b"kept locally"[..]));
+}
