@@ -1,1 +1,93 @@
-//! Orchestrator client for sandboxd (work in progress).
+//! Orchestrator client for sandboxd: pooled FSP/1 connections over WebSocket (`ws://`, or `wss://` with rustls),
+//! reconnect with backoff, typed retryable errors, and the pieces of the `sandboxctl` command.
+//!
+//! The protocol is `spec/fsp-v1.md`; the wire types come from the [`protocol`] crate. This crate is the Rust
+//! counterpart of the orchestrator side the seed describes (Dimension 21: the poolboy pool with health check,
+//! reconnection with immediate retry then exponential backoff, the error table, the `TokenManager`).
+//!
+//! - [`Pool`]: `Pool::builder(url).token(..).size(5).max_overflow(10).build()`. Checkout hands out a connection
+//!   only after a `ping` answered in time, replaces one that fails, closes overflow connections when they come
+//!   back, and fails with [`ClientError::PoolExhausted`] (retryable) when none is free in time. The pool runs
+//!   **one execution per checked-out connection** (no multiplexing across callers), so a slow consumer or a broken
+//!   link only affects its own execution.
+//! - [`Connection`]: one WebSocket with a driver task that reconnects (first retry at once, then 100 ms doubling to
+//!   30 s, at most 10 retries, then [`ConnectionStatus::Failed`]); any number of executions may be multiplexed on
+//!   it. On disconnect every execution in flight fails with a retryable error; a malformed server message is logged
+//!   and fails the executions it concerns with a non-retryable one.
+//! - [`Execution`]: the streaming form, a [`futures_util::Stream`] of the server's messages as they arrive, with
+//!   bounded buffering (backpressure reaches the program's output pipe) and a client deadline that sends `cancel`
+//!   and reports [`ClientError::Timeout`]. [`Execution::result`] adds it up into an [`ExecutionResult`].
+//! - [`ClientError`]: every failure, with [`is_retryable`](ClientError::is_retryable),
+//!   [`code`](ClientError::code) (the FSP code) and [`kind`](ClientError::kind) (the seed's `ToolError` type).
+//! - [`Auth`]: a static token or a [`TokenProvider`] asked on every (re)connect.
+//! - [`health()`]: `GET /healthz`.
+//!
+//! ```no_run
+//! use client::{new_execution_id, ExecuteRequest, Language, Pool, RequestedLimits};
+//!
+//! # async fn run() -> Result<(), client::ClientError> {
+//! let pool = Pool::builder("ws://127.0.0.1:7070/ws")
+//!     .token("the-token")
+//!     .size(5)
+//!     .max_overflow(10)
+//!     .build()?;
+//! let request = ExecuteRequest::new(
+//!     new_execution_id(),
+//!     Language::Python,
+//!     "print(6 * 7)",
+//!     RequestedLimits::new(5_000, 128),
+//! );
+//! match pool.execute(request).await {
+//!     Ok(result) => println!("{} {:?}", result.stdout_text(), result.status),
+//!     Err(e) if e.is_retryable() => eprintln!("try again later: {e}"),
+//!     Err(e) => eprintln!("failed: {e}"),
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Nothing here blocks a runtime thread: I/O is tokio's, locks are held for a few map operations only.
+
+pub mod auth;
+pub mod config;
+pub mod connection;
+pub mod error;
+pub mod execution;
+pub mod health;
+pub mod pool;
+pub mod tls;
+
+pub use auth::{Auth, TokenFuture, TokenProvider};
+pub use config::{Backoff, ConnectOptions, ExecOptions, DEFAULT_TOKEN_FILE, DEFAULT_URL};
+pub use connection::{Connection, ConnectionStatus};
+pub use error::{BoxError, ClientError, ErrorKind};
+pub use execution::{Execution, ExecutionResult};
+pub use health::{health, healthz_url, Health};
+pub use pool::{Pool, PoolBuilder, PoolStats, PooledConnection};
+pub use protocol::{
+    ExecStatus, ExecuteRequest, Language, Limits, Pong, Reason, RequestedLimits, ServerEnvelope,
+    ServerMessage,
+};
+/// The rustls this crate is built with, to build a [`rustls::ClientConfig`] for [`ConnectOptions::tls_config`].
+pub use rustls;
+
+/// A fresh execution id: `exec-` and 20 random hex digits (ids only need to be unique per connection; random ones
+/// are unique across connections too, which keeps logs readable).
+pub fn new_execution_id() -> String {
+    let n: u128 = rand::random();
+    format!("exec-{:020x}", n >> 48)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn execution_ids_are_valid_and_distinct() {
+        let a = new_execution_id();
+        let b = new_execution_id();
+        assert_ne!(a, b);
+        assert!(protocol::is_valid_id(&a), "{a}");
+        assert_eq!(a.len(), 25);
+    }
+}

@@ -1,3 +1,590 @@
-//! `sandboxctl` (work in progress).
+//! `sandboxctl`: run code in sandboxd from a terminal, and check a daemon.
+//!
+//! ```text
+//! sandboxctl exec --language python --code 'print(1)'     # or --file prog.py, or - (code on stdin)
+//! sandboxctl ping                                          # load and capabilities
+//! sandboxctl health                                        # GET /healthz
+//! ```
+//!
+//! The endpoint is `--url`, else `SANDBOXD_URL`, else the local daemon's `ws://127.0.0.1:7070/ws`. The token is
+//! `--token`, else `SANDBOXD_TOKEN`, else the content of `--token-file` (default `/var/lib/sandboxd/token`) when
+//! it is readable.
+//!
+//! `exec` streams the program's stdout and stderr as they come and exits with the program's exit code, or with
+//! one of the codes of [`Exit`] (with a one-line reason on stderr).
 
-fn main() {}
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use base64::Engine as _;
+use clap::{ArgGroup, Args, Parser, Subcommand};
+use client::{
+    new_execution_id, ClientError, ConnectOptions, Connection, ExecOptions, ExecStatus,
+    ExecuteRequest, Language, Reason, RequestedLimits, ServerMessage, DEFAULT_TOKEN_FILE,
+    DEFAULT_URL,
+};
+use protocol::{ArtifactsRequest, FileEncoding, FileSpec};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The exit codes of `sandboxctl` besides the program's own (0-255 as the program exited, 128 + N when a signal N
+/// killed it). A program may exit with any of these numbers itself; the one-line reason on stderr tells them
+/// apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Exit {
+    /// A local problem: a file that cannot be read, a bad `--env` or `--file-in`, a bad URL.
+    Local = 1,
+    /// The sandbox refused the request (`INVALID_REQUEST`, `LANGUAGE_NOT_SUPPORTED`, ...): do not retry as is.
+    Refused = 65,
+    /// The sandbox is unavailable (cannot connect, connection lost, `SANDBOX_OVERLOADED`, `INTERNAL_ERROR`, no
+    /// pong, unhealthy): retrying later may work.
+    Unavailable = 69,
+    /// The sandbox sent a malformed message or broke the protocol.
+    Protocol = 76,
+    /// The token was refused (HTTP 401).
+    Unauthorized = 77,
+    /// The program ran over `timeout_ms` (or the client deadline passed).
+    Timeout = 124,
+    /// The program was killed by the memory limit.
+    Oom = 125,
+    /// The program wrote more than `max_output_bytes`.
+    OutputLimit = 126,
+    /// Interrupted (Ctrl-C): the execution was cancelled (128 + SIGINT, as shells do).
+    Interrupted = 130,
+}
+
+impl From<Exit> for ExitCode {
+    fn from(e: Exit) -> Self {
+        ExitCode::from(e as u8)
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sandboxctl",
+    version,
+    about = "Run code in sandboxd and check a daemon"
+)]
+struct Cli {
+    /// WebSocket endpoint of the daemon [default: ws://127.0.0.1:7070/ws].
+    #[arg(long, global = true, env = "SANDBOXD_URL")]
+    url: Option<String>,
+    /// Bearer token.
+    #[arg(long, global = true, env = "SANDBOXD_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the token, read when no token is given and it is readable.
+    #[arg(long, global = true, default_value = DEFAULT_TOKEN_FILE)]
+    token_file: PathBuf,
+    /// Log the client's connection events to stderr (-v: info, -vv: debug).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a program; its stdout and stderr are streamed, and its exit code is ours.
+    Exec(Box<ExecArgs>),
+    /// Ask the daemon for its load and capabilities (FSP `ping`).
+    Ping {
+        /// Print the `pong` as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// GET /healthz of the daemon (exit 0 when healthy, 69 when not).
+    Health,
+}
+
+#[derive(Args, Debug)]
+#[command(group(ArgGroup::new("source").required(true).args(["code", "file", "dash"])))]
+struct ExecArgs {
+    /// Language: python, javascript, shell or elixir.
+    #[arg(long, short)]
+    language: Language,
+    /// The program text.
+    #[arg(long)]
+    code: Option<String>,
+    /// Read the program from this file.
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// `-`: read the program from stdin.
+    #[arg(value_name = "-", value_parser = clap::builder::PossibleValuesParser::new(["-"]))]
+    dash: Option<String>,
+    /// Wall-clock limit in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    timeout_ms: u64,
+    /// Memory limit in MiB.
+    #[arg(long, default_value_t = 256)]
+    memory_mb: u64,
+    /// CPU weight (server default 512).
+    #[arg(long)]
+    cpu_shares: Option<u64>,
+    /// stdout + stderr limit in bytes (server default 1 MiB).
+    #[arg(long)]
+    max_output_bytes: Option<u64>,
+    /// Process limit (server default 64).
+    #[arg(long)]
+    pids_max: Option<u64>,
+    /// Scratch space in MiB (server default 64).
+    #[arg(long)]
+    disk_mb: Option<u64>,
+    /// File whose content is the program's stdin (`-`: our stdin; must be UTF-8).
+    #[arg(long)]
+    stdin: Option<PathBuf>,
+    /// Environment variable for the program (repeatable).
+    #[arg(long = "env", value_name = "K=V")]
+    env: Vec<String>,
+    /// Put local file LOCAL at PATH in the working directory (repeatable).
+    #[arg(long = "file-in", value_name = "PATH=LOCAL")]
+    files: Vec<String>,
+    /// Collect files matching GLOB after the run (repeatable; the manifest is in the `--json` result).
+    #[arg(long = "artifact", value_name = "GLOB")]
+    artifacts: Vec<String>,
+    /// Client deadline in milliseconds (default: timeout_ms + 10 s); when it passes, the run is cancelled.
+    #[arg(long)]
+    deadline_ms: Option<u64>,
+    /// Print the protocol events as JSON lines instead of the program's output.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sandboxctl: cannot start the runtime: {e}");
+            return Exit::Local.into();
+        }
+    };
+    runtime.block_on(async {
+        match run(cli).await {
+            Ok(code) => code,
+            Err(e) => {
+                say(format!("{e:#}")).await;
+                Exit::Local.into()
+            }
+        }
+    })
+}
+
+fn init_logging(verbose: u8) {
+    let level = match verbose {
+        0 => "error",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SANDBOXCTL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+impl Cli {
+    /// The endpoint: flag, then environment (clap reads both; empty counts as unset), then the default.
+    fn url(&self) -> String {
+        self.url
+            .as_deref()
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .unwrap_or(DEFAULT_URL)
+            .to_owned()
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let options = connect_options(&cli).await;
+    match cli.command {
+        Command::Exec(args) => exec(options, *args).await,
+        Command::Ping { json } => ping(options, json).await,
+        Command::Health => health(&cli.url()).await,
+    }
+}
+
+/// Endpoint and token: flags, then environment (clap reads both), then the local token file.
+async fn connect_options(cli: &Cli) -> ConnectOptions {
+    let options = ConnectOptions::new(cli.url());
+    let given = cli
+        .token
+        .as_deref()
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    let token = match given {
+        Some(t) => Some(t.to_owned()),
+        None => tokio::fs::read_to_string(&cli.token_file)
+            .await
+            .ok()
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty()),
+    };
+    match token {
+        Some(t) => options.token(t),
+        None => options,
+    }
+}
+
+/// Writes one line to stderr (through tokio: no blocking write on the runtime).
+async fn say(line: String) {
+    let mut err = tokio::io::stderr();
+    let _ = err
+        .write_all(format!("sandboxctl: {line}\n").as_bytes())
+        .await;
+    let _ = err.flush().await;
+}
+
+/// Reports a client error on stderr and picks the exit code.
+async fn fail(e: &ClientError) -> ExitCode {
+    let code = match e {
+        ClientError::Timeout { .. } => Exit::Timeout,
+        ClientError::Unauthorized => Exit::Unauthorized,
+        ClientError::Malformed { .. } | ClientError::Protocol { .. } => Exit::Protocol,
+        ClientError::Config(_) => Exit::Local,
+        e if e.is_retryable() => Exit::Unavailable,
+        _ => Exit::Refused,
+    };
+    let hint = if e.is_retryable() { " (retryable)" } else { "" };
+    say(format!("{e}{hint}")).await;
+    code.into()
+}
+
+async fn ping(options: ConnectOptions, json: bool) -> anyhow::Result<ExitCode> {
+    let conn = match Connection::connect(options).await {
+        Ok(c) => c,
+        Err(e) => return Ok(fail(&e).await),
+    };
+    let start = Instant::now();
+    let pong = match conn.ping(Duration::from_secs(5)).await {
+        Ok(p) => p,
+        Err(e) => return Ok(fail(&e).await),
+    };
+    let rtt = start.elapsed();
+    conn.close();
+    let mut out = tokio::io::stdout();
+    if json {
+        let line = serde_json::to_string(&pong)?;
+        out.write_all(format!("{line}\n").as_bytes()).await?;
+    } else {
+        let mut text = format!(
+            "load: {} active, {} queued\nround trip: {:.2} ms\n",
+            pong.load.active_executions,
+            pong.load.queue_depth,
+            rtt.as_secs_f64() * 1000.0
+        );
+        if let Some(c) = &pong.capabilities {
+            let join = |v: Vec<String>| v.join(", ");
+            let limits = c
+                .max_limits
+                .entries()
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let i = &c.isolation;
+            text.push_str(&format!(
+                "languages: {}\nmax limits: {limits}\nextensions: {}\nisolation: namespaces [{}], cgroup {}, \
+                 seccomp {}, landlock {}, user namespace {}, network {}\n",
+                join(c.languages.iter().map(|l| l.to_string()).collect()),
+                join(c.extensions.clone()),
+                join(i.namespaces.clone()),
+                i.cgroup_version,
+                if i.seccomp { "on" } else { "off" },
+                i.landlock_abi
+                    .map(|a| format!("ABI {a}"))
+                    .unwrap_or_else(|| "off".to_owned()),
+                if i.user_namespace { "on" } else { "off" },
+                i.network,
+            ));
+        }
+        out.write_all(text.as_bytes()).await?;
+    }
+    out.flush().await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn health(url: &str) -> anyhow::Result<ExitCode> {
+    match client::health(url, None, Duration::from_secs(5)).await {
+        Ok(h) => {
+            let body = serde_json::to_string_pretty(&h.body)?;
+            let mut out = tokio::io::stdout();
+            out.write_all(format!("{body}\n").as_bytes()).await?;
+            out.flush().await?;
+            if h.is_healthy() {
+                Ok(ExitCode::SUCCESS)
+            } else {
+                say(format!("unhealthy (HTTP {})", h.status)).await;
+                Ok(Exit::Unavailable.into())
+            }
+        }
+        Err(e) => Ok(fail(&e).await),
+    }
+}
+
+/// Reads a whole file, `-` being stdin.
+async fn read_input(path: &Path) -> anyhow::Result<Vec<u8>> {
+    if path == Path::new("-") {
+        let mut buf = Vec::new();
+        tokio::io::stdin()
+            .read_to_end(&mut buf)
+            .await
+            .context("cannot read stdin")?;
+        Ok(buf)
+    } else {
+        tokio::fs::read(path)
+            .await
+            .with_context(|| format!("cannot read {}", path.display()))
+    }
+}
+
+async fn build_request(args: &ExecArgs) -> anyhow::Result<ExecuteRequest> {
+    let code = match (&args.code, &args.file) {
+        (Some(code), _) => code.clone(),
+        (None, Some(file)) => String::from_utf8(read_input(file).await?)
+            .with_context(|| format!("{} is not UTF-8", file.display()))?,
+        (None, None) => String::from_utf8(read_input(Path::new("-")).await?)
+            .context("the program on stdin is not UTF-8")?,
+    };
+    let mut limits = RequestedLimits::new(args.timeout_ms, args.memory_mb);
+    limits.cpu_shares = args.cpu_shares;
+    limits.max_output_bytes = args.max_output_bytes;
+    limits.pids_max = args.pids_max;
+    limits.disk_mb = args.disk_mb;
+    let mut request = ExecuteRequest::new(new_execution_id(), args.language, code, limits);
+    if let Some(path) = &args.stdin {
+        if path == Path::new("-") && args.dash.is_some() {
+            bail!("--stdin - and the program from stdin (-) cannot both read stdin");
+        }
+        request.stdin = Some(
+            String::from_utf8(read_input(path).await?)
+                .with_context(|| format!("--stdin {}: not UTF-8", path.display()))?,
+        );
+    }
+    for kv in &args.env {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("--env {kv:?}: expected K=V"))?;
+        request.env.insert(k.to_owned(), v.to_owned());
+    }
+    for spec in &args.files {
+        let (path, local) = spec
+            .split_once('=')
+            .with_context(|| format!("--file-in {spec:?}: expected PATH=LOCAL"))?;
+        let bytes = read_input(Path::new(local)).await?;
+        let (content, encoding) = match String::from_utf8(bytes) {
+            Ok(text) => (text, FileEncoding::Utf8),
+            Err(e) => (
+                base64::engine::general_purpose::STANDARD.encode(e.as_bytes()),
+                FileEncoding::Base64,
+            ),
+        };
+        request.files.push(FileSpec {
+            path: path.to_owned(),
+            content,
+            encoding,
+        });
+    }
+    if !args.artifacts.is_empty() {
+        request.artifacts = Some(ArtifactsRequest {
+            paths: args.artifacts.clone(),
+            types: None,
+        });
+    }
+    Ok(request)
+}
+
+async fn write_flush<W: AsyncWrite + Unpin>(w: &mut W, bytes: &[u8]) -> std::io::Result<()> {
+    w.write_all(bytes).await?;
+    w.flush().await
+}
+
+async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCode> {
+    let request = build_request(&args).await?;
+    let timeout_ms = request.limits.timeout_ms;
+    let conn = match Connection::connect(options).await {
+        Ok(c) => c,
+        Err(e) => return Ok(fail(&e).await),
+    };
+    let exec_options = match args.deadline_ms {
+        Some(ms) => ExecOptions::new().deadline(Duration::from_millis(ms)),
+        None => ExecOptions::new(),
+    };
+    let mut execution = match conn.execute_stream_with(request, exec_options).await {
+        Ok(e) => e,
+        Err(e) => return Ok(fail(&e).await),
+    };
+    let mut stdout = tokio::io::stdout();
+    let mut stderr = tokio::io::stderr();
+    let mut interrupted = false;
+    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    let result = loop {
+        let item = tokio::select! {
+            item = execution.next() => item,
+            _ = &mut ctrl_c, if !interrupted => {
+                interrupted = true;
+                say(format!("interrupted; cancelling {}", execution.id())).await;
+                if let Err(e) = execution.cancel().await {
+                    return Ok(fail(&e).await);
+                }
+                continue;
+            }
+        };
+        let envelope = match item {
+            None => {
+                say("the execution ended without a result".to_owned()).await;
+                return Ok(Exit::Protocol.into());
+            }
+            Some(Err(e)) => {
+                if args.json {
+                    if let ClientError::Server { id, code, message } = &e {
+                        let m = ServerMessage::Error(protocol::ErrorMessage::new(
+                            id.clone(),
+                            *code,
+                            message.clone(),
+                        ));
+                        write_flush(
+                            &mut stdout,
+                            format!("{}\n", protocol::encode(&m)).as_bytes(),
+                        )
+                        .await?;
+                    }
+                }
+                return Ok(fail(&e).await);
+            }
+            Some(Ok(envelope)) => envelope,
+        };
+        if args.json {
+            let line = protocol::encode_with_ts(&envelope.message, &envelope.ts);
+            write_flush(&mut stdout, format!("{line}\n").as_bytes()).await?;
+        }
+        match envelope.message {
+            ServerMessage::Stdout(chunk) if !args.json => {
+                let bytes = chunk.decode().context("undecodable stdout chunk")?;
+                write_flush(&mut stdout, &bytes).await?;
+            }
+            ServerMessage::Stderr(chunk) if !args.json => {
+                let bytes = chunk.decode().context("undecodable stderr chunk")?;
+                write_flush(&mut stderr, &bytes).await?;
+            }
+            ServerMessage::Result(result) => break result,
+            _ => {}
+        }
+    };
+    conn.close();
+    Ok(outcome(&result, timeout_ms).await)
+}
+
+/// The exit code for a finished execution, with a one-line reason on stderr when it is not the program's own.
+async fn outcome(result: &protocol::ResultMessage, timeout_ms: u64) -> ExitCode {
+    let status = ExecStatus::terminal(result.reason, result.exit_code);
+    match result.reason {
+        Reason::Exited => ExitCode::from((result.exit_code.unwrap_or(0) & 0xff) as u8),
+        Reason::Signaled => {
+            let name = result.signal.as_deref().unwrap_or("an unknown signal");
+            say(format!("the program was killed by {name}")).await;
+            let n = result.signal.as_deref().map(signal_number).unwrap_or(0);
+            ExitCode::from(128u8.saturating_add(n))
+        }
+        Reason::Timeout => {
+            say(format!(
+                "timeout: the program ran longer than {timeout_ms} ms (status {})",
+                status.as_str()
+            ))
+            .await;
+            Exit::Timeout.into()
+        }
+        Reason::Oom => {
+            say(format!(
+                "out of memory: killed by the memory limit (peak {} MiB)",
+                result.resource_usage.peak_memory_mb
+            ))
+            .await;
+            Exit::Oom.into()
+        }
+        Reason::OutputLimit => {
+            say(format!(
+                "output limit: killed after {} bytes of output",
+                result.stdout_bytes + result.stderr_bytes
+            ))
+            .await;
+            Exit::OutputLimit.into()
+        }
+        Reason::Cancelled => {
+            say("cancelled".to_owned()).await;
+            Exit::Interrupted.into()
+        }
+    }
+}
+
+/// The Linux number of a signal name like `SIGKILL` (0 if unknown).
+fn signal_number(name: &str) -> u8 {
+    const NAMES: [&str; 31] = [
+        "SIGHUP",
+        "SIGINT",
+        "SIGQUIT",
+        "SIGILL",
+        "SIGTRAP",
+        "SIGABRT",
+        "SIGBUS",
+        "SIGFPE",
+        "SIGKILL",
+        "SIGUSR1",
+        "SIGSEGV",
+        "SIGUSR2",
+        "SIGPIPE",
+        "SIGALRM",
+        "SIGTERM",
+        "SIGSTKFLT",
+        "SIGCHLD",
+        "SIGCONT",
+        "SIGSTOP",
+        "SIGTSTP",
+        "SIGTTIN",
+        "SIGTTOU",
+        "SIGURG",
+        "SIGXCPU",
+        "SIGXFSZ",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGWINCH",
+        "SIGIO",
+        "SIGPWR",
+        "SIGSYS",
+    ];
+    NAMES
+        .iter()
+        .position(|n| *n == name)
+        .map(|i| i as u8 + 1)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_numbers() {
+        assert_eq!(signal_number("SIGKILL"), 9);
+        assert_eq!(signal_number("SIGSEGV"), 11);
+        assert_eq!(signal_number("SIGSYS"), 31);
+        assert_eq!(signal_number("SIGNOPE"), 0);
+    }
+
+    #[test]
+    fn cli_parses() {
+        Cli::command_for_tests().debug_assert();
+    }
+
+    impl Cli {
+        fn command_for_tests() -> clap::Command {
+            <Cli as clap::CommandFactory>::command()
+        }
+    }
+}

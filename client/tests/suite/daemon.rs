@@ -1,0 +1,455 @@
+//! Real sandboxd daemons for the client's tests and bench: each with its own temp config, port, state directory,
+//! cgroup parent and uid range (the approach of `sandboxd/tests/suite/harness.rs`), killable with SIGKILL and
+//! restartable on the same port and state.
+//!
+//! The daemon binary is `$SANDBOXD_BIN`, else `sandboxd` in the target profile directory of the running
+//! executable (`target/debug/sandboxd` for tests; `cargo test --workspace` builds it, `cargo build -p sandboxd`
+//! does too). When it is missing, or when not root, a test says `SKIPPED` loudly, and fails when `CI` is set.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use serde_json::json;
+
+/// How long a daemon may take to become healthy.
+const READY_DEADLINE: Duration = Duration::from_secs(30);
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// Whether `CI` is set (where every test must run).
+pub fn on_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
+}
+
+/// A test that cannot run here: a failure on CI, a loud skip elsewhere.
+pub fn cannot_run(test: &str, reason: &str) {
+    if on_ci() {
+        panic!("{test} cannot run ({reason}), and CI must run every test");
+    }
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "SKIPPED ({reason}): {test}");
+}
+
+/// The sandboxd binary, if it exists.
+pub fn sandboxd_binary() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("SANDBOXD_BIN") {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!("SANDBOXD_BIN={} does not exist", p.display()))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    // target/<profile>/deps/<test> or target/<profile>/examples/<example> or target/<profile>/<bench>.
+    let mut dirs = Vec::new();
+    if let Some(parent) = exe.parent() {
+        dirs.push(parent.to_owned());
+        if let Some(grand) = parent.parent() {
+            dirs.push(grand.to_owned());
+        }
+    }
+    for dir in &dirs {
+        let candidate = dir.join("sandboxd");
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    Err(format!(
+        "no sandboxd binary next to {} (run `cargo build -p sandboxd` first, or `cargo test --workspace`, \
+         which builds it; or set SANDBOXD_BIN)",
+        exe.display()
+    ))
+}
+
+/// For a test that needs a real daemon: the binary, or `None` after saying why (panics on CI).
+pub fn require_daemon(test: &str) -> Option<PathBuf> {
+    if !nix::unistd::geteuid().is_root() {
+        cannot_run(test, "needs root");
+        return None;
+    }
+    match sandboxd_binary() {
+        Ok(p) => Some(p),
+        Err(e) => {
+            cannot_run(test, &e);
+            None
+        }
+    }
+}
+
+/// A daemon's configuration knobs.
+#[derive(Debug, Clone)]
+pub struct DaemonOpts {
+    /// `capacity.max_concurrent` (at most 64: the uid range per daemon).
+    pub max_concurrent: usize,
+    /// `capacity.max_queue`.
+    pub max_queue: usize,
+    /// `limits.max.max_output_bytes`.
+    pub max_output_bytes: u64,
+    /// `limits.max.timeout_ms`.
+    pub max_timeout_ms: u64,
+}
+
+impl Default for DaemonOpts {
+    fn default() -> Self {
+        DaemonOpts {
+            max_concurrent: 8,
+            max_queue: 32,
+            max_output_bytes: 16 << 20,
+            max_timeout_ms: 120_000,
+        }
+    }
+}
+
+/// A running sandboxd. Dropping it stops it and removes its cgroups.
+pub struct Daemon {
+    binary: PathBuf,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    config: PathBuf,
+    /// Listen port on 127.0.0.1.
+    pub port: u16,
+    /// An accepted token.
+    pub token: String,
+    /// `sandbox.cgroup_parent`.
+    pub cgroup_parent: String,
+    /// `sandbox.uid_base`.
+    pub uid_base: u32,
+    /// `capacity.max_concurrent`.
+    pub max_concurrent: usize,
+    starts: u32,
+}
+
+impl Daemon {
+    /// Starts a daemon and waits until it serves.
+    pub async fn start(binary: &Path, opts: DaemonOpts) -> Daemon {
+        assert!(opts.max_concurrent <= 64, "uid ranges are 64 wide");
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let pid = std::process::id();
+        // A uid region apart from the daemon's own suite (which starts at 1,000,000).
+        let uid_base = 200_000_000 + (pid % 20_000) * 8192 + (n % 128) * 64;
+        let cgroup_parent = format!("sandboxd-client-test-{pid}-{n}");
+        let token = format!("client-test-{pid}-{n}-{:016x}", rand::random::<u64>());
+        let mut dir = tempfile::Builder::new()
+            .prefix("sandboxd-client-test-")
+            .tempdir()
+            .expect("tempdir");
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let port = free_port();
+            let config = json!({
+                "listen": format!("127.0.0.1:{port}"),
+                "state_dir": dir.path().join("state"),
+                "auth": {"tokens": [token]},
+                "capacity": {"max_concurrent": opts.max_concurrent, "max_queue": opts.max_queue},
+                "limits": {"max": {
+                    "timeout_ms": opts.max_timeout_ms, "memory_mb": 1024, "cpu_shares": 1024,
+                    "max_output_bytes": opts.max_output_bytes, "pids_max": 256, "disk_mb": 256,
+                }},
+                "shutdown_grace_ms": 1000,
+                "sandbox": {"cgroup_parent": cgroup_parent, "uid_base": uid_base},
+            });
+            let config_path = dir.path().join("config.yaml");
+            std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+            let mut d = Daemon {
+                binary: binary.to_owned(),
+                child: None,
+                dir,
+                config: config_path,
+                port,
+                token: token.clone(),
+                cgroup_parent: cgroup_parent.clone(),
+                uid_base,
+                max_concurrent: opts.max_concurrent,
+                starts: 0,
+            };
+            d.spawn();
+            match d.wait_ready().await {
+                Ok(()) => return d,
+                Err(e) if attempt < 5 && d.log().contains("cannot listen") => {
+                    eprintln!("daemon: port {port} was taken ({e}); trying another one");
+                    d.stop();
+                    dir = std::mem::replace(&mut d.dir, tempfile::tempdir().unwrap());
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    fn spawn(&mut self) {
+        self.starts += 1;
+        let log = |name: &str| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(self.dir.path().join(name))
+                .unwrap()
+        };
+        let child = Command::new(&self.binary)
+            .arg("--config")
+            .arg(&self.config)
+            .env_remove("SANDBOXD_TOKEN")
+            .env_remove("SANDBOXD_LOG")
+            .stdin(Stdio::null())
+            .stdout(log("stdout.log"))
+            .stderr(log("stderr.log"))
+            .spawn()
+            .expect("spawn sandboxd");
+        self.child = Some(child);
+    }
+
+    async fn wait_ready(&mut self) -> Result<(), String> {
+        let start = Instant::now();
+        loop {
+            if let Some(child) = &mut self.child {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(format!(
+                        "sandboxd exited during start-up with {status}; log:\n{}",
+                        self.log()
+                    ));
+                }
+            }
+            if let Ok(h) = client::health(&self.url(), None, Duration::from_secs(2)).await {
+                if h.status == 200 {
+                    let options = client::ConnectOptions::new(self.url()).token(self.token.clone());
+                    if client::Connection::connect(options).await.is_ok() {
+                        return Ok(());
+                    }
+                }
+            }
+            if start.elapsed() > READY_DEADLINE {
+                return Err(format!(
+                    "sandboxd not ready within {READY_DEADLINE:?}; log:\n{}",
+                    self.log()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// `ws://127.0.0.1:PORT/ws`.
+    pub fn url(&self) -> String {
+        format!("ws://127.0.0.1:{}/ws", self.port)
+    }
+
+    /// The daemon's pid, while it runs.
+    pub fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.id() as i32)
+    }
+
+    /// The uids container processes run as.
+    pub fn uid_range(&self) -> std::ops::Range<u32> {
+        self.uid_base..self.uid_base + self.max_concurrent as u32
+    }
+
+    /// The daemon's log so far (every start).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default()
+    }
+
+    /// SIGKILLs the daemon (a crash), reaps it, and waits until its helper, which dies with it, is gone. A helper
+    /// that outlives its daemon for 5 s is reported and killed.
+    pub fn kill_hard(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let pid = child.id() as i32;
+        let helpers: Vec<i32> = children_of(pid);
+        let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+        let _ = child.wait();
+        let start = Instant::now();
+        while helpers.iter().any(|h| is_alive(*h)) {
+            if start.elapsed() > Duration::from_secs(5) {
+                eprintln!(
+                    "daemon: helper(s) {helpers:?} outlived their SIGKILLed daemon {pid} by 5 s; killing them"
+                );
+                for h in &helpers {
+                    let _ = nix::sys::signal::kill(Pid::from_raw(*h), Signal::SIGKILL);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Starts the daemon again on the same port, state directory, cgroup parent, uid range and token; waits until
+    /// it serves.
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "restart a daemon that is not running");
+        self.spawn();
+        if let Err(e) = self.wait_ready().await {
+            panic!("restart: {e}");
+        }
+    }
+
+    /// Spawns the daemon again without waiting for it.
+    pub fn respawn(&mut self) {
+        assert!(self.child.is_none(), "respawn a daemon that is not running");
+        self.spawn();
+    }
+
+    /// Waits until a respawned daemon serves.
+    pub async fn wait_serving(&mut self) {
+        if let Err(e) = self.wait_ready().await {
+            panic!("{e}");
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+            let start = Instant::now();
+            loop {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                if start.elapsed() > Duration::from_secs(15) {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+        if std::thread::panicking() {
+            eprintln!(
+                "----- sandboxd (port {}) log -----\n{}----- end of log -----",
+                self.port,
+                self.log()
+            );
+        }
+        remove_cgroup_parent(&self.cgroup_parent);
+    }
+}
+
+/// A TCP port nothing listens on right now.
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local_addr").port()
+}
+
+fn status_field(pid: i32, name: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .map(|v| v.trim().to_owned())
+}
+
+fn is_alive(pid: i32) -> bool {
+    status_field(pid, "State:").is_some_and(|s| !s.starts_with('Z'))
+}
+
+fn all_pids() -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Direct children of `pid`.
+pub fn children_of(pid: i32) -> Vec<i32> {
+    all_pids()
+        .into_iter()
+        .filter(|p| status_field(*p, "PPid:").and_then(|v| v.parse::<i32>().ok()) == Some(pid))
+        .collect()
+}
+
+/// Live processes whose real uid is in `uids`.
+pub fn processes_with_uid(uids: std::ops::Range<u32>) -> Vec<i32> {
+    all_pids()
+        .into_iter()
+        .filter(|p| {
+            is_alive(*p)
+                && status_field(*p, "Uid:")
+                    .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok())
+                    .is_some_and(|uid| uids.contains(&uid))
+        })
+        .collect()
+}
+
+/// Best-effort removal of a test daemon's cgroup parent (processes killed, directories removed).
+pub fn remove_cgroup_parent(parent: &str) {
+    let hierarchies: Vec<PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default();
+    let start = Instant::now();
+    loop {
+        let mut all = Vec::new();
+        for h in &hierarchies {
+            let d = h.join(parent);
+            if d.is_dir() {
+                collect_dirs(&d, &mut all);
+            }
+        }
+        if all.is_empty() {
+            return;
+        }
+        all.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for d in &all {
+            let _ = std::fs::write(d.join("freezer.state"), "THAWED");
+            if let Ok(procs) = std::fs::read_to_string(d.join("cgroup.procs")) {
+                for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                    let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+                }
+            }
+            let _ = std::fs::remove_dir(d);
+        }
+        if start.elapsed() > Duration::from_secs(5) {
+            eprintln!("daemon: could not remove cgroups {all:?}");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn collect_dirs(dir: &Path, out: &mut Vec<PathBuf>) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                collect_dirs(&e.path(), out);
+            }
+        }
+    }
+    out.push(dir.to_owned());
+}
+
+/// Polls `check` every 20 ms until it returns `Ok`, or panics after `deadline` with its last `Err`.
+pub async fn wait_until<T, F, Fut>(what: &str, deadline: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let start = Instant::now();
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(last) => {
+                if start.elapsed() > deadline {
+                    panic!("timed out after {deadline:?} waiting for {what}; last state: {last}");
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,13 @@
+//! The suites, by area.
+
+pub mod daemon;
+pub mod fake;
+
+mod auth;
+mod daemon_failures;
+mod daemon_pool;
+mod malformed;
+mod pool_behaviour;
+mod readme;
+mod sandboxctl;
+mod tls;
