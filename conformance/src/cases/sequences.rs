@@ -1,0 +1,206 @@
+//! P.5: the message sequences of spec section 5, judged on the executions of P.3 and P.4.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::messages::{
+    completed_exec, exit_code_exec, oom_exec, output_limit_exec, signaled_exec, timeout_exec,
+};
+use super::requests::cancelled_execution;
+use super::{case, ended, sequence, C};
+use crate::framework::{Case, CaseResult};
+use crate::msgs::with;
+use crate::wire::short;
+use crate::{check, skip};
+
+const SUCCESS: &str =
+    "Success: `ack`, `status:running`, (`stdout`|`stderr`)*, `status:completed|failed`, `result`.";
+const SAME: &str = "Timeout / OOM / cancel / output limit: same, with the matching terminal status and `result.reason`.";
+const REFUSED: &str = "Refused: `error` only.";
+const INFRA: &str =
+    "Infrastructure failure after start: `error` `INTERNAL_ERROR` is the last message for that id.";
+const ONE: &str =
+    "For every execute there is exactly one terminal message: a `result` or an `error`.";
+
+/// The cases of this group, in id order.
+pub fn cases() -> Vec<Case> {
+    vec![
+        case!(
+            "P.5.1",
+            Must,
+            "5",
+            "Success sequence (completed)",
+            SUCCESS,
+            success
+        ),
+        case!(
+            "P.5.2",
+            Must,
+            "5",
+            "Success sequence (failed: exit code and signal)",
+            SUCCESS,
+            failure
+        ),
+        case!("P.5.3", Must, "5", "Timeout sequence", SAME, timeout),
+        case!("P.5.4", Must, "5", "OOM sequence", SAME, oom),
+        case!("P.5.5", Must, "5", "Cancel sequence", SAME, cancel),
+        case!(
+            "P.5.6",
+            Must,
+            "5",
+            "Output limit sequence",
+            SAME,
+            output_limit
+        ),
+        case!(
+            "P.5.7",
+            Must,
+            "5",
+            "Refused sequence: error only",
+            REFUSED,
+            refused_only
+        ),
+        case!(
+            "P.5.8",
+            Must,
+            "5",
+            "Infrastructure failure: INTERNAL_ERROR is the last message",
+            INFRA,
+            infrastructure
+        ),
+        case!(
+            "P.5.9",
+            Must,
+            "5",
+            "Exactly one terminal message per execute",
+            ONE,
+            one_terminal
+        ),
+    ]
+}
+
+async fn success(ctx: C) -> CaseResult {
+    let e = completed_exec(&ctx).await?;
+    sequence(&e)?;
+    check!(
+        e.terminal_status().as_deref() == Some("completed"),
+        "{}",
+        e.dump()
+    );
+    Ok(format!("{:?}", e.labels()))
+}
+
+async fn failure(ctx: C) -> CaseResult {
+    let a = exit_code_exec(&ctx).await?;
+    sequence(&a)?;
+    check!(
+        a.terminal_status().as_deref() == Some("failed"),
+        "{}",
+        a.dump()
+    );
+    let b = signaled_exec(&ctx).await?;
+    sequence(&b)?;
+    check!(
+        b.terminal_status().as_deref() == Some("failed"),
+        "{}",
+        b.dump()
+    );
+    Ok(format!("{:?}", a.labels()))
+}
+
+async fn timeout(ctx: C) -> CaseResult {
+    let e = timeout_exec(&ctx).await?;
+    sequence(&e)?;
+    ended(&e, "timeout", "timeout")?;
+    Ok(format!("{:?}", e.labels()))
+}
+
+async fn oom(ctx: C) -> CaseResult {
+    let e = oom_exec(&ctx).await?;
+    sequence(&e)?;
+    ended(&e, "oom", "oom")?;
+    Ok(format!("{:?}", e.labels()))
+}
+
+async fn cancel(ctx: C) -> CaseResult {
+    let e = cancelled_execution(&ctx).await?;
+    sequence(&e)?;
+    ended(&e, "cancelled", "cancelled")?;
+    Ok(format!("{:?}", e.labels()))
+}
+
+async fn output_limit(ctx: C) -> CaseResult {
+    let e = output_limit_exec(&ctx).await?;
+    sequence(&e)?;
+    ended(&e, "failed", "output_limit")?;
+    Ok(format!("{:?}", e.labels()))
+}
+
+async fn refused_only(ctx: C) -> CaseResult {
+    let lang = ctx.shell()?;
+    let mut c = ctx.connect().await?;
+    for extra in [
+        json!({"limits": {"timeout_ms": null}}),
+        json!({"language": "cobol"}),
+        json!({"bogus": true}),
+    ] {
+        let id = ctx.id("refused");
+        let e = c
+            .run(&with(ctx.exec(&id, lang, "echo ran"), extra), ctx.secs(10))
+            .await?;
+        check!(
+            e.msgs.len() == 1 && e.msgs[0].kind() == "error",
+            "a refused execute gets its error only: {}",
+            e.dump()
+        );
+        c.expect_none(
+            ctx.scaled(Duration::from_millis(300)),
+            "a message after the refusal",
+            |m| m.is_for(&id),
+        )
+        .await?;
+    }
+    Ok(String::new())
+}
+
+async fn infrastructure(_ctx: C) -> CaseResult {
+    skip!(
+        "an infrastructure failure cannot be provoked through the protocol; every execution collected by this suite \
+         is checked to end with exactly one terminal message, and an INTERNAL_ERROR is accepted only as the last one"
+    )
+}
+
+async fn one_terminal(ctx: C) -> CaseResult {
+    let lang = ctx.shell()?;
+    let mut c = ctx.connect().await?;
+    let ids: Vec<String> = (0..5).map(|i| ctx.id(&format!("one{i}"))).collect();
+    let execs = [
+        ctx.exec(&ids[0], lang, "echo fine"),
+        ctx.exec(&ids[1], "cobol", "x"),
+        with(ctx.exec(&ids[2], lang, "echo x"), json!({"bogus": 1})),
+        ctx.exec(&ids[3], lang, "exit 1"),
+        with(
+            ctx.exec(&ids[4], lang, "sleep 5"),
+            json!({"limits": {"timeout_ms": 500}}),
+        ),
+    ];
+    let sent = Instant::now();
+    c.send_all(&execs).await?;
+    for id in &ids {
+        let e = c.collect(id, sent, ctx.end_within(500)).await?;
+        sequence(&e)?;
+    }
+    for id in &ids {
+        c.expect_none(
+            ctx.scaled(Duration::from_millis(300)),
+            "a message after the execution's terminal message",
+            |m| m.is_for(id),
+        )
+        .await
+        .map_err(|s| {
+            crate::framework::Stop::Fail(format!("{} ({})", s.message(), short(&json!(id))))
+        })?;
+    }
+    Ok(String::new())
+}

@@ -1,0 +1,1153 @@
+//! A deliberately faulty FSP/1 server, to show that the suite can fail.
+//!
+//! With no fault it implements FSP/1 well enough to pass the whole suite: it runs programs as plain host
+//! processes (`/bin/sh`, and `python3` when the host has it), each in its own process group and working
+//! directory, enforces `timeout_ms`, `max_output_bytes` (to the byte), `memory_mb` (by sampling the program's
+//! resident memory), the file size part of `disk_mb` (`RLIMIT_FSIZE`), cancel and disconnect (the whole process
+//! tree, found by an environment tag every descendant inherits), capacity and queueing. It isolates nothing, and
+//! says so: its `pong` announces no namespaces, no seccomp, no Landlock and host network, so that isolation
+//! cases skip, and posture cases it cannot meet (capabilities, `no_new_privs`, `pids_max`) honestly fail as
+//! SHOULD. Each [`Fault`] breaks one requirement on purpose.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::fmt;
+use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use protocol::{
+    Capabilities, ClientMessage, ErrorCode, ErrorMessage, ExecStatus, ExecuteRequest, Isolation,
+    Language, Limits, Load, OutputChunk, Pong, Reason, RequestError, ResourceUsage, ResultMessage,
+    ServerMessage, Utf8Chunker,
+};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::http::StatusCode;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{self, Message};
+
+/// One way the fixture breaks FSP/1 on purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Fault {
+    /// Never sends `ack`.
+    NoAck,
+    /// Sends `result` before the terminal `status`.
+    ResultBeforeStatus,
+    /// After a timeout, sends the terminal status but no `result`.
+    NoResultAfterTimeout,
+    /// Answers a cancel of an unknown id with `INVALID_REQUEST` instead of `UNKNOWN_EXECUTION`.
+    WrongErrorCode,
+    /// Lowers limits above the maximum to the maximum instead of refusing them.
+    ClampsLimits,
+    /// Ignores `cancel`.
+    IgnoresCancel,
+    /// Sends all output, beyond `max_output_bytes`.
+    OutputBeyondLimit,
+    /// Holds `pong` back while output flows on the connection.
+    NoPongDuringFlood,
+    /// Accepts any bearer token.
+    AcceptsBadToken,
+    /// Runs every execution in one shared working directory, never cleaned.
+    SharedWorkdir,
+    /// Leaves the programs of a closed connection running.
+    LeavesProcessAfterDisconnect,
+    /// Sends each read of output as it comes, splitting UTF-8 sequences across chunks.
+    SplitsUtf8,
+    /// Sends `SANDBOX_OVERLOADED` with `retryable: false`.
+    OverloadNotRetryable,
+    /// Leaves `id` out of every `error`.
+    ErrorWithoutId,
+    /// Ignores unknown fields of `execute` instead of refusing them.
+    IgnoresUnknownFields,
+    /// Sends `SANDBOX_OVERLOADED` only after 3 s.
+    SlowOverload,
+    /// Reports `pong.load` as always 0.
+    LoadLies,
+    /// Reports exit code 128+N instead of null for a program killed by signal N.
+    ExitCodeOnSignal,
+    /// Accepts any `X-Protocol-Version`.
+    IgnoresVersionHeader,
+}
+
+impl Fault {
+    /// Every fault.
+    pub const ALL: [Fault; 19] = [
+        Fault::NoAck,
+        Fault::ResultBeforeStatus,
+        Fault::NoResultAfterTimeout,
+        Fault::WrongErrorCode,
+        Fault::ClampsLimits,
+        Fault::IgnoresCancel,
+        Fault::OutputBeyondLimit,
+        Fault::NoPongDuringFlood,
+        Fault::AcceptsBadToken,
+        Fault::SharedWorkdir,
+        Fault::LeavesProcessAfterDisconnect,
+        Fault::SplitsUtf8,
+        Fault::OverloadNotRetryable,
+        Fault::ErrorWithoutId,
+        Fault::IgnoresUnknownFields,
+        Fault::SlowOverload,
+        Fault::LoadLies,
+        Fault::ExitCodeOnSignal,
+        Fault::IgnoresVersionHeader,
+    ];
+
+    /// The command-line name, e.g. `no-ack`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Fault::NoAck => "no-ack",
+            Fault::ResultBeforeStatus => "result-before-status",
+            Fault::NoResultAfterTimeout => "no-result-after-timeout",
+            Fault::WrongErrorCode => "wrong-error-code",
+            Fault::ClampsLimits => "clamps-limits",
+            Fault::IgnoresCancel => "ignores-cancel",
+            Fault::OutputBeyondLimit => "output-beyond-limit",
+            Fault::NoPongDuringFlood => "no-pong-during-flood",
+            Fault::AcceptsBadToken => "accepts-bad-token",
+            Fault::SharedWorkdir => "shared-workdir",
+            Fault::LeavesProcessAfterDisconnect => "leaves-process-after-disconnect",
+            Fault::SplitsUtf8 => "splits-utf8",
+            Fault::OverloadNotRetryable => "overload-not-retryable",
+            Fault::ErrorWithoutId => "error-without-id",
+            Fault::IgnoresUnknownFields => "ignores-unknown-fields",
+            Fault::SlowOverload => "slow-overload",
+            Fault::LoadLies => "load-lies",
+            Fault::ExitCodeOnSignal => "exit-code-on-signal",
+            Fault::IgnoresVersionHeader => "ignores-version-header",
+        }
+    }
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Fault {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Fault::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown fault {s:?}; known: {}",
+                    Fault::ALL.map(Fault::name).join(", ")
+                )
+            })
+    }
+}
+
+/// How the fixture is configured.
+#[derive(Debug, Clone)]
+pub struct FixtureConfig {
+    /// The accepted bearer token.
+    pub token: String,
+    /// Executions run at once.
+    pub max_concurrent: usize,
+    /// Executions waiting beyond those.
+    pub max_queue: usize,
+    /// The largest limits an execute may ask for.
+    pub max_limits: Limits,
+    /// Frames larger than this close the connection with 1009.
+    pub max_frame_bytes: usize,
+    /// The faults switched on.
+    pub faults: BTreeSet<Fault>,
+}
+
+impl Default for FixtureConfig {
+    fn default() -> Self {
+        FixtureConfig {
+            token: "fixture-token-0123456789".into(),
+            max_concurrent: 3,
+            max_queue: 2,
+            max_limits: Limits {
+                timeout_ms: 120_000,
+                memory_mb: 2048,
+                cpu_shares: 1024,
+                max_output_bytes: 64 << 20,
+                pids_max: 1024,
+                disk_mb: 1024,
+            },
+            max_frame_bytes: 16 << 20,
+            faults: BTreeSet::new(),
+        }
+    }
+}
+
+/// A running fixture; stopped when dropped.
+pub struct Fixture {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+    _root: tempfile::TempDir,
+}
+
+impl Fixture {
+    /// `ws://ADDR/ws`.
+    pub fn endpoint(&self) -> String {
+        format!("ws://{}/ws", self.addr)
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts a fixture on `listen` (e.g. `127.0.0.1:0`).
+pub async fn start(config: FixtureConfig, listen: &str) -> std::io::Result<Fixture> {
+    let listener = TcpListener::bind(listen).await?;
+    let addr = listener.local_addr()?;
+    let root = tempfile::Builder::new().prefix("fsp-fixture-").tempdir()?;
+    let mut languages = vec![(Language::Shell, PathBuf::from("/bin/sh"), "main.sh")];
+    if Path::new("/usr/bin/python3").exists() {
+        languages.push((
+            Language::Python,
+            PathBuf::from("/usr/bin/python3"),
+            "main.py",
+        ));
+    }
+    let shared = Arc::new(Shared {
+        slots: Arc::new(Semaphore::new(config.max_concurrent)),
+        queued: Mutex::new(0),
+        seq: AtomicU64::new(0),
+        root: root.path().to_owned(),
+        languages,
+        config,
+    });
+    let task = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let _ = stream.set_nodelay(true);
+            tokio::spawn(connection(shared.clone(), stream));
+        }
+    });
+    Ok(Fixture {
+        addr,
+        task,
+        _root: root,
+    })
+}
+
+struct Shared {
+    config: FixtureConfig,
+    slots: Arc<Semaphore>,
+    queued: Mutex<usize>,
+    seq: AtomicU64,
+    root: PathBuf,
+    languages: Vec<(Language, PathBuf, &'static str)>,
+}
+
+impl Shared {
+    fn has(&self, f: Fault) -> bool {
+        self.config.faults.contains(&f)
+    }
+
+    fn queued(&self) -> std::sync::MutexGuard<'_, usize> {
+        self.queued.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn pong(&self) -> Pong {
+        let active = (self.config.max_concurrent - self.slots.available_permits()) as u64;
+        let load = if self.has(Fault::LoadLies) {
+            Load::default()
+        } else {
+            Load {
+                active_executions: active,
+                queue_depth: *self.queued() as u64,
+            }
+        };
+        Pong {
+            load,
+            capabilities: Some(Capabilities {
+                languages: self.languages.iter().map(|l| l.0).collect(),
+                max_limits: self.config.max_limits,
+                extensions: vec!["files".into(), "base64_output".into()],
+                isolation: Isolation {
+                    namespaces: Vec::new(),
+                    cgroup_version: "none".into(),
+                    seccomp: false,
+                    landlock_abi: None,
+                    user_namespace: false,
+                    network: "host".into(),
+                },
+            }),
+        }
+    }
+}
+
+/// A queued outgoing frame.
+enum Out {
+    Msg(ServerMessage),
+    Close(u16),
+}
+
+/// Sent to a running execution by its connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ctl {
+    Run,
+    Cancel,
+}
+
+type Registry = Arc<Mutex<HashMap<String, watch::Sender<Ctl>>>>;
+
+fn status_response(code: StatusCode, body: String) -> ErrorResponse {
+    let mut r = ErrorResponse::new(Some(body));
+    *r.status_mut() = code;
+    r
+}
+
+#[allow(
+    clippy::result_large_err,
+    reason = "the handshake callback's error type is tungstenite's"
+)]
+async fn connection(shared: Arc<Shared>, stream: TcpStream) {
+    let s = shared.clone();
+    let check = move |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
+        if req.uri().path() != "/ws" {
+            return Err(status_response(StatusCode::NOT_FOUND, "not found\n".into()));
+        }
+        let auth = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        let ok = auth.and_then(|a| a.strip_prefix("Bearer ")) == Some(s.config.token.as_str());
+        if !ok && !s.has(Fault::AcceptsBadToken) {
+            return Err(status_response(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized\n".into(),
+            ));
+        }
+        if let Some(v) = req.headers().get("x-protocol-version") {
+            if v.to_str().ok().map(str::trim) != Some("1") && !s.has(Fault::IgnoresVersionHeader) {
+                return Err(status_response(
+                    StatusCode::BAD_REQUEST,
+                    "{\"error\":\"unsupported protocol version\",\"supported_versions\":[1]}"
+                        .into(),
+                ));
+            }
+        }
+        Ok(resp)
+    };
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(shared.config.max_frame_bytes))
+        .max_frame_size(Some(shared.config.max_frame_bytes));
+    let Ok(ws) = tokio_tungstenite::accept_hdr_async_with_config(stream, check, Some(config)).await
+    else {
+        return;
+    };
+    let (mut sink, mut source) = ws.split();
+    let (prio_tx, mut prio_rx) = mpsc::unbounded_channel::<Out>();
+    let (exec_tx, mut exec_rx) = mpsc::channel::<ServerMessage>(256);
+    let hold_pongs = shared.has(Fault::NoPongDuringFlood);
+    let writer = tokio::spawn(async move {
+        let mut held: VecDeque<ServerMessage> = VecDeque::new();
+        let mut last_output = Instant::now() - Duration::from_secs(60);
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            let out = tokio::select! {
+                biased;
+                m = prio_rx.recv() => match m { Some(m) => m, None => break },
+                m = exec_rx.recv() => match m { Some(m) => Out::Msg(m), None => break },
+                _ = tick.tick() => {
+                    if last_output.elapsed() > Duration::from_secs(2) {
+                        while let Some(p) = held.pop_front() {
+                            if sink.send(Message::text(protocol::encode(&p))).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    continue;
+                }
+            };
+            let frame = match out {
+                Out::Close(code) => {
+                    let _ = sink
+                        .send(Message::Close(Some(CloseFrame {
+                            code: CloseCode::from(code),
+                            reason: "message too big".into(),
+                        })))
+                        .await;
+                    break;
+                }
+                Out::Msg(m) => {
+                    if matches!(m, ServerMessage::Stdout(_) | ServerMessage::Stderr(_)) {
+                        last_output = Instant::now();
+                    }
+                    if hold_pongs
+                        && matches!(m, ServerMessage::Pong(_))
+                        && last_output.elapsed() < Duration::from_secs(2)
+                    {
+                        held.push_back(m);
+                        continue;
+                    }
+                    Message::text(protocol::encode(&m))
+                }
+            };
+            if sink.send(frame).await.is_err() {
+                break;
+            }
+        }
+    });
+    let registry: Registry = Arc::new(Mutex::new(HashMap::new()));
+    let reply = |e: ErrorMessage| {
+        let mut e = e;
+        if shared.has(Fault::ErrorWithoutId) {
+            e.id = None;
+        }
+        let _ = prio_tx.send(Out::Msg(ServerMessage::Error(e)));
+    };
+    while let Some(frame) = source.next().await {
+        let text = match frame {
+            Ok(Message::Text(t)) => t.as_str().to_owned(),
+            Ok(Message::Binary(_)) => {
+                reply(RequestError::binary_frame().into());
+                continue;
+            }
+            Ok(Message::Close(_)) => break,
+            Ok(_) => continue,
+            Err(tungstenite::Error::Capacity(_)) => {
+                let _ = prio_tx.send(Out::Close(1009));
+                break;
+            }
+            Err(_) => break,
+        };
+        let text = if shared.has(Fault::IgnoresUnknownFields) {
+            strip_unknown(&text)
+        } else {
+            text
+        };
+        match protocol::parse_client_message(&text) {
+            Err(e) => reply(e.into()),
+            Ok(ClientMessage::Ping(_)) => {
+                let _ = prio_tx.send(Out::Msg(ServerMessage::Pong(shared.pong())));
+            }
+            Ok(ClientMessage::Cancel(c)) => {
+                let found = registry
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&c.id)
+                    .cloned();
+                match found {
+                    Some(tx) => {
+                        if !shared.has(Fault::IgnoresCancel) {
+                            tx.send_replace(Ctl::Cancel);
+                        }
+                    }
+                    None if shared.has(Fault::WrongErrorCode) => reply(ErrorMessage::new(
+                        Some(c.id.clone()),
+                        ErrorCode::InvalidRequest,
+                        "No such execution",
+                    )),
+                    None => reply(RequestError::unknown_execution(&c.id).into()),
+                }
+            }
+            Ok(ClientMessage::Execute(req)) => {
+                if let Some(e) = admit_request(&shared, &registry, &req) {
+                    reply(e);
+                    continue;
+                }
+                let limits = match resolve(&shared, &req) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        reply(e);
+                        continue;
+                    }
+                };
+                let (ctl_tx, ctl_rx) = watch::channel(Ctl::Run);
+                let admission = {
+                    let mut q = shared.queued();
+                    if *q == 0 {
+                        match shared.slots.clone().try_acquire_owned() {
+                            Ok(p) => Some(Some(p)),
+                            Err(_) if *q < shared.config.max_queue => {
+                                *q += 1;
+                                Some(None)
+                            }
+                            Err(_) => None,
+                        }
+                    } else if *q < shared.config.max_queue {
+                        *q += 1;
+                        Some(None)
+                    } else {
+                        None
+                    }
+                };
+                let Some(permit) = admission else {
+                    let mut e = ErrorMessage::overloaded(&req.id);
+                    if shared.has(Fault::OverloadNotRetryable) {
+                        e.retryable = false;
+                    }
+                    if shared.has(Fault::ErrorWithoutId) {
+                        e.id = None;
+                    }
+                    if shared.has(Fault::SlowOverload) {
+                        let tx = prio_tx.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_secs(3)).await;
+                            let _ = tx.send(Out::Msg(ServerMessage::Error(e)));
+                        });
+                    } else {
+                        let _ = prio_tx.send(Out::Msg(ServerMessage::Error(e)));
+                    }
+                    continue;
+                };
+                registry
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(req.id.clone(), ctl_tx);
+                let exec = Execution {
+                    shared: shared.clone(),
+                    registry: registry.clone(),
+                    out: exec_tx.clone(),
+                    req,
+                    limits,
+                };
+                tokio::spawn(exec.run(permit, ctl_rx));
+            }
+        }
+    }
+    // Executions of this connection see their control channel close.
+    registry.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    drop(exec_tx);
+    drop(prio_tx);
+    let _ = writer.await;
+}
+
+/// Removes the fields of an execute (and its limits) that FSP/1 does not define (fault `IgnoresUnknownFields`).
+fn strip_unknown(text: &str) -> String {
+    let Ok(mut v) = serde_json::from_str::<Value>(text) else {
+        return text.to_owned();
+    };
+    if v["type"] == "execute" {
+        if let Some(o) = v.as_object_mut() {
+            let known = [
+                "v",
+                "type",
+                "id",
+                "ts",
+                "language",
+                "code",
+                "stdin",
+                "env",
+                "limits",
+                "files",
+                "artifacts",
+            ];
+            o.retain(|k, _| known.contains(&k.as_str()));
+            if let Some(l) = o.get_mut("limits").and_then(Value::as_object_mut) {
+                l.retain(|k, _| crate::wire::LIMIT_NAMES.contains(&k.as_str()));
+            }
+        }
+    }
+    v.to_string()
+}
+
+/// Refusals before limits: language, artifacts, duplicate id.
+fn admit_request(
+    shared: &Shared,
+    registry: &Registry,
+    req: &ExecuteRequest,
+) -> Option<ErrorMessage> {
+    if !shared.languages.iter().any(|l| l.0 == req.language) {
+        return Some(RequestError::language_not_supported(&req.id, req.language.as_str()).into());
+    }
+    if req.artifacts.is_some() {
+        return Some(ErrorMessage::new(
+            Some(req.id.clone()),
+            ErrorCode::InvalidRequest,
+            "Field artifacts: this server does not implement the artifacts extension",
+        ));
+    }
+    if registry
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains_key(&req.id)
+    {
+        return Some(RequestError::duplicate_execution(&req.id).into());
+    }
+    None
+}
+
+fn resolve(shared: &Shared, req: &ExecuteRequest) -> Result<Limits, ErrorMessage> {
+    let max = shared.config.max_limits;
+    if shared.has(Fault::ClampsLimits) {
+        let l = req.limits;
+        let d = Limits::DEFAULTS;
+        return Ok(Limits {
+            timeout_ms: l.timeout_ms.min(max.timeout_ms),
+            memory_mb: l.memory_mb.min(max.memory_mb),
+            cpu_shares: l.cpu_shares.unwrap_or(d.cpu_shares).min(max.cpu_shares),
+            max_output_bytes: l
+                .max_output_bytes
+                .unwrap_or(d.max_output_bytes)
+                .min(max.max_output_bytes),
+            pids_max: l.pids_max.unwrap_or(d.pids_max).min(max.pids_max),
+            disk_mb: l.disk_mb.unwrap_or(d.disk_mb).min(max.disk_mb),
+        });
+    }
+    req.resolve_limits(&max).map_err(ErrorMessage::from)
+}
+
+struct Execution {
+    shared: Arc<Shared>,
+    registry: Registry,
+    out: mpsc::Sender<ServerMessage>,
+    req: ExecuteRequest,
+    limits: Limits,
+}
+
+/// Why the fixture ended a program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kill {
+    Timeout,
+    Oom,
+    OutputLimit,
+    Cancelled,
+    Gone,
+}
+
+impl Execution {
+    fn has(&self, f: Fault) -> bool {
+        self.shared.has(f)
+    }
+
+    async fn send(&self, m: ServerMessage) {
+        let _ = self.out.send(m).await;
+    }
+
+    fn release(&self) {
+        self.registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.req.id);
+    }
+
+    async fn finish(&self, status: ExecStatus, result: ResultMessage) {
+        self.release();
+        let status = ServerMessage::Status {
+            id: self.req.id.clone(),
+            status,
+        };
+        let result = ServerMessage::Result(result);
+        if self.has(Fault::NoResultAfterTimeout) && status_is(&status, ExecStatus::Timeout) {
+            self.send(status).await;
+        } else if self.has(Fault::ResultBeforeStatus) {
+            self.send(result).await;
+            self.send(status).await;
+        } else {
+            self.send(status).await;
+            self.send(result).await;
+        }
+    }
+
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one field per argument of the result"
+    )]
+    fn result(
+        &self,
+        exit_code: Option<i32>,
+        signal: Option<String>,
+        reason: Reason,
+        duration: Duration,
+        usage: ResourceUsage,
+        sent: [u64; 2],
+        truncated: bool,
+    ) -> ResultMessage {
+        ResultMessage {
+            id: self.req.id.clone(),
+            exit_code,
+            duration_ms: duration.as_millis() as u64,
+            resource_usage: usage,
+            reason,
+            signal,
+            stdout_bytes: sent[0],
+            stderr_bytes: sent[1],
+            truncated,
+            artifacts: None,
+            environment_fingerprint: None,
+        }
+    }
+
+    async fn run(self, permit: Option<OwnedSemaphorePermit>, mut ctl: watch::Receiver<Ctl>) {
+        let id = self.req.id.clone();
+        if !self.has(Fault::NoAck) {
+            self.send(ServerMessage::Ack {
+                id: id.clone(),
+                limits: Some(self.limits),
+                queued: Some(permit.is_none()),
+            })
+            .await;
+        }
+        let permit = match permit {
+            Some(p) => p,
+            None => {
+                let slots = self.shared.slots.clone();
+                let got = tokio::select! {
+                    p = slots.acquire_owned() => p.ok(),
+                    _ = cancelled(&mut ctl) => None,
+                };
+                *self.shared.queued() -= 1;
+                match got {
+                    Some(p) => p,
+                    None => {
+                        if ctl.has_changed().is_ok() || *ctl.borrow() == Ctl::Cancel {
+                            let r = self.result(
+                                None,
+                                None,
+                                Reason::Cancelled,
+                                Duration::ZERO,
+                                ResourceUsage::default(),
+                                [0, 0],
+                                false,
+                            );
+                            self.finish(ExecStatus::Cancelled, r).await;
+                        } else {
+                            self.release();
+                        }
+                        return;
+                    }
+                }
+            }
+        };
+        self.run_in_slot(ctl).await;
+        drop(permit);
+    }
+
+    async fn run_in_slot(&self, mut ctl: watch::Receiver<Ctl>) {
+        let id = self.req.id.clone();
+        let n = self.shared.seq.fetch_add(1, Ordering::Relaxed);
+        // Unique across every fixture of this process, so that one fixture never kills another one's programs.
+        let tag = format!(
+            "{}-{}",
+            std::process::id(),
+            TAGS.fetch_add(1, Ordering::Relaxed)
+        );
+        let dir = if self.has(Fault::SharedWorkdir) {
+            self.shared.root.join("shared")
+        } else {
+            self.shared.root.join(format!("exec-{n}"))
+        };
+        let work = dir.join("work");
+        let tmp = dir.join("tmp");
+        let Some((_, interpreter, file_name)) = self
+            .shared
+            .languages
+            .iter()
+            .find(|l| l.0 == self.req.language)
+            .cloned()
+        else {
+            self.release();
+            self.send(ServerMessage::Error(ErrorMessage::internal(
+                &id,
+                "Language vanished",
+            )))
+            .await;
+            return;
+        };
+        let code_path = self.shared.root.join(format!("code-{n}")).join(file_name);
+        if let Err(e) = self.prepare(&work, &tmp, &code_path) {
+            self.release();
+            self.send(ServerMessage::Error(ErrorMessage::internal(
+                &id,
+                format!("Cannot prepare the working directory: {e}"),
+            )))
+            .await;
+            return;
+        }
+        let mut cmd = tokio::process::Command::new(&interpreter);
+        cmd.arg(&code_path)
+            .current_dir(&work)
+            .env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .env("HOME", &work)
+            .env("TMPDIR", &tmp)
+            .env("LANG", "C.UTF-8")
+            .env("PYTHONUNBUFFERED", "1")
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .envs(&self.req.env)
+            .env(TAG_VAR, &tag)
+            .stdin(if self.req.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let fsize = self.limits.disk_mb << 20;
+        // SAFETY: the closure runs in the forked child before exec and only calls setrlimit(2), which is
+        // async-signal-safe; it allocates nothing and touches no lock.
+        unsafe {
+            cmd.pre_exec(move || {
+                nix::sys::resource::setrlimit(
+                    nix::sys::resource::Resource::RLIMIT_FSIZE,
+                    fsize,
+                    fsize,
+                )
+                .map_err(std::io::Error::from)
+            });
+        }
+        let started = Instant::now();
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                self.release();
+                self.send(ServerMessage::Error(ErrorMessage::internal(
+                    &id,
+                    format!("Cannot start the program: {e}"),
+                )))
+                .await;
+                return;
+            }
+        };
+        let pid = child.id().map(|p| p as i32).unwrap_or(0);
+        self.send(ServerMessage::Status {
+            id: id.clone(),
+            status: ExecStatus::Running,
+        })
+        .await;
+        if let (Some(mut stdin), Some(input)) = (child.stdin.take(), self.req.stdin.clone()) {
+            tokio::spawn(async move {
+                let _ = stdin.write_all(input.as_bytes()).await;
+            });
+        }
+        let mut pipes = [
+            child.stdout.take().map(Pipe::Out),
+            child.stderr.take().map(Pipe::Err),
+        ];
+        let mut chunkers = [Utf8Chunker::new(), Utf8Chunker::new()];
+        let mut sent = [0u64; 2];
+        let mut truncated = false;
+        let mut kill: Option<Kill> = None;
+        let mut exit: Option<std::process::ExitStatus> = None;
+        let mut gone = false;
+        let mut drain_until: Option<tokio::time::Instant> = None;
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(self.limits.timeout_ms);
+        let mut tick = tokio::time::interval(Duration::from_millis(5));
+        let mut usage = ResourceUsage::default();
+        let mut bufs = [vec![0u8; 65536], vec![0u8; 65536]];
+        let limit = self.limits.max_output_bytes;
+        let memory = self.limits.memory_mb << 20;
+        loop {
+            if exit.is_some() && pipes.iter().all(Option::is_none) {
+                break;
+            }
+            let [p0, p1] = &mut pipes;
+            let [b0, b1] = &mut bufs;
+            tokio::select! {
+                r = read_pipe(p0, b0) => self.on_output(0, r, &mut pipes, &mut chunkers, &mut sent, &mut truncated, &mut kill, limit, gone, &bufs, &tag, pid).await,
+                r = read_pipe(p1, b1) => self.on_output(1, r, &mut pipes, &mut chunkers, &mut sent, &mut truncated, &mut kill, limit, gone, &bufs, &tag, pid).await,
+                st = child.wait(), if exit.is_none() => {
+                    exit = Some(st.unwrap_or_else(|_| std::process::ExitStatus::from_raw(9)));
+                    // Nothing of the execution outlives it.
+                    kill_tree(pid, &tag);
+                    drain_until = Some(tokio::time::Instant::now() + Duration::from_secs(2));
+                }
+                _ = tokio::time::sleep_until(deadline), if kill.is_none() && exit.is_none() => {
+                    kill = Some(Kill::Timeout);
+                    kill_tree(pid, &tag);
+                }
+                c = ctl.changed(), if !gone && exit.is_none() => match c {
+                    Ok(()) => {
+                        if *ctl.borrow() == Ctl::Cancel && kill.is_none() {
+                            kill = Some(Kill::Cancelled);
+                            kill_tree(pid, &tag);
+                        }
+                    }
+                    Err(_) => {
+                        gone = true;
+                        if self.has(Fault::LeavesProcessAfterDisconnect) {
+                            return;
+                        }
+                        kill.get_or_insert(Kill::Gone);
+                        kill_tree(pid, &tag);
+                    }
+                },
+                _ = tick.tick(), if exit.is_none() => {
+                    if let Some((rss, peak, cpu)) = proc_usage(pid) {
+                        usage.peak_memory_mb = usage.peak_memory_mb.max(peak.div_ceil(1 << 20));
+                        usage.cpu_time_ms = cpu;
+                        if rss > memory && kill.is_none() {
+                            kill = Some(Kill::Oom);
+                            kill_tree(pid, &tag);
+                        }
+                    }
+                }
+                _ = sleep_opt(drain_until) => {
+                    pipes = [None, None];
+                }
+            }
+        }
+        let duration = started.elapsed();
+        let _ = self.cleanup(&dir, &code_path);
+        if gone || kill == Some(Kill::Gone) {
+            self.release();
+            return;
+        }
+        for (which, chunker) in chunkers.iter_mut().enumerate() {
+            if let Some(c) = chunker.finish() {
+                self.send(output(&id, which, c)).await;
+            }
+        }
+        let st = exit.unwrap_or_else(|| std::process::ExitStatus::from_raw(9));
+        let signal = st.signal();
+        let exit_code = match (st.code(), signal) {
+            (Some(c), _) => Some(c),
+            (None, Some(s)) if self.has(Fault::ExitCodeOnSignal) => Some(128 + s),
+            _ => None,
+        };
+        let signame = signal.map(|s| {
+            Signal::try_from(s)
+                .map(|s| s.as_str().to_owned())
+                .unwrap_or_else(|_| format!("SIG{s}"))
+        });
+        let (status, reason, exit_code) = match kill {
+            Some(Kill::Timeout) => (
+                ExecStatus::Timeout,
+                Reason::Timeout,
+                exit_code.filter(|_| self.has(Fault::ExitCodeOnSignal)),
+            ),
+            Some(Kill::Oom) => (ExecStatus::Oom, Reason::Oom, None),
+            Some(Kill::OutputLimit) => (ExecStatus::Failed, Reason::OutputLimit, None),
+            Some(Kill::Cancelled) | Some(Kill::Gone) => {
+                (ExecStatus::Cancelled, Reason::Cancelled, None)
+            }
+            None => match exit_code {
+                Some(0) if signal.is_none() => (ExecStatus::Completed, Reason::Exited, Some(0)),
+                Some(c) if signal.is_none() => (ExecStatus::Failed, Reason::Exited, Some(c)),
+                c => (ExecStatus::Failed, Reason::Signaled, c),
+            },
+        };
+        let signame = if exit_code.is_none() || self.has(Fault::ExitCodeOnSignal) {
+            signame
+        } else {
+            None
+        };
+        let r = self.result(exit_code, signame, reason, duration, usage, sent, truncated);
+        self.finish(status, r).await;
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn on_output(
+        &self,
+        which: usize,
+        r: std::io::Result<usize>,
+        pipes: &mut [Option<Pipe>; 2],
+        chunkers: &mut [Utf8Chunker; 2],
+        sent: &mut [u64; 2],
+        truncated: &mut bool,
+        kill: &mut Option<Kill>,
+        limit: u64,
+        gone: bool,
+        bufs: &[Vec<u8>; 2],
+        tag: &str,
+        pid: i32,
+    ) {
+        let n = match r {
+            Ok(0) | Err(_) => {
+                pipes[which] = None;
+                return;
+            }
+            Ok(n) => n,
+        };
+        let room = if self.has(Fault::OutputBeyondLimit) {
+            u64::MAX
+        } else {
+            limit.saturating_sub(sent[0] + sent[1])
+        };
+        let take = (n as u64).min(room) as usize;
+        sent[which] += take as u64;
+        if take > 0 && !gone {
+            let bytes = &bufs[which][..take];
+            let chunk = if self.has(Fault::SplitsUtf8) {
+                Some(match std::str::from_utf8(bytes) {
+                    Ok(t) => protocol::Chunk {
+                        data: t.to_owned(),
+                        encoding: protocol::OutputEncoding::Utf8,
+                        raw_len: take,
+                    },
+                    Err(_) => {
+                        use base64::Engine as _;
+                        protocol::Chunk {
+                            data: base64::engine::general_purpose::STANDARD.encode(bytes),
+                            encoding: protocol::OutputEncoding::Base64,
+                            raw_len: take,
+                        }
+                    }
+                })
+            } else {
+                chunkers[which].push(bytes)
+            };
+            if let Some(c) = chunk {
+                self.send(output(&self.req.id, which, c)).await;
+            }
+        }
+        if take < n {
+            *truncated = true;
+            if kill.is_none() {
+                *kill = Some(Kill::OutputLimit);
+                kill_tree(pid, tag);
+            }
+            for (w, c) in chunkers.iter_mut().enumerate() {
+                if let Some(c) = c.finish() {
+                    if !gone {
+                        self.send(output(&self.req.id, w, c)).await;
+                    }
+                }
+            }
+            *pipes = [None, None];
+        }
+    }
+
+    fn prepare(&self, work: &Path, tmp: &Path, code_path: &Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(work)?;
+        std::fs::create_dir_all(tmp)?;
+        if let Some(p) = code_path.parent() {
+            std::fs::create_dir_all(p)?;
+        }
+        std::fs::write(code_path, self.req.code.as_bytes())?;
+        for f in &self.req.files {
+            let content = f
+                .decoded()
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            let path = work.join(&f.path);
+            if let Some(p) = path.parent() {
+                std::fs::create_dir_all(p)?;
+            }
+            std::fs::write(path, content)?;
+        }
+        Ok(())
+    }
+
+    fn cleanup(&self, dir: &Path, code_path: &Path) -> std::io::Result<()> {
+        if let Some(p) = code_path.parent() {
+            std::fs::remove_dir_all(p)?;
+        }
+        if !self.has(Fault::SharedWorkdir) {
+            std::fs::remove_dir_all(dir)?;
+        }
+        Ok(())
+    }
+}
+
+fn status_is(m: &ServerMessage, s: ExecStatus) -> bool {
+    matches!(m, ServerMessage::Status { status, .. } if *status == s)
+}
+
+fn output(id: &str, which: usize, c: protocol::Chunk) -> ServerMessage {
+    let chunk = OutputChunk::new(id.to_owned(), c);
+    if which == 0 {
+        ServerMessage::Stdout(chunk)
+    } else {
+        ServerMessage::Stderr(chunk)
+    }
+}
+
+/// The environment variable every process of an execution inherits; how the fixture finds the whole tree.
+const TAG_VAR: &str = "FSP_FIXTURE_EXEC";
+
+/// Execution tags handed out in this process.
+static TAGS: AtomicU64 = AtomicU64::new(0);
+
+enum Pipe {
+    Out(tokio::process::ChildStdout),
+    Err(tokio::process::ChildStderr),
+}
+
+async fn read_pipe(p: &mut Option<Pipe>, buf: &mut [u8]) -> std::io::Result<usize> {
+    match p {
+        Some(Pipe::Out(o)) => o.read(buf).await,
+        Some(Pipe::Err(e)) => e.read(buf).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn cancelled(ctl: &mut watch::Receiver<Ctl>) {
+    loop {
+        if *ctl.borrow_and_update() == Ctl::Cancel {
+            return;
+        }
+        if ctl.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Kills the program's process group and every process carrying the execution's tag.
+fn kill_tree(pid: i32, tag: &str) {
+    if pid > 0 {
+        let _ = nix::sys::signal::killpg(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    let needle = format!("{TAG_VAR}={tag}\0");
+    for _ in 0..5 {
+        let mut found = false;
+        if let Ok(entries) = std::fs::read_dir("/proc") {
+            for e in entries.flatten() {
+                let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                    continue;
+                };
+                if let Ok(env) = std::fs::read(format!("/proc/{p}/environ")) {
+                    if env.windows(needle.len()).any(|w| w == needle.as_bytes()) {
+                        let _ = nix::sys::signal::kill(Pid::from_raw(p), Signal::SIGKILL);
+                        found = true;
+                    }
+                }
+            }
+        }
+        if !found {
+            break;
+        }
+    }
+}
+
+/// Resident memory, peak resident memory (bytes) and cpu time (ms) of a process.
+fn proc_usage(pid: i32) -> Option<(u64, u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb = |name: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, t)| t.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // After the command name: state is field 0, utime 11, stime 12 (clock ticks, 100 per second).
+    Some((kb("VmRSS:"), kb("VmHWM:"), (ticks(11) + ticks(12)) * 10))
+}

@@ -1,0 +1,68 @@
+//! Client messages as JSON, built by hand so that cases can also send malformed ones.
+
+use serde_json::{json, Value};
+
+/// The current time as an FSP timestamp.
+pub fn ts() -> String {
+    protocol::now_ts()
+}
+
+/// A `ping`.
+pub fn ping() -> Value {
+    json!({"v": 1, "type": "ping", "ts": ts()})
+}
+
+/// A `cancel` of `id`.
+pub fn cancel(id: &str) -> Value {
+    json!({"v": 1, "type": "cancel", "id": id, "ts": ts()})
+}
+
+/// An `execute` with the two required limits.
+pub fn execute(id: &str, language: &str, code: &str, timeout_ms: u64, memory_mb: u64) -> Value {
+    json!({
+        "v": 1, "type": "execute", "id": id, "ts": ts(),
+        "language": language, "code": code,
+        "limits": {"timeout_ms": timeout_ms, "memory_mb": memory_mb},
+    })
+}
+
+/// `base` with `extra` merged in: objects recursively; a `null` in `extra` removes the key.
+pub fn with(mut base: Value, extra: Value) -> Value {
+    merge(&mut base, extra);
+    base
+}
+
+fn merge(base: &mut Value, extra: Value) {
+    match (base, extra) {
+        (Value::Object(b), Value::Object(e)) => {
+            for (k, v) in e {
+                if v.is_null() {
+                    b.remove(&k);
+                } else {
+                    match b.get_mut(&k) {
+                        Some(slot) if slot.is_object() && v.is_object() => merge(slot, v),
+                        _ => {
+                            b.insert(k, v);
+                        }
+                    }
+                }
+            }
+        }
+        (b, e) => *b = e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merging() {
+        let e = with(
+            execute("a", "shell", "x", 1, 2),
+            json!({"limits": {"memory_mb": null, "pids_max": 3}, "code": null}),
+        );
+        assert_eq!(e["limits"], json!({"timeout_ms": 1, "pids_max": 3}));
+        assert!(e.get("code").is_none());
+    }
+}
