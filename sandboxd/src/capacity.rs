@@ -4,7 +4,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::Notify;
+use std::collections::VecDeque;
+
+use tokio::sync::oneshot;
 
 /// What [`Capacity::admit`] decided.
 pub enum Admission {
@@ -16,18 +18,18 @@ pub enum Admission {
     Overloaded,
 }
 
-#[derive(Debug)]
 struct State {
     free: Vec<usize>,
-    queued: usize,
+    /// Queued executions, oldest first: a freed slot is handed to the front one.
+    waiters: VecDeque<(u64, oneshot::Sender<usize>)>,
+    next_ticket: u64,
     shutting_down: bool,
 }
 
 /// The shared counters.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Capacity {
     state: Arc<Mutex<State>>,
-    notify: Arc<Notify>,
     max_concurrent: usize,
     max_queue: usize,
 }
@@ -38,10 +40,10 @@ impl Capacity {
         Self {
             state: Arc::new(Mutex::new(State {
                 free: (0..max_concurrent).rev().collect(),
-                queued: 0,
+                waiters: VecDeque::new(),
+                next_ticket: 0,
                 shutting_down: false,
             })),
-            notify: Arc::new(Notify::new()),
             max_concurrent,
             max_queue,
         }
@@ -59,7 +61,7 @@ impl Capacity {
             return Admission::Overloaded;
         }
         // Queued executions go first: a new one may not overtake them.
-        if s.queued == 0 {
+        if s.waiters.is_empty() {
             if let Some(i) = s.free.pop() {
                 return Admission::Run(Slot {
                     index: i,
@@ -67,11 +69,15 @@ impl Capacity {
                 });
             }
         }
-        if s.queued < self.max_queue {
-            s.queued += 1;
+        if s.waiters.len() < self.max_queue {
+            let id = s.next_ticket;
+            s.next_ticket += 1;
+            let (tx, rx) = oneshot::channel();
+            s.waiters.push_back((id, tx));
             Admission::Queued(Ticket {
                 capacity: self.clone(),
-                done: false,
+                id,
+                rx: Some(rx),
             })
         } else {
             Admission::Overloaded
@@ -80,18 +86,33 @@ impl Capacity {
 
     /// Executions running now.
     pub fn active(&self) -> usize {
-        self.max_concurrent - self.lock().free.len()
+        let s = self.lock();
+        self.max_concurrent - s.free.len()
     }
 
     /// Executions waiting now.
     pub fn queued(&self) -> usize {
-        self.lock().queued
+        self.lock().waiters.len()
     }
 
     /// Refuse everything from now on (daemon shutdown); queued tickets are woken and get no slot.
     pub fn close(&self) {
-        self.lock().shutting_down = true;
-        self.notify.notify_waiters();
+        let mut s = self.lock();
+        s.shutting_down = true;
+        s.waiters.clear();
+    }
+
+    /// A slot came free: the oldest waiter that is still there gets it, else it goes back to the pool.
+    fn release(&self, mut index: usize) {
+        let mut s = self.lock();
+        while let Some((_, tx)) = s.waiters.pop_front() {
+            match tx.send(index) {
+                Ok(()) => return,
+                // That waiter is gone (cancelled): try the next one.
+                Err(i) => index = i,
+            }
+        }
+        s.free.push(index);
     }
 }
 
@@ -100,6 +121,15 @@ impl Capacity {
 pub struct Slot {
     index: usize,
     capacity: Capacity,
+}
+
+impl std::fmt::Debug for Capacity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capacity")
+            .field("active", &self.active())
+            .field("queued", &self.queued())
+            .finish()
+    }
 }
 
 impl Slot {
@@ -111,49 +141,40 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.capacity.lock().free.push(self.index);
-        self.capacity.notify.notify_waiters();
+        self.capacity.release(self.index);
     }
 }
 
 /// A queued execution's place; dropping it (cancel, disconnect) leaves the queue.
 pub struct Ticket {
     capacity: Capacity,
-    done: bool,
+    id: u64,
+    rx: Option<oneshot::Receiver<usize>>,
 }
 
 impl Ticket {
-    /// Waits for a slot; `None` if the daemon shuts down first.
+    /// Waits for a slot, in arrival order; `None` if the daemon shuts down first.
     pub async fn wait(mut self) -> Option<Slot> {
-        loop {
-            let notified = self.capacity.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
-                let mut s = self.capacity.lock();
-                if s.shutting_down {
-                    return None;
-                }
-                if let Some(i) = s.free.pop() {
-                    s.queued -= 1;
-                    self.done = true;
-                    return Some(Slot {
-                        index: i,
-                        capacity: self.capacity.clone(),
-                    });
-                }
-            }
-            notified.await;
-        }
+        let rx = self.rx.as_mut()?;
+        let index = rx.await.ok()?;
+        self.rx = None;
+        Some(Slot {
+            index,
+            capacity: self.capacity.clone(),
+        })
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if !self.done {
-            self.capacity.lock().queued -= 1;
-            // A slot freed while we held the queue back may now go to a newcomer.
-            self.capacity.notify.notify_waiters();
+        let Some(mut rx) = self.rx.take() else { return };
+        // Leave the queue; a slot handed over in the meantime goes to the next waiter.
+        self.capacity
+            .lock()
+            .waiters
+            .retain(|(id, _)| *id != self.id);
+        if let Ok(index) = rx.try_recv() {
+            self.capacity.release(index);
         }
     }
 }
@@ -190,6 +211,53 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn queued_executions_get_slots_in_arrival_order() {
+        let c = Capacity::new(1, 8);
+        let Admission::Run(s) = c.admit() else {
+            panic!()
+        };
+        let mut waits = Vec::new();
+        for _ in 0..5 {
+            let Admission::Queued(t) = c.admit() else {
+                panic!()
+            };
+            waits.push(tokio::spawn(t.wait()));
+        }
+        let mut slot = s;
+        for (n, w) in waits.into_iter().enumerate() {
+            drop(slot);
+            slot = w
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("waiter {n} got no slot"));
+            assert_eq!(c.queued(), 4 - n);
+        }
+        drop(slot);
+        assert_eq!((c.active(), c.queued()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_waiter_passes_its_turn_on() {
+        let c = Capacity::new(1, 4);
+        let Admission::Run(s) = c.admit() else {
+            panic!()
+        };
+        let Admission::Queued(first) = c.admit() else {
+            panic!()
+        };
+        let Admission::Queued(second) = c.admit() else {
+            panic!()
+        };
+        drop(first);
+        assert_eq!(c.queued(), 1);
+        drop(s);
+        let slot = second.wait().await.unwrap();
+        assert_eq!((c.active(), c.queued()), (1, 0));
+        drop(slot);
+        assert_eq!(c.active(), 0);
+    }
+
+    #[tokio::test]
     async fn queued_work_is_not_overtaken_and_close_wakes_waiters() {
         let c = Capacity::new(1, 1);
         let Admission::Run(s) = c.admit() else {
@@ -199,10 +267,9 @@ mod tests {
             panic!()
         };
         drop(s);
-        // A slot is free but one execution is queued: a newcomer must not jump the queue.
-        assert!(matches!(c.admit(), Admission::Overloaded));
-        let waiter = tokio::spawn(t.wait());
-        let slot = waiter.await.unwrap().unwrap();
+        // The freed slot went to the queued execution: a newcomer does not run before it.
+        assert!(!matches!(c.admit(), Admission::Run(_)));
+        let slot = t.wait().await.unwrap();
         let Admission::Queued(t2) = c.admit() else {
             panic!()
         };
@@ -210,5 +277,6 @@ mod tests {
         c.close();
         assert!(w2.await.unwrap().is_none());
         drop(slot);
+        assert!(matches!(c.admit(), Admission::Overloaded));
     }
 }

@@ -312,6 +312,19 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
                 tokio::time::sleep(Duration::from_secs(600)).await;
             }
         });
+        if let Err(e) = server::self_test(engine.clone()).await {
+            let _ = engine.helper.request(&Request::Shutdown, &[]).await;
+            let hint = untraversable_ancestor(&engine.config.state_dir)
+                .map(|d| {
+                    format!(
+                        " (hint: {} is not searchable by other users; the container's unprivileged uid must traverse state_dir: chmod o+x it or choose another state_dir)",
+                        d.display()
+                    )
+                })
+                .unwrap_or_default();
+            bail!("{e}{hint}");
+        }
+        info!("self-test execution passed");
         serve(engine.clone()).await?;
         let _ = engine.helper.request(&Request::Shutdown, &[]).await;
         anyhow::Ok(cgroups)
@@ -324,6 +337,14 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     }
     info!("stopped");
     Ok(Exit::Ok)
+}
+
+/// The first ancestor of `dir` (or `dir` itself) that users other than root cannot traverse.
+fn untraversable_ancestor(dir: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    dir.ancestors()
+        .find(|d| std::fs::metadata(d).is_ok_and(|m| m.permissions().mode() & 0o001 == 0))
+        .map(Path::to_path_buf)
 }
 
 fn remove_leftover_dir(dir: &Path) -> anyhow::Result<()> {

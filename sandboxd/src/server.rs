@@ -354,6 +354,56 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
     info!("disconnected");
 }
 
+/// Runs one real execution before the daemon serves: the shell checks, from inside the container, that the
+/// seccomp filter is installed, no capability is held and `no_new_privs` is set. A daemon that cannot run this
+/// (a state directory the container user cannot traverse, a broken layer) refuses to start instead of reporting
+/// healthy and failing every execution.
+pub async fn self_test(engine: Arc<Engine>) -> Result<(), String> {
+    const CHECK: &str = "grep -q '^Seccomp:[[:space:]]*2' /proc/self/status && \
+        grep -q '^CapEff:[[:space:]]*0000000000000000' /proc/self/status && \
+        grep -q '^CapBnd:[[:space:]]*0000000000000000' /proc/self/status && \
+        grep -q '^NoNewPrivs:[[:space:]]*1' /proc/self/status && echo self-test-ok";
+    let registry = Registry::default();
+    let id = "sandboxd-self-test";
+    let (registration, control) = registry.register(id).ok_or("self-test id in use")?;
+    let req = protocol::ExecuteRequest::new(
+        id,
+        protocol::Language::Shell,
+        CHECK,
+        protocol::RequestedLimits::new(10_000, 64),
+    );
+    let limits = req
+        .resolve_limits(&engine.max_limits())
+        .map_err(|e| e.message)?;
+    let admission = engine.admit();
+    let (tx, mut rx) = mpsc::channel(16);
+    tokio::spawn(
+        engine
+            .clone()
+            .run(req, limits, admission, tx, control, registration),
+    );
+    let mut stdout = String::new();
+    while let Some(m) = rx.recv().await {
+        match m {
+            ServerMessage::Stdout(c) => stdout.push_str(&c.data),
+            ServerMessage::Result(r) if r.exit_code == Some(0) && stdout.contains("self-test-ok") => {
+                // Keep the control sender alive until the end so the execution is not seen as disconnected.
+                drop(registry);
+                return Ok(());
+            }
+            ServerMessage::Result(r) => {
+                return Err(format!(
+                    "the self-test execution ended {:?} (exit {:?}): an isolation layer is not in effect",
+                    r.reason, r.exit_code
+                ))
+            }
+            ServerMessage::Error(e) => return Err(format!("the self-test execution failed: {}", e.message)),
+            _ => {}
+        }
+    }
+    Err("the self-test execution ended without a result".into())
+}
+
 /// Refusals that need the engine: language availability, unsupported extensions, files bigger than the scratch.
 fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessage> {
     let id = Some(req.id.clone());

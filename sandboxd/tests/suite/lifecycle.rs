@@ -423,3 +423,57 @@ async fn restart_after_a_crash_removes_the_leftover_container() {
         r.dump()
     );
 }
+
+/// A daemon whose state directory the container user cannot traverse would report healthy and fail every
+/// execution; instead its start-up self-test fails and it exits non-zero, naming the directory.
+#[tokio::test]
+async fn an_unusable_state_dir_is_refused_at_start() {
+    let Some(_g) = privileged("an_unusable_state_dir_is_refused_at_start").await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let private = dir.path().join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let parent = format!("sandboxd-test-{}-0700", std::process::id());
+    let _cg = CgroupParentGuard(parent.clone());
+    let config = dir.path().join("c.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:{}\nstate_dir: {}\nauth: {{tokens: [\"a-token-of-enough-length\"]}}\n\
+             sandbox: {{cgroup_parent: {parent}, uid_base: 920000}}\n",
+            free_port(),
+            private.join("state").display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(SANDBOXD)
+        .arg("--config")
+        .arg(&config)
+        .env_remove("SANDBOXD_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("sandboxd with an untraversable state_dir kept running");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("self-test"), "{stderr}");
+    assert!(
+        stderr.contains(&private.display().to_string()),
+        "names the directory: {stderr}"
+    );
+}
