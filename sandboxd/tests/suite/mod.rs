@@ -2,6 +2,7 @@
 
 pub mod harness;
 
+mod artifacts;
 mod auth;
 mod cancel;
 mod capacity;
@@ -12,4 +13,3 @@ mod lifecycle;
 mod limits;
 mod output;
 mod requests;
-mod artifacts;
