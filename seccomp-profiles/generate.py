@@ -111,7 +111,7 @@ ALLOW = [
     ("eventfd", "event counter"), ("eventfd2", "event counter"),
     # sockets (the network namespace has only loopback)
     ("socket", "create a socket (other families and SOCK_RAW are denied separately)"),
-    ("socketpair", "connected unix socket pair"), ("bind", "bind a socket"), ("listen", "listen on a socket"),
+    ("socketpair", "connected unix socket pair (other families are denied separately)"), ("bind", "bind a socket"), ("listen", "listen on a socket"),
     ("accept", "accept a connection"), ("accept4", "accept a connection with flags"), ("connect", "connect a socket"),
     ("getsockname", "socket address"), ("getpeername", "peer address"), ("sendto", "send"), ("recvfrom", "receive"),
     ("sendmsg", "send a message"), ("recvmsg", "receive a message"), ("sendmmsg", "send messages"),
@@ -128,9 +128,6 @@ ALLOW = [
     ("msgsnd", "System V messages"), ("msgrcv", "System V messages"), ("msgctl", "System V messages"),
     ("mq_open", "POSIX message queues"), ("mq_unlink", "POSIX message queues"), ("mq_timedsend", "POSIX message queues"),
     ("mq_timedreceive", "POSIX message queues"), ("mq_notify", "POSIX message queues"), ("mq_getsetattr", "POSIX message queues"),
-    # asynchronous I/O (not io_uring)
-    ("io_setup", "Linux AIO"), ("io_destroy", "Linux AIO"), ("io_submit", "Linux AIO"), ("io_cancel", "Linux AIO"),
-    ("io_getevents", "Linux AIO"), ("io_pgetevents", "Linux AIO"),
     # landlock: a program may restrict itself further
     ("landlock_create_ruleset", "further self-restriction only"), ("landlock_add_rule", "further self-restriction only"),
     ("landlock_restrict_self", "further self-restriction only"),
@@ -159,7 +156,10 @@ DENY = [
     ("add_key", "kernel keyrings"), ("request_key", "kernel keyrings"), ("bpf", "load BPF programs"),
     ("perf_event_open", "performance counters: kernel attack surface and side channels"),
     ("userfaultfd", "stall the kernel on page faults (exploit primitive)"), ("io_uring_setup", "io_uring: large attack surface, bypasses seccomp per operation"),
-    ("io_uring_enter", "io_uring"), ("io_uring_register", "io_uring"), ("init_module", "load kernel modules"),
+    ("io_uring_enter", "io_uring"), ("io_uring_register", "io_uring"),
+    ("io_setup", "Linux AIO: events come from the host-wide fs.aio-max-nr, which one execution could exhaust (no cgroup limits it); glibc's POSIX aio uses threads instead"),
+    ("io_submit", "Linux AIO"), ("io_cancel", "Linux AIO"), ("io_getevents", "Linux AIO"), ("io_pgetevents", "Linux AIO"),
+    ("io_destroy", "Linux AIO"), ("init_module", "load kernel modules"),
     ("finit_module", "load kernel modules"), ("delete_module", "unload kernel modules"), ("kexec_load", "replace the kernel"),
     ("kexec_file_load", "replace the kernel"), ("reboot", "reboot"), ("swapon", "enable swap"), ("swapoff", "disable swap"),
     ("acct", "process accounting"), ("open_by_handle_at", "open files by handle, bypassing paths (CVE-2014-3519 style escapes)"),
@@ -191,6 +191,8 @@ def build(names, arch):
     deny.append({"syscall": "socket", "comment": "socket families other than AF_UNIX, AF_INET, AF_INET6 (AF_PACKET, AF_NETLINK, AF_VSOCK, ...)",
                  "args": [cond(0, "dword", "ne", AF_UNIX, "not AF_UNIX"), cond(0, "dword", "ne", AF_INET, "not AF_INET"),
                           cond(0, "dword", "ne", AF_INET6, "not AF_INET6")]})
+    deny.append({"syscall": "socketpair", "comment": "socket pairs of any family but AF_UNIX (the family code would be reached)",
+                 "args": [cond(0, "dword", "ne", AF_UNIX, "not AF_UNIX")]})
     for name, t in (("SOCK_RAW", SOCK_RAW), ("SOCK_PACKET", SOCK_PACKET)):
         deny.append({"syscall": "socket", "comment": f"{name} sockets: forge packets",
                      "args": [cond(1, "dword", {"masked_eq": SOCK_TYPE_MASK}, t, f"type is {name} (flags masked off)")]})

@@ -3,10 +3,17 @@
 pub mod harness;
 
 mod artifacts;
+mod attack;
+mod attacks_filesystem;
+mod attacks_network;
+mod attacks_processes;
+mod attacks_resources;
+mod attacks_syscalls;
 mod auth;
 mod cancel;
 mod capacity;
 mod cleanup;
+mod compat;
 mod execution;
 mod isolation;
 mod lifecycle;
