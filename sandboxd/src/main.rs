@@ -278,6 +278,7 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     })?;
     info!(pid = helper_pid.as_raw(), "container helper started");
 
+    let cleanup_cgroups = cgroups.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("sandboxd")
@@ -327,14 +328,16 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         info!("self-test execution passed");
         serve(engine.clone()).await?;
         let _ = engine.helper.request(&Request::Shutdown, &[]).await;
-        anyhow::Ok(cgroups)
+        anyhow::Ok(())
     });
     // The helper exits on Shutdown (or when our socket closes); wait so nothing outlives us.
+    drop(rt);
     let _ = nix::sys::wait::waitpid(helper_pid, None);
-    let cgroups = result?;
-    if let Err(e) = cgroups.remove_parent() {
+    // On every path, a failed start included: the parent is ours and empty now.
+    if let Err(e) = cleanup_cgroups.remove_parent() {
         warn!(error = %e, "cgroup parent not removed");
     }
+    result?;
     info!("stopped");
     Ok(Exit::Ok)
 }

@@ -476,4 +476,8 @@ async fn an_unusable_state_dir_is_refused_at_start() {
         stderr.contains(&private.display().to_string()),
         "names the directory: {stderr}"
     );
+    assert!(
+        cgroup_parent_dirs(&parent).is_empty(),
+        "a failed start leaves no cgroup parent"
+    );
 }
