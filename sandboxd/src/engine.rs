@@ -716,11 +716,7 @@ impl Engine {
             }
             artifacts.push(entry);
         }
-        let manifest_id = format!(
-            "am_{:x}{:08x}",
-            SystemClock::millis(),
-            rand::random::<u32>()
-        );
+        let manifest_id = format!("am_{:x}{:08x}", unix_millis(), rand::random::<u32>());
         let mut manifest = serde_json::json!({
             "manifest_id": manifest_id,
             "execution_id": exec_id,
@@ -922,15 +918,11 @@ fn result(
     }
 }
 
-struct SystemClock;
-
-impl SystemClock {
-    fn millis() -> u128 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis())
-            .unwrap_or(0)
-    }
+fn unix_millis() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
 }
 
 /// The content type of an artifact: from its name, else text or binary by its first bytes.

@@ -446,6 +446,34 @@ async fn malformed_artifact_requests_are_refused() {
     }
 }
 
+/// A daemon whose config has `artifacts.upload` set to `upload` (the harness's standard config has no such key).
+async fn upload_daemon(parent: &str, upload: Value) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    let port = super::harness::free_port();
+    let token = format!("upload-token-{:016x}", rand::random::<u64>());
+    let state_dir = dir.path().join("state");
+    let config = json!({
+        "listen": format!("127.0.0.1:{port}"),
+        "state_dir": state_dir,
+        "auth": {"tokens": [token]},
+        "sandbox": {"cgroup_parent": parent, "uid_base": 910_000},
+        "artifacts": {"upload": upload},
+    });
+    let config_path = dir.path().join("config.yaml");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    Daemon::launch(super::harness::Launch {
+        args: vec!["--config".into(), config_path.display().to_string()],
+        port,
+        token,
+        dir,
+        state_dir,
+        cgroup_parent: parent.to_owned(),
+        uid_base: 910_000,
+        max_concurrent: 8,
+    })
+    .await
+}
+
 /// With an upload endpoint configured, every artifact is POSTed eagerly with its hash; the endpoint's
 /// `backendUri` replaces the ref; a failing endpoint is retried, and an endpoint that never answers is reported on
 /// the artifact while the content stays downloadable from the daemon.
@@ -512,33 +540,10 @@ async fn artifacts_upload_eagerly_with_retries_and_report_failures() {
         }
     });
 
-    let dir = tempfile::tempdir().unwrap();
-    let port = super::harness::free_port();
     let parent = format!("sandboxd-test-{}-upload", std::process::id());
     let _cg = super::harness::CgroupParentGuard(parent.clone());
-    let token = format!("upload-token-{:016x}", rand::random::<u64>());
     let dead_port = super::harness::free_port();
-    let config = json!({
-        "listen": format!("127.0.0.1:{port}"),
-        "state_dir": dir.path().join("state"),
-        "auth": {"tokens": [token]},
-        "sandbox": {"cgroup_parent": parent, "uid_base": 910_000},
-        "artifacts": {"upload": {"url": format!("http://127.0.0.1:{backend_port}/upload"), "token": "backend-secret", "attempts": 3, "backoff_ms": 10}},
-    });
-    let config_path = dir.path().join("config.yaml");
-    std::fs::write(&config_path, config.to_string()).unwrap();
-    let state_dir = dir.path().join("state");
-    let d = Daemon::launch(super::harness::Launch {
-        args: vec!["--config".into(), config_path.display().to_string()],
-        port,
-        token: token.clone(),
-        dir,
-        state_dir,
-        cgroup_parent: parent.clone(),
-        uid_base: 910_000,
-        max_concurrent: 8,
-    })
-    .await;
+    let d = upload_daemon(&parent, json!({"url": format!("http://127.0.0.1:{backend_port}/upload"), "token": "backend-secret", "attempts": 3, "backoff_ms": 10})).await;
     let mut c = Client::connect(&d).await;
     let run = c
         .run(with(
@@ -566,29 +571,7 @@ async fn artifacts_upload_eagerly_with_retries_and_report_failures() {
     drop(d);
 
     // An endpoint nobody answers: every attempt fails, the failure is reported, nothing is dropped.
-    let dir = tempfile::tempdir().unwrap();
-    let port = super::harness::free_port();
-    let config = json!({
-        "listen": format!("127.0.0.1:{port}"),
-        "state_dir": dir.path().join("state"),
-        "auth": {"tokens": [token]},
-        "sandbox": {"cgroup_parent": parent, "uid_base": 910_000},
-        "artifacts": {"upload": {"url": format!("http://127.0.0.1:{dead_port}/upload"), "token": "x", "attempts": 2, "backoff_ms": 10}},
-    });
-    let config_path = dir.path().join("config.yaml");
-    std::fs::write(&config_path, config.to_string()).unwrap();
-    let state_dir = dir.path().join("state");
-    let d = Daemon::launch(super::harness::Launch {
-        args: vec!["--config".into(), config_path.display().to_string()],
-        port,
-        token,
-        dir,
-        state_dir,
-        cgroup_parent: parent,
-        uid_base: 910_000,
-        max_concurrent: 8,
-    })
-    .await;
+    let d = upload_daemon(&parent, json!({"url": format!("http://127.0.0.1:{dead_port}/upload"), "token": "x", "attempts": 2, "backoff_ms": 10})).await;
     let mut c = Client::connect(&d).await;
     let run = c
         .run(with(

@@ -128,6 +128,38 @@ async fn sigterm_kills_what_outlives_the_grace_period() {
     );
 }
 
+/// Runs the daemon with `config` and waits (polling) for it to exit; panics if it is still running at `deadline`.
+async fn run_until_exit(
+    config: &std::path::Path,
+    deadline: Duration,
+) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(SANDBOXD)
+        .arg("--config")
+        .arg(config)
+        .env_remove("SANDBOXD_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            panic!(
+                "sandboxd with {} did not exit within {deadline:?}",
+                config.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let out = child.wait_with_output().unwrap();
+    (status, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 #[tokio::test]
 async fn bad_config_is_refused_naming_the_key() {
     // No root needed: the config is read before anything privileged happens.
@@ -139,28 +171,7 @@ async fn bad_config_is_refused_naming_the_key() {
     ] {
         let path = dir.path().join("bad.yaml");
         std::fs::write(&path, yaml).unwrap();
-        let mut child = Command::new(SANDBOXD)
-            .arg("--config")
-            .arg(&path)
-            .env_remove("SANDBOXD_TOKEN")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let start = std::time::Instant::now();
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            if start.elapsed() > Duration::from_secs(10) {
-                let _ = child.kill();
-                panic!("sandboxd with a bad config ({key}) did not exit within 10 s");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        let out = child.wait_with_output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let (status, stderr) = run_until_exit(&path, Duration::from_secs(10)).await;
         assert!(!status.success(), "a bad config ({key}) exits non-zero");
         assert!(stderr.contains(key), "stderr names {key}: {stderr}");
     }
@@ -448,28 +459,7 @@ async fn an_unusable_state_dir_is_refused_at_start() {
         ),
     )
     .unwrap();
-    let mut child = Command::new(SANDBOXD)
-        .arg("--config")
-        .arg(&config)
-        .env_remove("SANDBOXD_TOKEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = std::time::Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            panic!("sandboxd with an untraversable state_dir kept running");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (status, stderr) = run_until_exit(&config, Duration::from_secs(30)).await;
     assert!(!status.success(), "{stderr}");
     assert!(stderr.contains("self-test"), "{stderr}");
     assert!(
