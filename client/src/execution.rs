@@ -399,6 +399,7 @@ mod tests {
             truncated: false,
             artifacts: None,
             environment_fingerprint: None,
+            environment: None,
         }
     }
 

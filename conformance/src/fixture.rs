@@ -683,6 +683,7 @@ impl Execution {
             truncated,
             artifacts: None,
             environment_fingerprint: None,
+            environment: None,
         }
     }
 
@@ -693,6 +694,8 @@ impl Execution {
                 id: id.clone(),
                 limits: Some(self.limits),
                 queued: Some(permit.is_none()),
+                environment_fingerprint: None,
+                environment: None,
             })
             .await;
         }

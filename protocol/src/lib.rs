@@ -36,7 +36,7 @@ pub use language::{Language, UnknownLanguage};
 pub use limits::{LimitDefaults, LimitError, Limits, RequestedLimits};
 pub use output::{Chunk, OutputEncoding, Utf8Chunker};
 pub use server::{
-    encode, encode_with_ts, parse_server_envelope, parse_server_message, Capabilities,
+    encode, encode_with_ts, parse_server_envelope, parse_server_message, Capabilities, Environment,
     ErrorMessage, ExecStatus, Isolation, Load, OutputChunk, Pong, Reason, ResourceUsage,
     ResultMessage, ServerEnvelope, ServerMessage, SANDBOXD_EXTENSIONS,
 };

@@ -32,6 +32,12 @@ pub enum ServerMessage {
         /// Whether the execution waits for a slot (sandboxd addition).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         queued: Option<bool>,
+        /// The same fingerprint the `result` carries (sandboxd addition).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        environment_fingerprint: Option<String>,
+        /// What the fingerprint is made of, to reproduce the run (sandboxd addition).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        environment: Option<Box<Environment>>,
     },
     /// `status`: the execution changed state.
     Status {
@@ -249,6 +255,40 @@ pub struct ResultMessage {
     /// Hash of image digest, runtime version, seccomp profile and config limits (sandboxd addition).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub environment_fingerprint: Option<String>,
+    /// What the fingerprint is made of (sandboxd addition).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub environment: Option<Box<Environment>>,
+}
+
+/// The parts of `environment_fingerprint` (sandboxd addition): enough to run the same program on the same image,
+/// sandboxd build and seccomp profile again. The fingerprint is `sha256:` of
+/// `image=<image_digest>;sandboxd=<sandboxd_version>;seccomp=<seccomp_profile>;limits=<limits as JSON>`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Environment {
+    /// The image's name on this server (`host` for the embedded image).
+    pub image: String,
+    /// The OCI manifest digest `sha256:…`; for the embedded host image `host:sha256:…` of the host's
+    /// `/etc/os-release` (the host image is not content-addressed).
+    pub image_digest: String,
+    /// sandboxd's version.
+    pub sandboxd_version: String,
+    /// sha256 of the seccomp profile in force.
+    pub seccomp_profile: String,
+}
+
+impl Environment {
+    /// The fingerprint of this environment with these limits.
+    pub fn fingerprint(&self, limits: &Limits) -> String {
+        use sha2::Digest;
+        let text = format!(
+            "image={};sandboxd={};seccomp={};limits={}",
+            self.image_digest,
+            self.sandboxd_version,
+            self.seccomp_profile,
+            serde_json::to_string(limits).unwrap_or_default()
+        );
+        format!("sha256:{:x}", sha2::Sha256::digest(text.as_bytes()))
+    }
 }
 
 /// `result` as it may arrive: the sandboxd additions are optional so a plain FSP v1.0 `result` parses.
@@ -274,6 +314,8 @@ struct ResultWire {
     artifacts: Option<Value>,
     #[serde(default)]
     environment_fingerprint: Option<String>,
+    #[serde(default)]
+    environment: Option<Box<Environment>>,
 }
 
 impl From<ResultWire> for ResultMessage {
@@ -295,6 +337,7 @@ impl From<ResultWire> for ResultMessage {
             truncated: wire.truncated,
             artifacts: wire.artifacts,
             environment_fingerprint: wire.environment_fingerprint,
+            environment: wire.environment,
         }
     }
 }

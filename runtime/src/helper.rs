@@ -45,6 +45,8 @@ pub enum Request {
         id: String,
         /// Bundle directory.
         bundle: PathBuf,
+        /// The landlock policy of the program (it depends on the image).
+        landlock: crate::landlock::Policy,
     },
     /// Let a created container's program run.
     Start {
@@ -143,8 +145,6 @@ pub struct HelperConfig {
     pub cgroups: Cgroups,
     /// The compiled seccomp profile every program gets.
     pub seccomp: crate::seccomp::Profile,
-    /// The landlock policy every program gets.
-    pub landlock: crate::landlock::Policy,
 }
 
 /// Forks the helper. Must be called while the process is still single-threaded (before the async runtime).
@@ -270,8 +270,12 @@ impl Helper {
 
     fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) {
         match req {
-            Request::Create { id, bundle } => {
-                let event = match self.create(&id, bundle, fds) {
+            Request::Create {
+                id,
+                bundle,
+                landlock,
+            } => {
+                let event = match self.create(&id, bundle, landlock, fds) {
                     Ok(pid) => Event::Created {
                         id,
                         pid: pid.as_raw(),
@@ -326,7 +330,13 @@ impl Helper {
         }
     }
 
-    fn create(&mut self, id: &str, bundle: PathBuf, fds: Vec<OwnedFd>) -> Result<Pid> {
+    fn create(
+        &mut self,
+        id: &str,
+        bundle: PathBuf,
+        landlock: crate::landlock::Policy,
+        fds: Vec<OwnedFd>,
+    ) -> Result<Pid> {
         let [stdin, stdout, stderr]: [OwnedFd; 3] = fds.try_into().map_err(|v: Vec<OwnedFd>| {
             Error::Protocol(format!("create carries {} descriptors, not 3", v.len()))
         })?;
@@ -335,7 +345,7 @@ impl Helper {
         let executor = InitExecutor {
             status_fd: status_w.as_raw_fd(),
             seccomp: self.config.seccomp.clone(),
-            landlock: self.config.landlock.clone(),
+            landlock,
         };
         let container = ContainerBuilder::new(id.to_owned(), SyscallType::default())
             .with_root_path(&self.config.state_root)

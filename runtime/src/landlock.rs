@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 pub const MAX_ABI: i32 = 7;
 
 /// Paths and the ABI, fixed when the daemon starts.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Policy {
     /// ABI to handle (the kernel's, capped at [`MAX_ABI`]).
     pub abi: i32,
@@ -31,7 +31,7 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// The policy of an execution in the host image.
+    /// The policy of an execution in the host image: `read_only` are the image's bind mounts.
     pub fn for_execution(abi: i32, read_only: Vec<PathBuf>) -> Self {
         Self {
             abi,
@@ -39,6 +39,16 @@ impl Policy {
             read_write: vec!["/workspace".into(), "/tmp".into(), "/dev/shm".into()],
             devices: vec!["/dev".into()],
         }
+    }
+
+    /// The policy of an execution on an OCI image's overlay root: everything is readable; the image's own top-level
+    /// directories (`image_dirs`, e.g. `/usr`, `/var`) are writable as far as file permissions allow, since every
+    /// write there lands in the execution's throw-away overlay upper layer. `/proc`, `/sys`, `/dev` (but for its
+    /// device nodes and `/dev/shm`) and the code directory stay read-only.
+    pub fn for_image(abi: i32, image_dirs: Vec<PathBuf>) -> Self {
+        let mut p = Self::for_execution(abi, vec!["/".into()]);
+        p.read_write.extend(image_dirs);
+        p
     }
 
     /// Restricts the calling thread (and what it execs). Fails unless the ruleset is fully enforced.

@@ -17,6 +17,7 @@ pub mod caps;
 pub mod cgroups;
 pub mod error;
 pub mod helper;
+pub mod image;
 pub mod init;
 pub mod ipc;
 pub mod landlock;

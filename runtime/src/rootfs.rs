@@ -6,7 +6,10 @@
 //! linker cache and the alternatives links. The skeleton is built once at start-up and shared read-only.
 //!
 //! Each execution gets a [`Scratch`]: a size-limited tmpfs (`disk_mb`) mounted in the daemon's private mount
-//! namespace, holding the writable working directory and `/tmp`, plus a read-only directory with the code.
+//! namespace, holding the writable working directory and `/tmp`, plus a read-only directory with the code. On an
+//! OCI image ([`crate::image`]) the same tmpfs also holds the upper and work directories of the execution's overlay
+//! root (the image's unpacked layers as read-only lowers), so `disk_mb` bounds everything the program writes and
+//! all of it vanishes with the tmpfs.
 
 use std::fs;
 use std::io::Write;
@@ -215,12 +218,24 @@ pub struct InputFile {
 pub struct Scratch {
     dir: PathBuf,
     mounted: bool,
+    overlay: bool,
+}
+
+/// Where an execution's root comes from.
+#[derive(Debug, Clone, Copy)]
+pub enum RootSource<'a> {
+    /// A shared read-only root directory (the host image's skeleton): nothing to mount.
+    Shared,
+    /// An overlay of these unpacked layer directories, top first.
+    Overlay(&'a [PathBuf]),
 }
 
 impl Scratch {
     /// Creates `<run_dir>/<id>/`, mounts a tmpfs of `disk_bytes` on `scratch/` holding `workspace/` and `tmp/`
-    /// (owned by the execution's host id), writes the input files and the code file (`code/<code_name>`, read-only).
-    /// On error everything created so far is removed again.
+    /// (owned by the execution's host id), writes the input files and the code file (`code/<code_name>`, read-only),
+    /// and for [`RootSource::Overlay`] mounts the overlay root on `rootfs/`. On error everything created so far is
+    /// removed again.
+    #[allow(clippy::too_many_arguments)]
     pub fn create(
         run_dir: &Path,
         id: &str,
@@ -229,6 +244,7 @@ impl Scratch {
         code_name: &str,
         code: &[u8],
         files: &[InputFile],
+        root: RootSource<'_>,
     ) -> Result<Self> {
         let dir = run_dir.join(id);
         fs::DirBuilder::new()
@@ -238,8 +254,15 @@ impl Scratch {
         let mut scratch = Self {
             dir,
             mounted: false,
+            overlay: false,
         };
-        match scratch.fill(disk_bytes, host_id, code_name, code, files) {
+        let filled = scratch
+            .fill(disk_bytes, host_id, code_name, code, files)
+            .and_then(|()| match root {
+                RootSource::Shared => Ok(()),
+                RootSource::Overlay(lowers) => scratch.mount_overlay(lowers),
+            });
+        match filled {
             Ok(()) => Ok(scratch),
             Err(e) => {
                 if let Err(cleanup) = scratch.remove() {
@@ -341,6 +364,71 @@ impl Scratch {
         Ok(())
     }
 
+    /// Mounts `rootfs/`: `lowers` read-only (top first), upper and work directories in the scratch tmpfs, `nosuid`
+    /// and `nodev`. The runtime's mount points must be directories in the image (created in the upper layer when
+    /// the image lacks them): a symlink there would make a mount follow a path the image controls.
+    fn mount_overlay(&mut self, lowers: &[PathBuf]) -> Result<()> {
+        let tmpfs = self.dir.join("scratch");
+        let (upper, work, root) = (tmpfs.join("upper"), tmpfs.join("work"), self.rootfs());
+        mkdir(&upper, 0o755)?;
+        mkdir(&work, 0o700)?;
+        mkdir(&root, 0o755)?;
+        let mut data = String::from("lowerdir=");
+        for (i, l) in lowers.iter().enumerate() {
+            let l = l.to_str().filter(|l| !l.contains([',', ':']));
+            let Some(l) = l else {
+                return Err(Error::Unsupported(
+                    "an image layer path holds a ',' or ':' or is not UTF-8".into(),
+                ));
+            };
+            if i > 0 {
+                data.push(':');
+            }
+            data.push_str(l);
+        }
+        data.push_str(&format!(
+            ",upperdir={},workdir={}",
+            upper.display(),
+            work.display()
+        ));
+        // The kernel takes one page of mount options.
+        if data.len() >= 4000 {
+            return Err(Error::Unsupported(format!(
+                "{} image layers make overlay options of {} bytes, more than the kernel's 4 KiB",
+                lowers.len(),
+                data.len()
+            )));
+        }
+        nix::mount::mount(
+            Some("sandboxd-root"),
+            &root,
+            Some("overlay"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(data.as_str()),
+        )
+        .map_err(|e| Error::sys(format!("mount overlay on {}", root.display()), e))?;
+        self.overlay = true;
+        for m in crate::image::MOUNT_POINTS {
+            let p = root.join(m);
+            match fs::symlink_metadata(&p) {
+                Ok(md) if md.is_dir() => {}
+                Ok(_) => {
+                    return Err(Error::Unsupported(format!(
+                        "the image's /{m} is not a directory; refusing to mount over it"
+                    )))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => mkdir(&p, 0o755)?,
+                Err(e) => return Err(Error::io(&p, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The overlay root (meaningful for [`RootSource::Overlay`]).
+    pub fn rootfs(&self) -> PathBuf {
+        self.dir.join("rootfs")
+    }
+
     /// The bind mounts that put this scratch space into the container.
     pub fn binds(&self) -> Vec<BindMount> {
         let tmpfs = self.dir.join("scratch");
@@ -375,6 +463,13 @@ impl Scratch {
 
     /// Unmounts the tmpfs and removes the directory. Idempotent.
     pub fn remove(&mut self) -> Result<()> {
+        if self.overlay {
+            let root = self.rootfs();
+            match nix::mount::umount2(&root, MntFlags::MNT_DETACH) {
+                Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => self.overlay = false,
+                Err(e) => return Err(Error::sys(format!("umount {}", root.display()), e)),
+            }
+        }
         if self.mounted {
             let tmpfs = self.dir.join("scratch");
             match nix::mount::umount2(&tmpfs, MntFlags::MNT_DETACH) {

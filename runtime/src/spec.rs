@@ -27,8 +27,10 @@ pub struct BindMount {
 /// Everything the spec of one execution depends on.
 #[derive(Debug, Clone)]
 pub struct ContainerPlan {
-    /// The image's root directory (holds the mount points; mounted read-only).
+    /// The image's root directory (holds the mount points).
     pub rootfs: PathBuf,
+    /// Mount the root read-only (the shared host image skeleton); an execution's own overlay root stays writable.
+    pub readonly_root: bool,
     /// Hostname inside the container.
     pub hostname: String,
     /// Program and arguments; the program path is absolute.
@@ -197,7 +199,7 @@ pub fn build(plan: &ContainerPlan) -> Result<Spec> {
         .root(
             RootBuilder::default()
                 .path(&plan.rootfs)
-                .readonly(true)
+                .readonly(plan.readonly_root)
                 .build()?,
         )
         .hostname(&plan.hostname)
@@ -214,6 +216,7 @@ mod tests {
     fn plan() -> ContainerPlan {
         ContainerPlan {
             rootfs: "/state/images/host/rootfs".into(),
+            readonly_root: true,
             hostname: "sandbox".into(),
             args: vec!["/usr/bin/python3".into(), "/sandbox/main.py".into()],
             env: vec!["PATH=/usr/bin:/bin".into()],

@@ -1,10 +1,11 @@
 //! Configuration: a YAML file (every key optional, unknown keys refused), `--listen` and `SANDBOXD_TOKEN`
 //! overrides, and the defaults a config-less start uses.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use protocol::Limits;
+use protocol::{Language, Limits};
 use serde::Deserialize;
 
 /// Default listen address.
@@ -59,6 +60,32 @@ pub struct Config {
     pub sandbox: SandboxConfig,
     /// Artifact collection and store.
     pub artifacts: ArtifactsConfig,
+    /// OCI images executions may run on, by name (besides the embedded `host` image).
+    pub images: BTreeMap<String, ImageConfig>,
+    /// Which image and interpreter each language uses. Absent: every language the host image can run, with the
+    /// interpreter found there. Present: exactly the languages listed.
+    pub languages: Option<BTreeMap<Language, LanguageConfig>>,
+}
+
+/// `images.<name>:`
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ImageConfig {
+    /// An OCI image layout to import (verified, unpacked once) at start unless the store already holds the image
+    /// with the same manifest digest. Absent: the image must already be in the store (`sandboxd images import`).
+    pub layout: Option<PathBuf>,
+    /// Pin: the start fails unless the image's manifest digest is this `sha256:…`.
+    pub digest: Option<String>,
+}
+
+/// `languages.<language>:`
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LanguageConfig {
+    /// `host` or a name under `images`.
+    pub image: String,
+    /// Interpreter and leading arguments; the code file's path is appended. The program must be absolute.
+    pub command: Vec<String>,
 }
 
 /// `artifacts:`
@@ -215,6 +242,8 @@ impl Default for Config {
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             sandbox: SandboxConfig::default(),
             artifacts: ArtifactsConfig::default(),
+            images: BTreeMap::new(),
+            languages: None,
         }
     }
 }
@@ -365,6 +394,47 @@ impl Config {
             return Err(ConfigError::Value {
                 key: "state_dir",
                 reason: "must be an absolute path".into(),
+            });
+        }
+        for (name, image) in &self.images {
+            if !runtime::image::valid_name(name) {
+                return Err(ConfigError::Value {
+                    key: "images",
+                    reason: runtime::image::ImageError::InvalidName(name.clone()).to_string(),
+                });
+            }
+            if let Some(d) = &image.digest {
+                if runtime::image::Sha256::parse(d).is_none() {
+                    return Err(ConfigError::Value {
+                        key: "images",
+                        reason: format!("images.{name}.digest {d:?} is not sha256:<64 hex>"),
+                    });
+                }
+            }
+        }
+        for (lang, l) in self.languages.iter().flatten() {
+            if l.image != "host" && !self.images.contains_key(&l.image) {
+                return Err(ConfigError::Value {
+                    key: "languages",
+                    reason: format!(
+                        "languages.{lang}.image {:?} is neither \"host\" nor a name under images",
+                        l.image
+                    ),
+                });
+            }
+            if !l.command.first().is_some_and(|p| p.starts_with('/')) {
+                return Err(ConfigError::Value {
+                    key: "languages",
+                    reason: format!(
+                        "languages.{lang}.command must start with the interpreter's absolute path"
+                    ),
+                });
+            }
+        }
+        if self.languages.as_ref().is_some_and(|l| l.is_empty()) {
+            return Err(ConfigError::Value {
+                key: "languages",
+                reason: "lists no language; leave it out to use the host image's".into(),
             });
         }
         Ok(())

@@ -19,7 +19,7 @@ use protocol::{
 use runtime::cgroups::Cgroups;
 use runtime::helper::{Event, HelperClient, InitStatus, Request};
 use runtime::init::ProgramExit;
-use runtime::rootfs::{HostImage, InputFile, Scratch, CODE_DIR, WORKDIR};
+use runtime::rootfs::{InputFile, RootSource, Scratch, CODE_DIR, WORKDIR};
 use runtime::spec::ContainerPlan;
 use tokio::io::AsyncReadExt;
 use tokio::sync::{mpsc, watch};
@@ -27,6 +27,7 @@ use tracing::{debug, error, info, warn, Instrument};
 
 use crate::capacity::{Admission, Capacity, Slot};
 use crate::config::Config;
+use crate::images::{LanguageRuntime, RootKind};
 use crate::server::Registration;
 use crate::store::Store;
 
@@ -36,15 +37,6 @@ const READ_CHUNK: usize = 64 * 1024;
 const DRAIN_AFTER_EXIT: Duration = Duration::from_secs(2);
 /// Messages an execution buffers while the connection is slow before it stops reading the program's output.
 const MAX_PENDING: usize = 4;
-
-/// How a language runs in the image.
-#[derive(Debug, Clone)]
-pub struct LanguageRuntime {
-    /// Absolute interpreter path in the container.
-    pub program: String,
-    /// File name the code is written to under [`CODE_DIR`].
-    pub file_name: &'static str,
-}
 
 /// Why the daemon killed an execution (the first reason wins).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,9 +63,7 @@ pub struct Engine {
     pub helper: HelperClient,
     /// Cgroup setup.
     pub cgroups: Cgroups,
-    /// The embedded default image.
-    pub image: HostImage,
-    /// Languages the image can run.
+    /// Languages, each with its image and interpreter.
     pub languages: BTreeMap<Language, LanguageRuntime>,
     /// Per-execution state directory (a private tmpfs).
     pub run_dir: PathBuf,
@@ -87,8 +77,8 @@ pub struct Engine {
     pub kill_all: watch::Sender<bool>,
     /// The artifact store.
     pub store: Arc<Store>,
-    /// What identifies the environment apart from the limits (image, sandboxd version, seccomp profile).
-    pub fingerprint_base: String,
+    /// sha256 of the seccomp profile in force (part of every environment fingerprint).
+    pub seccomp_digest: String,
     nonce: String,
     seq: AtomicU64,
 }
@@ -100,19 +90,17 @@ impl Engine {
         config: Config,
         helper: HelperClient,
         cgroups: Cgroups,
-        image: HostImage,
         languages: BTreeMap<Language, LanguageRuntime>,
         run_dir: PathBuf,
         isolation: Isolation,
         store: Arc<Store>,
-        fingerprint_base: String,
+        seccomp_digest: String,
     ) -> Self {
         let capacity = Capacity::new(config.capacity.max_concurrent, config.capacity.max_queue);
         Self {
             config,
             helper,
             cgroups,
-            image,
             languages,
             run_dir,
             capacity,
@@ -120,7 +108,7 @@ impl Engine {
             started: Instant::now(),
             kill_all: watch::channel(false).0,
             store,
-            fingerprint_base,
+            seccomp_digest,
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }
@@ -170,11 +158,17 @@ impl Engine {
     ) {
         let id = req.id.clone();
         let queued = matches!(admission, Admission::Queued(_));
+        let environment = self
+            .languages
+            .get(&req.language)
+            .map(|l| Box::new(l.environment(&self.seccomp_digest)));
         let _ = out
             .send(ServerMessage::Ack {
                 id: id.clone(),
                 limits: Some(limits),
                 queued: Some(queued),
+                environment_fingerprint: environment.as_ref().map(|e| e.fingerprint(&limits)),
+                environment,
             })
             .await;
         let slot = match admission {
@@ -298,8 +292,9 @@ impl Engine {
         let req2 = req.clone();
         let limits2 = *limits;
         let cid2 = cid.to_owned();
+        let lang2 = lang.clone();
         let prepared = tokio::task::spawn_blocking(move || {
-            engine.prepare(&req2, &limits2, &cid2, host_id, &lang)
+            engine.prepare(&req2, &limits2, &cid2, host_id, &lang2)
         })
         .await
         .map_err(|e| (None, internal(format!("Preparation panicked: {e}"))))?;
@@ -332,6 +327,7 @@ impl Engine {
         let create = Request::Create {
             id: cid.to_owned(),
             bundle: prepared.scratch.dir().to_owned(),
+            landlock: lang.image.landlock.clone(),
         };
         if let Err(e) = self
             .helper
@@ -578,7 +574,8 @@ impl Engine {
             peak_memory_mb = resource_usage.peak_memory_mb,
             "program ended"
         );
-        let fingerprint = self.fingerprint(limits);
+        let environment = lang.environment(&self.seccomp_digest);
+        let fingerprint = environment.fingerprint(limits);
         let artifacts = match (&req.artifacts, reason) {
             // A cancelled execution's files are not collected (artifact-manifest.md).
             (Some(_), Reason::Cancelled) | (None, _) => None,
@@ -637,19 +634,9 @@ impl Engine {
         );
         res.artifacts = artifacts;
         res.environment_fingerprint = Some(fingerprint);
+        res.environment = Some(Box::new(environment));
         messages.push(ServerMessage::Result(res));
         Ok((Some(prepared), messages))
-    }
-
-    /// `sha256:` of the image, sandboxd version, seccomp profile and the limits in effect.
-    pub fn fingerprint(&self, limits: &Limits) -> String {
-        use sha2::Digest;
-        let text = format!(
-            "{};limits={}",
-            self.fingerprint_base,
-            serde_json::to_string(limits).unwrap_or_default()
-        );
-        format!("sha256:{:x}", sha2::Sha256::digest(text.as_bytes()))
     }
 
     /// Collects the requested files from the working directory into the store and returns the manifest.
@@ -823,6 +810,10 @@ impl Engine {
             lang.file_name,
             req.code.as_bytes(),
             &files,
+            match &lang.image.kind {
+                RootKind::Host(_) => RootSource::Shared,
+                RootKind::Oci { lowers } => RootSource::Overlay(lowers),
+            },
         )?;
         let mut env: BTreeMap<String, String> = [
             ("PATH", "/usr/local/bin:/usr/bin:/bin"),
@@ -835,16 +826,20 @@ impl Engine {
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
+        env.extend(lang.image.env.iter().cloned());
         env.extend(req.env.clone());
-        let mut binds = self.image.binds.clone();
+        let (rootfs, readonly_root, mut binds) = match &lang.image.kind {
+            RootKind::Host(host) => (host.rootfs.clone(), true, host.binds.clone()),
+            RootKind::Oci { .. } => (scratch.rootfs(), false, Vec::new()),
+        };
         binds.extend(scratch.binds());
+        let mut args = lang.command.clone();
+        args.push(format!("{CODE_DIR}/{}", lang.file_name));
         let plan = ContainerPlan {
-            rootfs: self.image.rootfs.clone(),
+            rootfs,
+            readonly_root,
             hostname: "sandbox".into(),
-            args: vec![
-                lang.program.clone(),
-                format!("{CODE_DIR}/{}", lang.file_name),
-            ],
+            args,
             env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
             cwd: WORKDIR.into(),
             binds,
@@ -915,6 +910,7 @@ fn result(
         truncated,
         artifacts: None,
         environment_fingerprint: None,
+        environment: None,
     }
 }
 

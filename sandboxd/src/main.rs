@@ -8,11 +8,12 @@ mod capacity;
 mod config;
 mod doctor;
 mod engine;
+mod images;
+mod images_cli;
 mod server;
 mod store;
 mod upload;
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -23,14 +24,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use protocol::{Isolation, Language};
+use protocol::Isolation;
 use runtime::cgroups::Cgroups;
 use runtime::helper::{HelperClient, HelperConfig, Request};
 use runtime::rootfs::HostImage;
 use tracing::{error, info, warn};
 
 use crate::config::Config;
-use crate::engine::{Engine, LanguageRuntime};
+use crate::engine::Engine;
 
 /// Process exit codes.
 #[repr(u8)]
@@ -71,6 +72,11 @@ struct Cli {
 enum Command {
     /// Check that this host can provide every isolation layer, and how to fix what is missing.
     Doctor,
+    /// Manage the OCI images executions can run on (stored under `<state_dir>/images/oci`).
+    Images {
+        #[command(subcommand)]
+        command: images_cli::ImagesCommand,
+    },
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -90,9 +96,21 @@ fn main() -> ExitCode {
             return ExitCode::from(Exit::Config as u8);
         }
     };
-    if let Some(Command::Doctor) = cli.command {
-        let ok = doctor::print(&doctor::run(&config));
-        return ExitCode::from(if ok { Exit::Ok } else { Exit::Host } as u8);
+    match &cli.command {
+        Some(Command::Doctor) => {
+            let ok = doctor::print(&doctor::run(&config));
+            return ExitCode::from(if ok { Exit::Ok } else { Exit::Host } as u8);
+        }
+        Some(Command::Images { command }) => {
+            return match images_cli::run(&config, command) {
+                Ok(()) => ExitCode::from(Exit::Ok as u8),
+                Err(e) => {
+                    eprintln!("sandboxd: {e:#}");
+                    ExitCode::from(Exit::Runtime as u8)
+                }
+            };
+        }
+        None => {}
     }
     match start(config, cli.config.is_some()) {
         Ok(code) => ExitCode::from(code as u8),
@@ -232,11 +250,10 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     runtime::rootfs::mount_run_dir(&run_dir)?;
     cgroups.ensure_parent()?;
 
-    let image = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
-    let languages = detect_languages(&image);
-    if languages.is_empty() {
-        bail!("the host image can run no language (no /usr/bin/python3, node, /bin/sh)");
-    }
+    let host = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
+    // The store lock (if any OCI image is used) is held for the daemon's lifetime: `images rm` waits for us.
+    let (languages, _store_lock) =
+        images::resolve(&config, host, landlock_abi, &run_dir).context("languages")?;
     let isolation = Isolation {
         namespaces: ["pid", "mount", "ipc", "uts", "net", "cgroup", "user"]
             .iter()
@@ -257,24 +274,11 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         )
         .context("cannot open the artifact store")?,
     );
-    let fingerprint_base = format!(
-        "image=host;sandboxd={};seccomp={}",
-        env!("CARGO_PKG_VERSION"),
-        seccomp.digest
-    );
-    let mut read_only: Vec<PathBuf> = image
-        .binds
-        .iter()
-        .filter(|b| b.readonly)
-        .map(|b| b.destination.clone())
-        .collect();
-    read_only.push(runtime::rootfs::CODE_DIR.into());
-    read_only.push("/proc".into());
+    let seccomp_digest = seccomp.digest.clone();
     let (helper_pid, helper_sock) = runtime::helper::spawn_helper(HelperConfig {
         state_root: containers_dir,
         cgroups: cgroups.clone(),
         seccomp,
-        landlock: runtime::landlock::Policy::for_execution(landlock_abi, read_only),
     })?;
     info!(pid = helper_pid.as_raw(), "container helper started");
 
@@ -290,12 +294,11 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
             config,
             helper,
             cgroups.clone(),
-            image,
             languages,
             run_dir,
             isolation,
             store.clone(),
-            fingerprint_base,
+            seccomp_digest,
         ));
         // The collector: at start-up, then every ten minutes.
         tokio::spawn(async move {
@@ -358,29 +361,6 @@ fn remove_leftover_dir(dir: &Path) -> anyhow::Result<()> {
         std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
     }
     Ok(())
-}
-
-fn detect_languages(image: &HostImage) -> BTreeMap<Language, LanguageRuntime> {
-    let table: [(Language, &[&str], &'static str); 4] = [
-        (Language::Python, &["/usr/bin/python3"], "main.py"),
-        (Language::Javascript, &["node", "nodejs"], "main.js"),
-        (Language::Shell, &["/bin/sh"], "main.sh"),
-        (Language::Elixir, &["elixir"], "main.exs"),
-    ];
-    let mut out = BTreeMap::new();
-    for (lang, candidates, file_name) in table {
-        match image.find_program(candidates) {
-            Some(program) => {
-                info!(language = lang.as_str(), program, "language available");
-                out.insert(lang, LanguageRuntime { program, file_name });
-            }
-            None => info!(
-                language = lang.as_str(),
-                "language not available in the host image"
-            ),
-        }
-    }
-    out
 }
 
 async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {

@@ -33,6 +33,7 @@ fn result(reason: Reason, exit_code: Option<i32>, signal: Option<&str>) -> Resul
         truncated: false,
         artifacts: None,
         environment_fingerprint: None,
+        environment: None,
     }
 }
 
@@ -57,6 +58,8 @@ fn every_message_has_v_and_a_utc_millisecond_ts() {
             id: "exec_1".into(),
             limits: None,
             queued: Some(true),
+            environment_fingerprint: None,
+            environment: None,
         },
         ServerMessage::Status {
             id: "exec_1".into(),
@@ -214,6 +217,8 @@ fn ack_omits_what_it_does_not_know() {
         id: "exec_1".into(),
         limits: None,
         queued: None,
+        environment_fingerprint: None,
+        environment: None,
     });
     assert_eq!(value.as_object().unwrap().len(), 4, "{value}");
     assert_eq!(value["id"], "exec_1");
@@ -251,4 +256,47 @@ fn server_parse_refuses_a_bad_envelope() {
         parse_server_message(text),
         Ok(ServerMessage::Pong(_))
     ));
+}
+
+#[test]
+fn environment_fingerprint_is_the_documented_hash_of_every_part() {
+    use sha2::Digest;
+    let env = protocol::Environment {
+        image: "python".into(),
+        image_digest: format!("sha256:{}", "ab".repeat(32)),
+        sandboxd_version: "0.1.0".into(),
+        seccomp_profile: format!("sha256:{}", "cd".repeat(32)),
+    };
+    let limits = protocol::Limits {
+        timeout_ms: 1000,
+        memory_mb: 64,
+        cpu_shares: 512,
+        max_output_bytes: 1 << 20,
+        pids_max: 64,
+        disk_mb: 64,
+    };
+    let text = format!(
+        "image={};sandboxd=0.1.0;seccomp={};limits={}",
+        env.image_digest,
+        env.seccomp_profile,
+        serde_json::to_string(&limits).unwrap()
+    );
+    let want = format!("sha256:{:x}", sha2::Sha256::digest(text.as_bytes()));
+    assert_eq!(env.fingerprint(&limits), want);
+    // Every part counts (the image's local name does not: the digest identifies it).
+    let mut other = env.clone();
+    other.image = "py".into();
+    assert_eq!(other.fingerprint(&limits), want);
+    for change in [
+        |e: &mut protocol::Environment| e.image_digest.push('0'),
+        |e: &mut protocol::Environment| e.sandboxd_version.push('0'),
+        |e: &mut protocol::Environment| e.seccomp_profile.push('0'),
+    ] {
+        let mut e = env.clone();
+        change(&mut e);
+        assert_ne!(e.fingerprint(&limits), want);
+    }
+    let mut l = limits;
+    l.disk_mb += 1;
+    assert_ne!(env.fingerprint(&l), want);
 }

@@ -320,8 +320,10 @@ pub struct DaemonOpts {
     pub max_limits: Limits,
     /// Reuse this cgroup parent (crash recovery); default: a fresh one.
     pub cgroup_parent: Option<String>,
-    /// Reuse this state directory (crash recovery); default: a fresh one.
+    /// Reuse this state directory (crash recovery, stored images); default: a fresh one.
     pub state_dir: Option<PathBuf>,
+    /// Merged into the config last (e.g. `images`, `languages`).
+    pub extra_config: Option<Value>,
 }
 
 /// The suite's standard `limits.max`.
@@ -344,8 +346,41 @@ impl Default for DaemonOpts {
             max_limits: MAX_LIMITS,
             cgroup_parent: None,
             state_dir: None,
+            extra_config: None,
         }
     }
+}
+
+/// Runs the daemon with `config` and waits (polling) for it to exit; panics if it is still running at `deadline`.
+pub async fn run_until_exit(
+    config: &std::path::Path,
+    deadline: Duration,
+) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(SANDBOXD)
+        .arg("--config")
+        .arg(config)
+        .env_remove("SANDBOXD_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            panic!(
+                "sandboxd with {} did not exit within {deadline:?}",
+                config.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let out = child.wait_with_output().unwrap();
+    (status, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// A running `sandboxd`. Dropping it stops it (SIGTERM, then SIGKILL after 15 s) and removes its files; when the
@@ -416,7 +451,7 @@ impl Daemon {
                 .clone()
                 .unwrap_or_else(|| dir.path().join("state"));
             let port = free_port();
-            let config = json!({
+            let mut config = json!({
                 "listen": format!("127.0.0.1:{port}"),
                 "state_dir": state_dir,
                 "auth": {"tokens": [token]},
@@ -429,6 +464,9 @@ impl Daemon {
                 "max_frame_bytes": opts.max_frame_bytes,
                 "sandbox": {"cgroup_parent": cgroup_parent, "uid_base": uid_base},
             });
+            if let Some(extra) = &opts.extra_config {
+                merge(&mut config, extra.clone());
+            }
             // YAML is a superset of JSON.
             let config_path = dir.path().join("config.yaml");
             std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();

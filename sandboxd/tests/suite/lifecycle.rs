@@ -2,7 +2,7 @@
 //! and recovery from a crash that left a container running.
 
 use std::os::unix::fs::PermissionsExt;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -11,8 +11,8 @@ use protocol::{ErrorCode, ExecStatus, Reason, ServerMessage};
 
 use super::harness::{
     cannot_run, cgroup_children, cgroup_parent_dirs, children_of, exec_json, free_port, is,
-    privileged, proc_info, processes_with_arg, unique_marker, wait_until, CgroupParentGuard,
-    Client, Daemon, DaemonOpts, Launch, SANDBOXD,
+    privileged, proc_info, processes_with_arg, run_until_exit, unique_marker, wait_until,
+    CgroupParentGuard, Client, Daemon, DaemonOpts, Launch,
 };
 
 #[tokio::test]
@@ -126,38 +126,6 @@ async fn sigterm_kills_what_outlives_the_grace_period() {
         cgroup_parent_dirs(&parent).is_empty(),
         "cgroup parent removed"
     );
-}
-
-/// Runs the daemon with `config` and waits (polling) for it to exit; panics if it is still running at `deadline`.
-async fn run_until_exit(
-    config: &std::path::Path,
-    deadline: Duration,
-) -> (std::process::ExitStatus, String) {
-    let mut child = Command::new(SANDBOXD)
-        .arg("--config")
-        .arg(config)
-        .env_remove("SANDBOXD_TOKEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = std::time::Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > deadline {
-            let _ = child.kill();
-            panic!(
-                "sandboxd with {} did not exit within {deadline:?}",
-                config.display()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let out = child.wait_with_output().unwrap();
-    (status, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 #[tokio::test]

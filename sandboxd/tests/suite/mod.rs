@@ -15,6 +15,7 @@ mod capacity;
 mod cleanup;
 mod compat;
 mod execution;
+mod images;
 mod isolation;
 mod lifecycle;
 mod limits;

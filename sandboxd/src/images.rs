@@ -1,0 +1,315 @@
+//! Which image and interpreter each language runs on, resolved once at start-up from `images:` and `languages:`.
+//!
+//! The embedded `host` image needs no setup; OCI images come from the store (`sandboxd images import`) or are
+//! imported at start from `images.<name>.layout`. Every configured interpreter is checked inside its image before
+//! the daemon serves: a language whose image cannot run it stops the start (fail closed), so `pong`'s
+//! `capabilities.languages` lists exactly what works.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use protocol::{Environment, Language};
+use runtime::image::{ImageError, ImageStore, Sha256, StoredImage};
+use runtime::landlock::Policy;
+use runtime::rootfs::{HostImage, RootSource, Scratch};
+use tracing::info;
+
+use crate::config::Config;
+
+/// What an execution's root is built from.
+#[derive(Debug)]
+pub enum RootKind {
+    /// The shared host skeleton with its read-only binds.
+    Host(HostImage),
+    /// An overlay of unpacked layers, top first.
+    Oci {
+        /// overlayfs `lowerdir`s, top first.
+        lowers: Vec<PathBuf>,
+    },
+}
+
+/// An image executions run on.
+#[derive(Debug)]
+pub struct RootImage {
+    /// `host` or the name under `images:`.
+    pub name: String,
+    /// What `environment.image_digest` says.
+    pub digest: String,
+    /// How the root is built.
+    pub kind: RootKind,
+    /// The landlock policy of programs on this image.
+    pub landlock: Policy,
+    /// The image config's `Env` (applied after sandboxd's defaults, before the request's).
+    pub env: Vec<(String, String)>,
+}
+
+/// How a language runs.
+#[derive(Debug, Clone)]
+pub struct LanguageRuntime {
+    /// The image.
+    pub image: Arc<RootImage>,
+    /// Interpreter and leading arguments (absolute program path); the code file's path is appended.
+    pub command: Vec<String>,
+    /// File name the code is written to under `CODE_DIR`.
+    pub file_name: &'static str,
+}
+
+impl LanguageRuntime {
+    /// The environment description sent in `ack` and `result`.
+    pub fn environment(&self, seccomp_profile: &str) -> Environment {
+        Environment {
+            image: self.image.name.clone(),
+            image_digest: self.image.digest.clone(),
+            sandboxd_version: env!("CARGO_PKG_VERSION").into(),
+            seccomp_profile: seccomp_profile.into(),
+        }
+    }
+}
+
+/// The code file's name per language.
+pub fn file_name(lang: Language) -> &'static str {
+    match lang {
+        Language::Python => "main.py",
+        Language::Javascript => "main.js",
+        Language::Shell => "main.sh",
+        Language::Elixir => "main.exs",
+    }
+}
+
+/// Resolves every language. `run_dir` (the daemon's private tmpfs) is where OCI images are probed.
+pub fn resolve(
+    config: &Config,
+    host: HostImage,
+    landlock_abi: i32,
+    run_dir: &Path,
+) -> anyhow::Result<(
+    BTreeMap<Language, LanguageRuntime>,
+    Option<runtime::image::store::StoreLock>,
+)> {
+    let mut read_only: Vec<PathBuf> = host
+        .binds
+        .iter()
+        .filter(|b| b.readonly)
+        .map(|b| b.destination.clone())
+        .collect();
+    read_only.push(runtime::rootfs::CODE_DIR.into());
+    read_only.push("/proc".into());
+    let host_image = Arc::new(RootImage {
+        name: "host".into(),
+        digest: host_digest(),
+        kind: RootKind::Host(host),
+        landlock: Policy::for_execution(landlock_abi, read_only),
+        env: Vec::new(),
+    });
+    let RootKind::Host(host) = &host_image.kind else {
+        unreachable!("just built as host")
+    };
+
+    let Some(languages) = &config.languages else {
+        // No `languages:`: what the host image can run.
+        let table: [(Language, &[&str]); 4] = [
+            (Language::Python, &["/usr/bin/python3"]),
+            (Language::Javascript, &["node", "nodejs"]),
+            (Language::Shell, &["/bin/sh"]),
+            (Language::Elixir, &["elixir"]),
+        ];
+        let mut out = BTreeMap::new();
+        for (lang, candidates) in table {
+            match host.find_program(candidates) {
+                Some(program) => {
+                    info!(language = lang.as_str(), program, "language available");
+                    out.insert(
+                        lang,
+                        LanguageRuntime {
+                            image: host_image.clone(),
+                            command: vec![program],
+                            file_name: file_name(lang),
+                        },
+                    );
+                }
+                None => info!(
+                    language = lang.as_str(),
+                    "language not available in the host image"
+                ),
+            }
+        }
+        if out.is_empty() {
+            bail!("the host image can run no language (no /usr/bin/python3, node, /bin/sh)");
+        }
+        return Ok((out, None));
+    };
+
+    let mut lock = None;
+    let mut oci: BTreeMap<String, Arc<RootImage>> = BTreeMap::new();
+    let mut out = BTreeMap::new();
+    for (lang, l) in languages {
+        let program = &l.command[0];
+        let image = if l.image == "host" {
+            if host.find_program(&[program]).as_deref() != Some(program.as_str()) {
+                bail!("languages.{lang}: {program} is not an executable file in the host image");
+            }
+            host_image.clone()
+        } else {
+            if !oci.contains_key(&l.image) {
+                let store = ImageStore::open(&config.state_dir.join("images/oci"))?;
+                if lock.is_none() {
+                    lock = Some(store.lock_shared()?);
+                }
+                let img = load(&store, config, &l.image, landlock_abi, run_dir)?;
+                oci.insert(l.image.clone(), Arc::new(img));
+            }
+            let img = oci[&l.image].clone();
+            if let RootKind::Oci { lowers } = &img.kind {
+                probe(run_dir, lowers, |root| check_program(root, program))
+                    .with_context(|| format!("languages.{lang}: image {}: {program}", l.image))?;
+            }
+            img
+        };
+        info!(
+            language = lang.as_str(),
+            image = image.name,
+            digest = image.digest,
+            command = ?l.command,
+            "language available"
+        );
+        out.insert(
+            *lang,
+            LanguageRuntime {
+                image,
+                command: l.command.clone(),
+                file_name: file_name(*lang),
+            },
+        );
+    }
+    Ok((out, lock))
+}
+
+/// The host image's identity: it is not content-addressed, so the best handle is the distribution release.
+fn host_digest() -> String {
+    let release = std::fs::read("/etc/os-release").unwrap_or_default();
+    format!("host:{}", Sha256::of(&release))
+}
+
+/// Finds (importing when configured) the image `name` and works out its landlock policy.
+fn load(
+    store: &ImageStore,
+    config: &Config,
+    name: &str,
+    landlock_abi: i32,
+    run_dir: &Path,
+) -> anyhow::Result<RootImage> {
+    let cfg = config.images.get(name).cloned().unwrap_or_default();
+    let stored: StoredImage = match &cfg.layout {
+        Some(dir) => {
+            let wanted = runtime::image::layout::open(dir)
+                .with_context(|| format!("images.{name}.layout {}", dir.display()))?;
+            match store.get(name) {
+                Ok(s) if s.manifest_digest == wanted.manifest_digest => s,
+                Ok(_) | Err(ImageError::NotFound(_)) => {
+                    let r = store
+                        .import(dir, name)
+                        .with_context(|| format!("images.{name}: import of {}", dir.display()))?;
+                    info!(
+                        image = name,
+                        digest = %r.image.manifest_digest,
+                        verify_ms = r.verify.as_millis() as u64,
+                        unpack_ms = r.unpack.as_millis() as u64,
+                        "image imported"
+                    );
+                    r.image
+                }
+                Err(e) => return Err(e).with_context(|| format!("images.{name}")),
+            }
+        }
+        None => store.get(name).with_context(|| format!("images.{name}"))?,
+    };
+    if let Some(pin) = &cfg.digest {
+        if stored.manifest_digest.as_str() != pin {
+            bail!(
+                "images.{name}.digest pins {pin}, the store holds {}",
+                stored.manifest_digest
+            );
+        }
+    }
+    let lowers = store.lower_dirs(&stored);
+    // The image's own top-level directories become writable (into the execution's overlay upper layer).
+    let top_dirs = probe(run_dir, &lowers, |root| {
+        let mut dirs = Vec::new();
+        for e in std::fs::read_dir(root)?.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let skip = ["proc", "sys", "dev", "sandbox"].contains(&n.as_str());
+            if !skip && e.file_type().is_ok_and(|t| t.is_dir()) {
+                dirs.push(PathBuf::from("/").join(n));
+            }
+        }
+        Ok(dirs)
+    })
+    .with_context(|| format!("images.{name}"))?;
+    let env = stored
+        .run
+        .env
+        .iter()
+        .filter_map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        })
+        .collect();
+    Ok(RootImage {
+        name: name.to_owned(),
+        digest: stored.manifest_digest.to_string(),
+        kind: RootKind::Oci { lowers },
+        landlock: Policy::for_image(landlock_abi, top_dirs),
+        env,
+    })
+}
+
+/// Mounts the image's overlay root the way an execution gets it and runs `f` on the merged directory.
+fn probe<T>(
+    run_dir: &Path,
+    lowers: &[PathBuf],
+    f: impl FnOnce(&Path) -> std::io::Result<T>,
+) -> anyhow::Result<T> {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let id = format!(
+        "probe-{}",
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    let mut scratch = Scratch::create(
+        run_dir,
+        &id,
+        1 << 20,
+        0,
+        "probe",
+        b"",
+        &[],
+        RootSource::Overlay(lowers),
+    )
+    .context("cannot mount the image's overlay root")?;
+    let r = f(&scratch.rootfs());
+    scratch.remove()?;
+    Ok(r?)
+}
+
+/// The program must be an executable regular file inside the image (symlinks resolved within the image's root).
+fn check_program(root: &Path, program: &str) -> std::io::Result<()> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    let dir = std::fs::File::open(root)?;
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let fd = nix::fcntl::openat2(dir.as_raw_fd(), program, how)
+        .map_err(|e| std::io::Error::other(format!("not found in the image ({e})")))?;
+    // SAFETY: openat2 returned a new descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(std::io::Error::from)?;
+    let is_file = st.st_mode & libc::S_IFMT == libc::S_IFREG;
+    if !is_file || st.st_mode & 0o111 == 0 {
+        return Err(std::io::Error::other(
+            "not an executable regular file in the image",
+        ));
+    }
+    Ok(())
+}

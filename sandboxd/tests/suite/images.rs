@@ -1,0 +1,572 @@
+//! OCI images (issue 6): an image built here from Debian's static busybox, packed and imported with the
+//! `sandboxd images` CLI, then used for executions: overlay root, whiteouts across layers, setuid neutralised,
+//! image `Env`, writes confined to the execution, `disk_mb` bounding the overlay, the environment fingerprint in
+//! `ack` and `result`; tampered blobs refused; the start failing closed on a missing image or interpreter; and the
+//! images of `images/build.sh` (when given) running FSP executions.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use protocol::{ExecStatus, Language};
+use serde_json::{json, Value};
+
+use super::harness::{
+    cannot_run, exec_json, on_ci, privileged, run_until_exit, with, Client, Daemon, DaemonOpts,
+    SANDBOXD,
+};
+
+/// Debian's busybox-static, if present and really static (no program interpreter).
+fn static_busybox() -> Result<Vec<u8>, String> {
+    let bytes = std::fs::read("/bin/busybox")
+        .map_err(|e| format!("/bin/busybox: {e} (apt-get install busybox-static)"))?;
+    let head = &bytes[..bytes.len().min(8192)];
+    if head.windows(7).any(|w| w == b"/lib64/" || w == b"/lib/ld") {
+        return Err("/bin/busybox is dynamically linked (install busybox-static)".into());
+    }
+    Ok(bytes)
+}
+
+/// A tar entry: (path, kind, mode, content or link target).
+enum Entry<'a> {
+    Dir(&'a str, u32),
+    File(&'a str, u32, &'a [u8]),
+    Symlink(&'a str, &'a str),
+}
+
+fn write_tar(path: &Path, entries: &[Entry<'_>]) {
+    let mut b = tar::Builder::new(std::fs::File::create(path).unwrap());
+    for e in entries {
+        let mut h = tar::Header::new_ustar();
+        h.set_mtime(1_700_000_000);
+        h.set_uid(0);
+        h.set_gid(0);
+        match e {
+            Entry::Dir(p, mode) => {
+                h.set_entry_type(tar::EntryType::Directory);
+                h.set_mode(*mode);
+                h.set_size(0);
+                b.append_data(&mut h, p, std::io::empty()).unwrap();
+            }
+            Entry::File(p, mode, data) => {
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_mode(*mode);
+                h.set_size(data.len() as u64);
+                b.append_data(&mut h, p, *data).unwrap();
+            }
+            Entry::Symlink(p, target) => {
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_mode(0o777);
+                h.set_size(0);
+                b.append_link(&mut h, p, target).unwrap();
+            }
+        }
+    }
+    b.into_inner().unwrap();
+}
+
+fn sandboxd(args: &[&str]) -> std::process::Output {
+    Command::new(SANDBOXD)
+        .args(args)
+        .env_remove("SANDBOXD_TOKEN")
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A two-layer busybox image as an OCI layout under `dir`; returns the layout path.
+fn busybox_layout(dir: &Path, busybox: &[u8]) -> PathBuf {
+    let applets = ["cat", "ls", "stat", "mkdir", "id", "grep", "dd", "head"];
+    let mut l1 = vec![
+        Entry::Dir("bin", 0o755),
+        Entry::File("bin/busybox", 0o755, busybox),
+        Entry::Symlink("bin/sh", "busybox"),
+        Entry::File("bin/suid-copy", 0o4755, b"#!/bin/sh\necho hi\n"),
+        Entry::Dir("etc", 0o755),
+        Entry::File("etc/passwd", 0o644, b"root:x:0:0:root:/:/bin/sh\n"),
+        Entry::File("etc/removed", 0o644, b"layer 1 only\n"),
+        Entry::Dir("var", 0o755),
+        Entry::Dir("var/tmp", 0o1777),
+        // proc, dev, sys and tmp exist; workspace and sandbox do not (the runtime creates them in the upper layer).
+        Entry::Dir("proc", 0o555),
+        Entry::Dir("dev", 0o755),
+        Entry::Dir("sys", 0o555),
+        Entry::Dir("tmp", 0o1777),
+    ];
+    let links: Vec<String> = applets.iter().map(|a| format!("bin/{a}")).collect();
+    for l in &links {
+        l1.push(Entry::Symlink(l, "busybox"));
+    }
+    let l2 = [
+        Entry::File("etc/.wh.removed", 0o644, b""),
+        Entry::File("bin/layer2", 0o644, b"from layer 2\n"),
+    ];
+    write_tar(&dir.join("l1.tar"), &l1);
+    write_tar(&dir.join("l2.tar"), &l2);
+    let out = dir.join("oci");
+    let l1 = dir.join("l1.tar").display().to_string();
+    let l2 = dir.join("l2.tar").display().to_string();
+    let o = sandboxd(&[
+        "images",
+        "pack",
+        "--rootfs",
+        &l1,
+        "--rootfs",
+        &l2,
+        "--out",
+        out.to_str().unwrap(),
+        "--compression",
+        "gzip",
+        "--env",
+        "PATH=/bin",
+        "--env",
+        "FOO=from-image",
+        "--cmd",
+        "/bin/sh",
+    ]);
+    assert!(o.status.success(), "pack: {}", text(&o.stderr));
+    out
+}
+
+/// Imports `layout` as `name` into `state_dir` with the CLI; returns the manifest digest it printed.
+fn import(state_dir: &Path, layout: &Path, name: &str) -> String {
+    let o = sandboxd(&[
+        "--state-dir",
+        state_dir.to_str().unwrap(),
+        "images",
+        "import",
+        layout.to_str().unwrap(),
+        "--name",
+        name,
+    ]);
+    let stdout = text(&o.stdout);
+    assert!(o.status.success(), "import: {stdout}{}", text(&o.stderr));
+    let digest = stdout
+        .split_whitespace()
+        .find(|w| w.starts_with("sha256:"))
+        .unwrap_or_else(|| panic!("no digest in {stdout:?}"))
+        .to_owned();
+    digest
+}
+
+/// A scratch directory the containers' unprivileged uids can traverse (state_dir lives in it).
+fn open_tempdir() -> tempfile::TempDir {
+    let d = tempfile::Builder::new()
+        .prefix("sandboxd-images-")
+        .tempdir()
+        .unwrap();
+    std::fs::set_permissions(
+        d.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    d
+}
+
+#[tokio::test]
+async fn busybox_image_runs_on_a_fresh_overlay_per_execution() {
+    let test = "busybox_image_runs_on_a_fresh_overlay_per_execution";
+    let Some(_g) = privileged(test).await else {
+        return;
+    };
+    let busybox = match static_busybox() {
+        Ok(b) => b,
+        Err(reason) => return cannot_run(test, &reason),
+    };
+    let dir = open_tempdir();
+    let layout = busybox_layout(dir.path(), &busybox);
+    let state_dir = dir.path().join("state");
+    let digest = import(&state_dir, &layout, "bb");
+    let d = Daemon::start(DaemonOpts {
+        state_dir: Some(state_dir.clone()),
+        extra_config: Some(json!({
+            "images": {"bb": {"digest": digest}},
+            "languages": {
+                "shell": {"image": "bb", "command": ["/bin/sh"]},
+                "python": {"image": "host", "command": ["/usr/bin/python3"]},
+            },
+        })),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    let caps = c.ping().await.capabilities.expect("capabilities");
+    assert_eq!(
+        caps.languages,
+        [Language::Python, Language::Shell],
+        "pong lists exactly the configured languages"
+    );
+
+    let script = r#"
+echo "foo=$FOO"
+test -e /etc/removed && echo removed-visible || echo removed-hidden
+cat /bin/layer2
+stat -c %a /bin/suid-copy
+echo secret > /var/tmp/marker && cat /var/tmp/marker
+(echo x >> /bin/busybox) 2>/dev/null && echo image-writable || echo image-readonly
+test -d /workspace && test -d /sandbox && echo mount-points-made
+"#;
+    let r = c.run(exec_json("bb-1", "shell", script, 20_000, 64)).await;
+    assert_eq!(
+        r.terminal_status(),
+        Some(ExecStatus::Completed),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(
+        r.stdout_text(),
+        "foo=from-image\nremoved-hidden\nfrom layer 2\n755\nsecret\nimage-readonly\nmount-points-made\n",
+        "image Env, whiteout of layer 2, setuid dropped, writes to the overlay, image files read-only\n{}",
+        r.dump()
+    );
+    // The environment: ack and result agree and name the image by its manifest digest.
+    let ack = r
+        .raw
+        .iter()
+        .find(|v| v["type"] == "ack")
+        .cloned()
+        .expect("ack");
+    let res = r.result_raw().clone();
+    assert_eq!(ack["environment"]["image"], "bb", "{ack}");
+    assert_eq!(ack["environment"]["image_digest"], digest.as_str(), "{ack}");
+    assert!(ack["environment"]["seccomp_profile"]
+        .as_str()
+        .is_some_and(|s| s.starts_with("sha256:")));
+    assert_eq!(
+        ack["environment"]["sandboxd_version"],
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(ack["environment"], res["environment"]);
+    assert_eq!(
+        ack["environment_fingerprint"],
+        res["environment_fingerprint"]
+    );
+    let fp_shell = res["environment_fingerprint"].clone();
+    assert!(fp_shell.as_str().is_some_and(|s| s.starts_with("sha256:")));
+
+    // The next execution gets a fresh overlay: the marker is gone, and it never reached the layer cache.
+    let r = c
+        .run(exec_json(
+            "bb-2",
+            "shell",
+            "test -e /var/tmp/marker && echo leaked || echo clean",
+            20_000,
+            64,
+        ))
+        .await;
+    assert_eq!(r.stdout_text(), "clean\n", "{}", r.dump());
+    let layers = state_dir.join("images/oci/layers");
+    for l in std::fs::read_dir(&layers).unwrap().flatten() {
+        assert!(
+            !l.path().join("var/tmp/marker").exists(),
+            "a write reached the layer cache {}",
+            l.path().display()
+        );
+    }
+
+    // disk_mb bounds what the overlay's upper layer can hold.
+    let r = c
+        .run(with(
+            exec_json(
+                "bb-3",
+                "shell",
+                // Files of 1 MiB each stay under RLIMIT_FSIZE (also disk_mb): the tmpfs runs out first.
+                "for i in 1 2 3 4 5 6; do dd if=/dev/zero of=/var/tmp/f$i bs=1048576 count=1 2>&1 || break; done",
+                20_000,
+                64,
+            ),
+            json!({"limits": {"disk_mb": 4}}),
+        ))
+        .await;
+    let out = r.stdout_text();
+    assert!(
+        out.contains("error writing '/var/tmp/f") && out.contains("No space left on device"),
+        "{}",
+        r.dump()
+    );
+
+    // Python on the host image in the same daemon: another image, another fingerprint.
+    let r = c
+        .run(exec_json("py-1", "python", "print(1)", 20_000, 64))
+        .await;
+    assert_eq!(r.stdout_text(), "1\n", "{}", r.dump());
+    let res = r.result_raw();
+    assert_eq!(res["environment"]["image"], "host");
+    assert!(res["environment"]["image_digest"]
+        .as_str()
+        .is_some_and(|s| s.starts_with("host:sha256:")));
+    assert_ne!(res["environment_fingerprint"], fp_shell);
+
+    // A language that is not configured is not supported, even though the host could run it.
+    c.send_json(&exec_json("js-1", "javascript", "1", 20_000, 64))
+        .await;
+    let (e, _) = c.take_error().await;
+    assert_eq!(e.code, protocol::ErrorCode::LanguageNotSupported);
+
+    // `images rm` is refused while the daemon holds the store.
+    let o = sandboxd(&[
+        "--state-dir",
+        state_dir.to_str().unwrap(),
+        "images",
+        "rm",
+        "bb",
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o.stderr).contains("in use"), "{}", text(&o.stderr));
+    drop(c);
+    drop(d);
+    let o = sandboxd(&[
+        "--state-dir",
+        state_dir.to_str().unwrap(),
+        "images",
+        "rm",
+        "bb",
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert_eq!(
+        std::fs::read_dir(&layers).unwrap().count(),
+        0,
+        "layers removed"
+    );
+}
+
+#[tokio::test]
+async fn a_tampered_blob_is_refused_and_named() {
+    // Verification happens before anything is unpacked; no root needed for that part.
+    let dir = open_tempdir();
+    write_tar(
+        &dir.path().join("l.tar"),
+        &[Entry::File("hello", 0o644, b"hello world\n")],
+    );
+    let out = dir.path().join("oci");
+    let o = sandboxd(&[
+        "images",
+        "pack",
+        "--rootfs",
+        dir.path().join("l.tar").to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let manifest: Value = {
+        let index: Value =
+            serde_json::from_slice(&std::fs::read(out.join("index.json")).unwrap()).unwrap();
+        let m = index["manifests"][0]["digest"].as_str().unwrap().to_owned();
+        let hex = m.trim_start_matches("sha256:");
+        serde_json::from_slice(&std::fs::read(out.join("blobs/sha256").join(hex)).unwrap()).unwrap()
+    };
+    let layer = manifest["layers"][0]["digest"].as_str().unwrap().to_owned();
+    let blob = out
+        .join("blobs/sha256")
+        .join(layer.trim_start_matches("sha256:"));
+    let mut bytes = std::fs::read(&blob).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x20;
+    std::fs::write(&blob, &bytes).unwrap();
+
+    let state = dir.path().join("state");
+    let o = sandboxd(&[
+        "--state-dir",
+        state.to_str().unwrap(),
+        "images",
+        "import",
+        out.to_str().unwrap(),
+        "--name",
+        "tampered",
+    ]);
+    let stderr = text(&o.stderr);
+    assert!(!o.status.success(), "a tampered image is refused");
+    assert!(
+        stderr.contains(&layer) && stderr.contains("modified or is corrupt"),
+        "the error names the blob: {stderr}"
+    );
+    let o = sandboxd(&["--state-dir", state.to_str().unwrap(), "images", "list"]);
+    assert!(o.status.success());
+    assert_eq!(text(&o.stdout), "", "nothing was recorded");
+    for sub in ["layers", "tmp", "refs"] {
+        assert_eq!(
+            std::fs::read_dir(state.join("images/oci").join(sub))
+                .unwrap()
+                .count(),
+            0,
+            "{sub} is empty"
+        );
+    }
+}
+
+/// A config file for a daemon that is expected to refuse to start.
+fn refused_config(dir: &Path, state_dir: &Path, extra: Value) -> PathBuf {
+    let n = std::process::id();
+    let mut config = json!({
+        "listen": "127.0.0.1:1",
+        "state_dir": state_dir,
+        "auth": {"tokens": ["a-token-that-is-long-enough"]},
+        "sandbox": {"cgroup_parent": format!("sandboxd-test-images-{n}"), "uid_base": 3_900_000},
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        config[k] = v.clone();
+    }
+    let p = dir.join("refused.yaml");
+    std::fs::write(&p, serde_json::to_string(&config).unwrap()).unwrap();
+    p
+}
+
+#[tokio::test]
+async fn the_start_fails_closed_when_an_image_cannot_run_its_language() {
+    let test = "the_start_fails_closed_when_an_image_cannot_run_its_language";
+    let Some(_g) = privileged(test).await else {
+        return;
+    };
+    let busybox = match static_busybox() {
+        Ok(b) => b,
+        Err(reason) => return cannot_run(test, &reason),
+    };
+    let dir = open_tempdir();
+    let layout = busybox_layout(dir.path(), &busybox);
+    let state_dir = dir.path().join("state");
+    let digest = import(&state_dir, &layout, "bb");
+    let wrong_pin = format!("sha256:{}", "0".repeat(64));
+    for (extra, needles) in [
+        (
+            json!({"images": {"nope": {}}, "languages": {"shell": {"image": "nope", "command": ["/bin/sh"]}}}),
+            vec!["images.nope", "no image named \"nope\""],
+        ),
+        (
+            json!({"images": {"bb": {}}, "languages": {"python": {"image": "bb", "command": ["/usr/bin/python3"]}}}),
+            vec![
+                "languages.python",
+                "/usr/bin/python3",
+                "not found in the image",
+            ],
+        ),
+        (
+            json!({"images": {"bb": {}}, "languages": {"shell": {"image": "bb", "command": ["/etc/passwd"]}}}),
+            vec!["languages.shell", "not an executable regular file"],
+        ),
+        (
+            json!({"images": {"bb": {"digest": wrong_pin}}, "languages": {"shell": {"image": "bb", "command": ["/bin/sh"]}}}),
+            vec!["pins", digest.as_str()],
+        ),
+    ] {
+        let cfg = refused_config(dir.path(), &state_dir, extra.clone());
+        let (status, stderr) = run_until_exit(&cfg, Duration::from_secs(20)).await;
+        assert!(!status.success(), "{extra} must not start: {stderr}");
+        for n in needles {
+            assert!(stderr.contains(n), "{extra}: stderr names {n:?}: {stderr}");
+        }
+    }
+}
+
+/// The images `images/build.sh` makes (`SANDBOXD_TEST_IMAGES=shell=DIR,python=DIR`; `.ci/run` sets it): imported
+/// and used for FSP executions. The conformance suite also runs against them in `.ci/run`.
+#[tokio::test]
+async fn recipe_images_run_fsp_executions() {
+    let test = "recipe_images_run_fsp_executions";
+    let Some(_g) = privileged(test).await else {
+        return;
+    };
+    let Ok(spec) = std::env::var("SANDBOXD_TEST_IMAGES") else {
+        if on_ci() {
+            panic!("{test}: SANDBOXD_TEST_IMAGES is not set on CI (.ci/run builds the images and sets it)");
+        }
+        return cannot_run(
+            test,
+            "SANDBOXD_TEST_IMAGES is not set (images/build.sh shell python; then SANDBOXD_TEST_IMAGES=shell=images/out/shell/oci,python=images/out/python/oci)",
+        );
+    };
+    let dir = open_tempdir();
+    let state_dir = dir.path().join("state");
+    let mut languages = serde_json::Map::new();
+    let mut images = serde_json::Map::new();
+    for item in spec.split(',').filter(|s| !s.is_empty()) {
+        let (lang, layout) = item
+            .split_once('=')
+            .unwrap_or_else(|| panic!("SANDBOXD_TEST_IMAGES item {item:?} is not lang=DIR"));
+        let command = match lang {
+            "shell" => "/bin/sh",
+            "python" => "/usr/bin/python3",
+            "javascript" => "/usr/bin/node",
+            "elixir" => "/usr/bin/elixir",
+            other => panic!("unknown language {other}"),
+        };
+        let layout = std::fs::canonicalize(layout).unwrap();
+        // Imported at start from the config's `layout` (the CLI path is covered above).
+        images.insert(lang.into(), json!({"layout": layout}));
+        languages.insert(lang.into(), json!({"image": lang, "command": [command]}));
+    }
+    let d = Daemon::start(DaemonOpts {
+        state_dir: Some(state_dir),
+        extra_config: Some(json!({"images": images, "languages": languages})),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    for lang in languages.keys() {
+        let (code, want): (&str, &str) = match lang.as_str() {
+            "shell" => (
+                "read x; echo \"got $x\"; ls / >/dev/null; busybox true && echo busybox-ok; exit 3",
+                "got hi\nbusybox-ok\n",
+            ),
+            "python" => (
+                "import sys, json, hashlib, sqlite3, ssl\nprint(json.dumps({'in': sys.stdin.read().strip()}))\nsys.exit(3)",
+                "{\"in\": \"hi\"}\n",
+            ),
+            "javascript" => (
+                "const d = require('fs').readFileSync(0, 'utf8').trim(); console.log('got ' + d); process.exit(3)",
+                "got hi\n",
+            ),
+            _ => ("IO.puts(\"got \" <> String.trim(IO.read(:eof))); System.halt(3)", "got hi\n"),
+        };
+        let r = c
+            .run(with(
+                exec_json(&format!("{lang}-1"), lang, code, 60_000, 256),
+                json!({"stdin": "hi\n"}),
+            ))
+            .await;
+        assert_eq!(r.stdout_text(), want, "{lang}: {}", r.dump());
+        assert_eq!(r.result().exit_code, Some(3), "{lang}: {}", r.dump());
+        assert_eq!(
+            r.result_raw()["environment"]["image"],
+            lang.as_str(),
+            "{}",
+            r.dump()
+        );
+        // Timeouts and OOM behave on the image as on the host.
+        let r = c
+            .run(exec_json(
+                &format!("{lang}-t"),
+                lang,
+                match lang.as_str() {
+                    "shell" => "while :; do :; done",
+                    "python" => "while True: pass",
+                    "javascript" => "for(;;){}",
+                    _ => "Stream.repeatedly(fn -> 1 end) |> Stream.run()",
+                },
+                1_500,
+                256,
+            ))
+            .await;
+        assert_eq!(
+            r.terminal_status(),
+            Some(ExecStatus::Timeout),
+            "{lang}: {}",
+            r.dump()
+        );
+        if lang == "python" {
+            let r = c
+                .run(exec_json(
+                    "python-oom",
+                    "python",
+                    "x = bytearray(512 << 20)",
+                    20_000,
+                    64,
+                ))
+                .await;
+            assert_eq!(r.terminal_status(), Some(ExecStatus::Oom), "{}", r.dump());
+        }
+    }
+    c.assert_usable().await;
+}
