@@ -218,7 +218,6 @@ pub struct InputFile {
 pub struct Scratch {
     dir: PathBuf,
     mounted: bool,
-    overlay: bool,
 }
 
 /// Where an execution's root comes from.
@@ -233,7 +232,7 @@ pub enum RootSource<'a> {
 impl Scratch {
     /// Creates `<run_dir>/<id>/`, mounts a tmpfs of `disk_bytes` on `scratch/` holding `workspace/` and `tmp/`
     /// (owned by the execution's host id), writes the input files and the code file (`code/<code_name>`, read-only),
-    /// and for [`RootSource::Overlay`] mounts the overlay root on `rootfs/`. On error everything created so far is
+    /// and for [`RootSource::Overlay`] mounts the overlay root on `scratch/rootfs/`. On error everything created so far is
     /// removed again.
     #[allow(clippy::too_many_arguments)]
     pub fn create(
@@ -254,7 +253,6 @@ impl Scratch {
         let mut scratch = Self {
             dir,
             mounted: false,
-            overlay: false,
         };
         let filled = scratch
             .fill(disk_bytes, host_id, code_name, code, files)
@@ -407,7 +405,6 @@ impl Scratch {
             Some(data.as_str()),
         )
         .map_err(|e| Error::sys(format!("mount overlay on {}", root.display()), e))?;
-        self.overlay = true;
         for m in crate::image::MOUNT_POINTS {
             let p = root.join(m);
             match fs::symlink_metadata(&p) {
@@ -424,9 +421,10 @@ impl Scratch {
         Ok(())
     }
 
-    /// The overlay root (meaningful for [`RootSource::Overlay`]).
+    /// The overlay root (meaningful for [`RootSource::Overlay`]). It is mounted inside the scratch tmpfs, so the
+    /// one lazy unmount of the tmpfs takes it along (a second unmount would cost a second RCU grace period).
     pub fn rootfs(&self) -> PathBuf {
-        self.dir.join("rootfs")
+        self.dir.join("scratch/rootfs")
     }
 
     /// The bind mounts that put this scratch space into the container.
@@ -463,13 +461,7 @@ impl Scratch {
 
     /// Unmounts the tmpfs and removes the directory. Idempotent.
     pub fn remove(&mut self) -> Result<()> {
-        if self.overlay {
-            let root = self.rootfs();
-            match nix::mount::umount2(&root, MntFlags::MNT_DETACH) {
-                Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => self.overlay = false,
-                Err(e) => return Err(Error::sys(format!("umount {}", root.display()), e)),
-            }
-        }
+        // A lazy unmount of the tmpfs detaches the overlay root mounted inside it too.
         if self.mounted {
             let tmpfs = self.dir.join("scratch");
             match nix::mount::umount2(&tmpfs, MntFlags::MNT_DETACH) {

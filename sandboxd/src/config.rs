@@ -493,6 +493,8 @@ mod tests {
         max_frame_bytes: usize,
         sandbox: std::collections::BTreeMap<&'static str, String>,
         artifacts: std::collections::BTreeMap<&'static str, Option<u64>>,
+        images: std::collections::BTreeMap<String, String>,
+        languages: Option<u8>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -526,6 +528,8 @@ mod tests {
                     ("upload", None),
                 ]
                 .into(),
+                images: Default::default(),
+                languages: None,
             }
         }
     }

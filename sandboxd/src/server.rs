@@ -354,27 +354,70 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
     info!("disconnected");
 }
 
-/// Runs one real execution before the daemon serves: the shell checks, from inside the container, that the
-/// seccomp filter is installed, no capability is held and `no_new_privs` is set. A daemon that cannot run this
-/// (a state directory the container user cannot traverse, a broken layer) refuses to start instead of reporting
-/// healthy and failing every execution.
+/// The self-test program per language: from inside the container, check that the seccomp filter is installed, no
+/// capability is held and `no_new_privs` is set, then print `self-test-ok`. Only the language's own interpreter is
+/// used (an image may have no grep).
+fn self_test_program(lang: protocol::Language) -> &'static str {
+    match lang {
+        protocol::Language::Shell => {
+            r#"ok=0
+while IFS=: read -r k v; do
+  v=$(echo $v)
+  case "$k" in
+    Seccomp) [ "$v" = 2 ] && ok=$((ok+1)) ;;
+    CapEff|CapBnd) [ "$v" = 0000000000000000 ] && ok=$((ok+1)) ;;
+    NoNewPrivs) [ "$v" = 1 ] && ok=$((ok+1)) ;;
+  esac
+done < /proc/self/status
+[ "$ok" = 4 ] && echo self-test-ok"#
+        }
+        protocol::Language::Python => {
+            r#"s = {k: v.strip() for k, v in (l.split(":", 1) for l in open("/proc/self/status"))}
+z = "0" * 16
+ok = s["Seccomp"] == "2" and s["CapEff"] == z and s["CapBnd"] == z and s["NoNewPrivs"] == "1"
+print("self-test-ok" if ok else s)"#
+        }
+        protocol::Language::Javascript => {
+            r#"const s = Object.fromEntries(require("fs").readFileSync("/proc/self/status", "utf8").trim().split("\n")
+  .map((l) => { const i = l.indexOf(":"); return [l.slice(0, i), l.slice(i + 1).trim()]; }));
+const z = "0".repeat(16);
+const ok = s.Seccomp === "2" && s.CapEff === z && s.CapBnd === z && s.NoNewPrivs === "1";
+console.log(ok ? "self-test-ok" : JSON.stringify(s));"#
+        }
+        protocol::Language::Elixir => {
+            r#"s = File.read!("/proc/self/status") |> String.split("\n", trim: true) |> Map.new(fn l -> [k, v] = String.split(l, ":", parts: 2); {k, String.trim(v)} end)
+z = String.duplicate("0", 16)
+IO.puts(if s["Seccomp"] == "2" and s["CapEff"] == z and s["CapBnd"] == z and s["NoNewPrivs"] == "1", do: "self-test-ok", else: inspect(s))"#
+        }
+    }
+}
+
+/// Runs one real execution per configured language before the daemon serves (see [`self_test_program`]). A daemon
+/// that cannot run them (a state directory the container user cannot traverse, a broken image, an interpreter that
+/// does not start) refuses to start instead of reporting healthy and failing every execution.
 pub async fn self_test(engine: Arc<Engine>) -> Result<(), String> {
-    const CHECK: &str = "grep -q '^Seccomp:[[:space:]]*2' /proc/self/status && \
-        grep -q '^CapEff:[[:space:]]*0000000000000000' /proc/self/status && \
-        grep -q '^CapBnd:[[:space:]]*0000000000000000' /proc/self/status && \
-        grep -q '^NoNewPrivs:[[:space:]]*1' /proc/self/status && echo self-test-ok";
+    let languages: Vec<protocol::Language> = engine.languages.keys().copied().collect();
+    for lang in languages {
+        self_test_one(engine.clone(), lang)
+            .await
+            .map_err(|e| format!("{lang}: {e}"))?;
+    }
+    Ok(())
+}
+
+async fn self_test_one(engine: Arc<Engine>, lang: protocol::Language) -> Result<(), String> {
     let registry = Registry::default();
-    let id = "sandboxd-self-test";
-    let (registration, control) = registry.register(id).ok_or("self-test id in use")?;
+    let id = format!("sandboxd-self-test-{lang}");
+    let (registration, control) = registry.register(&id).ok_or("self-test id in use")?;
+    let max = engine.max_limits();
+    // Interpreters like the BEAM need more than the default 64 MiB to start.
     let req = protocol::ExecuteRequest::new(
-        id,
-        protocol::Language::Shell,
-        CHECK,
-        protocol::RequestedLimits::new(10_000, 64),
+        &id,
+        lang,
+        self_test_program(lang),
+        protocol::RequestedLimits::new(max.timeout_ms.min(60_000), max.memory_mb.min(512)),
     );
-    let limits = req
-        .resolve_limits(&engine.max_limits())
-        .map_err(|e| e.message)?;
+    let limits = req.resolve_limits(&max).map_err(|e| e.message)?;
     let admission = engine.admit();
     let (tx, mut rx) = mpsc::channel(16);
     tokio::spawn(
@@ -382,20 +425,22 @@ pub async fn self_test(engine: Arc<Engine>) -> Result<(), String> {
             .clone()
             .run(req, limits, admission, tx, control, registration),
     );
-    let mut stdout = String::new();
+    let (mut stdout, mut stderr) = (String::new(), String::new());
     while let Some(m) = rx.recv().await {
         match m {
             ServerMessage::Stdout(c) => stdout.push_str(&c.data),
+            ServerMessage::Stderr(c) => stderr.push_str(&c.data),
             ServerMessage::Result(r) if r.exit_code == Some(0) && stdout.contains("self-test-ok") => {
                 // Keep the control sender alive until the end so the execution is not seen as disconnected.
                 drop(registry);
                 return Ok(());
             }
             ServerMessage::Result(r) => {
+                let tail: String = format!("{stdout}{stderr}").chars().take(400).collect();
                 return Err(format!(
-                    "the self-test execution ended {:?} (exit {:?}): an isolation layer is not in effect",
+                    "the self-test execution ended {:?} (exit {:?}): an isolation layer is not in effect or the interpreter does not run; output: {tail:?}",
                     r.reason, r.exit_code
-                ))
+                ));
             }
             ServerMessage::Error(e) => return Err(format!("the self-test execution failed: {}", e.message)),
             _ => {}
