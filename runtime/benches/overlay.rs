@@ -4,6 +4,7 @@
 //!
 //! `cargo bench -p sandboxd-runtime --bench overlay` (set `SANDBOXD_BENCH_LAYERS=dir1:dir2…`, top first, to measure
 //! real unpacked layers, e.g. those of `<state_dir>/images/oci/layers/`).
+#![allow(clippy::expect_used)]
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -39,7 +40,9 @@ fn main() {
             (0..3)
                 .map(|i| {
                     let l = dir.path().join(format!("layer{i}"));
-                    for d in ["usr/bin", "usr/lib", "etc", "var/tmp", "proc", "dev", "sys", "tmp"] {
+                    for d in [
+                        "usr/bin", "usr/lib", "etc", "var/tmp", "proc", "dev", "sys", "tmp",
+                    ] {
                         std::fs::create_dir_all(l.join(d)).expect("layer dir");
                     }
                     for f in 0..200 {

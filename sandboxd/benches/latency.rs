@@ -29,7 +29,8 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn start() -> Self {
+    /// Starts a daemon; `extra` is appended to its config, `n` keeps cgroup parents and uid ranges apart.
+    fn start(n: u32, extra: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -42,9 +43,10 @@ impl Daemon {
             format!(
                 "listen: 127.0.0.1:{port}\nstate_dir: {}\nauth: {{tokens: [\"{TOKEN}\"]}}\n\
                  capacity: {{max_concurrent: 16, max_queue: 256}}\n\
-                 sandbox: {{cgroup_parent: sandboxd-bench-{}, uid_base: 400000}}\n",
+                 sandbox: {{cgroup_parent: sandboxd-bench-{}-{n}, uid_base: {}}}\n{extra}",
                 dir.path().join("state").display(),
                 std::process::id(),
+                400_000 + n * 1000,
             ),
         )
         .unwrap();
@@ -54,7 +56,7 @@ impl Daemon {
             .env("SANDBOXD_LOG", "warn,libcgroups=error")
             .spawn()
             .expect("start sandboxd");
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
                 use std::io::Write;
@@ -182,7 +184,7 @@ fn main() {
         return;
     }
     // `cargo bench` passes --bench; a filter argument is accepted and ignored.
-    let daemon = Daemon::start();
+    let daemon = Daemon::start(0, "");
     let tmp = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let cases = [
@@ -285,6 +287,10 @@ fn main() {
         );
     }
 
+    if let Ok(spec) = std::env::var("SANDBOXD_BENCH_IMAGES") {
+        images(&rt, &daemon, &spec);
+    }
+
     println!();
     println!("throughput, shell `true`, {THROUGHPUT_RUNS} executions per run (one connection per worker)");
     println!(
@@ -335,4 +341,72 @@ fn main() {
         );
     }
     drop(daemon);
+}
+
+/// `SANDBOXD_BENCH_IMAGES=shell=DIR,python=DIR` (OCI layouts from `images/build.sh`): the same programs on a second
+/// daemon whose languages run on those images, interleaved with the host-image daemon.
+fn images(rt: &tokio::runtime::Runtime, host: &Daemon, spec: &str) {
+    let mut extra = String::from("images:\n");
+    let mut langs = String::from("languages:\n");
+    let mut cases = Vec::new();
+    for item in spec.split(',').filter(|s| !s.is_empty()) {
+        let (lang, dir) = item.split_once('=').expect("lang=DIR");
+        let (program, code) = match lang {
+            "shell" => ("/bin/sh", "true\n"),
+            "python" => ("/usr/bin/python3", "pass\n"),
+            "javascript" => ("/usr/bin/node", "\n"),
+            other => panic!("no bench case for {other}"),
+        };
+        let dir = std::fs::canonicalize(dir).expect("layout dir");
+        extra.push_str(&format!("  {lang}: {{layout: {}}}\n", dir.display()));
+        langs.push_str(&format!(
+            "  {lang}: {{image: {lang}, command: [{program}]}}\n"
+        ));
+        cases.push((lang.to_owned(), code));
+    }
+    let image = Daemon::start(1, &format!("{extra}{langs}"));
+    let mut rows = Vec::new();
+    rt.block_on(async {
+        let mut hw = connect(host.port).await;
+        let mut iw = connect(image.port).await;
+        for (lang, code) in &cases {
+            for i in 0..5 {
+                execute(&mut hw, &format!("warm-h-{lang}-{i}"), lang, code).await;
+                execute(&mut iw, &format!("warm-i-{lang}-{i}"), lang, code).await;
+            }
+            let (mut h, mut m) = (Vec::new(), Vec::new());
+            for i in 0..SAMPLES {
+                h.push(
+                    execute(&mut hw, &format!("h-{lang}-{i}"), lang, code)
+                        .await
+                        .0,
+                );
+                m.push(
+                    execute(&mut iw, &format!("i-{lang}-{i}"), lang, code)
+                        .await
+                        .0,
+                );
+            }
+            rows.push((lang.clone(), h, m));
+        }
+    });
+    println!();
+    println!("OCI image vs host image, {SAMPLES} samples each, interleaved; times in ms");
+    println!(
+        "{:<10} {:>10} {:>10} {:>10} {:>10} {:>12} {:>7}",
+        "language", "host p50", "host p95", "image p50", "image p95", "p50 diff", "ratio"
+    );
+    for (lang, h, m) in rows {
+        let (h50, m50) = (pct(h.clone(), 0.5), pct(m.clone(), 0.5));
+        println!(
+            "{:<10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>9.2} ms {:>7.2}",
+            lang,
+            h50,
+            pct(h, 0.95),
+            m50,
+            pct(m, 0.95),
+            m50 - h50,
+            m50 / h50
+        );
+    }
 }

@@ -430,7 +430,9 @@ async fn self_test_one(engine: Arc<Engine>, lang: protocol::Language) -> Result<
         match m {
             ServerMessage::Stdout(c) => stdout.push_str(&c.data),
             ServerMessage::Stderr(c) => stderr.push_str(&c.data),
-            ServerMessage::Result(r) if r.exit_code == Some(0) && stdout.contains("self-test-ok") => {
+            ServerMessage::Result(r)
+                if r.exit_code == Some(0) && stdout.contains("self-test-ok") =>
+            {
                 // Keep the control sender alive until the end so the execution is not seen as disconnected.
                 drop(registry);
                 return Ok(());
@@ -442,7 +444,9 @@ async fn self_test_one(engine: Arc<Engine>, lang: protocol::Language) -> Result<
                     r.reason, r.exit_code
                 ));
             }
-            ServerMessage::Error(e) => return Err(format!("the self-test execution failed: {}", e.message)),
+            ServerMessage::Error(e) => {
+                return Err(format!("the self-test execution failed: {}", e.message))
+            }
             _ => {}
         }
     }

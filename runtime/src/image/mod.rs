@@ -12,6 +12,8 @@
 //!
 //! The per-execution overlay mount itself lives with the rest of an execution's mounts in [`crate::rootfs`].
 
+#[cfg(test)]
+mod hostile_tests;
 pub mod layout;
 pub mod pack;
 pub mod store;
@@ -82,7 +84,9 @@ impl ImageError {
 pub type Result<T, E = ImageError> = std::result::Result<T, E>;
 
 /// A validated `sha256:<64 hex>` digest; `hex()` is safe to use as a file name.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(try_from = "String", into = "String")]
 pub struct Sha256(String);
 
@@ -90,8 +94,11 @@ impl Sha256 {
     /// Parses `sha256:<64 lowercase hex>`; anything else (other algorithms, upper case, path characters) is refused.
     pub fn parse(s: &str) -> Option<Self> {
         let hex = s.strip_prefix("sha256:")?;
-        (hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
-            .then(|| Self(s.to_owned()))
+        (hex.len() == 64
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+        .then(|| Self(s.to_owned()))
     }
 
     /// The digest of `bytes`.
@@ -203,7 +210,15 @@ mod tests {
         for good in ["python", "py3.11", "shell-busybox", "0x"] {
             assert!(valid_name(good), "{good}");
         }
-        for bad in ["", "host", "Python", "../x", "a/b", ".hidden", &"x".repeat(65)] {
+        for bad in [
+            "",
+            "host",
+            "Python",
+            "../x",
+            "a/b",
+            ".hidden",
+            &"x".repeat(65),
+        ] {
             assert!(!valid_name(bad), "{bad}");
         }
     }

@@ -143,14 +143,29 @@ impl ImageStore {
         let mut stats = UnpackStats::default();
         let (mut unpacked, mut cached) = (0, 0);
         let mut unpacked_bytes = 0;
+        // New layers move from tmp/ into layers/ only once every one of them unpacked: a refused image leaves
+        // nothing behind (and nothing another import may already have counted on is taken away).
+        let mut fresh: Vec<(PathBuf, &Sha256, u64)> = Vec::new();
         for l in &layout.layers {
             let dest = self.layer_dir(&l.digest);
+            if let Some((_, _, bytes)) = fresh.iter().find(|(_, d, _)| *d == &l.digest) {
+                cached += 1;
+                unpacked_bytes += bytes;
+                continue;
+            }
             if dest.is_dir() {
                 cached += 1;
                 unpacked_bytes += dir_bytes(&dest);
                 continue;
             }
-            let s = self.unpack_layer(dir, l)?;
+            let (tmp, s) = match self.unpack_layer(dir, l) {
+                Ok(r) => r,
+                Err(e) => {
+                    fresh.iter().for_each(|(tmp, ..)| discard(tmp));
+                    return Err(e);
+                }
+            };
+            fresh.push((tmp, &l.digest, s.bytes));
             unpacked += 1;
             unpacked_bytes += s.bytes;
             stats.entries += s.entries;
@@ -158,6 +173,14 @@ impl ImageStore {
             stats.whiteouts += s.whiteouts;
             stats.setid_dropped += s.setid_dropped;
         }
+        let mut installed = Ok(());
+        for (tmp, digest, _) in &fresh {
+            match installed {
+                Ok(()) => installed = self.install(tmp, digest),
+                Err(_) => discard(tmp),
+            }
+        }
+        installed?;
         let unpack = t1.elapsed();
         let image = StoredImage {
             name: name.to_owned(),
@@ -183,9 +206,9 @@ impl ImageStore {
         })
     }
 
-    /// Unpacks one layer into `tmp/`, checks the blob's digest again on the way (it may have changed since it was
-    /// verified), then renames the result into `layers/`.
-    fn unpack_layer(&self, dir: &Path, l: &LayerRef) -> Result<UnpackStats> {
+    /// Unpacks one layer into a new directory in `tmp/`, checking the blob's digest again on the way (it may have
+    /// changed since it was verified); [`Self::install`] moves it into `layers/`.
+    fn unpack_layer(&self, dir: &Path, l: &LayerRef) -> Result<(PathBuf, UnpackStats)> {
         let tmp = self.root.join("tmp").join(format!(
             "{}.{}.{}",
             l.digest.hex(),
@@ -214,25 +237,27 @@ impl ImageStore {
             sync_dir(&tmp)?;
             Ok(stats)
         })();
-        let stats = match result {
-            Ok(s) => s,
+        match result {
+            Ok(s) => Ok((tmp, s)),
             Err(e) => {
-                if let Err(c) = fs::remove_dir_all(&tmp) {
-                    tracing::error!(dir = %tmp.display(), error = %c, "cannot remove a failed unpack");
-                }
-                return Err(e);
+                discard(&tmp);
+                Err(e)
             }
-        };
-        let dest = self.layer_dir(&l.digest);
-        match fs::rename(&tmp, &dest) {
-            Ok(()) => Ok(stats),
+        }
+    }
+
+    /// Renames a layer unpacked into `tmp` into `layers/`.
+    fn install(&self, tmp: &Path, digest: &Sha256) -> Result<()> {
+        let dest = self.layer_dir(digest);
+        match fs::rename(tmp, &dest) {
+            Ok(()) => Ok(()),
             // Another import finished the same layer first: theirs is as good as ours.
             Err(_) if dest.is_dir() => {
-                let _ = fs::remove_dir_all(&tmp);
-                Ok(stats)
+                let _ = fs::remove_dir_all(tmp);
+                Ok(())
             }
             Err(e) => {
-                let _ = fs::remove_dir_all(&tmp);
+                let _ = fs::remove_dir_all(tmp);
                 Err(ImageError::io(&dest, e))
             }
         }
@@ -312,6 +337,9 @@ impl ImageStore {
 
     /// Forgets `name` and removes the layers no other image uses. Refused while a daemon holds the store.
     pub fn remove(&self, name: &str) -> Result<usize> {
+        if !valid_name(name) {
+            return Err(ImageError::InvalidName(name.to_owned()));
+        }
         let _lock = self
             .lock(FlockArg::LockExclusiveNonblock)?
             .ok_or_else(|| ImageError::Busy(self.root.clone()))?;
@@ -361,6 +389,13 @@ impl ImageStore {
             .filter_map(|e| fs::read(e.path()).ok())
             .filter_map(|b| serde_json::from_slice(&b).ok())
             .collect()
+    }
+}
+
+/// Removes an unpack that will not be installed.
+fn discard(tmp: &Path) {
+    if let Err(e) = fs::remove_dir_all(tmp) {
+        tracing::error!(dir = %tmp.display(), error = %e, "cannot remove a failed unpack");
     }
 }
 

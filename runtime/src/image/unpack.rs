@@ -339,7 +339,11 @@ impl Unpacker<'_> {
                         .map_err(|e| format!("mkdir {}: {e}", so_far()))?;
                     open_beneath(cur, comp).map_err(|e| format!("{}: {e}", so_far()))?
                 }
-                Err(nix::Error::ELOOP) | Err(nix::Error::EXDEV) => {
+                // O_DIRECTORY | O_NOFOLLOW on a symlink fails with ENOTDIR: say which it was.
+                Err(e)
+                    if matches!(e, nix::Error::ELOOP | nix::Error::EXDEV)
+                        || (e == nix::Error::ENOTDIR && is_symlink(cur, comp)) =>
+                {
                     return Err(format!(
                         "the path goes through the symlink {} (writing through links is refused)",
                         so_far()
@@ -381,11 +385,12 @@ impl Unpacker<'_> {
         Ok(())
     }
 
-    /// Directory mtimes, last (creating entries changed them). Directories replaced since are skipped.
+    /// Directory mtimes, last (creating entries changed them), in archive order so that the later of two entries
+    /// for a directory wins. Directories replaced since are skipped.
     fn finish_dirs(&mut self) {
         self.cached = None;
         let dirs = std::mem::take(&mut self.dirs);
-        for (comps, mtime) in dirs.iter().rev() {
+        for (comps, mtime) in &dirs {
             let comps: Vec<&OsStr> = comps.iter().map(|c| c.as_os_str()).collect();
             if let Ok(fd) = self.walk(&comps, false) {
                 let t = TimeSpec::new(*mtime, 0);
@@ -422,6 +427,12 @@ fn open_dir(path: &Path) -> io::Result<OwnedFd> {
     )?;
     // SAFETY: open returned a new descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether `name` in `dir` is a symlink (not following it).
+fn is_symlink(dir: RawFd, name: &OsStr) -> bool {
+    nix::sys::stat::fstatat(Some(dir), name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
+        .is_ok_and(|st| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFLNK)
 }
 
 /// Opens the directory `name` in `dir` without following a symlink and without leaving `dir`.
