@@ -123,6 +123,12 @@ chmod 1777 "$root/tmp"
 # The sandbox sees every file as owned by nobody, so a 0700 /root would be
 # unusable even for the container's root.
 chmod 0755 "$root/root"
+# Debian's nodejs loads /etc/ssl/certs/ca-certificates.crt as extra CA certificates and warns on stderr at every
+# start when it is missing; the sandbox has no network, so an empty bundle (no CA trusted) is the honest content.
+if [ -x "$root/usr/bin/node" ] && [ ! -e "$root/etc/ssl/certs/ca-certificates.crt" ]; then
+    mkdir -p "$root/etc/ssl/certs"
+    : > "$root/etc/ssl/certs/ca-certificates.crt"
+fi
 
 # The runtime drops setuid/setgid bits anyway; drop them here so the tarball
 # says what the container gets.

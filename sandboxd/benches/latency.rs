@@ -53,7 +53,10 @@ impl Daemon {
         let child = Command::new(env!("CARGO_BIN_EXE_sandboxd"))
             .arg("--config")
             .arg(&config)
-            .env("SANDBOXD_LOG", "warn,libcgroups=error")
+            .env(
+                "SANDBOXD_LOG",
+                "warn,libcgroups=error,libcontainer::process::init=error",
+            )
             .spawn()
             .expect("start sandboxd");
         let deadline = Instant::now() + Duration::from_secs(120);
