@@ -527,7 +527,11 @@ async fn recipe_images_run_fsp_executions() {
             ))
             .await;
         assert_eq!(r.stdout_text(), want, "{lang}: {}", r.dump());
-        assert!(r.stderr().is_empty(), "{lang}: the interpreter starts silently: {}", r.dump());
+        assert!(
+            r.stderr().is_empty(),
+            "{lang}: the interpreter starts silently: {}",
+            r.dump()
+        );
         assert_eq!(r.result().exit_code, Some(3), "{lang}: {}", r.dump());
         assert_eq!(
             r.result_raw()["environment"]["image"],
