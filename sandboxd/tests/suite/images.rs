@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use super::harness::{
     cannot_run, exec_json, on_ci, privileged, run_until_exit, with, Client, Daemon, DaemonOpts,
-    SANDBOXD,
+    Guard, SANDBOXD,
 };
 
 /// Debian's busybox-static, if present and really static (no program interpreter).
@@ -166,20 +166,31 @@ fn open_tempdir() -> tempfile::TempDir {
     d
 }
 
-#[tokio::test]
-async fn busybox_image_runs_on_a_fresh_overlay_per_execution() {
-    let test = "busybox_image_runs_on_a_fresh_overlay_per_execution";
-    let Some(_g) = privileged(test).await else {
-        return;
-    };
+/// For a privileged test: the busybox image packed and imported as `bb` into a fresh state directory. Returns the
+/// guard, the scratch directory (keep it alive), the state directory and the manifest digest.
+async fn imported_busybox(test: &str) -> Option<(Guard, tempfile::TempDir, PathBuf, String)> {
+    let guard = privileged(test).await?;
     let busybox = match static_busybox() {
         Ok(b) => b,
-        Err(reason) => return cannot_run(test, &reason),
+        Err(reason) => {
+            cannot_run(test, &reason);
+            return None;
+        }
     };
     let dir = open_tempdir();
     let layout = busybox_layout(dir.path(), &busybox);
     let state_dir = dir.path().join("state");
     let digest = import(&state_dir, &layout, "bb");
+    Some((guard, dir, state_dir, digest))
+}
+
+#[tokio::test]
+async fn busybox_image_runs_on_a_fresh_overlay_per_execution() {
+    let Some((_g, _dir, state_dir, digest)) =
+        imported_busybox("busybox_image_runs_on_a_fresh_overlay_per_execution").await
+    else {
+        return;
+    };
     let d = Daemon::start(DaemonOpts {
         state_dir: Some(state_dir.clone()),
         extra_config: Some(json!({
@@ -416,18 +427,11 @@ fn refused_config(dir: &Path, state_dir: &Path, extra: Value) -> PathBuf {
 
 #[tokio::test]
 async fn the_start_fails_closed_when_an_image_cannot_run_its_language() {
-    let test = "the_start_fails_closed_when_an_image_cannot_run_its_language";
-    let Some(_g) = privileged(test).await else {
+    let Some((_g, dir, state_dir, digest)) =
+        imported_busybox("the_start_fails_closed_when_an_image_cannot_run_its_language").await
+    else {
         return;
     };
-    let busybox = match static_busybox() {
-        Ok(b) => b,
-        Err(reason) => return cannot_run(test, &reason),
-    };
-    let dir = open_tempdir();
-    let layout = busybox_layout(dir.path(), &busybox);
-    let state_dir = dir.path().join("state");
-    let digest = import(&state_dir, &layout, "bb");
     let wrong_pin = format!("sha256:{}", "0".repeat(64));
     for (extra, needles) in [
         (
