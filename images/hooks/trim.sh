@@ -123,6 +123,15 @@ chmod 1777 "$root/tmp"
 # The sandbox sees every file as owned by nobody, so a 0700 /root would be
 # unusable even for the container's root.
 chmod 0755 "$root/root"
+# busybox (the shell image) brings grep, sed, awk, find and the other POSIX tools coreutils lacks; Debian installs
+# none of its applet links. Link the applets that nothing else provides.
+if [ -x "$root/usr/bin/busybox" ]; then
+    for a in $(chroot "$root" /usr/bin/busybox --list); do
+        case $a in */* | "" | .*) continue ;; esac
+        [ -e "$root/usr/bin/$a" ] || [ -e "$root/usr/sbin/$a" ] || [ -L "$root/usr/bin/$a" ] ||
+            ln -s busybox "$root/usr/bin/$a"
+    done
+fi
 # Debian's nodejs loads /etc/ssl/certs/ca-certificates.crt as extra CA certificates and warns on stderr at every
 # start when it is missing; the sandbox has no network, so an empty bundle (no CA trusted) is the honest content.
 if [ -x "$root/usr/bin/node" ] && [ ! -e "$root/etc/ssl/certs/ca-certificates.crt" ]; then

@@ -178,8 +178,9 @@ async fn disconnect_load(ctx: C) -> CaseResult {
 }
 
 /// A shell snippet that prints how many files named `*fsp-<marker>*` (marker read from stdin) are in the working
-/// directory, TMPDIR or /tmp.
-pub const COUNT_MARKED_FILES: &str = r#"read -r m
+/// directory, TMPDIR or /tmp. Without `find` it fails instead of counting nothing.
+pub const COUNT_MARKED_FILES: &str = r#"command -v find >/dev/null 2>&1 || { echo "find is not available" >&2; exit 3; }
+read -r m
 n=0
 for d in . "${TMPDIR:-/tmp}" /tmp; do
   k=$(find "$d" -name "*fsp-$m*" 2>/dev/null | wc -l)
