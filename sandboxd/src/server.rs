@@ -420,12 +420,13 @@ async fn self_test_one(engine: Arc<Engine>, lang: protocol::Language) -> Result<
     let limits = req.resolve_limits(&max).map_err(|e| e.message)?;
     let admission = engine.admit();
     let (tx, mut rx) = mpsc::channel(16);
-    tokio::spawn(
+    let task = tokio::spawn(
         engine
             .clone()
             .run(req, limits, admission, tx, control, registration),
     );
     let (mut stdout, mut stderr) = (String::new(), String::new());
+    let mut outcome = Err("the self-test execution ended without a result".to_owned());
     while let Some(m) = rx.recv().await {
         match m {
             ServerMessage::Stdout(c) => stdout.push_str(&c.data),
@@ -433,24 +434,31 @@ async fn self_test_one(engine: Arc<Engine>, lang: protocol::Language) -> Result<
             ServerMessage::Result(r)
                 if r.exit_code == Some(0) && stdout.contains("self-test-ok") =>
             {
-                // Keep the control sender alive until the end so the execution is not seen as disconnected.
-                drop(registry);
-                return Ok(());
+                outcome = Ok(());
+                break;
             }
             ServerMessage::Result(r) => {
                 let tail: String = format!("{stdout}{stderr}").chars().take(400).collect();
-                return Err(format!(
+                outcome = Err(format!(
                     "the self-test execution ended {:?} (exit {:?}): an isolation layer is not in effect or the interpreter does not run; output: {tail:?}",
                     r.reason, r.exit_code
                 ));
+                break;
             }
             ServerMessage::Error(e) => {
-                return Err(format!("the self-test execution failed: {}", e.message))
+                outcome = Err(format!("the self-test execution failed: {}", e.message));
+                break;
             }
             _ => {}
         }
     }
-    Err("the self-test execution ended without a result".into())
+    // The execution frees its slot only after its container is removed: wait for that, so the next self-test
+    // finds a free slot even with `max_concurrent: 1` and no queue. The control sender (the registry) stays alive
+    // until then so the execution is not seen as disconnected.
+    drop(rx);
+    let _ = task.await;
+    drop(registry);
+    outcome
 }
 
 /// Refusals that need the engine: language availability, unsupported extensions, files bigger than the scratch.
