@@ -64,6 +64,12 @@ async fn healthz(State(state): State<AppState>) -> Response {
         "max_concurrent": e.config.capacity.max_concurrent,
         "max_queue": e.config.capacity.max_queue,
         "languages": e.languages.keys().collect::<Vec<_>>(),
+        // Which image each language runs on, by manifest digest (what `environment.image_digest` says).
+        "images": e
+            .languages
+            .iter()
+            .map(|(l, r)| (l.as_str().to_owned(), serde_json::json!({"image": r.image.name, "digest": r.image.digest})))
+            .collect::<serde_json::Map<String, serde_json::Value>>(),
         "isolation": e.isolation,
     });
     let code = if healthy {

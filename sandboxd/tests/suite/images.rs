@@ -203,6 +203,14 @@ async fn busybox_image_runs_on_a_fresh_overlay_per_execution() {
         ..DaemonOpts::default()
     })
     .await;
+    let (code, health) = d.healthz().await;
+    assert_eq!(code, 200);
+    assert_eq!(
+        health["images"]["shell"],
+        json!({"image": "bb", "digest": digest}),
+        "{health}"
+    );
+    assert_eq!(health["images"]["python"]["image"], "host", "{health}");
     let mut c = Client::connect(&d).await;
     let caps = c.ping().await.capabilities.expect("capabilities");
     assert_eq!(
