@@ -1183,6 +1183,11 @@ fn store_imports_lists_and_caches() {
     assert_eq!((r.layers_unpacked, r.layers_cached), (1, 1));
     assert_eq!((r.stats.entries, r.image.unpacked_bytes), (2, 2));
     assert_eq!(r.image.layers.len(), 2);
+    // ...and mounted once: overlayfs refuses a repeated lower directory.
+    assert_eq!(
+        store.lower_dirs(&r.image),
+        vec![store.layer_dir(&r.image.layers[0].digest)]
+    );
     assert_eq!(names(&store.root().join("tmp")), Vec::<String>::new());
     assert_eq!(store_content(&store).1.len(), 3);
     assert!(matches!(store.remove("twice"), Ok(1)));
@@ -1592,5 +1597,118 @@ fn pack_is_deterministic_and_labels_compression() {
             .map(|l| l.diff_id.clone())
             .collect::<Vec<_>>(),
         [Sha256::of(&layer), Sha256::of(&extra_layer("x"))]
+    );
+}
+
+#[test]
+fn deep_or_long_paths_are_refused_and_aufs_metadata_is_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 129 directories deep: removal holds a descriptor per level, so depth is bounded.
+    let deep = "d/".repeat(129) + "f";
+    let dest = tmp.path().join("deep");
+    fs::create_dir(&dest).unwrap();
+    let (entry, reason) = layer_error(unpack_tar(
+        &tar(&[file(&deep, 0o644, b"x").long_name()]),
+        &dest,
+    ))
+    .unwrap();
+    assert_eq!(entry, deep);
+    assert!(reason.contains("deeper than 128"), "{reason}");
+    assert_eq!(names(&dest), Vec::<String>::new(), "nothing was created");
+    // 128 deep is fine.
+    let ok = "d/".repeat(127) + "f";
+    let dest = tmp.path().join("ok");
+    fs::create_dir(&dest).unwrap();
+    unpack_tar(&tar(&[file(&ok, 0o644, b"x").long_name()]), &dest).unwrap();
+    // Longer than PATH_MAX.
+    let long = "x".repeat(200) + "/" + &"y".repeat(200);
+    let long = (0..11).map(|_| long.as_str()).collect::<Vec<_>>().join("/");
+    let dest = tmp.path().join("long");
+    fs::create_dir(&dest).unwrap();
+    let (_, reason) = layer_error(unpack_tar(
+        &tar(&[file(&long, 0o644, b"x").long_name()]),
+        &dest,
+    ))
+    .unwrap();
+    assert!(reason.contains("longer than 4096"), "{reason}");
+    // aufs bookkeeping is skipped, not refused and not created.
+    let dest = tmp.path().join("aufs");
+    fs::create_dir(&dest).unwrap();
+    let stats = unpack_tar(
+        &tar(&[
+            dir(".wh..wh.plnk", 0o700),
+            file(".wh..wh.plnk/1234.5678", 0o644, b"x"),
+            file(".wh..wh.aufs", 0o600, b""),
+            dir(".wh..wh.orph", 0o700),
+            file("kept", 0o644, b"k"),
+        ]),
+        &dest,
+    )
+    .unwrap();
+    assert_eq!(stats.entries, 1);
+    assert_eq!(names(&dest), vec!["kept".to_owned()]);
+}
+
+#[test]
+fn store_upkeep_survives_crash_leftovers_and_refuses_to_guess() {
+    if !is_root(
+        "store_upkeep_survives_crash_leftovers_and_refuses_to_guess",
+        "whiteouts",
+    ) {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("state/images/oci");
+    let (dir, _) = make_layout(
+        tmp.path(),
+        "a",
+        &[base_layer(), extra_layer("a")],
+        Compression::Zstd,
+    );
+    let (dir_b, _) = make_layout(
+        tmp.path(),
+        "b",
+        &[base_layer(), extra_layer("b")],
+        Compression::Zstd,
+    );
+    {
+        let store = ImageStore::open(&root).unwrap();
+        store.import(&dir, "a").unwrap();
+        store.import(&dir_b, "b").unwrap();
+    }
+    // What a killed import or rm leaves: an unfinished unpack, a layer on its way out, a record being written.
+    fs::create_dir_all(root.join("tmp/deadbeef.123.456/usr")).unwrap();
+    fs::write(root.join("tmp/deadbeef.123.456/usr/half"), b"x").unwrap();
+    fs::write(root.join("refs/a.json.tmp.999"), b"{\"half\":").unwrap();
+    let store = ImageStore::open(&root).unwrap();
+    assert_eq!(
+        names(&root.join("tmp")),
+        Vec::<String>::new(),
+        "open clears tmp/"
+    );
+    assert_eq!(
+        store.list().unwrap().len(),
+        2,
+        "a half-written record is not an image"
+    );
+
+    // rm: the layers only "a" uses leave layers/ in one rename each; the shared base stays.
+    let before = names(&root.join("layers"));
+    assert_eq!(before.len(), 3);
+    assert_eq!(store.remove("a").unwrap(), 1);
+    assert_eq!(names(&root.join("layers")).len(), 2);
+    assert_eq!(names(&root.join("tmp")), Vec::<String>::new());
+
+    // A record that does not parse stops collection instead of losing the layers it may name.
+    fs::write(root.join("refs/broken.json"), b"not json").unwrap();
+    let e = store.remove("b").unwrap_err();
+    assert!(
+        e.to_string().contains("broken.json") && e.to_string().contains("does not parse"),
+        "{e}"
+    );
+    assert_eq!(
+        names(&root.join("layers")).len(),
+        2,
+        "nothing was collected"
     );
 }

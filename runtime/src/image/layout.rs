@@ -117,12 +117,15 @@ fn read_json_blob(dir: &Path, digest: &Sha256, size: u64) -> Result<Vec<u8>> {
             reason: format!("{size} bytes is too large for a manifest or config"),
         });
     }
-    let mut file = open_blob(dir, digest, size)?;
+    let file = open_blob(dir, digest, size)?;
     let mut bytes = Vec::with_capacity(size as usize);
-    file.read_to_end(&mut bytes).map_err(|e| ImageError::Blob {
-        digest: digest.to_string(),
-        reason: format!("read: {e}"),
-    })?;
+    // A file that grows after the size check is read no further than one byte past it (and then fails the digest).
+    file.take(size + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| ImageError::Blob {
+            digest: digest.to_string(),
+            reason: format!("read: {e}"),
+        })?;
     let actual = Sha256::of(&bytes);
     if &actual != digest {
         return Err(ImageError::Blob {
@@ -130,6 +133,28 @@ fn read_json_blob(dir: &Path, digest: &Sha256, size: u64) -> Result<Vec<u8>> {
             reason: format!("content has digest {actual} (the blob was modified or is corrupt)"),
         });
     }
+    Ok(bytes)
+}
+
+/// Reads `oci-layout` or `index.json`: a regular file (no symlink, FIFO or device), at most [`MAX_JSON_BLOB`].
+fn read_small_file(path: &Path) -> Result<Vec<u8>> {
+    let err = |e: String| ImageError::Layout(format!("{}: {e}", path.display()));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| err(e.to_string()))?;
+    let meta = file.metadata().map_err(|e| err(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(err("not a regular file".into()));
+    }
+    if meta.len() > MAX_JSON_BLOB {
+        return Err(err(format!("{} bytes is too large", meta.len())));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_JSON_BLOB + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| err(e.to_string()))?;
     Ok(bytes)
 }
 
@@ -147,8 +172,7 @@ fn descriptor_digest(d: &Descriptor) -> Result<Sha256> {
 /// config. Layer blobs themselves are not read here.
 pub fn open(dir: &Path) -> Result<Layout> {
     let header_path = dir.join("oci-layout");
-    let header = std::fs::read(&header_path)
-        .map_err(|e| ImageError::Layout(format!("{}: {e}", header_path.display())))?;
+    let header = read_small_file(&header_path)?;
     let header: serde_json::Value = serde_json::from_slice(&header)
         .map_err(|e| ImageError::Layout(format!("{}: {e}", header_path.display())))?;
     if header.get("imageLayoutVersion").and_then(|v| v.as_str()) != Some("1.0.0") {
@@ -158,7 +182,7 @@ pub fn open(dir: &Path) -> Result<Layout> {
         )));
     }
     let index_path = dir.join("index.json");
-    let index = ImageIndex::from_file(&index_path)
+    let index = ImageIndex::from_reader(&read_small_file(&index_path)?[..])
         .map_err(|e| ImageError::Layout(format!("{}: {e}", index_path.display())))?;
     let mut manifest_desc = pick_manifest(index.manifests(), "index.json")?;
     if *manifest_desc.media_type() == MediaType::ImageIndex {

@@ -58,7 +58,7 @@ pub enum ImageError {
     #[error("invalid image name {0:?}: use 1-64 characters of [a-z0-9._-], starting with a letter or digit (\"host\" is reserved)")]
     InvalidName(String),
     /// The store is in use by a running daemon and the operation would pull layers from under it.
-    #[error("the image store {0} is in use by a running sandboxd; stop it first")]
+    #[error("the image store {0} is in use (by a running sandboxd or an import); stop it first")]
     Busy(PathBuf),
     /// A filesystem operation failed.
     #[error("I/O error on {path}: {source}")]

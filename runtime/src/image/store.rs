@@ -19,6 +19,10 @@ use super::layout::{self, HashingReader, LayerRef, RunConfig};
 use super::unpack::{self, UnpackStats};
 use super::{valid_name, ImageError, Result, Sha256};
 
+/// Room for `lowerdir=` in the kernel's one page of overlay mount options, leaving space for the upper and work
+/// directories of an execution.
+const MAX_LOWERDIR_BYTES: usize = 3200;
+
 /// An imported image.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StoredImage {
@@ -85,9 +89,26 @@ impl ImageStore {
                 .create(&p)
                 .map_err(|e| ImageError::io(&p, e))?;
         }
-        Ok(Self {
+        let store = Self {
             root: root.to_path_buf(),
-        })
+        };
+        // Nobody else is in the store: what an import killed midway left in tmp/ can go.
+        if let Some(_lock) = store.lock(FlockArg::LockExclusiveNonblock)? {
+            store.clear_tmp()?;
+        }
+        Ok(store)
+    }
+
+    /// Removes everything under `tmp/` (unfinished unpacks, layers on their way out); needs the exclusive lock.
+    fn clear_tmp(&self) -> Result<()> {
+        let tmp = self.root.join("tmp");
+        for e in fs::read_dir(&tmp)
+            .map_err(|e| ImageError::io(&tmp, e))?
+            .flatten()
+        {
+            fs::remove_dir_all(e.path()).map_err(|err| ImageError::io(e.path(), err))?;
+        }
+        Ok(())
     }
 
     /// The store's directory.
@@ -135,6 +156,20 @@ impl ImageStore {
         let _lock = self.lock_shared()?;
         let t0 = Instant::now();
         let layout = layout::open(dir)?;
+        // Every execution's overlay lists the layers in one page of mount options; refuse now what could never mount.
+        let distinct: std::collections::BTreeSet<&Sha256> =
+            layout.layers.iter().map(|l| &l.digest).collect();
+        let lowerdir_bytes: usize = distinct
+            .iter()
+            .map(|d| self.layer_dir(d).as_os_str().len() + 1)
+            .sum();
+        if lowerdir_bytes > MAX_LOWERDIR_BYTES {
+            return Err(ImageError::Layout(format!(
+                "{} distinct layers under {} make {lowerdir_bytes} bytes of overlay lowerdir, more than the {MAX_LOWERDIR_BYTES} an execution's mount options can hold (flatten the image)",
+                distinct.len(),
+                self.root.display()
+            )));
+        }
         for l in &layout.layers {
             layout::verify_blob(dir, &l.digest, l.size)?;
         }
@@ -326,11 +361,15 @@ impl ImageStore {
     }
 
     /// Unpacked layer directories of an image, top first (overlayfs' `lowerdir` order).
+    /// A layer listed twice appears once, at its topmost place: overlayfs refuses a repeated lower directory, and
+    /// the upper copy re-applies every entry of the lower one, so the merged view is the same.
     pub fn lower_dirs(&self, image: &StoredImage) -> Vec<PathBuf> {
+        let mut seen = std::collections::BTreeSet::new();
         image
             .layers
             .iter()
             .rev()
+            .filter(|l| seen.insert(l.digest.clone()))
             .map(|l| self.layer_dir(&l.digest))
             .collect()
     }
@@ -352,9 +391,12 @@ impl ImageStore {
     }
 
     /// Removes unreferenced layers and unfinished unpacks; the caller holds the exclusive lock.
+    ///
+    /// A layer leaves `layers/` by one atomic rename into `tmp/` before it is deleted, so `layers/` only ever holds
+    /// complete layers: a crash or an error midway leaves the rest in `tmp/`, cleared by the next exclusive user.
     fn gc_locked(&self) -> Result<usize> {
         let keep: std::collections::BTreeSet<String> = self
-            .list_refs_lenient()
+            .list_refs_strict()?
             .iter()
             .flat_map(|i| i.layers.iter().map(|l| l.digest.hex().to_owned()))
             .collect();
@@ -366,29 +408,43 @@ impl ImageStore {
         {
             let n = e.file_name().to_string_lossy().into_owned();
             if !keep.contains(&n) {
-                fs::remove_dir_all(e.path()).map_err(|err| ImageError::io(e.path(), err))?;
+                let doomed = self.root.join("tmp").join(format!(
+                    "{n}.gc.{}.{}",
+                    std::process::id(),
+                    rand_suffix()
+                ));
+                fs::rename(e.path(), &doomed).map_err(|err| ImageError::io(e.path(), err))?;
                 removed += 1;
             }
         }
-        let tmp = self.root.join("tmp");
-        for e in fs::read_dir(&tmp)
-            .map_err(|e| ImageError::io(&tmp, e))?
-            .flatten()
-        {
-            fs::remove_dir_all(e.path()).map_err(|err| ImageError::io(e.path(), err))?;
-        }
+        self.clear_tmp()?;
         Ok(removed)
     }
 
-    /// Records that parse, even if their layers are missing (for garbage collection).
-    fn list_refs_lenient(&self) -> Vec<StoredImage> {
-        let Ok(rd) = fs::read_dir(self.root.join("refs")) else {
-            return Vec::new();
-        };
-        rd.flatten()
-            .filter_map(|e| fs::read(e.path()).ok())
-            .filter_map(|b| serde_json::from_slice(&b).ok())
-            .collect()
+    /// Every record, even one whose layers are missing; a record that does not parse stops garbage collection
+    /// (its layers might still be wanted).
+    fn list_refs_strict(&self) -> Result<Vec<StoredImage>> {
+        let refs = self.root.join("refs");
+        let mut out = Vec::new();
+        for e in fs::read_dir(&refs)
+            .map_err(|e| ImageError::io(&refs, e))?
+            .flatten()
+        {
+            let path = e.path();
+            if path.extension().and_then(|x| x.to_str()) != Some("json") {
+                // A record being written (`*.json.tmp.<pid>`) or left by a crash while it was.
+                continue;
+            }
+            let bytes = fs::read(&path).map_err(|err| ImageError::io(&path, err))?;
+            let image = serde_json::from_slice(&bytes).map_err(|err| {
+                ImageError::Layout(format!(
+                    "{} does not parse ({err}); fix or remove it before layers can be collected",
+                    path.display()
+                ))
+            })?;
+            out.push(image);
+        }
+        Ok(out)
     }
 }
 

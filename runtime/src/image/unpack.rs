@@ -34,6 +34,12 @@ use tar::EntryType;
 use super::layout::HashingReader;
 use super::{Compression, ImageError, Result, Sha256, MOUNT_POINTS};
 
+/// Longest entry path accepted (Linux's `PATH_MAX`).
+const MAX_PATH_BYTES: usize = 4096;
+/// Deepest entry accepted: removing a tree (replacing a directory, discarding a refused layer, `images rm`) holds
+/// one descriptor per level, so depth must stay far below `RLIMIT_NOFILE` and the stack.
+const MAX_DEPTH: usize = 128;
+
 /// What one unpack did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct UnpackStats {
@@ -134,6 +140,13 @@ impl Unpacker<'_> {
             return Ok(());
         }
         let comps = components(&raw_path).map_err(|r| self.refuse(&shown, r))?;
+        // aufs bookkeeping (`.wh..wh.plnk/…`, `.wh..wh.aufs`, `.wh..wh.orph/…`): not content, skipped as
+        // containerd does.
+        if comps.iter().any(|c| {
+            [&b".wh..wh.plnk"[..], b".wh..wh.aufs", b".wh..wh.orph"].contains(&c.as_bytes())
+        }) {
+            return Ok(());
+        }
         let Some((name, parents)) = comps.split_last() else {
             // The layer's root directory itself: nothing to create.
             return Ok(());
@@ -402,6 +415,9 @@ impl Unpacker<'_> {
 
 /// The components of an archive path: `.` and empty ones dropped; `..` and absolute paths refused.
 fn components(raw: &[u8]) -> std::result::Result<Vec<&OsStr>, String> {
+    if raw.len() > MAX_PATH_BYTES {
+        return Err(format!("path longer than {MAX_PATH_BYTES} bytes"));
+    }
     if raw.first() == Some(&b'/') {
         return Err("absolute path (layer paths are relative to the root)".into());
     }
@@ -415,6 +431,9 @@ fn components(raw: &[u8]) -> std::result::Result<Vec<&OsStr>, String> {
             b".." => return Err("path escapes the layer (..)".into()),
             c => out.push(OsStr::from_bytes(c)),
         }
+    }
+    if out.len() > MAX_DEPTH {
+        return Err(format!("path deeper than {MAX_DEPTH} directories"));
     }
     Ok(out)
 }
