@@ -132,12 +132,6 @@ if [ -x "$root/usr/bin/busybox" ]; then
             ln -s busybox "$root/usr/bin/$a"
     done
 fi
-# Debian's nodejs loads /etc/ssl/certs/ca-certificates.crt as extra CA certificates and warns on stderr at every
-# start when it is missing; the sandbox has no network, so an empty bundle (no CA trusted) is the honest content.
-if [ -x "$root/usr/bin/node" ] && [ ! -e "$root/etc/ssl/certs/ca-certificates.crt" ]; then
-    mkdir -p "$root/etc/ssl/certs"
-    : > "$root/etc/ssl/certs/ca-certificates.crt"
-fi
 
 # The runtime drops setuid/setgid bits anyway; drop them here so the tarball
 # says what the container gets.
