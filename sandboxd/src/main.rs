@@ -249,6 +249,8 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     remove_leftover_dir(&run_dir)?;
     runtime::rootfs::mount_run_dir(&run_dir)?;
     cgroups.ensure_parent()?;
+    // From here on, every way out of `start` (an early error included) removes the parent, empty by then.
+    let _parent = ParentGuard(cgroups.clone());
 
     let host = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
     // The store lock (if any OCI image is used) is held for the daemon's lifetime: `images rm` waits for us.
@@ -282,7 +284,6 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     })?;
     info!(pid = helper_pid.as_raw(), "container helper started");
 
-    let cleanup_cgroups = cgroups.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("sandboxd")
@@ -336,13 +337,21 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     // The helper exits on Shutdown (or when our socket closes); wait so nothing outlives us.
     drop(rt);
     let _ = nix::sys::wait::waitpid(helper_pid, None);
-    // On every path, a failed start included: the parent is ours and empty now.
-    if let Err(e) = cleanup_cgroups.remove_parent() {
-        warn!(error = %e, "cgroup parent not removed");
-    }
     result?;
     info!("stopped");
     Ok(Exit::Ok)
+}
+
+/// Removes the daemon's cgroup parent when dropped: `start` holds one from the moment it creates the parent, so
+/// no way out of it leaves the (then empty) parent behind.
+struct ParentGuard(Cgroups);
+
+impl Drop for ParentGuard {
+    fn drop(&mut self) {
+        if let Err(e) = self.0.remove_parent() {
+            warn!(error = %e, "cgroup parent not removed");
+        }
+    }
 }
 
 /// The first ancestor of `dir` (or `dir` itself) that users other than root cannot traverse.

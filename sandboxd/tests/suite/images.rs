@@ -12,8 +12,8 @@ use protocol::{ExecStatus, Language};
 use serde_json::{json, Value};
 
 use super::harness::{
-    cannot_run, exec_json, on_ci, privileged, run_until_exit, with, Client, Daemon, DaemonOpts,
-    Guard, SANDBOXD,
+    cannot_run, cgroup_parent_dirs, exec_json, on_ci, privileged, run_until_exit, with, Client,
+    Daemon, DaemonOpts, Guard, SANDBOXD,
 };
 
 /// Debian's busybox-static, if present and really static (no program interpreter).
@@ -469,6 +469,13 @@ async fn the_start_fails_closed_when_an_image_cannot_run_its_language() {
         for n in needles {
             assert!(stderr.contains(n), "{extra}: stderr names {n:?}: {stderr}");
         }
+        // A refused start leaves no cgroup behind.
+        let parent = format!("sandboxd-test-images-{}", std::process::id());
+        assert_eq!(
+            cgroup_parent_dirs(&parent),
+            Vec::<PathBuf>::new(),
+            "{extra}"
+        );
     }
 }
 
