@@ -9,12 +9,12 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
-use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::fcntl::OFlag;
 use nix::sys::stat::{fstat, SFlag};
 
 use crate::error::{Error, Result};
@@ -107,26 +107,6 @@ impl Patterns {
             .first()
             .map(|i| self.types[*i].as_str())
     }
-}
-
-/// Opens a child of `dir` without following any symlink and without leaving `dir`.
-fn open_beneath(dir: RawFd, name: &OsStr, flags: OFlag) -> nix::Result<OwnedFd> {
-    let how = OpenHow::new()
-        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
-    let fd = match nix::fcntl::openat2(dir, name, how) {
-        Ok(fd) => fd,
-        // Kernels before 5.6: O_NOFOLLOW on a single component is as strict here.
-        Err(nix::Error::ENOSYS) => nix::fcntl::openat(
-            Some(dir),
-            name,
-            flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
-            nix::sys::stat::Mode::empty(),
-        )?,
-        Err(e) => return Err(e),
-    };
-    // SAFETY: openat2/openat returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 fn kind_reason(mode: SFlag) -> &'static str {
@@ -235,7 +215,7 @@ fn walk(
         };
         let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
         if kind == SFlag::S_IFDIR {
-            match open_beneath(
+            match crate::sys::open_beneath(
                 dir.as_raw_fd(),
                 os_name,
                 OFlag::O_RDONLY | OFlag::O_DIRECTORY,
@@ -258,7 +238,7 @@ fn walk(
             continue;
         }
         // O_NONBLOCK: if a fifo was swapped in since the stat, opening it must not hang.
-        let fd = match open_beneath(
+        let fd = match crate::sys::open_beneath(
             dir.as_raw_fd(),
             os_name,
             OFlag::O_RDONLY | OFlag::O_NONBLOCK,

@@ -1,6 +1,9 @@
 //! The few raw system calls nix does not wrap, each checked and with its `SAFETY` argument.
 
-use std::os::fd::RawFd;
+use std::ffi::OsStr;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 
 use crate::error::{Error, Result};
 
@@ -102,4 +105,25 @@ pub fn bring_up_loopback(pid: nix::unistd::Pid) -> Result<()> {
     // Always return to our own namespace, even when raising the flag failed.
     setns(&own, CloneFlags::CLONE_NEWNET).map_err(|e| Error::sys("setns(back to own net)", e))?;
     result
+}
+
+/// Opens a child of `dir` (`O_CLOEXEC | O_NOFOLLOW` added to `flags`) without following any symlink and without
+/// leaving `dir`: `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`.
+pub fn open_beneath(dir: RawFd, name: &OsStr, flags: OFlag) -> nix::Result<OwnedFd> {
+    let how = OpenHow::new()
+        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
+    let fd = match nix::fcntl::openat2(dir, name, how) {
+        Ok(fd) => fd,
+        // Kernels before 5.6: O_NOFOLLOW on a single component is as strict here.
+        Err(nix::Error::ENOSYS) => nix::fcntl::openat(
+            Some(dir),
+            name,
+            flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+            nix::sys::stat::Mode::empty(),
+        )?,
+        Err(e) => return Err(e),
+    };
+    // SAFETY: openat2/openat returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

@@ -26,7 +26,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::fcntl::OFlag;
 use nix::sys::stat::{Mode, SFlag};
 use nix::sys::time::TimeSpec;
 use tar::EntryType;
@@ -456,12 +456,7 @@ fn is_symlink(dir: RawFd, name: &OsStr) -> bool {
 
 /// Opens the directory `name` in `dir` without following a symlink and without leaving `dir`.
 fn open_beneath(dir: RawFd, name: &OsStr) -> nix::Result<OwnedFd> {
-    let how = OpenHow::new()
-        .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
-    let fd = nix::fcntl::openat2(dir, name, how)?;
-    // SAFETY: openat2 returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::sys::open_beneath(dir, name, OFlag::O_RDONLY | OFlag::O_DIRECTORY)
 }
 
 /// Removes `name` (a directory) in `parent` with everything under it, never following a symlink.
