@@ -142,8 +142,26 @@ pub fn resolve(
         return Ok((out, None));
     };
 
+    // Each OCI image is opened once, with one probe mount that also checks every interpreter configured on it.
+    let mut on_image: BTreeMap<&str, Vec<(Language, &str)>> = BTreeMap::new();
+    for (lang, l) in languages {
+        if l.image != "host" {
+            on_image
+                .entry(l.image.as_str())
+                .or_default()
+                .push((*lang, l.command[0].as_str()));
+        }
+    }
     let mut lock = None;
-    let mut oci: BTreeMap<String, Arc<RootImage>> = BTreeMap::new();
+    let mut oci: BTreeMap<&str, Arc<RootImage>> = BTreeMap::new();
+    if !on_image.is_empty() {
+        let store = ImageStore::open(&config.state_dir.join("images/oci"))?;
+        lock = Some(store.lock_shared()?);
+        for (name, programs) in &on_image {
+            let img = load(&store, config, name, programs, landlock_abi, run_dir)?;
+            oci.insert(name, Arc::new(img));
+        }
+    }
     let mut out = BTreeMap::new();
     for (lang, l) in languages {
         let program = &l.command[0];
@@ -153,20 +171,7 @@ pub fn resolve(
             }
             host_image.clone()
         } else {
-            if !oci.contains_key(&l.image) {
-                let store = ImageStore::open(&config.state_dir.join("images/oci"))?;
-                if lock.is_none() {
-                    lock = Some(store.lock_shared()?);
-                }
-                let img = load(&store, config, &l.image, landlock_abi, run_dir)?;
-                oci.insert(l.image.clone(), Arc::new(img));
-            }
-            let img = oci[&l.image].clone();
-            if let RootKind::Oci { lowers } = &img.kind {
-                probe(run_dir, lowers, |root| check_program(root, program))
-                    .with_context(|| format!("languages.{lang}: image {}: {program}", l.image))?;
-            }
-            img
+            oci[l.image.as_str()].clone()
         };
         info!(
             language = lang.as_str(),
@@ -193,11 +198,13 @@ fn host_digest() -> String {
     format!("host:{}", Sha256::of(&release))
 }
 
-/// Finds (importing when configured) the image `name` and works out its landlock policy.
+/// Finds (importing when configured) the image `name`, checks that it can run `programs` and works out its
+/// landlock policy.
 fn load(
     store: &ImageStore,
     config: &Config,
     name: &str,
+    programs: &[(Language, &str)],
     landlock_abi: i32,
     run_dir: &Path,
 ) -> anyhow::Result<RootImage> {
@@ -246,8 +253,14 @@ fn load(
         }
     }
     let lowers = store.lower_dirs(&stored);
-    // The image's own top-level directories become writable (into the execution's overlay upper layer).
+    // The interpreters must run in the image; its own top-level directories become writable (into the
+    // execution's overlay upper layer).
     let top_dirs = probe(run_dir, &lowers, |root| {
+        for (lang, program) in programs {
+            check_program(root, program).map_err(|e| {
+                std::io::Error::other(format!("languages.{lang}: image {name}: {program}: {e}"))
+            })?;
+        }
         let mut dirs = Vec::new();
         for e in std::fs::read_dir(root)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();

@@ -131,9 +131,9 @@ fn busybox_layout(dir: &Path, busybox: &[u8]) -> PathBuf {
     out
 }
 
-/// Imports `layout` as `name` into `state_dir` with the CLI; returns the manifest digest it printed.
-fn import(state_dir: &Path, layout: &Path, name: &str) -> String {
-    let o = sandboxd(&[
+/// `sandboxd --state-dir STATE_DIR images import LAYOUT --name NAME`.
+fn import_cmd(state_dir: &Path, layout: &Path, name: &str) -> std::process::Output {
+    sandboxd(&[
         "--state-dir",
         state_dir.to_str().unwrap(),
         "images",
@@ -141,7 +141,12 @@ fn import(state_dir: &Path, layout: &Path, name: &str) -> String {
         layout.to_str().unwrap(),
         "--name",
         name,
-    ]);
+    ])
+}
+
+/// Imports `layout` as `name` into `state_dir` with the CLI; returns the manifest digest it printed.
+fn import(state_dir: &Path, layout: &Path, name: &str) -> String {
+    let o = import_cmd(state_dir, layout, name);
     let stdout = text(&o.stdout);
     assert!(o.status.success(), "import: {stdout}{}", text(&o.stderr));
     let digest = stdout
@@ -387,15 +392,7 @@ async fn a_tampered_blob_is_refused_and_named() {
     std::fs::write(&blob, &bytes).unwrap();
 
     let state = dir.path().join("state");
-    let o = sandboxd(&[
-        "--state-dir",
-        state.to_str().unwrap(),
-        "images",
-        "import",
-        out.to_str().unwrap(),
-        "--name",
-        "tampered",
-    ]);
+    let o = import_cmd(&state, &out, "tampered");
     let stderr = text(&o.stderr);
     assert!(!o.status.success(), "a tampered image is refused");
     assert!(
