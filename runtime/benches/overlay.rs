@@ -70,12 +70,12 @@ fn main() {
                 &format!("b{i}-{}", out.len()),
                 64 << 20,
                 1_000_000,
-                "main.py",
-                b"print(1)\n",
-                &files,
                 root,
             )
             .expect("scratch");
+            s.inputs()
+                .write("main.py", b"print(1)\n", &files)
+                .expect("inputs");
             s.remove().expect("remove");
             out.push(t.elapsed());
         }

@@ -60,6 +60,23 @@ pub struct Removed {
     pub killed: usize,
 }
 
+/// The limits [`Cgroups::set_limits`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CgroupLimits {
+    /// Memory limit, and memory+swap limit (no swap), bytes.
+    pub memory_bytes: u64,
+    /// Maximum number of processes and threads.
+    pub pids_max: u64,
+    /// v1 `cpu.shares` (converted to `cpu.weight` on v2 as runc and libcgroups do).
+    pub cpu_shares: u64,
+}
+
+/// The cgroup v2 `cpu.weight` for v1 `cpu.shares` (`[2, 262144]` onto `[1, 10000]`, runc's formula).
+pub fn shares_to_weight(shares: u64) -> u64 {
+    let shares = shares.clamp(2, 262_144);
+    1 + ((shares - 2) * 9999) / 262_142
+}
+
 /// The cgroup setup sandboxd works in: version, cgroupfs root and the daemon-owned parent (relative, no leading
 /// slash, e.g. `sandboxd`).
 #[derive(Debug, Clone)]
@@ -268,6 +285,64 @@ impl Cgroups {
                 oom_kills: read_keyed(&memory.join("memory.events"), "oom_kill"),
             }),
         }
+    }
+
+    /// Sets the limits of a live container's cgroup: memory (and memory+swap, so no swap), pids and cpu weight.
+    ///
+    /// A container created ahead of time gets the request's limits here, before its program is launched. Written
+    /// by hand rather than through libcgroups' `apply`, which rewrites every controller (device rules included) and
+    /// costs more than the execution it prepares. On v1 the memory and memory+swap limits are written in the order
+    /// that keeps `limit <= memsw` at every step. Fails (closed) when a file is missing or refuses the value, e.g.
+    /// a memory limit below what the cgroup already uses.
+    pub fn set_limits(&self, id: &str, limits: &CgroupLimits) -> Result<()> {
+        let leaf = |controller: &str| {
+            self.leaf(controller, id)
+                .filter(|p| p.is_dir())
+                .ok_or_else(|| Error::Cgroup(format!("no {controller} cgroup for {id}")))
+        };
+        let write = |path: PathBuf, value: String| {
+            fs::write(&path, &value).map_err(|e| {
+                Error::Cgroup(format!("cannot write {value} to {}: {e}", path.display()))
+            })
+        };
+        let memory = leaf("memory")?;
+        match self.version {
+            CgroupVersion::V1 => {
+                let limit = memory.join("memory.limit_in_bytes");
+                let memsw = memory.join("memory.memsw.limit_in_bytes");
+                let value = limits.memory_bytes.to_string();
+                if memsw.exists() {
+                    // Lowering: the memory limit first; raising: memory+swap first.
+                    if limits.memory_bytes < read_u64(&limit) {
+                        write(limit, value.clone())?;
+                        write(memsw, value)?;
+                    } else {
+                        write(memsw, value.clone())?;
+                        write(limit, value)?;
+                    }
+                } else {
+                    write(limit, value)?;
+                }
+                write(leaf("pids")?.join("pids.max"), limits.pids_max.to_string())?;
+                write(
+                    leaf("cpu")?.join("cpu.shares"),
+                    limits.cpu_shares.to_string(),
+                )?;
+            }
+            CgroupVersion::V2 => {
+                write(memory.join("memory.max"), limits.memory_bytes.to_string())?;
+                let swap = memory.join("memory.swap.max");
+                if swap.exists() {
+                    write(swap, "0".into())?;
+                }
+                write(memory.join("pids.max"), limits.pids_max.to_string())?;
+                write(
+                    memory.join("cpu.weight"),
+                    shares_to_weight(limits.cpu_shares).to_string(),
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// Every directory under the parent, in every hierarchy: what a crashed instance may have left.
@@ -537,6 +612,55 @@ mod tests {
         cg.ensure_parent().unwrap();
         let control = fs::read_to_string(t.path().join("sandboxd/cgroup.subtree_control")).unwrap();
         assert_eq!(control, "+memory +pids +cpu");
+    }
+
+    #[test]
+    fn v1_set_limits_lowers_memory_before_memsw_and_writes_pids_and_shares() {
+        let t = fake_v1();
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sbx").unwrap();
+        let mem = t.path().join("memory/sbx/c1");
+        write(&mem.join("memory.limit_in_bytes"), "1073741824");
+        write(&mem.join("memory.memsw.limit_in_bytes"), "1073741824");
+        write(&t.path().join("pids/sbx/c1/pids.max"), "1024");
+        write(&t.path().join("cpu,cpuacct/sbx/c1/cpu.shares"), "1024");
+        let limits = CgroupLimits {
+            memory_bytes: 128 << 20,
+            pids_max: 64,
+            cpu_shares: 512,
+        };
+        cg.set_limits("c1", &limits).unwrap();
+        let read = |p: PathBuf| fs::read_to_string(p).unwrap();
+        assert_eq!(read(mem.join("memory.limit_in_bytes")), "134217728");
+        assert_eq!(read(mem.join("memory.memsw.limit_in_bytes")), "134217728");
+        assert_eq!(read(t.path().join("pids/sbx/c1/pids.max")), "64");
+        assert_eq!(read(t.path().join("cpu,cpuacct/sbx/c1/cpu.shares")), "512");
+        // A missing leaf is an error, never a silently unlimited container.
+        assert!(cg.set_limits("c2", &limits).is_err());
+    }
+
+    #[test]
+    fn v2_set_limits_writes_max_no_swap_pids_and_weight() {
+        let t = fake_v2("cpu memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sbx").unwrap();
+        let leaf = t.path().join("sbx/c1");
+        write(&leaf.join("memory.max"), "max");
+        write(&leaf.join("memory.swap.max"), "max");
+        cg.set_limits(
+            "c1",
+            &CgroupLimits {
+                memory_bytes: 64 << 20,
+                pids_max: 32,
+                cpu_shares: 1024,
+            },
+        )
+        .unwrap();
+        let read = |n: &str| fs::read_to_string(leaf.join(n)).unwrap();
+        assert_eq!(read("memory.max"), "67108864");
+        assert_eq!(read("memory.swap.max"), "0");
+        assert_eq!(read("pids.max"), "32");
+        assert_eq!(read("cpu.weight"), "39");
+        assert_eq!(shares_to_weight(2), 1);
+        assert_eq!(shares_to_weight(262_144), 10_000);
     }
 
     #[test]

@@ -2,18 +2,20 @@
 //!
 //! A program running as pid 1 of a pid namespace ignores every signal it has no handler for, even from itself
 //! (`os.kill(os.getpid(), SIGKILL)` would do nothing), and nobody reaps its orphans. So the container's init stays
-//! a small reaper: it forks, the child applies the last restrictions and `execve`s the program, and the parent
-//! reaps everything until the program itself ends. Then it writes how the program ended (exit code or signal) to a
-//! status pipe the helper holds the other end of, and exits; the kernel then kills whatever else is left in the
-//! pid namespace (double-forked daemons included).
+//! a small reaper: it waits for the launch message ([`crate::launch`]: the program, its environment and its stdio),
+//! forks, the child applies the last restrictions and `execve`s the program, and the parent reaps everything until
+//! the program itself ends, passing `SIGTERM`, `SIGINT` and `SIGHUP` from outside the container on to it. Then it writes how the program ended
+//! (exit code or signal) to a status pipe the daemon holds the other end of, and exits; the kernel then kills
+//! whatever else is left in the pid namespace (double-forked daemons included).
 //!
 //! Everything here runs in the forked container process, which is single-threaded (the helper is).
 
 use std::ffi::CString;
-use std::os::fd::RawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
-use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, SigmaskHow, Signal};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{ForkResult, Pid};
 use oci_spec::runtime::Spec;
@@ -81,15 +83,35 @@ impl Report {
     }
 }
 
-/// The executor libcontainer calls as the last step of container creation.
+/// The executor libcontainer calls once the container is started. It waits for the launch message
+/// ([`crate::launch`]) before it runs anything, so containers can be created ahead of time.
 #[derive(Clone)]
 pub struct InitExecutor {
     /// Write end of the status pipe, inherited from the helper under this number.
     pub status_fd: RawFd,
+    /// The init's end of the launch channel, inherited from the helper under this number.
+    pub launch_fd: RawFd,
     /// The syscall filters, installed right before `execve`.
     pub seccomp: crate::seccomp::Profile,
     /// The filesystem access policy, applied right before the filters.
     pub landlock: crate::landlock::Policy,
+}
+
+/// The program's pid, for the signal forwarder (0 while there is none).
+static PROGRAM: AtomicI32 = AtomicI32::new(0);
+
+/// Passes a polite stop signal (`SIGTERM`, `SIGINT`, `SIGHUP`) from outside the container on to the program. As
+/// pid 1 of its namespace the init would ignore them, and a long-lived program needs the chance to finish its work
+/// before `SIGKILL`. A signal from inside the container (the program signalling pid 1) has a non-zero `si_pid` and
+/// is ignored, as it was before: only a sender in an ancestor pid namespace shows as pid 0.
+extern "C" fn forward(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler; si_pid is valid for kill/sigqueue.
+    let sender = unsafe { (*info).si_pid() };
+    let pid = PROGRAM.load(Ordering::SeqCst);
+    if sender == 0 && pid > 0 {
+        // SAFETY: kill(2) is async-signal-safe; `pid` is our own unreaped child (it is reset after it is reaped).
+        unsafe { libc::kill(pid, sig) };
+    }
 }
 
 impl Executor for InitExecutor {
@@ -103,28 +125,71 @@ impl Executor for InitExecutor {
         }
     }
 
-    fn exec(&self, spec: &Spec) -> Result<(), ExecutorError> {
-        let process = spec.process().as_ref().ok_or(ExecutorError::InvalidArg)?;
-        let args = to_cstrings(process.args().as_deref().unwrap_or_default())?;
-        let env = to_cstrings(process.env().as_deref().unwrap_or_default())?;
-        let program = args.first().cloned().ok_or(ExecutorError::InvalidArg)?;
-
-        // Keep only stdio and the status pipe: libcontainer marks the helper's other descriptors close-on-exec, but
-        // this process never execs, and holding another execution's pipe would keep that pipe from closing.
-        let fd = self.status_fd;
-        sys::close_range(3, fd - 1).map_err(other)?;
-        sys::close_range(fd + 1, RawFd::MAX).map_err(other)?;
+    fn exec(&self, _spec: &Spec) -> Result<(), ExecutorError> {
+        // Keep only stdio, the status pipe and the launch channel: libcontainer marks the helper's other
+        // descriptors close-on-exec, but this process never execs, and holding another container's pipe would keep
+        // that pipe from closing.
+        let (status_fd, launch_fd) = (self.status_fd, self.launch_fd);
+        let (lo, hi) = (status_fd.min(launch_fd), status_fd.max(launch_fd));
+        sys::close_range(3, lo - 1).map_err(other)?;
+        sys::close_range(lo + 1, hi - 1).map_err(other)?;
+        sys::close_range(hi + 1, RawFd::MAX).map_err(other)?;
         // Die with the helper; and let no process in the container ptrace or inspect the init.
         sys::set_parent_death_signal(Signal::SIGKILL).map_err(other)?;
         sys::set_not_dumpable().map_err(other)?;
+        let handler = SigAction::new(
+            SigHandler::SigAction(forward),
+            SaFlags::SA_RESTART | SaFlags::SA_SIGINFO,
+            SigSet::empty(),
+        );
+        for sig in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+            // SAFETY: `forward` only reads its siginfo and an atomic and calls kill(2): async-signal-safe.
+            unsafe { sigaction(sig, &handler) }.map_err(other)?;
+        }
+
+        // SAFETY: `launch_fd` is inherited from the helper and owned by nothing else in this process.
+        let launch_sock = unsafe { OwnedFd::from_raw_fd(launch_fd) };
+        let (launch, stdio) = match crate::launch::recv(launch_sock.as_fd()) {
+            Ok(Some(l)) => l,
+            // The daemon dropped the container before using it: nothing ran, nothing to report.
+            // SAFETY: end the init without unwinding into libcontainer, which expects no return.
+            Ok(None) => unsafe { libc::_exit(0) },
+            Err(e) => {
+                let line = format!("setup {}\n", e.to_string().replace('\n', " "));
+                // SAFETY: `status_fd` is open (kept above) and owned by no Rust object here.
+                let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
+                let _ = nix::unistd::write(status, line.as_bytes());
+                // SAFETY: as above.
+                unsafe { libc::_exit(SETUP_FAILED) }
+            }
+        };
+        drop(launch_sock);
+        let args = to_cstrings(&launch.args)?;
+        let env = to_cstrings(&launch.env)?;
+        let program = args.first().cloned().ok_or(ExecutorError::InvalidArg)?;
 
         // SAFETY: this process is single-threaded (cloned by libcontainer from the single-threaded helper), so the
         // child may run arbitrary code until it execs.
         match unsafe { nix::unistd::fork() }.map_err(|e| other(e.to_string()))? {
             ForkResult::Child => {
                 // The status pipe stays open (close-on-exec) so a failed restriction can be reported on it.
-                // SAFETY: `fd` is a raw descriptor no Rust object owns in this process; it stays open while borrowed.
-                let status = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+                // SAFETY: `status_fd` is a raw descriptor no Rust object owns in this process; it stays open while
+                // borrowed.
+                let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
+                let fail = |what: String| -> ! {
+                    let line = format!("setup {}\n", what.replace('\n', " "));
+                    let _ = nix::unistd::write(status, line.as_bytes());
+                    // SAFETY: _exit ends the forked child without running destructors.
+                    unsafe { libc::_exit(SETUP_FAILED) }
+                };
+                // The launch's descriptors become 0, 1 and 2 (dup2 clears close-on-exec on the copies).
+                for (target, fd) in stdio.iter().enumerate() {
+                    // SAFETY: dup2 onto 0..=2, which this process only uses as stdio; `fd` is open.
+                    if unsafe { libc::dup2(fd.as_raw_fd(), target as libc::c_int) } < 0 {
+                        fail(format!("dup2 of stdio: {}", nix::Error::last()));
+                    }
+                }
+                drop(stdio);
                 // The program starts with the default signal mask and dispositions, whatever the helper had: an
                 // ignored signal survives execve (the Rust runtime ignores SIGPIPE, a background shell SIGINT).
                 let _ = nix::sys::signal::sigprocmask(
@@ -145,10 +210,7 @@ impl Executor for InitExecutor {
                     .and_then(|()| self.landlock.restrict_self())
                     .and_then(|()| self.seccomp.install())
                 {
-                    let line = format!("setup {}\n", e.to_string().replace('\n', " "));
-                    let _ = nix::unistd::write(status, line.as_bytes());
-                    // SAFETY: _exit ends the forked child without running destructors.
-                    unsafe { libc::_exit(SETUP_FAILED) }
+                    fail(e.to_string());
                 }
                 let err = nix::unistd::execve(&program, &args, &env).err();
                 let msg = format!(
@@ -161,11 +223,16 @@ impl Executor for InitExecutor {
                 unsafe { libc::_exit(EXEC_FAILED) }
             }
             ForkResult::Parent { child } => {
+                // The program holds the only copies the container needs: the daemon sees end of file on the
+                // output pipes when the program (and whatever it started) is gone.
+                drop(stdio);
+                PROGRAM.store(child.as_raw(), Ordering::SeqCst);
                 let exit = reap_until(child);
+                PROGRAM.store(0, Ordering::SeqCst);
                 let record = exit.encode();
-                // SAFETY: `fd` is the status pipe's write end, kept open above; it is not owned by any Rust object in
-                // this process, so wrapping it for the duration of one write is sound.
-                let status = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+                // SAFETY: `status_fd` is the status pipe's write end, kept open above; it is not owned by any Rust
+                // object in this process, so wrapping it for the duration of one write is sound.
+                let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
                 let _ = nix::unistd::write(status, record.as_bytes());
                 // SAFETY: as above, end the init without unwinding into libcontainer, which expects no return.
                 unsafe { libc::_exit(0) }

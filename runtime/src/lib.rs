@@ -21,6 +21,7 @@ pub mod image;
 pub mod init;
 pub mod ipc;
 pub mod landlock;
+pub mod launch;
 pub mod rootfs;
 pub mod seccomp;
 pub mod spec;

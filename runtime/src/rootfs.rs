@@ -218,6 +218,10 @@ pub struct InputFile {
 pub struct Scratch {
     dir: PathBuf,
     mounted: bool,
+    /// The host uid and gid that own the writable directories (container root).
+    host_id: u32,
+    /// Size of the tmpfs.
+    disk_bytes: u64,
 }
 
 /// Where an execution's root comes from.
@@ -231,18 +235,14 @@ pub enum RootSource<'a> {
 
 impl Scratch {
     /// Creates `<run_dir>/<id>/`, mounts a tmpfs of `disk_bytes` on `scratch/` holding `workspace/` and `tmp/`
-    /// (owned by the execution's host id), writes the input files and the code file (`code/<code_name>`, read-only),
-    /// and for [`RootSource::Overlay`] mounts the overlay root on `scratch/rootfs/`. On error everything created so far is
-    /// removed again.
-    #[allow(clippy::too_many_arguments)]
+    /// (owned by the execution's host id), creates the code directory, and for [`RootSource::Overlay`] mounts the
+    /// overlay root on `scratch/rootfs/`. The inputs come later ([`Self::inputs`]), so a container can be
+    /// created on the scratch space before anyone asked for it. On error everything created so far is removed again.
     pub fn create(
         run_dir: &Path,
         id: &str,
         disk_bytes: u64,
         host_id: u32,
-        code_name: &str,
-        code: &[u8],
-        files: &[InputFile],
         root: RootSource<'_>,
     ) -> Result<Self> {
         let dir = run_dir.join(id);
@@ -253,14 +253,16 @@ impl Scratch {
         let mut scratch = Self {
             dir,
             mounted: false,
+            host_id,
+            disk_bytes,
         };
-        let filled = scratch
-            .fill(disk_bytes, host_id, code_name, code, files)
+        let made = scratch
+            .mount(disk_bytes, host_id)
             .and_then(|()| match root {
                 RootSource::Shared => Ok(()),
                 RootSource::Overlay(lowers) => scratch.mount_overlay(lowers),
             });
-        match filled {
+        match made {
             Ok(()) => Ok(scratch),
             Err(e) => {
                 if let Err(cleanup) = scratch.remove() {
@@ -271,14 +273,7 @@ impl Scratch {
         }
     }
 
-    fn fill(
-        &mut self,
-        disk_bytes: u64,
-        host_id: u32,
-        code_name: &str,
-        code: &[u8],
-        files: &[InputFile],
-    ) -> Result<()> {
+    fn mount(&mut self, disk_bytes: u64, host_id: u32) -> Result<()> {
         let tmpfs = self.dir.join("scratch");
         mkdir(&tmpfs, 0o755)?;
         let data = format!("size={disk_bytes},mode=0755,uid={host_id},gid={host_id}");
@@ -291,75 +286,27 @@ impl Scratch {
         )
         .map_err(|e| Error::sys(format!("mount tmpfs on {}", tmpfs.display()), e))?;
         self.mounted = true;
-        let uid = Some(nix::unistd::Uid::from_raw(host_id));
-        let gid = Some(nix::unistd::Gid::from_raw(host_id));
-        let chown = |p: &Path| {
-            nix::unistd::chown(p, uid, gid)
-                .map_err(|e| Error::sys(format!("chown {}", p.display()), e))
-        };
         for (name, mode) in [("workspace", 0o755), ("tmp", 0o1777)] {
             let p = tmpfs.join(name);
             mkdir(&p, mode)?;
             fs::set_permissions(&p, fs::Permissions::from_mode(mode))
                 .map_err(|e| Error::io(&p, e))?;
-            chown(&p)?;
+            self.chown(&p)?;
         }
-        let workspace = tmpfs.join("workspace");
-        for f in files {
-            let target = workspace.join(&f.path);
-            let refuse = |reason: String| Error::InputFile {
-                path: f.path.clone(),
-                reason,
-            };
-            // Parents are created one by one and owned by the execution; the tree is fresh and only we write to it
-            // before the program starts, so no component can be a symlink.
-            let mut dir = workspace.clone();
-            if let Some(parent) = Path::new(&f.path).parent() {
-                for comp in parent.components() {
-                    dir.push(comp);
-                    match fs::symlink_metadata(&dir) {
-                        Ok(m) if m.is_dir() => {}
-                        Ok(_) => {
-                            return Err(refuse(format!(
-                                "{} is a file",
-                                dir.strip_prefix(&workspace).unwrap_or(&dir).display()
-                            )))
-                        }
-                        Err(_) => {
-                            fs::DirBuilder::new()
-                                .mode(0o755)
-                                .create(&dir)
-                                .map_err(|e| refuse(e.to_string()))?;
-                            chown(&dir)?;
-                        }
-                    }
-                }
-            }
-            let mut file = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o644)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&target)
-                .map_err(|e| refuse(e.to_string()))?;
-            file.write_all(&f.content).map_err(|e| {
-                if e.raw_os_error() == Some(libc::ENOSPC) {
-                    refuse(format!(
-                        "the files do not fit in disk_mb ({disk_bytes} bytes)"
-                    ))
-                } else {
-                    refuse(e.to_string())
-                }
-            })?;
-            chown(&target)?;
+        mkdir(&self.dir.join("code"), 0o755)
+    }
+
+    fn chown(&self, p: &Path) -> Result<()> {
+        chown(self.host_id, p)
+    }
+
+    /// Where the inputs go ([`Inputs::write`]), as an owned value for a blocking task.
+    pub fn inputs(&self) -> Inputs {
+        Inputs {
+            dir: self.dir.clone(),
+            host_id: self.host_id,
+            disk_bytes: self.disk_bytes,
         }
-        let code_dir = self.dir.join("code");
-        mkdir(&code_dir, 0o755)?;
-        let code_path = code_dir.join(code_name);
-        fs::write(&code_path, code).map_err(|e| Error::io(&code_path, e))?;
-        fs::set_permissions(&code_path, fs::Permissions::from_mode(0o444))
-            .map_err(|e| Error::io(&code_path, e))?;
-        Ok(())
     }
 
     /// Mounts `rootfs/`: `lowers` read-only (top first), upper and work directories in the scratch tmpfs, `nosuid`
@@ -475,6 +422,82 @@ impl Scratch {
             Err(e) => Err(Error::io(&self.dir, e)),
         }
     }
+}
+
+/// The places of a [`Scratch`] the inputs are written to, with their owner and the space's size.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    dir: PathBuf,
+    host_id: u32,
+    disk_bytes: u64,
+}
+
+impl Inputs {
+    /// Writes the input files into the working directory (owned by the execution's host id) and the code file
+    /// (`code/<code_name>`, read-only). Runs once, before the program starts.
+    pub fn write(&self, code_name: &str, code: &[u8], files: &[InputFile]) -> Result<()> {
+        let disk_bytes = self.disk_bytes;
+        let workspace = self.dir.join("scratch/workspace");
+        for f in files {
+            let target = workspace.join(&f.path);
+            let refuse = |reason: String| Error::InputFile {
+                path: f.path.clone(),
+                reason,
+            };
+            // Parents are created one by one and owned by the execution; the tree is fresh and only we write to it
+            // before the program starts, so no component can be a symlink.
+            let mut dir = workspace.clone();
+            if let Some(parent) = Path::new(&f.path).parent() {
+                for comp in parent.components() {
+                    dir.push(comp);
+                    match fs::symlink_metadata(&dir) {
+                        Ok(m) if m.is_dir() => {}
+                        Ok(_) => {
+                            return Err(refuse(format!(
+                                "{} is a file",
+                                dir.strip_prefix(&workspace).unwrap_or(&dir).display()
+                            )))
+                        }
+                        Err(_) => {
+                            fs::DirBuilder::new()
+                                .mode(0o755)
+                                .create(&dir)
+                                .map_err(|e| refuse(e.to_string()))?;
+                            chown(self.host_id, &dir)?;
+                        }
+                    }
+                }
+            }
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o644)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&target)
+                .map_err(|e| refuse(e.to_string()))?;
+            file.write_all(&f.content).map_err(|e| {
+                if e.raw_os_error() == Some(libc::ENOSPC) {
+                    refuse(format!(
+                        "the files do not fit in disk_mb ({disk_bytes} bytes)"
+                    ))
+                } else {
+                    refuse(e.to_string())
+                }
+            })?;
+            chown(self.host_id, &target)?;
+        }
+        let code_path = self.dir.join("code").join(code_name);
+        fs::write(&code_path, code).map_err(|e| Error::io(&code_path, e))?;
+        fs::set_permissions(&code_path, fs::Permissions::from_mode(0o444))
+            .map_err(|e| Error::io(&code_path, e))?;
+        Ok(())
+    }
+}
+
+fn chown(host_id: u32, p: &Path) -> Result<()> {
+    let id = Some(nix::unistd::Uid::from_raw(host_id));
+    let gid = Some(nix::unistd::Gid::from_raw(host_id));
+    nix::unistd::chown(p, id, gid).map_err(|e| Error::sys(format!("chown {}", p.display()), e))
 }
 
 impl Drop for Scratch {

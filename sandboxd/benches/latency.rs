@@ -1,14 +1,24 @@
-//! `cargo bench -p sandboxd`: latency and throughput of a real daemon over the real protocol on loopback, against a
-//! bare `std::process::Command` spawn of the same program measured in the same run.
+//! `cargo bench -p sandboxd`: latency and throughput of real daemons over the real protocol on loopback, against a
+//! bare `std::process::Command` spawn of the same program, and against crun and bwrap when installed, all measured
+//! in the same run, interleaved sample by sample.
 //!
-//! Prints a table: execute→result p50/p95/p99 for shell `true` and python `pass`, time to first stdout byte, and
-//! executions per second at concurrency 1, 4 and 16. Needs root (the daemon creates containers). Figures, not
-//! assertions: nothing here fails on a slow machine.
+//! Two daemons run side by side: one with the warm pool (`pool.size` = `max_concurrent`, the default) and one with
+//! `pool.size: 0`, where every execution creates its container when it starts (the cold path, also what an
+//! execution gets when the pool is exhausted). Tables:
+//! 1. execute→result p50/p95 for shell `true` and python `pass`, and the time to the first stdout byte, with the
+//!    project's Rust client: warm, cold, bare, crun, bwrap;
+//! 2. the same daemon through a client that is not the project's own (`benches/plain_client.py`, Python
+//!    `websockets`), next to the Rust client's figures;
+//! 3. executions per second of shell `true` at 1, 4 and 16 in flight, warm and cold, with the pool's hits and
+//!    misses (a miss is the cold path taken because no ready container was there).
+//!
+//! Needs root (the daemons create containers). Figures, not assertions: nothing here fails on a slow machine.
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Read;
 use std::net::TcpListener;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -19,8 +29,9 @@ use tokio_tungstenite::tungstenite::Message;
 
 const TOKEN: &str = "bench-token-0123456789abcdef";
 const SAMPLES: usize = 100;
-const THROUGHPUT_RUNS: usize = 96;
+const THROUGHPUT_RUNS: usize = 400;
 const SPARSE_SAMPLES: usize = 30;
+const PLAIN_CLIENT_SAMPLES: usize = 80;
 
 struct Daemon {
     child: std::process::Child,
@@ -59,24 +70,43 @@ impl Daemon {
             )
             .spawn()
             .expect("start sandboxd");
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-                use std::io::Write;
-                s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").unwrap();
-                let mut r = String::new();
-                let _ = s.read_to_string(&mut r);
-                if r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200") {
-                    break;
-                }
-            }
-            assert!(Instant::now() < deadline, "sandboxd did not become ready");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self {
+        let d = Self {
             child,
             port,
             _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while d.healthz().is_none() {
+            assert!(Instant::now() < deadline, "sandboxd did not become ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    fn healthz(&self) -> Option<Value> {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").ok()?;
+        let mut r = String::new();
+        let _ = s.read_to_string(&mut r);
+        if !(r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200")) {
+            return None;
+        }
+        serde_json::from_str(r.split("\r\n\r\n").nth(1)?).ok()
+    }
+
+    /// The pool's (ready, hits, misses).
+    fn pool(&self) -> (u64, u64, u64) {
+        let p = &self.healthz().unwrap()["pool"];
+        let n = |k: &str| p[k].as_u64().unwrap_or(0);
+        (n("ready"), n("hits"), n("misses"))
+    }
+
+    /// Waits until the pool holds `ready` containers again (after a burst drained it).
+    fn wait_refilled(&self, ready: u64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.pool().0 < ready && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
@@ -139,17 +169,10 @@ async fn execute(
     }
 }
 
-fn bare(
-    program: &str,
-    ext: &str,
-    code: &str,
-    dir: &std::path::Path,
-) -> (Duration, Option<Duration>) {
-    let file = dir.join(format!("main.{ext}"));
-    std::fs::write(&file, code).unwrap();
+/// Runs `cmd` with stdout piped; returns (time to exit, time to first stdout byte).
+fn timed(mut cmd: Command) -> (Duration, Option<Duration>) {
     let t0 = Instant::now();
-    let mut child = Command::new(program)
-        .arg(&file)
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .stdin(Stdio::null())
@@ -165,165 +188,451 @@ fn bare(
         }
         first.get_or_insert_with(|| t0.elapsed());
     }
-    assert!(child.wait().unwrap().success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{cmd:?}: {status}");
     (t0.elapsed(), first)
 }
 
-fn pct(mut v: Vec<Duration>, p: f64) -> f64 {
+fn bare(program: &str, ext: &str, code: &str, dir: &Path) -> (Duration, Option<Duration>) {
+    let file = dir.join(format!("main.{ext}"));
+    std::fs::write(&file, code).unwrap();
+    let mut cmd = Command::new(program);
+    cmd.arg(&file);
+    timed(cmd)
+}
+
+/// Another isolating runtime, run per sample on the same program file.
+trait Peer {
+    fn name(&self) -> &'static str;
+    fn run(&self, program: &str, code_file: &Path, seq: usize) -> (Duration, Option<Duration>);
+}
+
+/// bubblewrap: namespaces and a read-only /usr, no limits (it has none).
+struct Bwrap;
+
+impl Peer for Bwrap {
+    fn name(&self) -> &'static str {
+        "bwrap"
+    }
+    fn run(&self, program: &str, code_file: &Path, _seq: usize) -> (Duration, Option<Duration>) {
+        let mut cmd = Command::new("bwrap");
+        cmd.args([
+            "--unshare-all",
+            "--die-with-parent",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+        ]);
+        for l in ["bin", "sbin", "lib", "lib64"] {
+            if let Ok(t) = std::fs::read_link(format!("/{l}")) {
+                cmd.arg("--symlink").arg(t).arg(format!("/{l}"));
+            }
+        }
+        cmd.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"])
+            .arg("--ro-bind")
+            .arg(code_file.parent().unwrap())
+            .arg("/sandbox")
+            .args([program, &format!("/sandbox/{}", file_name(code_file))]);
+        timed(cmd)
+    }
+}
+
+/// crun: an OCI bundle with the same namespaces as sandboxd (user namespace included), memory and pids limits,
+/// a read-only root with the host's /usr; `crun run` creates, starts, waits and deletes.
+struct Crun {
+    bundle: tempfile::TempDir,
+    parent: String,
+}
+
+impl Crun {
+    fn new() -> Option<Self> {
+        Command::new("crun").arg("--version").output().ok()?;
+        let bundle = tempfile::tempdir().unwrap();
+        let root = bundle.path().join("rootfs");
+        for d in ["usr", "proc", "dev", "tmp", "sandbox", "etc"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        for l in ["bin", "sbin", "lib", "lib64"] {
+            if let Ok(t) = std::fs::read_link(format!("/{l}")) {
+                std::os::unix::fs::symlink(t, root.join(l)).unwrap();
+            }
+        }
+        std::fs::create_dir_all(bundle.path().join("code")).unwrap();
+        // Everything the container's unprivileged root must reach.
+        let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+        std::fs::set_permissions(bundle.path(), mode).unwrap();
+        Some(Self {
+            bundle,
+            parent: format!("sandboxd-bench-crun-{}", std::process::id()),
+        })
+    }
+
+    fn config(&self, program: &str, file: &str, seq: usize) -> Value {
+        let ns = |t: &str| json!({"type": t});
+        let bind = |src: &str, dst: &str, ro: bool| {
+            json!({"destination": dst, "type": "bind", "source": src,
+                   "options": ["rbind", "nosuid", "nodev", if ro {"ro"} else {"rw"}]})
+        };
+        json!({
+            "ociVersion": "1.0.2",
+            "process": {"terminal": false, "user": {"uid": 0, "gid": 0},
+                        "args": [program, format!("/sandbox/{file}")],
+                        "env": ["PATH=/usr/bin:/bin"], "cwd": "/tmp", "noNewPrivileges": true,
+                        "capabilities": {"bounding": [], "effective": [], "permitted": [], "inheritable": [], "ambient": []}},
+            "root": {"path": "rootfs", "readonly": true},
+            "hostname": "sandbox",
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755", "size=65536k"]},
+                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "size=64m"]},
+                bind("/usr", "/usr", true),
+                bind(self.bundle.path().join("code").to_str().unwrap(), "/sandbox", true),
+            ],
+            "linux": {
+                "namespaces": [ns("pid"), ns("mount"), ns("ipc"), ns("uts"), ns("network"), ns("cgroup"), ns("user")],
+                "uidMappings": [{"containerID": 0, "hostID": 390_000, "size": 1}],
+                "gidMappings": [{"containerID": 0, "hostID": 390_000, "size": 1}],
+                "cgroupsPath": format!("/{}/c{seq}", self.parent),
+                "resources": {"memory": {"limit": 268_435_456i64, "swap": 268_435_456i64}, "pids": {"limit": 64},
+                              "cpu": {"shares": 512}},
+                "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],
+                "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+            }
+        })
+    }
+}
+
+impl Peer for Crun {
+    fn name(&self) -> &'static str {
+        "crun"
+    }
+    fn run(&self, program: &str, code_file: &Path, seq: usize) -> (Duration, Option<Duration>) {
+        let file = file_name(code_file);
+        std::fs::copy(code_file, self.bundle.path().join("code").join(&file)).unwrap();
+        std::fs::write(
+            self.bundle.path().join("config.json"),
+            self.config(program, &file, seq).to_string(),
+        )
+        .unwrap();
+        let mut cmd = Command::new("crun");
+        cmd.args(["run", "--bundle"])
+            .arg(self.bundle.path())
+            .arg(format!("bench-{}-{seq}", std::process::id()));
+        timed(cmd)
+    }
+}
+
+impl Drop for Crun {
+    fn drop(&mut self) {
+        // crun removes each container's leaf; the parent it made in every hierarchy is ours to remove.
+        if let Ok(entries) = std::fs::read_dir("/sys/fs/cgroup") {
+            for e in entries.flatten() {
+                let _ = std::fs::remove_dir(e.path().join(&self.parent));
+            }
+        }
+    }
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().unwrap().to_string_lossy().into_owned()
+}
+
+fn pct(v: &[Duration], p: f64) -> f64 {
+    let mut v = v.to_vec();
     v.sort();
     let i = ((v.len() as f64 - 1.0) * p).round() as usize;
     v[i].as_secs_f64() * 1000.0
 }
 
-struct Row {
-    name: String,
-    sandbox: Vec<Duration>,
-    bare: Vec<Duration>,
+fn median_ms(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[(v.len() - 1) / 2]
 }
+
+struct Case {
+    name: &'static str,
+    lang: &'static str,
+    program: &'static str,
+    ext: &'static str,
+    code: &'static str,
+    first_byte: bool,
+}
+
+const CASES: [Case; 4] = [
+    Case {
+        name: "shell `true`",
+        lang: "shell",
+        program: "/bin/sh",
+        ext: "sh",
+        code: "true\n",
+        first_byte: false,
+    },
+    Case {
+        name: "python `pass`",
+        lang: "python",
+        program: "/usr/bin/python3",
+        ext: "py",
+        code: "pass\n",
+        first_byte: false,
+    },
+    Case {
+        name: "shell first stdout byte",
+        lang: "shell",
+        program: "/bin/sh",
+        ext: "sh",
+        code: "echo x\n",
+        first_byte: true,
+    },
+    Case {
+        name: "python first stdout byte",
+        lang: "python",
+        program: "/usr/bin/python3",
+        ext: "py",
+        code: "print('x')\n",
+        first_byte: true,
+    },
+];
 
 fn main() {
     if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED: the sandboxd benchmark needs root (it starts the daemon, which creates containers)");
+        eprintln!("SKIPPED: the sandboxd benchmark needs root (it starts the daemons, which create containers)");
         return;
     }
     // `cargo bench` passes --bench; a filter argument is accepted and ignored.
-    let daemon = Daemon::start(0, "");
+    let warm = Daemon::start(0, "");
+    let cold = Daemon::start(1, "pool: {size: 0}\n");
     let tmp = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let cases = [
-        ("shell `true`", "shell", "/bin/sh", "sh", "true\n", false),
-        (
-            "python `pass`",
-            "python",
-            "/usr/bin/python3",
-            "py",
-            "pass\n",
-            false,
-        ),
-        (
-            "shell first stdout byte",
-            "shell",
-            "/bin/sh",
-            "sh",
-            "echo x\n",
-            true,
-        ),
-        (
-            "python first stdout byte",
-            "python",
-            "/usr/bin/python3",
-            "py",
-            "print('x')\n",
-            true,
-        ),
-    ];
-    let mut rows = Vec::new();
+    let mut peers: Vec<Box<dyn Peer>> = Vec::new();
+    match Crun::new() {
+        Some(c) => peers.push(Box::new(c)),
+        None => println!("crun: not installed (apt-get install crun); its column is left out"),
+    }
+    if Command::new("bwrap").arg("--version").output().is_ok() {
+        peers.push(Box::new(Bwrap));
+    } else {
+        println!("bwrap: not installed (apt-get install bubblewrap); its column is left out");
+    }
+
+    latency_table(&rt, &warm, &cold, &peers, tmp.path());
+    plain_client(&rt, &warm, tmp.path());
+    if let Ok(spec) = std::env::var("SANDBOXD_BENCH_IMAGES") {
+        images(&rt, &warm, &spec);
+    }
+    throughput(&rt, &warm, &cold, tmp.path());
+}
+
+fn latency_table(
+    rt: &tokio::runtime::Runtime,
+    warm: &Daemon,
+    cold: &Daemon,
+    peers: &[Box<dyn Peer>],
+    tmp: &Path,
+) {
+    // Per case: warm, cold, bare, then one column per peer.
+    let mut rows: Vec<(String, Vec<Vec<Duration>>)> = Vec::new();
+    let pick =
+        |r: (Duration, Option<Duration>), first: bool| if first { r.1.unwrap() } else { r.0 };
     rt.block_on(async {
-        let mut ws = connect(daemon.port).await;
-        for (name, lang, program, ext, code, first_byte) in cases {
-            // Warm-up: page cache, first container.
-            for i in 0..5 {
-                execute(&mut ws, &format!("warm-{lang}-{i}"), lang, code).await;
-                bare(program, ext, code, tmp.path());
+        let mut ww = connect(warm.port).await;
+        let mut cw = connect(cold.port).await;
+        let mut seq = 0usize;
+        for c in &CASES {
+            let code_file = tmp.join(format!("main.{}", c.ext));
+            std::fs::write(&code_file, c.code).unwrap();
+            let shell_only = c.lang == "shell";
+            let mut cols: Vec<Vec<Duration>> = vec![Vec::new(); 3 + peers.len()];
+            for i in 0..5 + SAMPLES {
+                let keep = i >= 5; // the first five warm up the page cache and the pools
+                let id = format!("{}-{i}", c.name).replace([' ', '`'], "_");
+                let r = execute(&mut ww, &format!("w-{id}"), c.lang, c.code).await;
+                let s = [
+                    pick(r, c.first_byte),
+                    pick(
+                        execute(&mut cw, &format!("c-{id}"), c.lang, c.code).await,
+                        c.first_byte,
+                    ),
+                    pick(bare(c.program, c.ext, c.code, tmp), c.first_byte),
+                ];
+                for (col, v) in s.into_iter().enumerate() {
+                    if keep {
+                        cols[col].push(v);
+                    }
+                }
+                if shell_only {
+                    for (k, p) in peers.iter().enumerate() {
+                        seq += 1;
+                        let v = pick(p.run(c.program, &code_file, seq), c.first_byte);
+                        if keep {
+                            cols[3 + k].push(v);
+                        }
+                    }
+                }
             }
-            let mut s = Vec::new();
-            let mut b = Vec::new();
-            // Interleave so both see the same machine state.
-            for i in 0..SAMPLES {
-                let (total, first) = execute(
-                    &mut ws,
-                    &format!("{name}-{i}").replace([' ', '`'], "_"),
-                    lang,
-                    code,
-                )
-                .await;
-                s.push(if first_byte { first.unwrap() } else { total });
-                let (total, first) = bare(program, ext, code, tmp.path());
-                b.push(if first_byte { first.unwrap() } else { total });
-            }
-            rows.push(Row {
-                name: name.to_string(),
-                sandbox: s,
-                bare: b,
-            });
+            rows.push((c.name.to_string(), cols));
         }
         // Sparse traffic, the usual agent pattern: 200 ms idle before each execution (cold caches, idle CPUs).
-        let mut s = Vec::new();
-        let mut b = Vec::new();
+        let mut cols: Vec<Vec<Duration>> = vec![Vec::new(); 3];
         for i in 0..SPARSE_SAMPLES {
             tokio::time::sleep(Duration::from_millis(200)).await;
-            s.push(
-                execute(&mut ws, &format!("sparse-{i}"), "shell", "true\n")
+            cols[0].push(
+                execute(&mut ww, &format!("sw-{i}"), "shell", "true\n")
                     .await
                     .0,
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
-            b.push(bare("/bin/sh", "sh", "true\n", tmp.path()).0);
+            cols[1].push(
+                execute(&mut cw, &format!("sc-{i}"), "shell", "true\n")
+                    .await
+                    .0,
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            cols[2].push(bare("/bin/sh", "sh", "true\n", tmp).0);
         }
-        rows.push(Row {
-            name: "shell `true`, 200 ms idle".into(),
-            sandbox: s,
-            bare: b,
-        });
+        rows.push(("shell `true`, 200 ms idle".into(), cols));
     });
 
     println!();
     println!(
-        "sandboxd bench: {SAMPLES} samples each, interleaved with the bare baseline; times in ms"
+        "sandboxd bench: {SAMPLES} samples per column, interleaved sample by sample; times in ms (p50 / p95)"
     );
-    println!(
-        "{:<26} {:>9} {:>9} {:>9} | {:>9} {:>9} {:>9} | {:>12}",
-        "case", "sbx p50", "sbx p95", "sbx p99", "bare p50", "bare p95", "bare p99", "p50 overhead"
+    print!(
+        "{:<26} {:>15} {:>15} {:>15}",
+        "case", "warm pool", "cold (no pool)", "bare spawn"
     );
-    for r in &rows {
-        let (s50, b50) = (pct(r.sandbox.clone(), 0.5), pct(r.bare.clone(), 0.5));
+    for p in peers {
+        print!(" {:>15}", p.name());
+    }
+    println!(" | {:>13} {:>13}", "warm-bare p50", "cold-bare p50");
+    for (name, cols) in &rows {
+        print!("{name:<26}");
+        for col in cols {
+            if col.is_empty() {
+                print!(" {:>15}", "-");
+            } else {
+                print!(" {:>7.2} / {:>5.2}", pct(col, 0.5), pct(col, 0.95));
+            }
+        }
+        for _ in cols.len()..3 + peers.len() {
+            print!(" {:>15}", "-");
+        }
+        let b = pct(&cols[2], 0.5);
         println!(
-            "{:<26} {:>9.2} {:>9.2} {:>9.2} | {:>9.2} {:>9.2} {:>9.2} | {:>9.2} ms",
-            r.name,
-            s50,
-            pct(r.sandbox.clone(), 0.95),
-            pct(r.sandbox.clone(), 0.99),
-            b50,
-            pct(r.bare.clone(), 0.95),
-            pct(r.bare.clone(), 0.99),
-            s50 - b50
+            " | {:>10.2} ms {:>10.2} ms",
+            pct(&cols[0], 0.5) - b,
+            pct(&cols[1], 0.5) - b
         );
     }
-
-    if let Ok(spec) = std::env::var("SANDBOXD_BENCH_IMAGES") {
-        images(&rt, &daemon, &spec);
+    // Ratios against the peers, shell `true` (p50).
+    let shell = &rows[0].1;
+    for (k, p) in peers.iter().enumerate() {
+        let peer = pct(&shell[3 + k], 0.5);
+        println!(
+            "shell `true` p50: warm pool / {} = {:.2}, cold / {} = {:.2}",
+            p.name(),
+            pct(&shell[0], 0.5) / peer,
+            p.name(),
+            pct(&shell[1], 0.5) / peer
+        );
     }
+}
 
+/// The same daemon through Python's `websockets` (benches/plain_client.py), next to the Rust client.
+fn plain_client(rt: &tokio::runtime::Runtime, warm: &Daemon, tmp: &Path) {
     println!();
-    println!("throughput, shell `true`, {THROUGHPUT_RUNS} executions per run (one connection per worker)");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/plain_client.py");
+    let python = "/usr/bin/python3";
+    let ok = Command::new(python)
+        .args(["-c", "import websockets"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        println!("plain client: SKIPPED, {python} has no `websockets` (apt-get install python3-websockets)");
+        return;
+    }
+    let out = Command::new(python)
+        .arg(&script)
+        .arg(warm.port.to_string())
+        .arg(TOKEN)
+        .arg(PLAIN_CLIENT_SAMPLES.to_string())
+        .output()
+        .expect("run plain_client.py");
+    assert!(
+        out.status.success(),
+        "plain_client.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("plain_client.py output");
+    // The Rust client right after, on the same daemon, interleaved with its own bare spawns.
+    let mut rust = Vec::new();
+    rt.block_on(async {
+        let mut ws = connect(warm.port).await;
+        for c in CASES.iter().take(3) {
+            let (mut s, mut b) = (Vec::new(), Vec::new());
+            for i in 0..PLAIN_CLIENT_SAMPLES {
+                let r = execute(&mut ws, &format!("rc-{}-{i}", c.ext), c.lang, c.code).await;
+                s.push(if c.first_byte { r.1.unwrap() } else { r.0 });
+                let r = bare(c.program, c.ext, c.code, tmp);
+                b.push(if c.first_byte { r.1.unwrap() } else { r.0 });
+            }
+            rust.push((c.name, s, b));
+        }
+    });
     println!(
-        "{:<12} {:>14} {:>14} {:>8}",
-        "concurrency", "sandbox exec/s", "bare exec/s", "ratio"
+        "the same warm daemon through two clients, {PLAIN_CLIENT_SAMPLES} samples each with a bare spawn \
+         interleaved; p50 ms ({})",
+        report["client"].as_str().unwrap_or("python")
+    );
+    println!(
+        "{:<26} {:>12} {:>10} {:>10} | {:>12} {:>10} {:>10}",
+        "case", "python sbx", "bare", "overhead", "rust sbx", "bare", "overhead"
+    );
+    for (name, s, b) in rust {
+        let case = &report["cases"][name];
+        let nums = |k: &str| -> Vec<f64> {
+            case[k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect()
+        };
+        let (ps, pb) = (median_ms(&nums("sandbox_ms")), median_ms(&nums("bare_ms")));
+        let (rs, rb) = (pct(&s, 0.5), pct(&b, 0.5));
+        println!(
+            "{name:<26} {ps:>12.2} {pb:>10.2} {:>10.2} | {rs:>12.2} {rb:>10.2} {:>10.2}",
+            ps - pb,
+            rs - rb
+        );
+    }
+    println!(
+        "python client throughput, shell `true`, {} in flight: {:.1} exec/s",
+        report["throughput"]["concurrency"],
+        report["throughput"]["exec_per_s"].as_f64().unwrap_or(0.0)
+    );
+}
+
+fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &Path) {
+    println!();
+    println!(
+        "throughput, shell `true`, {THROUGHPUT_RUNS} executions per run (one connection per worker); \
+         pool hits/misses during the warm run"
+    );
+    println!(
+        "{:<12} {:>12} {:>12} {:>12} {:>14} {:>12}",
+        "in flight", "warm exec/s", "cold exec/s", "bare exec/s", "warm / bare", "hits/misses"
     );
     for conc in [1usize, 4, 16] {
-        let t0 = Instant::now();
-        rt.block_on(async {
-            let mut tasks = Vec::new();
-            for w in 0..conc {
-                let port = daemon.port;
-                tasks.push(tokio::spawn(async move {
-                    let mut ws = connect(port).await;
-                    let mut i = w;
-                    while i < THROUGHPUT_RUNS {
-                        execute(&mut ws, &format!("tp-{conc}-{i}"), "shell", "true\n").await;
-                        i += conc;
-                    }
-                }));
-            }
-            for t in tasks {
-                t.await.unwrap();
-            }
-        });
-        let sbx = THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64();
+        warm.wait_refilled(16 * 3);
+        let (_, h0, m0) = warm.pool();
+        let w = run_throughput(rt, warm.port, conc, "w");
+        let (_, h1, m1) = warm.pool();
+        let c = run_throughput(rt, cold.port, conc, "c");
         let t0 = Instant::now();
         std::thread::scope(|s| {
             for w in 0..conc {
-                let dir = tmp.path().join(format!("w{w}"));
+                let dir = tmp.join(format!("w{w}"));
                 std::fs::create_dir_all(&dir).unwrap();
                 s.spawn(move || {
                     let mut i = w;
@@ -334,19 +643,42 @@ fn main() {
                 });
             }
         });
-        let bare_rate = THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64();
+        let b = THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64();
         println!(
-            "{:<12} {:>14.1} {:>14.1} {:>8.2}",
+            "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12}",
             conc,
-            sbx,
-            bare_rate,
-            sbx / bare_rate
+            w,
+            c,
+            b,
+            w / b,
+            format!("{}/{}", h1 - h0, m1 - m0)
         );
     }
-    drop(daemon);
 }
 
-/// `SANDBOXD_BENCH_IMAGES=shell=DIR,python=DIR` (OCI layouts from `images/build.sh`): the same programs on a second
+fn run_throughput(rt: &tokio::runtime::Runtime, port: u16, conc: usize, tag: &str) -> f64 {
+    let t0 = Instant::now();
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for w in 0..conc {
+            let tag = tag.to_owned();
+            tasks.push(tokio::spawn(async move {
+                let mut ws = connect(port).await;
+                let mut i = w;
+                while i < THROUGHPUT_RUNS {
+                    execute(&mut ws, &format!("tp-{tag}-{conc}-{i}"), "shell", "true\n").await;
+                    i += conc;
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// `SANDBOXD_BENCH_IMAGES=shell=DIR,python=DIR` (OCI layouts from `images/build.sh`): the same programs on a third
 /// daemon whose languages run on those images, interleaved with the host-image daemon.
 fn images(rt: &tokio::runtime::Runtime, host: &Daemon, spec: &str) {
     let mut extra = String::from("images:\n");
@@ -367,7 +699,7 @@ fn images(rt: &tokio::runtime::Runtime, host: &Daemon, spec: &str) {
         ));
         cases.push((lang.to_owned(), code));
     }
-    let image = Daemon::start(1, &format!("{extra}{langs}"));
+    let image = Daemon::start(2, &format!("{extra}{langs}"));
     let mut rows = Vec::new();
     rt.block_on(async {
         let mut hw = connect(host.port).await;
@@ -394,20 +726,20 @@ fn images(rt: &tokio::runtime::Runtime, host: &Daemon, spec: &str) {
         }
     });
     println!();
-    println!("OCI image vs host image, {SAMPLES} samples each, interleaved; times in ms");
+    println!("OCI image vs host image (both warm pools), {SAMPLES} samples each, interleaved; times in ms");
     println!(
         "{:<10} {:>10} {:>10} {:>10} {:>10} {:>12} {:>7}",
         "language", "host p50", "host p95", "image p50", "image p95", "p50 diff", "ratio"
     );
     for (lang, h, m) in rows {
-        let (h50, m50) = (pct(h.clone(), 0.5), pct(m.clone(), 0.5));
+        let (h50, m50) = (pct(&h, 0.5), pct(&m, 0.5));
         println!(
             "{:<10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>9.2} ms {:>7.2}",
             lang,
             h50,
-            pct(h, 0.95),
+            pct(&h, 0.95),
             m50,
-            pct(m, 0.95),
+            pct(&m, 0.95),
             m50 - h50,
             m50 / h50
         );

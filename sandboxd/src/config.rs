@@ -22,7 +22,8 @@ pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 16 << 20;
 /// Default cgroup parent (relative to each hierarchy root).
 pub const DEFAULT_CGROUP_PARENT: &str = "sandboxd";
-/// Default first host uid/gid that container root maps to; execution slot `n` uses `uid_base + n`.
+/// Default first host uid/gid that container root maps to; each container that exists at once has its own uid in
+/// `uid_base..uid_base + Config::uid_count()`.
 pub const DEFAULT_UID_BASE: u32 = 200_000;
 /// Default `RLIMIT_NOFILE` in executions.
 pub const DEFAULT_NOFILE: u64 = 1024;
@@ -65,6 +66,45 @@ pub struct Config {
     /// Which image and interpreter each language uses. Absent: every language the host image can run, with the
     /// interpreter found there. Present: exactly the languages listed.
     pub languages: Option<BTreeMap<Language, LanguageConfig>>,
+    /// Containers created ahead of time.
+    pub pool: PoolConfig,
+}
+
+/// The most languages a daemon serves (python, javascript, shell, elixir): bounds the pool's uid needs.
+const MAX_LANGUAGES: usize = 4;
+
+/// `pool:`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    /// Containers kept ready per language. `None`: `capacity.max_concurrent`; 0: no pool (every execution
+    /// creates its container when it starts).
+    pub size: Option<usize>,
+    /// Helper processes that create and remove containers in parallel. `None`: one per CPU, at most 8.
+    pub helpers: Option<usize>,
+}
+
+impl Config {
+    /// The number of helper processes in force.
+    pub fn helper_count(&self) -> usize {
+        self.pool.helpers.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .min(8)
+        })
+    }
+
+    /// The pool size per language in force.
+    pub fn pool_size(&self) -> usize {
+        self.pool.size.unwrap_or(self.capacity.max_concurrent)
+    }
+
+    /// How many host uids (from `sandbox.uid_base`) containers use: one per container that may exist at once,
+    /// running (`max_concurrent`), being removed (as many again) or ready in the pool (per language).
+    pub fn uid_count(&self) -> usize {
+        2 * self.capacity.max_concurrent + MAX_LANGUAGES * self.pool_size()
+    }
 }
 
 /// `images.<name>:`
@@ -244,6 +284,7 @@ impl Default for Config {
             artifacts: ArtifactsConfig::default(),
             images: BTreeMap::new(),
             languages: None,
+            pool: PoolConfig::default(),
         }
     }
 }
@@ -334,6 +375,12 @@ impl Config {
             self.capacity.max_concurrent as u64,
         )?;
         positive("max_frame_bytes", self.max_frame_bytes as u64)?;
+        if self.pool.helpers == Some(0) {
+            return Err(ConfigError::Value {
+                key: "pool.helpers",
+                reason: "must be at least 1 (or null: one per CPU)".into(),
+            });
+        }
         positive("sandbox.nofile", self.sandbox.nofile)?;
         if !(1..=runtime::landlock::MAX_ABI).contains(&self.sandbox.landlock_min_abi) {
             return Err(ConfigError::Value {
@@ -363,16 +410,17 @@ impl Config {
             }
         }
         if self.sandbox.uid_base == 0
-            || self
-                .sandbox
-                .uid_base
-                .checked_add(self.capacity.max_concurrent as u32)
+            || u32::try_from(self.uid_count())
+                .ok()
+                .and_then(|n| self.sandbox.uid_base.checked_add(n))
                 .is_none()
         {
             return Err(ConfigError::Value {
                 key: "sandbox.uid_base",
-                reason: "must be a non-zero uid with room for one uid per concurrent execution"
-                    .into(),
+                reason: format!(
+                    "must be a non-zero uid with room for {} uids (2 x max_concurrent + 4 x pool size)",
+                    self.uid_count()
+                ),
             });
         }
         runtime::cgroups::Cgroups::with_version(
@@ -495,6 +543,7 @@ mod tests {
         artifacts: std::collections::BTreeMap<&'static str, Option<u64>>,
         images: std::collections::BTreeMap<String, String>,
         languages: Option<u8>,
+        pool: std::collections::BTreeMap<&'static str, Option<usize>>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -530,6 +579,7 @@ mod tests {
                 .into(),
                 images: Default::default(),
                 languages: None,
+                pool: [("size", c.pool.size), ("helpers", c.pool.helpers)].into(),
             }
         }
     }

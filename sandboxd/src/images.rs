@@ -301,17 +301,8 @@ fn probe<T>(
         "probe-{}",
         SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     );
-    let mut scratch = Scratch::create(
-        run_dir,
-        &id,
-        1 << 20,
-        0,
-        "probe",
-        b"",
-        &[],
-        RootSource::Overlay(lowers),
-    )
-    .context("cannot mount the image's overlay root")?;
+    let mut scratch = Scratch::create(run_dir, &id, 1 << 20, 0, RootSource::Overlay(lowers))
+        .context("cannot mount the image's overlay root")?;
     let r = f(&scratch.rootfs());
     scratch.remove()?;
     Ok(r?)

@@ -10,6 +10,7 @@ mod doctor;
 mod engine;
 mod images;
 mod images_cli;
+mod pool;
 mod server;
 mod store;
 mod upload;
@@ -26,7 +27,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use protocol::Isolation;
 use runtime::cgroups::Cgroups;
-use runtime::helper::{HelperClient, HelperConfig, Request};
+use runtime::helper::{HelperClient, HelperConfig};
 use runtime::rootfs::HostImage;
 use tracing::{error, info, warn};
 
@@ -277,12 +278,18 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         .context("cannot open the artifact store")?,
     );
     let seccomp_digest = seccomp.digest.clone();
-    let (helper_pid, helper_sock) = runtime::helper::spawn_helper(HelperConfig {
+    let helper_config = HelperConfig {
         state_root: containers_dir,
         cgroups: cgroups.clone(),
         seccomp,
-    })?;
-    info!(pid = helper_pid.as_raw(), "container helper started");
+    };
+    let mut forked = Vec::new();
+    for _ in 0..config.helper_count() {
+        let (pid, sock) = runtime::helper::spawn_helper(helper_config.clone())?;
+        info!(pid = pid.as_raw(), "container helper started");
+        forked.push((pid, sock));
+    }
+    let helper_pids: Vec<_> = forked.iter().map(|(p, _)| *p).collect();
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -290,13 +297,25 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         .build()
         .context("cannot start the async runtime")?;
     let result = rt.block_on(async move {
-        let helper = HelperClient::new(helper_sock, helper_pid)?;
+        let clients = forked
+            .into_iter()
+            .map(|(pid, sock)| HelperClient::new(sock, pid))
+            .collect::<Result<Vec<_>, _>>()?;
+        let factory = Arc::new(pool::Factory::new(
+            pool::Helpers::new(clients),
+            cgroups.clone(),
+            run_dir.clone(),
+            config.sandbox.nofile,
+            config.limits.max.to_limits(),
+            pool::Uids::new(config.sandbox.uid_base, config.uid_count() as u32),
+        ));
+        let pool = Arc::new(pool::Pool::new(factory, config.pool_size(), &languages));
+        pool.start(&languages);
         let engine = Arc::new(Engine::new(
             config,
-            helper,
+            pool.clone(),
             cgroups.clone(),
             languages,
-            run_dir,
             isolation,
             store.clone(),
             seccomp_digest,
@@ -318,7 +337,7 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
             }
         });
         if let Err(e) = server::self_test(engine.clone()).await {
-            let _ = engine.helper.request(&Request::Shutdown, &[]).await;
+            stop_containers(&engine).await;
             let hint = untraversable_ancestor(&engine.config.state_dir)
                 .map(|d| {
                     format!(
@@ -331,12 +350,14 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         }
         info!("self-test execution passed");
         serve(engine.clone()).await?;
-        let _ = engine.helper.request(&Request::Shutdown, &[]).await;
+        stop_containers(&engine).await;
         anyhow::Ok(())
     });
     // The helper exits on Shutdown (or when our socket closes); wait so nothing outlives us.
     drop(rt);
-    let _ = nix::sys::wait::waitpid(helper_pid, None);
+    for pid in helper_pids {
+        let _ = nix::sys::wait::waitpid(pid, None);
+    }
     result?;
     info!("stopped");
     Ok(Exit::Ok)
@@ -437,8 +458,25 @@ async fn wait_idle(engine: &Engine) {
     }
 }
 
+/// Removes the pool and waits (bounded) for every container's removal, then stops the helpers.
+async fn stop_containers(engine: &Engine) {
+    engine.pool.close().await;
+    let factory = engine.pool.factory();
+    let all = engine.config.uid_count();
+    let removed = tokio::time::timeout(Duration::from_secs(10), async {
+        while factory.uids.available() < all && factory.helpers.all_alive() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    if removed.is_err() {
+        warn!("containers still being removed after 10 s; the helpers remove the rest");
+    }
+    factory.helpers.shutdown().await;
+}
+
 async fn engine_dead(engine: &Engine) -> &'static str {
-    while engine.helper.is_alive() {
+    while engine.pool.factory().helpers.all_alive() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     "the container helper died; shutting down"

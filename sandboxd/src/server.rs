@@ -54,7 +54,7 @@ pub fn router(state: AppState) -> Router {
 
 async fn healthz(State(state): State<AppState>) -> Response {
     let e = &state.engine;
-    let healthy = e.helper.is_alive();
+    let healthy = e.pool.factory().helpers.all_alive();
     let body = serde_json::json!({
         "status": if healthy { "ok" } else { "unhealthy" },
         "version": env!("CARGO_PKG_VERSION"),
@@ -71,6 +71,8 @@ async fn healthz(State(state): State<AppState>) -> Response {
             .map(|(l, r)| (l.as_str().to_owned(), serde_json::json!({"image": r.image.name, "digest": r.image.digest})))
             .collect::<serde_json::Map<String, serde_json::Value>>(),
         "isolation": e.isolation,
+        "pool": e.pool.status(),
+        "helpers": e.pool.factory().helpers.len(),
     });
     let code = if healthy {
         StatusCode::OK

@@ -129,7 +129,10 @@ pub struct Daemon {
 impl Daemon {
     /// Starts a daemon and waits until it serves.
     pub async fn start(binary: &Path, opts: DaemonOpts) -> Daemon {
-        assert!(opts.max_concurrent <= 64, "uid ranges are 64 wide");
+        assert!(
+            opts.max_concurrent <= 32,
+            "uid ranges are 64 wide (2 per slot)"
+        );
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
         // A uid region apart from the daemon's own suite (which starts at 1,000,000).
@@ -155,6 +158,9 @@ impl Daemon {
                 }},
                 "shutdown_grace_ms": 1000,
                 "sandbox": {"cgroup_parent": cgroup_parent, "uid_base": uid_base},
+                // No warm pool: every process of the uid range belongs to a running execution (the daemon's own
+                // suite covers the pool).
+                "pool": {"size": 0},
             });
             let config_path = dir.path().join("config.yaml");
             std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
@@ -246,7 +252,7 @@ impl Daemon {
 
     /// The uids container processes run as.
     pub fn uid_range(&self) -> std::ops::Range<u32> {
-        self.uid_base..self.uid_base + self.max_concurrent as u32
+        self.uid_base..self.uid_base + 2 * self.max_concurrent as u32
     }
 
     /// The daemon's log so far (every start).

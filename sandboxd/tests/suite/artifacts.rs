@@ -470,6 +470,7 @@ async fn upload_daemon(parent: &str, upload: Value) -> Daemon {
         cgroup_parent: parent.to_owned(),
         uid_base: 910_000,
         max_concurrent: 8,
+        pool_size: 8,
     })
     .await
 }

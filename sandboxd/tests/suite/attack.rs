@@ -21,8 +21,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::harness::{
-    exec_json, proc_info, processes_with_uid, unique_marker, wait_until, with, Client, Collected,
-    Daemon, DaemonOpts,
+    exec_json, proc_info, unique_marker, wait_until, with, Client, Collected, Daemon, DaemonOpts,
 };
 
 /// The bound on a `pong` while an attack runs.
@@ -409,19 +408,7 @@ impl Arena {
         wait_until(
             &format!("{case}: the execution's processes, cgroups, mounts and state to be gone"),
             CLEANUP_DEADLINE,
-            || async {
-                let procs = processes_with_uid(d.uid_range());
-                let cgroups = d.cgroup_leftovers();
-                let mounts = d.scratch_mounts();
-                let files = d.state_leftovers();
-                if procs.is_empty() && cgroups.is_empty() && mounts == 0 && files.is_empty() {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "processes {procs:?}, cgroups {cgroups:?}, scratch mounts {mounts}, state {files:?}"
-                    ))
-                }
-            },
+            || d.leftovers(),
         )
         .await;
         self.assert_host_unchanged(case);

@@ -7,35 +7,21 @@ use protocol::{ExecStatus, Limits, ServerMessage};
 use serde_json::json;
 
 use super::harness::{
-    exec_json, is, privileged, processes_with_arg, processes_with_uid, unique_marker, wait_until,
-    with, Client, Daemon, DaemonOpts, MAX_LIMITS,
+    exec_json, is, privileged, processes_with_arg, unique_marker, wait_until, with, Client, Daemon,
+    DaemonOpts, MAX_LIMITS,
 };
 
 /// Everything of the daemon's executions is gone: no container cgroup, no scratch mount, no process of a sandbox
 /// uid, no per-execution state file, and `/healthz` counts nothing.
 async fn assert_all_cleaned_up(d: &Daemon, deadline: Duration) {
     wait_until("every execution to be cleaned up", deadline, || async {
-        let cgroups = d.cgroup_leftovers();
-        let mounts = d.scratch_mounts();
-        let procs = processes_with_uid(d.uid_range());
-        let files = d.state_leftovers();
         let (_, h) = d.healthz().await;
         let counts = (h["active_executions"].as_u64(), h["queue_depth"].as_u64());
-        if cgroups.is_empty()
-            && mounts == 0
-            && procs.is_empty()
-            && files.is_empty()
-            && counts == (Some(0), Some(0))
-        {
+        d.leftovers().await?;
+        if counts == (Some(0), Some(0)) {
             Ok(())
         } else {
-            Err(format!(
-                "{} cgroups {:?}, {mounts} scratch mounts, {} processes {:?}, files {files:?}, healthz {counts:?}",
-                cgroups.len(),
-                cgroups.iter().take(5).collect::<Vec<_>>(),
-                procs.len(),
-                procs.iter().take(5).collect::<Vec<_>>()
-            ))
+            Err(format!("healthz {counts:?}"))
         }
     })
     .await;

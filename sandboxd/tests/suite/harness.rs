@@ -324,6 +324,8 @@ pub struct DaemonOpts {
     pub state_dir: Option<PathBuf>,
     /// Merged into the config last (e.g. `images`, `languages`).
     pub extra_config: Option<Value>,
+    /// `pool.size`: containers kept ready per language (the suite runs with a small warm pool).
+    pub pool_size: usize,
 }
 
 /// The suite's standard `limits.max`.
@@ -347,6 +349,7 @@ impl Default for DaemonOpts {
             cgroup_parent: None,
             state_dir: None,
             extra_config: None,
+            pool_size: 2,
         }
     }
 }
@@ -399,6 +402,8 @@ pub struct Daemon {
     pub uid_base: u32,
     /// `capacity.max_concurrent`.
     pub max_concurrent: usize,
+    /// `pool.size` in force.
+    pub pool_size: usize,
     /// Remove what is left under the cgroup parent when dropped (off once another daemon owns the parent).
     clean_cgroups: bool,
 }
@@ -421,6 +426,8 @@ pub struct Launch {
     pub uid_base: u32,
     /// Concurrency.
     pub max_concurrent: usize,
+    /// `pool.size` in force (the daemon's default is `max_concurrent`).
+    pub pool_size: usize,
 }
 
 impl Daemon {
@@ -435,7 +442,10 @@ impl Daemon {
             .unwrap_or_else(|| format!("sandboxd-test-{pid}-{n}"));
         // A distinct uid range per daemon, also across concurrently running test processes.
         let uid_base = 1_000_000 + (pid % 20_000) * 8192 + (n % 128) * 64;
-        assert!(opts.max_concurrent <= 64, "uid ranges are 64 wide");
+        assert!(
+            2 * opts.max_concurrent + 4 * opts.pool_size <= 64,
+            "uid ranges are 64 wide"
+        );
         let token = format!("test-token-{pid}-{n}-{:016x}", rand::random::<u64>());
         let m = opts.max_limits;
         // The free port may be taken by someone else before the daemon binds it: then try another one.
@@ -463,6 +473,7 @@ impl Daemon {
                 "shutdown_grace_ms": opts.shutdown_grace_ms,
                 "max_frame_bytes": opts.max_frame_bytes,
                 "sandbox": {"cgroup_parent": cgroup_parent, "uid_base": uid_base},
+                "pool": {"size": opts.pool_size},
             });
             if let Some(extra) = &opts.extra_config {
                 merge(&mut config, extra.clone());
@@ -479,6 +490,7 @@ impl Daemon {
                 cgroup_parent: cgroup_parent.clone(),
                 uid_base,
                 max_concurrent: opts.max_concurrent,
+                pool_size: opts.pool_size,
             });
             match d.wait_ready().await {
                 Ok(()) => return d,
@@ -520,6 +532,7 @@ impl Daemon {
             cgroup_parent: launch.cgroup_parent,
             uid_base: launch.uid_base,
             max_concurrent: launch.max_concurrent,
+            pool_size: launch.pool_size,
             clean_cgroups: true,
         }
     }
@@ -581,9 +594,40 @@ impl Daemon {
         self.dir.path()
     }
 
-    /// The uids container root maps to: `uid_base .. uid_base + max_concurrent`.
+    /// The uids container root maps to: one per container that may exist at once (running, being removed, or
+    /// ready in the pool), `uid_base .. uid_base + 2 x max_concurrent + 4 x pool size`.
     pub fn uid_range(&self) -> std::ops::Range<u32> {
-        self.uid_base..self.uid_base + self.max_concurrent as u32
+        self.uid_base..self.uid_base + (2 * self.max_concurrent + 4 * self.pool_size) as u32
+    }
+
+    /// `Ok` once nothing of any execution is left: the only containers are the pool's ready ones, the pool is
+    /// full (so no creation is half-way), and each ready container is exactly one process of a sandbox uid, one
+    /// cgroup leaf per hierarchy, one scratch mount and two state entries. With `pool.size: 0`, nothing at all.
+    pub async fn leftovers(&self) -> Result<(), String> {
+        let (_, h) = self.healthz().await;
+        let languages = h["languages"].as_array().map_or(0, Vec::len);
+        let ready = h["pool"]["ready"].as_u64().unwrap_or(u64::MAX) as usize;
+        let full = self.pool_size * languages;
+        let procs = processes_with_uid(self.uid_range());
+        let cgroups = self.cgroup_leftovers();
+        let leaves: std::collections::BTreeSet<_> =
+            cgroups.iter().filter_map(|p| p.file_name()).collect();
+        let mounts = self.scratch_mounts();
+        let files = self.state_leftovers();
+        if ready == full
+            && procs.len() == ready
+            && leaves.len() == ready
+            && mounts == ready
+            && files.len() == 2 * ready
+        {
+            Ok(())
+        } else {
+            Err(format!(
+                "pool ready {ready} of {full}; {} processes {:?}, cgroup leaves {leaves:?}, {mounts} scratch mounts, state {files:?}",
+                procs.len(),
+                procs.iter().take(8).collect::<Vec<_>>()
+            ))
+        }
     }
 
     /// What the daemon wrote to stderr (its log) so far.

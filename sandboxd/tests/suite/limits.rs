@@ -81,16 +81,10 @@ time.sleep(3600)
         Duration::from_secs(10),
         || async {
             let procs = processes_with_arg(&tag);
-            let cgroups = d.cgroup_leftovers();
-            let mounts = d.scratch_mounts();
-            let files = d.state_leftovers();
-            if procs.is_empty() && cgroups.is_empty() && mounts == 0 && files.is_empty() {
-                Ok(())
-            } else {
-                Err(format!(
-                    "processes {procs:?}, cgroups {cgroups:?}, scratch mounts {mounts}, files {files:?}"
-                ))
+            if !procs.is_empty() {
+                return Err(format!("processes {procs:?}"));
             }
+            d.leftovers().await
         },
     )
     .await;

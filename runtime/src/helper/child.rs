@@ -1,0 +1,340 @@
+//! The helper process: a single-threaded poll loop that creates, starts, deletes and reaps containers.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+
+use libcontainer::container::builder::ContainerBuilder;
+use libcontainer::container::Container;
+use libcontainer::syscall::syscall::SyscallType;
+use nix::fcntl::OFlag;
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag};
+use nix::unistd::{ForkResult, Pid};
+
+use super::proto::{Event, Request};
+use crate::cgroups::Cgroups;
+use crate::error::{Error, Result};
+use crate::init::InitExecutor;
+use crate::ipc;
+
+/// What the helper needs to know, fixed at fork time.
+#[derive(Debug, Clone)]
+pub struct HelperConfig {
+    /// libcontainer's state directory.
+    pub state_root: PathBuf,
+    /// The cgroup setup (leftover removal).
+    pub cgroups: Cgroups,
+    /// The compiled seccomp profile every program gets.
+    pub seccomp: crate::seccomp::Profile,
+}
+
+/// Forks the helper. Must be called while the process is still single-threaded (before the async runtime).
+/// Returns the helper's pid and the daemon's end of the socket.
+pub fn spawn_helper(config: HelperConfig) -> Result<(Pid, OwnedFd)> {
+    let (daemon_end, helper_end) = ipc::pair()?;
+    let parent = nix::unistd::getpid();
+    // SAFETY: the caller guarantees the process is single-threaded, so the child may run arbitrary code.
+    match unsafe { nix::unistd::fork() }.map_err(|e| Error::sys("fork helper", e))? {
+        ForkResult::Child => {
+            drop(daemon_end);
+            // Nothing of the daemon's but stdio: not another helper's socket, not the image store's lock.
+            let keep = helper_end.as_raw_fd();
+            let closed = crate::sys::close_range(3, keep - 1)
+                .and_then(|()| crate::sys::close_range(keep + 1, RawFd::MAX));
+            let code = match closed
+                .and_then(|()| crate::sys::set_parent_death_signal(Signal::SIGKILL))
+            {
+                // The daemon may have died between fork and prctl.
+                Ok(()) if nix::unistd::getppid() == parent => match Helper::new(helper_end, config)
+                {
+                    Ok(mut h) => h.run(),
+                    Err(e) => {
+                        tracing::error!(error = %e, "helper failed to start");
+                        1
+                    }
+                },
+                _ => 1,
+            };
+            std::process::exit(code)
+        }
+        ForkResult::Parent { child } => Ok((child, daemon_end)),
+    }
+}
+
+struct Running {
+    container: Container,
+    pid: Pid,
+}
+
+struct Helper {
+    sock: OwnedFd,
+    sigchld: SignalFd,
+    config: HelperConfig,
+    running: HashMap<String, Running>,
+}
+
+impl Helper {
+    fn new(sock: OwnedFd, config: HelperConfig) -> Result<Self> {
+        let mut mask = SigSet::empty();
+        mask.add(Signal::SIGCHLD);
+        nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&mask), None)
+            .map_err(|e| Error::sys("sigprocmask", e))?;
+        let sigchld = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+            .map_err(|e| Error::sys("signalfd", e))?;
+        std::fs::create_dir_all(&config.state_root)
+            .map_err(|e| Error::io(&config.state_root, e))?;
+        Ok(Self {
+            sock,
+            sigchld,
+            config,
+            running: HashMap::new(),
+        })
+    }
+
+    /// The loop; returns the process exit code.
+    fn run(&mut self) -> i32 {
+        let mut buf = vec![0u8; ipc::MAX_MESSAGE];
+        loop {
+            let (sock_ready, child_ready) = {
+                let mut fds = [
+                    PollFd::new(self.sock.as_fd(), PollFlags::POLLIN),
+                    PollFd::new(self.sigchld.as_fd(), PollFlags::POLLIN),
+                ];
+                match nix::poll::poll(&mut fds, PollTimeout::NONE) {
+                    Ok(_) => {}
+                    Err(nix::Error::EINTR) => continue,
+                    Err(e) => {
+                        tracing::error!(error = %e, "helper poll failed");
+                        self.shutdown();
+                        return 1;
+                    }
+                }
+                let ready = |f: &PollFd| f.revents().is_some_and(|r| !r.is_empty());
+                (ready(&fds[0]), ready(&fds[1]))
+            };
+            if child_ready {
+                // Inits stay unreaped (zombies) until the daemon asks for their removal: drain the signals only.
+                while let Ok(Some(_)) = self.sigchld.read_signal() {}
+            }
+            if sock_ready {
+                match ipc::recv(self.sock.as_fd(), &mut buf) {
+                    Ok(Some((n, _fds))) => match serde_json::from_slice::<Request>(&buf[..n]) {
+                        Ok(Request::Shutdown) => {
+                            self.shutdown();
+                            return 0;
+                        }
+                        Ok(req) => self.handle(req),
+                        Err(e) => tracing::error!(error = %e, "helper got a malformed request"),
+                    },
+                    Ok(None) => {
+                        // The daemon is gone: nothing may outlive it.
+                        self.shutdown();
+                        return 0;
+                    }
+                    Err(nix::Error::EINTR) => {}
+                    Err(e) => {
+                        tracing::error!(error = %e, "helper socket failed");
+                        self.shutdown();
+                        return 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn send(&self, event: &Event, fds: &[std::os::fd::BorrowedFd<'_>]) {
+        match serde_json::to_vec(event) {
+            Ok(bytes) => {
+                if let Err(e) = ipc::send(self.sock.as_fd(), &bytes, fds) {
+                    tracing::debug!(error = %e, "helper could not send an event");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "helper could not encode an event"),
+        }
+    }
+
+    fn handle(&mut self, req: Request) {
+        match req {
+            Request::Create {
+                id,
+                bundle,
+                landlock,
+            } => match self.create(&id, bundle, landlock) {
+                Ok((pid, [launch, status, pidfd])) => self.send(
+                    &Event::Created {
+                        id,
+                        pid: pid.as_raw(),
+                    },
+                    &[launch.as_fd(), status.as_fd(), pidfd.as_fd()],
+                ),
+                Err(e) => {
+                    self.cleanup_failed(&id);
+                    self.send(
+                        &Event::Failed {
+                            id,
+                            message: e.to_string(),
+                        },
+                        &[],
+                    );
+                }
+            },
+            Request::Kill { id, signal } => {
+                if let Some(r) = self.running.get(&id) {
+                    // The init is our unreaped child: the pid cannot belong to anyone else.
+                    match Signal::try_from(signal) {
+                        Ok(sig) => {
+                            if let Err(e) = nix::sys::signal::kill(r.pid, sig) {
+                                tracing::debug!(%id, error = %e, "kill of container init failed");
+                            }
+                        }
+                        Err(e) => {
+                            tracing::error!(%id, signal, error = %e, "kill with an invalid signal")
+                        }
+                    }
+                }
+            }
+            Request::Remove { id } => {
+                let error = self.remove(&id);
+                self.send(&Event::Removed { id, error }, &[]);
+            }
+            Request::Shutdown => {}
+        }
+    }
+
+    /// Creates and starts a container; returns its init's pid and the daemon's descriptors (launch channel, status
+    /// pipe read end, pidfd).
+    fn create(
+        &mut self,
+        id: &str,
+        bundle: PathBuf,
+        landlock: crate::landlock::Policy,
+    ) -> Result<(Pid, [OwnedFd; 3])> {
+        let (status_r, status_w) =
+            nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| Error::sys("pipe2", e))?;
+        let (launch_daemon, launch_init) = ipc::pair()?;
+        let executor = InitExecutor {
+            status_fd: status_w.as_raw_fd(),
+            launch_fd: launch_init.as_raw_fd(),
+            seccomp: self.config.seccomp.clone(),
+            landlock,
+        };
+        // The init's own stdio: nothing (the program gets its own with the launch message).
+        let null = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open("/dev/null")
+                .map(OwnedFd::from)
+                .map_err(|e| Error::io("/dev/null", e))
+        };
+        let container = ContainerBuilder::new(id.to_owned(), SyscallType::default())
+            .with_root_path(&self.config.state_root)
+            .map_err(|e| Error::Container(e.to_string()))?
+            .with_executor(executor)
+            .with_stdin(null()?)
+            .with_stdout(null()?)
+            .with_stderr(null()?)
+            .validate_id()
+            .map_err(|e| Error::Container(e.to_string()))?
+            .as_init(bundle)
+            .with_systemd(false)
+            .with_detach(true)
+            .build()
+            .map_err(|e| Error::Container(format!("create failed: {e}")))?;
+        drop((status_w, launch_init));
+        let pid = container
+            .pid()
+            .ok_or_else(|| Error::Container("created container has no pid".into()))?;
+        // Registered first, so a failure below is cleaned up like any created container.
+        let running = self
+            .running
+            .entry(id.to_owned())
+            .insert_entry(Running { container, pid });
+        let container = &mut running.into_mut().container;
+        let pidfd = crate::sys::pidfd_open(pid)?;
+        crate::sys::bring_up_loopback(pid)?;
+        container
+            .start()
+            .map_err(|e| Error::Container(format!("start failed: {e}")))?;
+        Ok((pid, [launch_daemon, status_r, pidfd]))
+    }
+
+    /// Kills the init (if it still runs), deletes the container while the init is a zombie, reaps it and removes
+    /// the cgroup leaf. Returns the first step that failed.
+    fn remove(&mut self, id: &str) -> Option<String> {
+        let Some(mut r) = self.running.remove(id) else {
+            return Some("no such container".into());
+        };
+        // Our unreaped child: the pid is still this init's, alive or a zombie.
+        let _ = nix::sys::signal::kill(r.pid, Signal::SIGKILL);
+        let mut error = waitid(Id::Pid(r.pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT)
+            .err()
+            .map(|e| format!("waiting for the init failed: {e}"));
+        if let Err(e) = r.container.delete(true) {
+            error.get_or_insert_with(|| e.to_string());
+        }
+        if let Err(e) = waitpid(r.pid, None) {
+            error.get_or_insert_with(|| format!("reaping the init failed: {e}"));
+        }
+        if let Err(e) = self.config.cgroups.remove_leaf(id) {
+            error.get_or_insert_with(|| e.to_string());
+        }
+        let dir = self.config.state_root.join(id);
+        if dir.exists() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        error
+    }
+
+    /// Removes everything of a container that failed to be created or started.
+    fn cleanup_failed(&mut self, id: &str) {
+        let known = self.running.remove(id);
+        let dir = self.config.state_root.join(id);
+        let mut pid = known.as_ref().map(|r| r.pid);
+        if let Some(mut r) = known {
+            let _ = nix::sys::signal::kill(r.pid, Signal::SIGKILL);
+            let _ = waitid(Id::Pid(r.pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
+            if let Err(e) = r.container.delete(true) {
+                tracing::warn!(%id, error = %e, "delete of a failed container failed");
+            }
+        } else if dir.exists() {
+            if let Ok(mut c) = Container::load(dir.clone()) {
+                pid = c.pid();
+                if let Some(p) = pid {
+                    // Our own unreaped child if it exists at all.
+                    let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
+                    let _ = waitid(Id::Pid(p), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
+                }
+                if let Err(e) = c.delete(true) {
+                    tracing::warn!(%id, error = %e, "delete of a half-created container failed");
+                }
+            }
+        }
+        if let Some(p) = pid {
+            let _ = waitpid(p, None);
+        }
+        if let Err(e) = self.config.cgroups.remove_leaf(id) {
+            tracing::error!(%id, error = %e, "cgroup of a failed container not removed");
+        }
+        if dir.exists() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+
+    fn shutdown(&mut self) {
+        for r in self.running.values() {
+            let _ = nix::sys::signal::kill(r.pid, Signal::SIGKILL);
+        }
+        let ids: Vec<String> = self.running.keys().cloned().collect();
+        for id in ids {
+            if let Some(e) = self.remove(&id) {
+                tracing::error!(%id, error = %e, "removing a container at shutdown failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The launch channel: how a container that was created ahead of time learns what to run.
+//!
+//! Every container is created and started with no program: its init ([`crate::init`]) blocks on one end of a
+//! `SOCK_SEQPACKET` socket pair, and the daemon holds the other end. When an execution takes the container, the
+//! daemon sends one message with the program's stdin, stdout and stderr attached as `SCM_RIGHTS`, and a fourth
+//! descriptor, a memfd holding the [`Launch`] itself (arguments and environment can be as large as
+//! `execve` allows, far more than one datagram carries); the init forks the program with the first three as
+//! descriptors 0, 1 and 2. The helper process is not involved, so starting a
+//! program never waits behind another container's creation. The daemon closing its end without sending anything
+//! tells an idle init to exit.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::ipc;
+
+/// The largest launch (arguments and environment; the code itself travels as a file). `execve` refuses more than
+/// a quarter of the stack limit anyway.
+pub const MAX_LAUNCH: usize = 64 << 20;
+/// The datagram that carries the descriptors.
+const MESSAGE: &[u8] = b"launch";
+
+/// What the init runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    /// Program (absolute path in the container) and arguments.
+    pub args: Vec<String>,
+    /// `KEY=VALUE` environment.
+    pub env: Vec<String>,
+}
+
+/// Sends `launch` with the program's stdin, stdout and stderr. Never blocks for long: the init is waiting and the
+/// datagram is tiny. A gone init is `Error::Sys` with `EPIPE`/`ECONNRESET`/`ECONNREFUSED`.
+pub fn send(sock: BorrowedFd<'_>, launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -> Result<()> {
+    let bytes = serde_json::to_vec(launch).map_err(|e| Error::Protocol(e.to_string()))?;
+    if bytes.len() > MAX_LAUNCH {
+        return Err(Error::Protocol(format!(
+            "launch of {} bytes is over {MAX_LAUNCH}",
+            bytes.len()
+        )));
+    }
+    let payload = nix::sys::memfd::memfd_create(
+        c"sandboxd-launch",
+        nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
+    )
+    .map_err(|e| Error::sys("memfd_create", e))?;
+    let mut written = 0;
+    while written < bytes.len() {
+        written += nix::unistd::write(&payload, &bytes[written..])
+            .map_err(|e| Error::sys("write launch", e))?;
+    }
+    let [a, b, c] = stdio;
+    ipc::send(sock, MESSAGE, &[a, b, c, payload.as_fd()]).map_err(|e| Error::sys("send launch", e))
+}
+
+/// Receives the launch (blocking; retried on `EINTR`). `Ok(None)`: the daemon closed the channel.
+pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
+    let mut buf = [0u8; 64];
+    let (n, fds) = loop {
+        match ipc::recv(sock, &mut buf) {
+            Ok(Some(m)) => break m,
+            Ok(None) => return Ok(None),
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(Error::sys("receive launch", e)),
+        }
+    };
+    let [stdin, stdout, stderr, payload]: [OwnedFd; 4] =
+        fds.try_into().map_err(|v: Vec<OwnedFd>| {
+            Error::Protocol(format!("launch carries {} descriptors, not 4", v.len()))
+        })?;
+    if &buf[..n] != MESSAGE {
+        return Err(Error::Protocol("malformed launch message".into()));
+    }
+    let mut bytes = Vec::new();
+    let mut file = std::fs::File::from(payload);
+    file.seek(SeekFrom::Start(0))
+        .and_then(|_| file.take(MAX_LAUNCH as u64 + 1).read_to_end(&mut bytes))
+        .map_err(|e| Error::io("launch payload", e))?;
+    if bytes.len() > MAX_LAUNCH {
+        return Err(Error::Protocol(format!("launch over {MAX_LAUNCH} bytes")));
+    }
+    let launch: Launch =
+        serde_json::from_slice(&bytes).map_err(|e| Error::Protocol(e.to_string()))?;
+    if launch.args.first().is_none_or(|a| !a.starts_with('/')) {
+        return Err(Error::Protocol(
+            "launch args must start with an absolute program path".into(),
+        ));
+    }
+    Ok(Some((launch, [stdin, stdout, stderr])))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
+
+    use super::*;
+
+    #[test]
+    fn launch_and_stdio_arrive_together() {
+        let (a, b) = ipc::pair().unwrap();
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let launch = Launch {
+            args: vec!["/bin/sh".into(), "/sandbox/main.sh".into()],
+            env: vec!["A=1".into()],
+        };
+        send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
+        drop(w);
+        let (got, [_, out, _]) = recv(b.as_fd()).unwrap().unwrap();
+        assert_eq!(got, launch);
+        std::fs::File::from(out).write_all(b"x").unwrap();
+        let mut s = String::new();
+        // Two more copies of the write end are still open in the received array's dropped elements: gone now.
+        std::fs::File::from(r).read_to_string(&mut s).unwrap();
+        assert_eq!(s, "x");
+    }
+
+    #[test]
+    fn a_launch_larger_than_a_datagram_arrives_whole() {
+        let (a, b) = ipc::pair().unwrap();
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let launch = Launch {
+            args: vec!["/bin/true".into()],
+            env: vec![format!("HUGE={}", "e".repeat(4 << 20))],
+        };
+        send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
+        let (got, _) = recv(b.as_fd()).unwrap().unwrap();
+        assert_eq!(got, launch);
+    }
+
+    #[test]
+    fn a_closed_channel_is_none_and_bad_launches_are_refused() {
+        let (a, b) = ipc::pair().unwrap();
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let relative = Launch {
+            args: vec!["sh".into()],
+            env: vec![],
+        };
+        send(a.as_fd(), &relative, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
+        assert!(recv(b.as_fd()).is_err());
+        ipc::send(a.as_fd(), MESSAGE, &[w.as_fd()]).unwrap();
+        assert!(recv(b.as_fd()).is_err(), "one descriptor instead of four");
+        drop(a);
+        assert!(recv(b.as_fd()).unwrap().is_none());
+    }
+}

@@ -1,0 +1,211 @@
+//! Artifacts of an execution: the requested files collected from the working directory into the store, the
+//! manifest, and the eager upload to a configured endpoint.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use protocol::ErrorMessage;
+use tracing::{debug, warn};
+
+use super::Engine;
+
+impl Engine {
+    /// Collects the requested artifacts (blocking work on a blocking thread), uploads them when an endpoint is
+    /// configured, and returns the manifest for the result.
+    pub(super) async fn artifacts(
+        self: &Arc<Self>,
+        wanted: &protocol::ArtifactsRequest,
+        workspace: PathBuf,
+        exec_id: &str,
+        fingerprint: &str,
+    ) -> Result<serde_json::Value, ErrorMessage> {
+        let internal = |m: String| ErrorMessage::internal(exec_id, m);
+        let engine = self.clone();
+        let wanted = wanted.clone();
+        let (id, fp) = (exec_id.to_owned(), fingerprint.to_owned());
+        let t0 = Instant::now();
+        let mut manifest = tokio::task::spawn_blocking(move || {
+            engine.collect_artifacts(&wanted, &workspace, &id, &fp)
+        })
+        .await
+        .map_err(|e| internal(format!("Artifact collection panicked: {e}")))?
+        .map_err(|e| internal(format!("Artifact collection failed: {e}")))?;
+        debug!(ms = t0.elapsed().as_millis() as u64, "artifacts collected");
+        if let Some(cfg) = &self.config.artifacts.upload {
+            self.upload_artifacts(cfg, &mut manifest).await;
+        }
+        Ok(manifest)
+    }
+
+    /// Collects the requested files from the working directory into the store and returns the manifest.
+    fn collect_artifacts(
+        &self,
+        wanted: &protocol::ArtifactsRequest,
+        workspace: &std::path::Path,
+        exec_id: &str,
+        fingerprint: &str,
+    ) -> Result<serde_json::Value, String> {
+        let cfg = &self.config.artifacts;
+        let patterns = runtime::artifacts::Patterns::new(
+            &wanted.paths,
+            &wanted.types.clone().unwrap_or_default(),
+        )
+        .map_err(|e| e.to_string())?;
+        let limits = runtime::artifacts::Limits {
+            max_files: cfg.max_files,
+            max_file_bytes: cfg.max_file_bytes,
+            max_total_bytes: cfg.max_total_bytes,
+            max_listed_skips: 256,
+        };
+        let collection =
+            runtime::artifacts::collect(workspace, &patterns, limits).map_err(|e| e.to_string())?;
+        let _writing = self.store.writing();
+        let mut artifacts = Vec::new();
+        let mut skipped: Vec<serde_json::Value> = collection
+            .skipped
+            .iter()
+            .map(|s| serde_json::json!({"path": s.path, "reason": s.reason}))
+            .collect();
+        let mut staged = Vec::with_capacity(collection.found.len());
+        for mut f in collection.found {
+            let path = f.path.clone();
+            match self
+                .store
+                .stage(&mut f.file, f.size, |head| content_type(&path, head))
+            {
+                Ok(st) => staged.push((f.path, f.artifact_type, st)),
+                Err(e) => {
+                    warn!(path = %f.path, error = %e, "artifact not stored");
+                    skipped.push(serde_json::json!({"path": f.path, "reason": "unreadable"}));
+                }
+            }
+        }
+        let (meta, blobs): (Vec<_>, Vec<_>) =
+            staged.into_iter().map(|(p, t, s)| ((p, t), s)).unzip();
+        let stored = self
+            .store
+            .commit(blobs)
+            .map_err(|e| format!("cannot store artifacts: {e}"))?;
+        for ((path, artifact_type), st) in meta.into_iter().zip(stored) {
+            let mime = content_type(&path, &st.head);
+            let mut entry = serde_json::json!({
+                "type": artifact_type,
+                "path": path,
+                "ref": format!("artifact://sha256/{}", st.hex),
+                "checksum": format!("sha256:{}", st.hex),
+                "size_bytes": st.size,
+                "mime_type": mime,
+            });
+            if let Some(p) = preview(&st.head) {
+                entry["preview"] = p.into();
+            }
+            artifacts.push(entry);
+        }
+        let manifest_id = format!("am_{:x}{:08x}", unix_millis(), rand::random::<u32>());
+        let mut manifest = serde_json::json!({
+            "manifest_id": manifest_id,
+            "execution_id": exec_id,
+            "generated_at": protocol::now_ts(),
+            "environment_fingerprint": fingerprint,
+            "artifacts": artifacts,
+            "skipped": skipped,
+        });
+        let listed = manifest["skipped"]
+            .as_array()
+            .map(|a| a.len() as u64)
+            .unwrap_or(0);
+        let total_skipped: u64 = collection.skipped_counts.values().sum();
+        if total_skipped > listed || collection.walk_truncated {
+            manifest["dropped"] = serde_json::json!({
+                "by_reason": collection.skipped_counts,
+                "not_listed": total_skipped.saturating_sub(listed),
+                "walk_truncated": collection.walk_truncated,
+            });
+        }
+        self.store
+            .save_manifest(&manifest_id, &manifest)
+            .map_err(|e| format!("cannot save the manifest: {e}"))?;
+        Ok(manifest)
+    }
+
+    /// Uploads every artifact of a manifest eagerly; the returned URI replaces the ref, a failure is reported on the
+    /// artifact and the content stays in the local store. The manifest is saved again with the outcome.
+    async fn upload_artifacts(
+        &self,
+        cfg: &crate::upload::UploadConfig,
+        manifest: &mut serde_json::Value,
+    ) {
+        let mut failures = 0u64;
+        for a in manifest["artifacts"].as_array_mut().into_iter().flatten() {
+            let Some(hex) = a["checksum"]
+                .as_str()
+                .and_then(|c| c.strip_prefix("sha256:"))
+                .map(str::to_owned)
+            else {
+                continue;
+            };
+            let Some(blob) = self.store.blob(&hex) else {
+                continue;
+            };
+            let mime = a["mime_type"]
+                .as_str()
+                .unwrap_or("application/octet-stream")
+                .to_owned();
+            match crate::upload::upload(cfg, &blob, &hex, &mime).await {
+                Ok(uri) => {
+                    a["ref"] = uri.into();
+                    a["uploaded"] = true.into();
+                }
+                Err(e) => {
+                    failures += 1;
+                    a["upload_error"] = e.into();
+                }
+            }
+        }
+        if failures > 0 {
+            manifest["upload_failures"] = failures.into();
+        }
+        let (store, id, m) = (
+            self.store.clone(),
+            manifest["manifest_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            manifest.clone(),
+        );
+        let saved = tokio::task::spawn_blocking(move || store.save_manifest(&id, &m)).await;
+        if !matches!(saved, Ok(Ok(()))) {
+            warn!("the manifest could not be saved again after the upload");
+        }
+    }
+}
+
+fn unix_millis() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+/// The content type of an artifact: from its name, else text or binary by its first bytes.
+fn content_type(path: &str, head: &[u8]) -> String {
+    match mime_guess::from_path(path).first() {
+        Some(m) => m.essence_str().to_owned(),
+        None if preview(head).is_some() => "text/plain".into(),
+        None => "application/octet-stream".into(),
+    }
+}
+
+/// The first bytes as text, if they are text (valid UTF-8 up to a cut character, no NUL).
+fn preview(head: &[u8]) -> Option<String> {
+    if head.contains(&0) {
+        return None;
+    }
+    let valid = match std::str::from_utf8(head) {
+        Ok(s) => s,
+        Err(e) if e.error_len().is_none() => std::str::from_utf8(&head[..e.valid_up_to()]).ok()?,
+        Err(_) => return None,
+    };
+    Some(valid.to_owned())
+}

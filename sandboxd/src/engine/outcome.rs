@@ -1,0 +1,159 @@
+//! Why an execution ended: a pure function of what the daemon did (a kill and its reason), what the init reported
+//! about the program, and the cgroup's OOM-kill counter.
+
+use protocol::{ExecStatus, Reason};
+use runtime::init::ProgramExit;
+
+/// Why the daemon killed an execution (the first reason wins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KillReason {
+    /// Over `timeout_ms`.
+    Timeout,
+    /// Over `max_output_bytes`.
+    OutputLimit,
+    /// Cancelled by the client, the client went away, or the daemon shut down.
+    Cancelled,
+}
+
+/// How the program ended, as reported in the result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Exit code.
+    Code(i32),
+    /// Signal number.
+    Signal(i32),
+}
+
+/// The classification of a finished execution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// The result's `reason`.
+    pub reason: Reason,
+    /// Exit code or signal.
+    pub exit: Exit,
+    /// The terminal `status`.
+    pub status: ExecStatus,
+}
+
+/// Classifies an execution's end. `program` is `None` when the init died without reporting, which only `SIGKILL`
+/// (ours, or the OOM killer's) can cause; with no kill of ours and no OOM kill that is unexplained: `Err`.
+pub fn classify(
+    kill: Option<KillReason>,
+    program: Option<ProgramExit>,
+    oom_kills: u64,
+) -> Result<Outcome, String> {
+    let killed_by_kernel = matches!(program, Some(ProgramExit::Signal(9)) | None);
+    let reason = match kill {
+        Some(KillReason::Timeout) => Reason::Timeout,
+        Some(KillReason::OutputLimit) => Reason::OutputLimit,
+        Some(KillReason::Cancelled) => Reason::Cancelled,
+        None if oom_kills > 0 && killed_by_kernel => Reason::Oom,
+        None => match program {
+            Some(ProgramExit::Code(_)) => Reason::Exited,
+            Some(ProgramExit::Signal(_)) => Reason::Signaled,
+            None => return Err("the container's init ended without reporting the program".into()),
+        },
+    };
+    let exit = match (reason, program) {
+        (Reason::Exited, Some(ProgramExit::Code(c))) => Exit::Code(c),
+        (_, Some(ProgramExit::Signal(s))) => Exit::Signal(s),
+        (_, Some(ProgramExit::Code(c))) if kill.is_none() => Exit::Code(c),
+        _ => Exit::Signal(9),
+    };
+    let status = match (reason, exit) {
+        (Reason::Exited, Exit::Code(0)) => ExecStatus::Completed,
+        (Reason::Exited | Reason::Signaled | Reason::OutputLimit, _) => ExecStatus::Failed,
+        (Reason::Timeout, _) => ExecStatus::Timeout,
+        (Reason::Oom, _) => ExecStatus::Oom,
+        (Reason::Cancelled, _) => ExecStatus::Cancelled,
+    };
+    Ok(Outcome {
+        reason,
+        exit,
+        status,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(kill: Option<KillReason>, program: Option<ProgramExit>, oom: u64) -> Outcome {
+        classify(kill, program, oom).unwrap()
+    }
+
+    #[test]
+    fn exits_and_signals_of_the_program_itself() {
+        let o = ok(None, Some(ProgramExit::Code(0)), 0);
+        assert_eq!(
+            (o.reason, o.exit, o.status),
+            (Reason::Exited, Exit::Code(0), ExecStatus::Completed)
+        );
+        let o = ok(None, Some(ProgramExit::Code(3)), 0);
+        assert_eq!(
+            (o.reason, o.exit, o.status),
+            (Reason::Exited, Exit::Code(3), ExecStatus::Failed)
+        );
+        let o = ok(None, Some(ProgramExit::Signal(11)), 0);
+        assert_eq!(
+            (o.reason, o.exit, o.status),
+            (Reason::Signaled, Exit::Signal(11), ExecStatus::Failed)
+        );
+        // A SIGKILL with no OOM kill counted is the program's own doing (kill -9 $$).
+        let o = ok(None, Some(ProgramExit::Signal(9)), 0);
+        assert_eq!(o.reason, Reason::Signaled);
+    }
+
+    #[test]
+    fn oom_needs_a_kernel_kill_and_the_counter() {
+        for program in [Some(ProgramExit::Signal(9)), None] {
+            let o = ok(None, program, 1);
+            assert_eq!(
+                (o.reason, o.exit, o.status),
+                (Reason::Oom, Exit::Signal(9), ExecStatus::Oom)
+            );
+        }
+        // A child was OOM-killed but the program exited by itself: its own exit code stands.
+        let o = ok(None, Some(ProgramExit::Code(1)), 1);
+        assert_eq!((o.reason, o.exit), (Reason::Exited, Exit::Code(1)));
+    }
+
+    #[test]
+    fn our_kills_win_over_what_the_program_reports() {
+        for (kill, reason, status) in [
+            (KillReason::Timeout, Reason::Timeout, ExecStatus::Timeout),
+            (
+                KillReason::OutputLimit,
+                Reason::OutputLimit,
+                ExecStatus::Failed,
+            ),
+            (
+                KillReason::Cancelled,
+                Reason::Cancelled,
+                ExecStatus::Cancelled,
+            ),
+        ] {
+            for program in [
+                None,
+                Some(ProgramExit::Signal(9)),
+                Some(ProgramExit::Code(0)),
+            ] {
+                let o = ok(Some(kill), program, 1);
+                assert_eq!(
+                    (o.reason, o.status),
+                    (reason, status),
+                    "{kill:?} {program:?}"
+                );
+                assert_eq!(o.exit, Exit::Signal(9), "{kill:?} {program:?}");
+            }
+        }
+        // The program died of another signal before our kill landed: that signal is reported.
+        let o = ok(Some(KillReason::Timeout), Some(ProgramExit::Signal(15)), 0);
+        assert_eq!((o.reason, o.exit), (Reason::Timeout, Exit::Signal(15)));
+    }
+
+    #[test]
+    fn a_silent_init_without_any_kill_is_unexplained() {
+        assert!(classify(None, None, 0).is_err());
+    }
+}
