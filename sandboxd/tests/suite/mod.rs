@@ -20,4 +20,5 @@ mod isolation;
 mod lifecycle;
 mod limits;
 mod output;
+mod pool;
 mod requests;
