@@ -2,7 +2,8 @@
 //!
 //! A program running as pid 1 of a pid namespace ignores every signal it has no handler for, even from itself
 //! (`os.kill(os.getpid(), SIGKILL)` would do nothing), and nobody reaps its orphans. So the container's init stays
-//! a small reaper: it waits for the launch message ([`crate::launch`]: the program, its environment and its stdio),
+//! a small reaper: it drops the last privileges (capabilities checked empty, landlock, seccomp: the program inherits
+//! them), waits for the launch message ([`crate::launch`]: the program, its environment and its stdio),
 //! forks, the child applies the last restrictions and `execve`s the program, and the parent reaps everything until
 //! the program itself ends, passing `SIGTERM`, `SIGINT` and `SIGHUP` from outside the container on to it. Then it writes how the program ended
 //! (exit code or signal) to a status pipe the daemon holds the other end of, and exits; the kernel then kills
@@ -66,6 +67,9 @@ pub struct Report {
     pub setup_error: Option<String>,
     /// How the program ended.
     pub exit: Option<ProgramExit>,
+    /// Timing marks (name, `CLOCK_MONOTONIC` ns): `received` (launch read), `exec` (right before `execve`),
+    /// `reaped` (the program ended).
+    pub marks: Vec<(String, u64)>,
 }
 
 impl Report {
@@ -75,6 +79,11 @@ impl Report {
         for line in text.lines() {
             if let Some(msg) = line.strip_prefix("setup ") {
                 r.setup_error.get_or_insert_with(|| msg.to_owned());
+            } else if let Some((name, ns)) = line.strip_prefix("t ").and_then(|m| m.split_once(' '))
+            {
+                if let Ok(ns) = ns.parse() {
+                    r.marks.push((name.to_owned(), ns));
+                }
             } else if let Some(e) = ProgramExit::decode(line) {
                 r.exit = Some(e);
             }
@@ -147,6 +156,22 @@ impl Executor for InitExecutor {
             unsafe { sigaction(sig, &handler) }.map_err(other)?;
         }
 
+        // Fail closed, and before anything is launched: no capabilities, then landlock, then seccomp (landlock needs
+        // syscalls the filter refuses). The init confines itself, so the program it forks inherits all three and
+        // the launch costs only a fork and an exec; the init needs nothing the program may not do (receive, fork,
+        // wait, write, kill its child, exit). A failure is reported on the status pipe and ends the init: the
+        // daemon finds the launch channel closed and reads why.
+        if let Err(e) = crate::caps::ensure_none()
+            .and_then(|()| self.landlock.restrict_self())
+            .and_then(|()| self.seccomp.install())
+        {
+            let line = format!("setup {}\n", e.to_string().replace('\n', " "));
+            // SAFETY: `status_fd` is open (kept above) and owned by no Rust object here.
+            let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
+            let _ = nix::unistd::write(status, line.as_bytes());
+            // SAFETY: end the init without unwinding into libcontainer, which expects no return.
+            unsafe { libc::_exit(SETUP_FAILED) }
+        }
         // SAFETY: `launch_fd` is inherited from the helper and owned by nothing else in this process.
         let launch_sock = unsafe { OwnedFd::from_raw_fd(launch_fd) };
         let (launch, stdio) = match crate::launch::recv(launch_sock.as_fd()) {
@@ -164,6 +189,8 @@ impl Executor for InitExecutor {
             }
         };
         drop(launch_sock);
+        // SAFETY: `status_fd` is open (kept above) and owned by no Rust object here.
+        mark(unsafe { BorrowedFd::borrow_raw(status_fd) }, "received");
         let args = to_cstrings(&launch.args)?;
         let env = to_cstrings(&launch.env)?;
         let program = args.first().cloned().ok_or(ExecutorError::InvalidArg)?;
@@ -205,13 +232,11 @@ impl Executor for InitExecutor {
                         };
                     }
                 }
-                // Fail closed: no capabilities, then landlock, then seccomp (landlock needs syscalls the filter refuses).
-                if let Err(e) = crate::caps::ensure_none()
-                    .and_then(|()| self.landlock.restrict_self())
-                    .and_then(|()| self.seccomp.install())
-                {
+                // Inherited from the init, checked again where it matters: no capabilities at exec.
+                if let Err(e) = crate::caps::ensure_none() {
                     fail(e.to_string());
                 }
+                mark(status, "exec");
                 let err = nix::unistd::execve(&program, &args, &env).err();
                 let msg = format!(
                     "sandboxd: cannot execute {}: {}\n",
@@ -233,12 +258,26 @@ impl Executor for InitExecutor {
                 // SAFETY: `status_fd` is the status pipe's write end, kept open above; it is not owned by any Rust
                 // object in this process, so wrapping it for the duration of one write is sound.
                 let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
+                mark(status, "reaped");
                 let _ = nix::unistd::write(status, record.as_bytes());
                 // SAFETY: as above, end the init without unwinding into libcontainer, which expects no return.
                 unsafe { libc::_exit(0) }
             }
         }
     }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds (the same clock in every pid namespace: sandboxd creates no time namespace).
+pub fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
+}
+
+/// Writes a timing mark (`t <name> <monotonic ns>`) on the status pipe: where the time between launch and exit
+/// goes, for the daemon's debug log. [`Report::decode`] collects them.
+fn mark(status: BorrowedFd<'_>, name: &str) {
+    let _ = nix::unistd::write(status, format!("t {name} {}\n", monotonic_ns()).as_bytes());
 }
 
 /// Reaps every child until `program` ends; returns how it ended.
@@ -286,14 +325,16 @@ mod tests {
 
     #[test]
     fn a_setup_failure_wins_over_the_exit_record() {
-        let r = Report::decode("setup landlock: not enforced\nexit 125\n");
+        let r = Report::decode("setup landlock: not enforced\nt exec 12\nexit 125\n");
+        assert_eq!(r.marks, vec![("exec".to_owned(), 12)]);
         assert_eq!(r.setup_error.as_deref(), Some("landlock: not enforced"));
         assert_eq!(r.exit, Some(ProgramExit::Code(125)));
         assert_eq!(
             Report::decode("signal 9\n"),
             Report {
                 setup_error: None,
-                exit: Some(ProgramExit::Signal(9))
+                exit: Some(ProgramExit::Signal(9)),
+                marks: Vec::new(),
             }
         );
     }

@@ -429,16 +429,23 @@ impl Pool {
     ) -> Result<Container, runtime::Error> {
         if self.size > 0 && limits.disk_mb == POOL_DISK_MB {
             let taken = self.lock().get_mut(&lang).and_then(VecDeque::pop_front);
-            if let Some(wake) = self.wake.get(&lang) {
-                wake.notify_one();
-            }
             if let Some(c) = taken {
+                // The replacement is created once this execution is over ([`Self::replenish`]): creating it now
+                // would take CPU from the program that is about to run.
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 return Ok(c);
             }
+            self.replenish(lang);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         self.factory.create(rt, limits.disk_mb, limits).await
+    }
+
+    /// Lets the language's refill task top the pool up (after an execution that took a ready container ended).
+    pub fn replenish(&self, lang: Language) {
+        if let Some(wake) = self.wake.get(&lang) {
+            wake.notify_one();
+        }
     }
 
     /// Stops refilling and removes every ready container.

@@ -15,7 +15,7 @@ pub mod outcome;
 mod streams;
 
 use std::collections::{BTreeMap, VecDeque};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -229,6 +229,7 @@ impl Engine {
         }
         debug!(id = %req.id, "execution finished");
         drop(slot);
+        self.pool.replenish(req.language);
     }
 
     /// The body of an execution: the final messages (terminal status and result) or the error to send, and the
@@ -301,7 +302,7 @@ impl Engine {
         lang: &LanguageRuntime,
         files: Vec<InputFile>,
         container: &Container,
-    ) -> Result<(OwnedFd, OwnedFd), ErrorMessage> {
+    ) -> Result<(OwnedFd, OwnedFd, u64), ErrorMessage> {
         let id = req.id.as_str();
         let internal = |m: String| ErrorMessage::internal(id, m);
         let cgroup_limits = CgroupLimits {
@@ -313,12 +314,14 @@ impl Engine {
         let file_name = lang.file_name;
         let inputs = container.scratch.inputs();
         let (cgroups, cid) = (self.cgroups.clone(), container.cid.clone());
+        let t0 = Instant::now();
         let written = tokio::task::spawn_blocking(move || {
             cgroups.set_limits(&cid, &cgroup_limits)?;
             inputs.write(file_name, &code, &files)
         })
         .await
         .map_err(|e| internal(format!("Preparation panicked: {e}")))?;
+        let inputs_done = t0.elapsed();
         match written {
             Ok(()) => {}
             Err(runtime::Error::InputFile { path, reason }) => {
@@ -344,15 +347,28 @@ impl Engine {
             args: command(lang),
             env: environment(lang, req),
         };
+        let sent_ns = runtime::init::monotonic_ns();
         runtime::launch::send(
             container.created.launch.as_fd(),
             &launch,
             [stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()],
         )
-        .map_err(|e| internal(format!("Cannot launch the program: {e}")))?;
+        .map_err(|e| match setup_error(&container.created.status) {
+            // The init refused to run anything: a restriction could not be applied (fail closed).
+            Some(setup) => {
+                error!(error = %setup, "sandbox setup failed; the program did not run");
+                internal(format!("Sandbox setup failed: {setup}"))
+            }
+            None => internal(format!("Cannot launch the program: {e}")),
+        })?;
         // The init holds its own copies now; ours would keep the pipes from ever closing.
         drop((stdin, stdout_w, stderr_w));
-        Ok((stdout_r, stderr_r))
+        debug!(
+            inputs_us = inputs_done.as_micros() as u64,
+            sent_us = t0.elapsed().as_micros() as u64,
+            "launch timings"
+        );
+        Ok((stdout_r, stderr_r, sent_ns))
     }
 
     /// From launch to the end: output, timeout, cancel, disconnect, shutdown; then the outcome and the result.
@@ -363,7 +379,7 @@ impl Engine {
         limits: &Limits,
         lang: &LanguageRuntime,
         container: &Container,
-        (stdout_r, stderr_r): (OwnedFd, OwnedFd),
+        (stdout_r, stderr_r, sent_ns): (OwnedFd, OwnedFd, u64),
         out: &mpsc::Sender<ServerMessage>,
         mut control: watch::Receiver<Control>,
     ) -> Result<Vec<ServerMessage>, ErrorMessage> {
@@ -377,7 +393,7 @@ impl Engine {
                 status: ExecStatus::Running,
             })
             .await;
-        let mut status_rx = watch_status(&container.created.status)
+        let mut status_rx = watch_end(&container.created.pidfd, &container.created.status)
             .map_err(|e| internal(format!("Cannot watch the container: {e}")))?;
         let pidfd = container.created.pidfd.as_fd();
         let kill = || {
@@ -392,7 +408,7 @@ impl Engine {
         let deadline = tokio::time::sleep(Duration::from_millis(limits.timeout_ms));
         tokio::pin!(deadline);
         let mut kill_reason: Option<KillReason> = None;
-        let mut exited: Option<(String, Duration)> = None;
+        let mut exited: Option<(String, Duration, u64)> = None;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         let mut pending: VecDeque<ServerMessage> = VecDeque::new();
         let mut client_gone = false;
@@ -407,8 +423,8 @@ impl Engine {
             tokio::select! {
                 biased;
                 record = &mut status_rx, if exited.is_none() => {
-                    let record = record.unwrap_or_default();
-                    exited = Some((record, started.elapsed()));
+                    let (record, eof_ns) = record.unwrap_or_default();
+                    exited = Some((record, started.elapsed(), eof_ns));
                     drain_deadline = Some(tokio::time::Instant::now() + DRAIN_AFTER_EXIT);
                 },
                 permit = out.reserve(), if !pending.is_empty() && !client_gone => match permit {
@@ -450,15 +466,23 @@ impl Engine {
                 kill();
             }
         }
+        let drained = started.elapsed();
         if shut_down {
             return Err(internal(
                 "The daemon shut down before the execution finished".into(),
             ));
         }
-        let Some((record, wall)) = exited else {
+        let Some((record, wall, eof_ns)) = exited else {
             return Err(internal("No exit record".into()));
         };
         let report = Report::decode(&record);
+        let since_launch: Vec<String> = report
+            .marks
+            .iter()
+            .chain(std::iter::once(&("ended".to_owned(), eof_ns)))
+            .map(|(name, ns)| format!("{name}={}", ns.saturating_sub(sent_ns) / 1000))
+            .collect();
+        debug!(marks_us = %since_launch.join(","), "container timing marks");
         if let Some(e) = report.setup_error {
             error!(error = %e, "sandbox setup failed; the program did not run");
             return Err(internal(format!("Sandbox setup failed: {e}")));
@@ -517,6 +541,12 @@ impl Engine {
         res.environment_fingerprint = Some(fingerprint);
         res.environment = Some(Box::new(environment));
         messages.push(ServerMessage::Result(res));
+        debug!(
+            exit_us = wall.as_micros() as u64,
+            drained_us = drained.as_micros() as u64,
+            result_us = started.elapsed().as_micros() as u64,
+            "supervision timings"
+        );
         Ok(messages)
     }
 }
@@ -567,20 +597,50 @@ fn decode_files(req: &ExecuteRequest) -> Result<Vec<InputFile>, ErrorMessage> {
         .collect()
 }
 
-/// Reads the init's status pipe to its end (the init is gone then) in a task of its own; the receiver gets the
-/// record (empty when the init died without writing).
-fn watch_status(status: &OwnedFd) -> std::io::Result<oneshot::Receiver<String>> {
-    let fd = status.try_clone()?;
-    let mut pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(fd)?;
+/// Waits in a task of its own until the container's init has ended, then reads its status pipe. The end is the
+/// pidfd turning readable, which the kernel signals only once the init is a zombie, that is after every other
+/// process of its pid namespace is gone too: when the result is computed (usage, artifacts), nothing of the
+/// program can still run or write. The receiver gets the record (empty when the init died without writing) and
+/// the `CLOCK_MONOTONIC` time of the end.
+fn watch_end(
+    pidfd: &OwnedFd,
+    status: &OwnedFd,
+) -> std::io::Result<oneshot::Receiver<(String, u64)>> {
+    let pidfd = pidfd.try_clone()?;
+    // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its whole lifetime.
+    let pidfd = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+    }?;
+    let mut pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(status.try_clone()?)?;
     let (tx, rx) = oneshot::channel();
     tokio::spawn(async move {
+        let ended = match pidfd.readable().await {
+            Ok(_) => runtime::init::monotonic_ns(),
+            Err(e) => {
+                warn!(error = %e, "waiting on the container's pidfd failed");
+                runtime::init::monotonic_ns()
+            }
+        };
         let mut record = Vec::new();
         if let Err(e) = pipe.read_to_end(&mut record).await {
             warn!(error = %e, "reading the container's status pipe failed");
         }
-        let _ = tx.send(String::from_utf8_lossy(&record).into_owned());
+        let _ = tx.send((String::from_utf8_lossy(&record).into_owned(), ended));
     });
     Ok(rx)
+}
+
+/// What an init that is gone before its launch wrote on its status pipe, if it failed to set up (read without
+/// blocking: a live init has written nothing).
+fn setup_error(status: &OwnedFd) -> Option<String> {
+    use std::io::Read;
+    let fd = status.try_clone().ok()?;
+    let flags = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL).ok()?;
+    let flags = nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+    nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(flags)).ok()?;
+    let mut record = String::new();
+    let _ = std::fs::File::from(fd).read_to_string(&mut record);
+    Report::decode(&record).setup_error
 }
 
 /// The terminal status and result of an execution cancelled before its program started.
