@@ -102,10 +102,13 @@ impl Daemon {
         (n("ready"), n("hits"), n("misses"))
     }
 
-    /// Waits until the pool holds `ready` containers again (after a burst drained it).
-    fn wait_refilled(&self, ready: u64) {
+    /// Waits until the pool is full again (after a burst drained it).
+    fn wait_refilled(&self) {
+        let h = self.healthz().unwrap();
+        let full = h["pool"]["per_language"].as_u64().unwrap_or(0)
+            * h["languages"].as_array().map_or(0, |l| l.len() as u64);
         let deadline = Instant::now() + Duration::from_secs(60);
-        while self.pool().0 < ready && Instant::now() < deadline {
+        while self.pool().0 < full && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -624,7 +627,7 @@ fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &
         "in flight", "warm exec/s", "cold exec/s", "bare exec/s", "warm / bare", "hits/misses"
     );
     for conc in [1usize, 4, 16] {
-        warm.wait_refilled(16 * 3);
+        warm.wait_refilled();
         let (_, h0, m0) = warm.pool();
         let w = run_throughput(rt, warm.port, conc, "w");
         let (_, h1, m1) = warm.pool();

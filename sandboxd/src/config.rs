@@ -70,15 +70,15 @@ pub struct Config {
     pub pool: PoolConfig,
 }
 
-/// The most languages a daemon serves (python, javascript, shell, elixir): bounds the pool's uid needs.
+/// The most languages a daemon serves (python, javascript, shell, elixir): bounds the pool's rounding.
 const MAX_LANGUAGES: usize = 4;
 
 /// `pool:`
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
-    /// Containers kept ready per language. `None`: `capacity.max_concurrent`; 0: no pool (every execution
-    /// creates its container when it starts).
+    /// Containers kept ready in all, split evenly over the languages (rounded up). `None`:
+    /// `capacity.max_concurrent`; 0: no pool (every execution creates its container when it starts).
     pub size: Option<usize>,
     /// Helper processes that create and remove containers in parallel. `None`: one per CPU, at most 8.
     pub helpers: Option<usize>,
@@ -95,15 +95,21 @@ impl Config {
         })
     }
 
-    /// The pool size per language in force.
+    /// The pool size (all languages) in force.
     pub fn pool_size(&self) -> usize {
         self.pool.size.unwrap_or(self.capacity.max_concurrent)
     }
 
     /// How many host uids (from `sandbox.uid_base`) containers use: one per container that may exist at once,
-    /// running (`max_concurrent`), being removed (as many again) or ready in the pool (per language).
+    /// running (`max_concurrent`), being removed (as many again) or ready in the pool (its size, plus the
+    /// rounding up per language).
     pub fn uid_count(&self) -> usize {
-        2 * self.capacity.max_concurrent + MAX_LANGUAGES * self.pool_size()
+        let rounding = if self.pool_size() > 0 {
+            MAX_LANGUAGES
+        } else {
+            0
+        };
+        2 * self.capacity.max_concurrent + self.pool_size() + rounding
     }
 }
 
@@ -418,7 +424,7 @@ impl Config {
             return Err(ConfigError::Value {
                 key: "sandbox.uid_base",
                 reason: format!(
-                    "must be a non-zero uid with room for {} uids (2 x max_concurrent + 4 x pool size)",
+                    "must be a non-zero uid with room for {} uids (2 x max_concurrent + pool size + 4)",
                     self.uid_count()
                 ),
             });

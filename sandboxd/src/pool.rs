@@ -3,7 +3,7 @@
 //! A container here is a scratch space (tmpfs, overlay root on an OCI image), an OCI bundle and a created and
 //! started container whose init waits on its launch channel ([`runtime::launch`]). Creating one (about 5 ms of
 //! libcontainer work in the helper process) is most of an execution's cost, so the pool keeps `pool.size`
-//! containers per language ready, created in the background by one refill task per language. An execution takes a
+//! containers ready, split evenly over the languages, created in the background by one refill task per language. An execution takes a
 //! ready container when one of its class is there (language and `disk_mb`, which fixes the tmpfs, `/dev/shm` and
 //! `RLIMIT_FSIZE` sizes); its memory, pids and cpu limits are written into the container's cgroup before launch.
 //! Otherwise it creates one on the spot (the cold path), the same way.
@@ -320,6 +320,7 @@ impl Factory {
 /// The pool: ready containers per language, each language with a refill task.
 pub struct Pool {
     factory: Arc<Factory>,
+    /// Ready containers per language.
     size: usize,
     ready: Mutex<HashMap<Language, VecDeque<Container>>>,
     wake: HashMap<Language, Arc<Notify>>,
@@ -366,11 +367,11 @@ impl Pool {
         self.lock().values().map(VecDeque::len).sum()
     }
 
-    /// For `/healthz`: size per language, ready containers, executions that took a ready one (hits) and that
+    /// For `/healthz`: size per language (`per_language`), ready containers, executions that took a ready one (hits) and that
     /// created their own (misses).
     pub fn status(&self) -> serde_json::Value {
         serde_json::json!({
-            "size": self.size,
+            "per_language": self.size,
             "ready": self.ready(),
             "hits": self.hits.load(Ordering::Relaxed),
             "misses": self.misses.load(Ordering::Relaxed),

@@ -324,7 +324,7 @@ pub struct DaemonOpts {
     pub state_dir: Option<PathBuf>,
     /// Merged into the config last (e.g. `images`, `languages`).
     pub extra_config: Option<Value>,
-    /// `pool.size`: containers kept ready per language (the suite runs with a small warm pool).
+    /// `pool.size`: containers kept ready, split over the languages (the suite runs with a small warm pool).
     pub pool_size: usize,
 }
 
@@ -443,7 +443,7 @@ impl Daemon {
         // A distinct uid range per daemon, also across concurrently running test processes.
         let uid_base = 1_000_000 + (pid % 20_000) * 8192 + (n % 128) * 64;
         assert!(
-            2 * opts.max_concurrent + 4 * opts.pool_size <= 64,
+            2 * opts.max_concurrent + opts.pool_size + 4 <= 64,
             "uid ranges are 64 wide"
         );
         let token = format!("test-token-{pid}-{n}-{:016x}", rand::random::<u64>());
@@ -595,9 +595,10 @@ impl Daemon {
     }
 
     /// The uids container root maps to: one per container that may exist at once (running, being removed, or
-    /// ready in the pool), `uid_base .. uid_base + 2 x max_concurrent + 4 x pool size`.
+    /// ready in the pool), `uid_base .. uid_base + 2 x max_concurrent + pool size + 4`.
     pub fn uid_range(&self) -> std::ops::Range<u32> {
-        self.uid_base..self.uid_base + (2 * self.max_concurrent + 4 * self.pool_size) as u32
+        let rounding = if self.pool_size > 0 { 4 } else { 0 };
+        self.uid_base..self.uid_base + (2 * self.max_concurrent + self.pool_size + rounding) as u32
     }
 
     /// `Ok` once nothing of any execution is left: the only containers are the pool's ready ones, the pool is
@@ -607,7 +608,7 @@ impl Daemon {
         let (_, h) = self.healthz().await;
         let languages = h["languages"].as_array().map_or(0, Vec::len);
         let ready = h["pool"]["ready"].as_u64().unwrap_or(u64::MAX) as usize;
-        let full = self.pool_size * languages;
+        let full = self.pool_size.div_ceil(languages.max(1)) * languages;
         let procs = processes_with_uid(self.uid_range());
         let cgroups = self.cgroup_leftovers();
         let leaves: std::collections::BTreeSet<_> =

@@ -21,7 +21,8 @@ async fn pool(d: &Daemon) -> (u64, u64, u64) {
 /// Waits until every language's pool is full again.
 async fn wait_full(d: &Daemon) {
     let (_, h) = d.healthz().await;
-    let full = (d.pool_size * h["languages"].as_array().map_or(0, Vec::len)) as u64;
+    let languages = h["languages"].as_array().map_or(0, Vec::len).max(1);
+    let full = (d.pool_size.div_ceil(languages) * languages) as u64;
     wait_until("the pool to be full", Duration::from_secs(20), || async {
         let (ready, _, _) = pool(d).await;
         if ready == full {
@@ -38,8 +39,9 @@ async fn executions_take_ready_containers_and_the_pool_refills() {
     let Some(_g) = privileged("executions_take_ready_containers_and_the_pool_refills").await else {
         return;
     };
+    // Two ready containers per language (three languages on the host image).
     let d = Daemon::start(DaemonOpts {
-        pool_size: 2,
+        pool_size: 6,
         ..DaemonOpts::default()
     })
     .await;
