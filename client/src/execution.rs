@@ -400,6 +400,8 @@ mod tests {
             artifacts: None,
             environment_fingerprint: None,
             environment: None,
+            tool_calls: None,
+            return_value: None,
         }
     }
 

@@ -458,6 +458,7 @@ async fn connection(shared: Arc<Shared>, stream: TcpStream) {
                     None => reply(RequestError::unknown_execution(&c.id).into()),
                 }
             }
+            Ok(ClientMessage::ToolResult(_)) => {}
             Ok(ClientMessage::Execute(req)) => {
                 if let Some(e) = admit_request(&shared, &registry, &req) {
                     reply(e);
@@ -684,6 +685,8 @@ impl Execution {
             artifacts: None,
             environment_fingerprint: None,
             environment: None,
+            tool_calls: None,
+            return_value: None,
         }
     }
 

@@ -65,6 +65,8 @@ pub struct Config {
     /// Which image and interpreter each language uses. Absent: every language the host image can run, with the
     /// interpreter found there. Present: exactly the languages listed.
     pub languages: Option<BTreeMap<Language, LanguageConfig>>,
+    /// The `tool_calls` extension: per-call timeout maximum and per-execution bounds of the tool socket.
+    pub tools: crate::tools::ToolsConfig,
 }
 
 /// `images.<name>:`
@@ -244,6 +246,7 @@ impl Default for Config {
             artifacts: ArtifactsConfig::default(),
             images: BTreeMap::new(),
             languages: None,
+            tools: crate::tools::ToolsConfig::default(),
         }
     }
 }
@@ -348,6 +351,10 @@ impl Config {
         positive("limits.max.max_output_bytes", m.max_output_bytes)?;
         positive("limits.max.pids_max", m.pids_max)?;
         positive("limits.max.disk_mb", m.disk_mb)?;
+        positive("tools.max_call_timeout_ms", self.tools.max_call_timeout_ms)?;
+        positive("tools.max_connections", self.tools.max_connections as u64)?;
+        positive("tools.max_calls", self.tools.max_calls)?;
+        positive("tools.max_line_bytes", self.tools.max_line_bytes as u64)?;
         if m.cpu_shares < 2 {
             return Err(ConfigError::Value {
                 key: "limits.max.cpu_shares",

@@ -121,7 +121,12 @@ impl Engine {
 
     /// Protocol extensions this server implements.
     pub fn extensions(&self) -> Vec<String> {
-        vec!["files".into(), "base64_output".into(), "artifacts".into()]
+        vec![
+            "files".into(),
+            "base64_output".into(),
+            "artifacts".into(),
+            "tool_calls".into(), // tool_calls hook: the extension of crate::tools
+        ]
     }
 
     /// The `pong` for a `ping`.
@@ -225,9 +230,10 @@ impl Engine {
         let id = req.id.clone();
         let host_id = self.config.sandbox.uid_base + slot.index() as u32;
         let mut events = self.helper.subscribe(&cid);
+        let tool_inbox = registration.tool_inbox(); // tool_calls hook
         let outcome = self
             .clone()
-            .execute(&req, &limits, &cid, host_id, &mut events, &out, control)
+            .execute(&req, &limits, &cid, host_id, &mut events, &out, control, tool_inbox)
             .await;
         registration.release();
         let mut scratch = match outcome {
@@ -273,6 +279,7 @@ impl Engine {
         events: &mut mpsc::UnboundedReceiver<Event>,
         out: &mpsc::Sender<ServerMessage>,
         mut control: watch::Receiver<Control>,
+        tool_inbox: crate::tools::Inbox, // tool_calls hook
     ) -> Result<(Option<Prepared>, Vec<ServerMessage>), (Option<Prepared>, ErrorMessage)> {
         let id = req.id.as_str();
         let internal = |m: String| ErrorMessage::internal(id, m);
@@ -312,6 +319,21 @@ impl Engine {
             }
             Err(e) => return Err((None, internal(format!("Cannot prepare the sandbox: {e}")))),
         };
+        // --- tool_calls hook: the broker serves /sandbox/tools.sock until this function returns (Drop). ---
+        let tools = match crate::tools::Broker::start(
+            req,
+            &prepared.scratch.dir().join("code"),
+            host_id,
+            req.resolve_tool_timeout(self.config.tools.max_call_timeout_ms)
+                .unwrap_or(protocol::DEFAULT_TOOL_TIMEOUT_MS),
+            &self.config.tools,
+            out.clone(),
+            tool_inbox,
+        ) {
+            Ok(b) => b,
+            Err(e) => return Err((Some(prepared), internal(format!("{e}: {:?}", std::error::Error::source(&e))))),
+        };
+        // --- end tool_calls hook ---
 
         // Stdio: stdin is a memfd holding the whole input (read to EOF, never blocks the daemon); stdout and
         // stderr are pipes the daemon reads.
@@ -635,6 +657,11 @@ impl Engine {
         res.artifacts = artifacts;
         res.environment_fingerprint = Some(fingerprint);
         res.environment = Some(Box::new(environment));
+        if let Some(b) = &tools {
+            // tool_calls hook: the count and the return value
+            res.tool_calls = Some(b.calls());
+            res.return_value = b.return_value();
+        }
         messages.push(ServerMessage::Result(res));
         Ok((Some(prepared), messages))
     }
@@ -835,6 +862,7 @@ impl Engine {
         binds.extend(scratch.binds());
         let mut args = lang.command.clone();
         args.push(format!("{CODE_DIR}/{}", lang.file_name));
+        crate::tools::adjust_command(req, &mut args, &mut env); // tool_calls hook
         let plan = ContainerPlan {
             rootfs,
             readonly_root,
@@ -911,6 +939,8 @@ fn result(
         artifacts: None,
         environment_fingerprint: None,
         environment: None,
+        tool_calls: None,
+        return_value: None,
     }
 }
 

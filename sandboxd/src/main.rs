@@ -12,6 +12,7 @@ mod images;
 mod images_cli;
 mod server;
 mod store;
+mod tools;
 mod upload;
 
 use std::io::Write;
