@@ -21,3 +21,4 @@ mod lifecycle;
 mod limits;
 mod output;
 mod requests;
+mod tools;
