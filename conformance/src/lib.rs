@@ -15,6 +15,7 @@ pub mod cases;
 pub mod client;
 pub mod ctx;
 pub mod fixture;
+mod fixture_tools;
 pub mod framework;
 pub mod msgs;
 pub mod probe;
