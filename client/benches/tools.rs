@@ -84,7 +84,10 @@ async fn baseline(dir: &std::path::Path) -> Vec<f64> {
         while let Ok(Some(l)) = lines.next_line().await {
             let req: Value = serde_json::from_str(&l).unwrap();
             let reply = serde_json::json!({"ok": true, "result": req["args"]});
-            write.write_all(format!("{reply}\n").as_bytes()).await.unwrap();
+            write
+                .write_all(format!("{reply}\n").as_bytes())
+                .await
+                .unwrap();
         }
     });
     let code = program(sock.to_str().unwrap()).replace("\ntimes\n", "\nprint(json.dumps(times))\n");
@@ -132,10 +135,16 @@ async fn run() {
     println!("{CALLS} sequential tool calls per execution, {ROUNDS} rounds interleaved:");
     for round in 1..=ROUNDS {
         let (s, took) = sandboxed(&conn).await;
-        line(&format!("round {round}: sandbox → daemon → client"), s.clone());
+        line(
+            &format!("round {round}: sandbox → daemon → client"),
+            s.clone(),
+        );
         println!("{:<40} execution {} ms", "", took.as_millis());
         let b = baseline(dir.path()).await;
-        line(&format!("round {round}: baseline plain unix socket"), b.clone());
+        line(
+            &format!("round {round}: baseline plain unix socket"),
+            b.clone(),
+        );
         all_sandbox.extend(s);
         all_base.extend(b);
     }

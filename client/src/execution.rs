@@ -157,7 +157,10 @@ impl Execution {
     /// `tool_calls`) with `handler`: `Ok(value)` becomes `tool_result` `ok: true` with `result: value`, `Err(message)`
     /// `ok: false` with `error: message`. Handlers run concurrently with each other and with the stream (each call
     /// is a future polled here, no task is spawned); those still running when the execution ends are dropped.
-    pub async fn result_with_tools<H, F>(mut self, mut handler: H) -> Result<ExecutionResult, ClientError>
+    pub async fn result_with_tools<H, F>(
+        mut self,
+        mut handler: H,
+    ) -> Result<ExecutionResult, ClientError>
     where
         H: FnMut(protocol::ToolCall) -> F,
         F: Future<Output = crate::tools::ToolOutcome>,

@@ -72,9 +72,9 @@ pub use protocol::{
     ExecStatus, ExecuteRequest, Language, Limits, Pong, Reason, RequestedLimits, ServerEnvelope,
     ServerMessage, ToolCall, ToolResult, ToolSpec,
 };
-pub use tools::{CommandTool, ToolOutcome};
 /// The rustls this crate is built with, to build a [`rustls::ClientConfig`] for [`ConnectOptions::tls_config`].
 pub use rustls;
+pub use tools::{CommandTool, ToolOutcome};
 
 /// A fresh execution id: `exec-` and 20 random hex digits (ids only need to be unique per connection; random ones
 /// are unique across connections too, which keeps logs readable).

@@ -77,7 +77,9 @@ impl Broker {
         let tools: Vec<Value> = req
             .tools
             .iter()
-            .map(|t| json!({"name": t.name, "description": t.description, "params": t.parameters()}))
+            .map(
+                |t| json!({"name": t.name, "description": t.description, "params": t.parameters()}),
+            )
             .collect();
         std::fs::create_dir_all(dir)?;
         std::fs::write(

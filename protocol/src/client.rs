@@ -531,12 +531,13 @@ fn parse_tool_result(
     id: String,
     ts: String,
 ) -> Result<ToolResult, RequestError> {
-    let body: ToolResultBody = serde_path_to_error::deserialize(Value::Object(body)).map_err(|e| {
-        RequestError::invalid(
-            Some(id.clone()),
-            describe_body_error(&e).replace("Invalid execute", "Invalid tool_result"),
-        )
-    })?;
+    let body: ToolResultBody =
+        serde_path_to_error::deserialize(Value::Object(body)).map_err(|e| {
+            RequestError::invalid(
+                Some(id.clone()),
+                describe_body_error(&e).replace("Invalid execute", "Invalid tool_result"),
+            )
+        })?;
     let result = ToolResult {
         id,
         ts,

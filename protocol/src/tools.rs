@@ -25,16 +25,84 @@ pub const DEFAULT_TOOL_TIMEOUT_MS: u64 = 30_000;
 /// SDK (the SDKs define a function per tool).
 const RESERVED_NAMES: &[&str] = &[
     // the SDK
-    "call", "ToolError", "Result",
+    "call",
+    "ToolError",
+    "Result",
     // python keywords and soft keywords
-    "False", "None", "True", "and", "as", "assert", "async", "await", "break", "class", "continue", "def", "del",
-    "elif", "else", "except", "finally", "for", "from", "global", "if", "import", "in", "is", "lambda", "nonlocal",
-    "not", "or", "pass", "raise", "return", "try", "while", "with", "yield", "match", "case", "type",
+    "False",
+    "None",
+    "True",
+    "and",
+    "as",
+    "assert",
+    "async",
+    "await",
+    "break",
+    "class",
+    "continue",
+    "def",
+    "del",
+    "elif",
+    "else",
+    "except",
+    "finally",
+    "for",
+    "from",
+    "global",
+    "if",
+    "import",
+    "in",
+    "is",
+    "lambda",
+    "nonlocal",
+    "not",
+    "or",
+    "pass",
+    "raise",
+    "return",
+    "try",
+    "while",
+    "with",
+    "yield",
+    "match",
+    "case",
+    "type",
     // javascript reserved words
-    "arguments", "catch", "const", "debugger", "default", "delete", "do", "enum", "eval", "export",
-    "extends", "false", "function", "implements", "instanceof", "interface", "let", "new", "null", "package",
-    "private", "protected", "public", "static", "super", "switch", "this", "throw", "true", "typeof", "var",
-    "void", "require", "module", "exports",
+    "arguments",
+    "catch",
+    "const",
+    "debugger",
+    "default",
+    "delete",
+    "do",
+    "enum",
+    "eval",
+    "export",
+    "extends",
+    "false",
+    "function",
+    "implements",
+    "instanceof",
+    "interface",
+    "let",
+    "new",
+    "null",
+    "package",
+    "private",
+    "protected",
+    "public",
+    "static",
+    "super",
+    "switch",
+    "this",
+    "throw",
+    "true",
+    "typeof",
+    "var",
+    "void",
+    "require",
+    "module",
+    "exports",
 ];
 
 /// A tool the code of an execution may call (`execute.tools[]`). Unknown fields are refused.
@@ -154,9 +222,7 @@ pub(crate) fn check_tools(
         }
         if let Some(schema) = &tool.schema {
             if !schema.is_object() {
-                return Err(format!(
-                    "Field tools[{i}].schema: must be a JSON object"
-                ));
+                return Err(format!("Field tools[{i}].schema: must be a JSON object"));
             }
             let size = serde_json::to_string(schema).map(|s| s.len()).unwrap_or(0);
             if size > MAX_TOOL_SCHEMA_BYTES {
@@ -221,7 +287,8 @@ impl ToolResult {
     pub(crate) fn check(&self) -> Result<(), String> {
         if !is_valid_id(&self.call_id) {
             return Err(
-                "Field call_id must be a string of 1 to 128 characters of [A-Za-z0-9_.:-]".to_owned(),
+                "Field call_id must be a string of 1 to 128 characters of [A-Za-z0-9_.:-]"
+                    .to_owned(),
             );
         }
         match (self.ok, &self.error) {

@@ -112,4 +112,4 @@ const listed = JSON.parse(fs.readFileSync(path.join(__dirname, "sandbox_tools.js
 const tools = {};
 for (const t of listed) tools[t.name] = make(t.name, t.params || [], t.description || "");
 
-module.exports = { call, ToolError, tools, _return, _close, ...tools };
+module.exports = { ...tools, call, ToolError, _tools: tools, _return, _close };

@@ -13,15 +13,16 @@ A JSON object in a result reads as attributes too (`result.exit_code`). A failed
 `.code`: not_allowed, timeout, tool_error, invalid, limit or closed.
 """
 
-import json
-import os
-import socket
-import threading
+# Private aliases: a tool may be named like a module (json, os, ...) without breaking the SDK.
+import json as _json
+import os as _os
+import socket as _socket
+import threading as _threading
 
 __all__ = ["call", "ToolError", "Result"]
 
-_SOCKET = os.environ.get("SANDBOX_TOOLS_SOCKET", "/sandbox/tools.sock")
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOCKET = _os.environ.get("SANDBOX_TOOLS_SOCKET", "/sandbox/tools.sock")
+_HERE = _os.path.dirname(_os.path.abspath(__file__))
 
 
 class ToolError(Exception):
@@ -57,14 +58,14 @@ def _jsonable(value):
 
 # One connection per thread: the daemon answers one request at a time per connection, so threads calling tools at
 # once each get their own.
-_local = threading.local()
+_local = _threading.local()
 
 
 def _request(message):
-    line = (json.dumps(message, separators=(",", ":"), default=_jsonable) + "\n").encode()
+    line = (_json.dumps(message, separators=(",", ":"), default=_jsonable) + "\n").encode()
     conn = getattr(_local, "conn", None)
     if conn is None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         sock.connect(_SOCKET)
         conn = _local.conn = (sock, sock.makefile("rb"))
     sock, reader = conn
@@ -77,7 +78,7 @@ def _request(message):
     if not reply:
         _local.conn = None
         raise ToolError("closed", "The tool socket closed")
-    return json.loads(reply)
+    return _json.loads(reply)
 
 
 def call(name, args=None, timeout_ms=None, **kwargs):
@@ -121,14 +122,14 @@ def _make(name, params, doc):
 
 
 def _load():
-    with open(os.path.join(_HERE, "sandbox_tools.json"), encoding="utf-8") as f:
-        listed = json.load(f)["tools"]
+    with open(_os.path.join(_HERE, "sandbox_tools.json"), encoding="utf-8") as f:
+        listed = _json.load(f)["tools"]
     tools = {}
     for t in listed:
         tools[t["name"]] = _make(t["name"], list(t.get("params") or []), t.get("description"))
     return tools
 
 
-TOOLS = _load()
-globals().update(TOOLS)
-__all__ += list(TOOLS)
+_TOOLS = _load()
+globals().update(_TOOLS)
+__all__ += list(_TOOLS)

@@ -11,9 +11,9 @@ const sdk = require("./sandbox_tools.js");
 const file = process.argv[2];
 const source = fs.readFileSync(file, "utf8");
 const AsyncFunction = Object.getPrototypeOf(async () => {}).constructor;
-const names = Object.keys(sdk.tools);
+const names = Object.keys(sdk._tools);
 const params = ["require", "module", "exports", "__filename", "__dirname", "call", "ToolError", ...names];
-const values = [require, module, exports, file, "/sandbox", sdk.call, sdk.ToolError, ...names.map((n) => sdk.tools[n])];
+const values = [require, module, exports, file, "/sandbox", sdk.call, sdk.ToolError, ...names.map((n) => sdk._tools[n])];
 
 (async () => {
   let body;

@@ -29,7 +29,7 @@ def main():
     wrapper.body[0].body = body or [ast.Pass()]
     ast.fix_missing_locations(wrapper)
     scope = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
-    scope.update(sandbox_tools.TOOLS)
+    scope.update(sandbox_tools._TOOLS)
     scope["call"] = sandbox_tools.call
     scope["ToolError"] = sandbox_tools.ToolError
     try:

@@ -233,7 +233,16 @@ impl Engine {
         let tool_inbox = registration.tool_inbox(); // tool_calls hook
         let outcome = self
             .clone()
-            .execute(&req, &limits, &cid, host_id, &mut events, &out, control, tool_inbox)
+            .execute(
+                &req,
+                &limits,
+                &cid,
+                host_id,
+                &mut events,
+                &out,
+                control,
+                tool_inbox,
+            )
             .await;
         registration.release();
         let mut scratch = match outcome {
@@ -331,7 +340,12 @@ impl Engine {
             tool_inbox,
         ) {
             Ok(b) => b,
-            Err(e) => return Err((Some(prepared), internal(format!("{e}: {:?}", std::error::Error::source(&e))))),
+            Err(e) => {
+                return Err((
+                    Some(prepared),
+                    internal(format!("{e}: {:?}", std::error::Error::source(&e))),
+                ))
+            }
         };
         // --- end tool_calls hook ---
 

@@ -220,7 +220,10 @@ impl Registry {
     /// Hands a `tool_result` to its execution's broker. One for an execution or call no longer waiting is dropped:
     /// it races with the execution's end, and an `error` with that id would be a second terminal message.
     fn tool_result(&self, result: protocol::ToolResult) {
-        let inbox = self.lock().get(&result.id).map(|(_, _, inbox)| inbox.clone());
+        let inbox = self
+            .lock()
+            .get(&result.id)
+            .map(|(_, _, inbox)| inbox.clone());
         let (id, call_id) = (result.id.clone(), result.call_id.clone());
         if !inbox.is_some_and(|inbox| inbox.deliver(result)) {
             debug!(%id, %call_id, "tool_result for no waiting call; dropped");

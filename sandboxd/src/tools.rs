@@ -381,7 +381,10 @@ impl Shared {
         if n >= self.max_calls {
             return refusal(
                 "limit",
-                &format!("This execution may make at most {} tool requests", self.max_calls),
+                &format!(
+                    "This execution may make at most {} tool requests",
+                    self.max_calls
+                ),
             );
         }
         let request: Request = match serde_json::from_str(line) {
@@ -444,7 +447,9 @@ impl Shared {
                 self.inbox.forget(&call_id);
                 return refusal(
                     "timeout",
-                    &format!("Tool {name:?} could not be sent to the client within {timeout_ms} ms"),
+                    &format!(
+                        "Tool {name:?} could not be sent to the client within {timeout_ms} ms"
+                    ),
                 );
             }
         }

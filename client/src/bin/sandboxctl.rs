@@ -507,7 +507,10 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
                 let tool = tools.iter().find(|t| t.name == call.name).cloned();
                 calls.push(Box::pin(async move {
                     let outcome = match tool {
-                        Some(t) => t.run(&call.args, call.timeout_ms.map(Duration::from_millis)).await,
+                        Some(t) => {
+                            t.run(&call.args, call.timeout_ms.map(Duration::from_millis))
+                                .await
+                        }
                         None => Err(format!("sandboxctl has no tool {:?}", call.name)),
                     };
                     (call.call_id, outcome)

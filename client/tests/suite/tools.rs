@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use client::{
-    new_execution_id, ConnectOptions, Connection, ExecuteRequest, Language, Pool,
-    RequestedLimits, ToolCall, ToolOutcome, ToolSpec,
+    new_execution_id, ConnectOptions, Connection, ExecuteRequest, Language, Pool, RequestedLimits,
+    ToolCall, ToolOutcome, ToolSpec,
 };
 use serde_json::{json, Value};
 
@@ -79,7 +79,12 @@ impl Workspace {
                         Ok(out) => {
                             let out = out.map_err(|e| e.to_string())?;
                             let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-                            (text(&out.stdout), text(&out.stderr), out.status.code().unwrap_or(-1), false)
+                            (
+                                text(&out.stdout),
+                                text(&out.stderr),
+                                out.status.code().unwrap_or(-1),
+                                false,
+                            )
                         }
                         Err(_) => (String::new(), String::new(), -1, true),
                     };
@@ -202,7 +207,11 @@ async fn the_seed_examples_run_against_a_handler() {
         return;
     };
     let (dir, ws) = workspace();
-    let pool = Pool::builder(d.url()).token(d.token.clone()).size(1).build().unwrap();
+    let pool = Pool::builder(d.url())
+        .token(d.token.clone())
+        .size(1)
+        .build()
+        .unwrap();
 
     // 1. Output filtering.
     let w = ws.clone();
@@ -223,7 +232,10 @@ async fn the_seed_examples_run_against_a_handler() {
         r.stderr_text()
     );
     assert_eq!(r.tool_calls, Some(1));
-    assert!(r.stdout.is_empty(), "the raw output never reaches the execution's output");
+    assert!(
+        r.stdout.is_empty(),
+        "the raw output never reaches the execution's output"
+    );
 
     // 2. Multi-step composition.
     let w = ws.clone();
@@ -242,7 +254,10 @@ async fn the_seed_examples_run_against_a_handler() {
     );
     assert_eq!(r.tool_calls, Some(4));
     let config = std::fs::read_to_string(dir.path().join("src/config.rs")).unwrap();
-    assert_eq!(config.lines().nth(2), Some("    timezone: \"America/New_York\","));
+    assert_eq!(
+        config.lines().nth(2),
+        Some("    timezone: \"America/New_York\",")
+    );
 
     // 3. Timeout control, on a single connection.
     let conn = Connection::connect(ConnectOptions::new(d.url()).token(d.token.clone()))
@@ -259,12 +274,18 @@ async fn the_seed_examples_run_against_a_handler() {
         .unwrap();
     assert_eq!(
         r.return_value,
-        Some(json!("grep timed out — possible filesystem issue or enormous directory")),
+        Some(json!(
+            "grep timed out — possible filesystem issue or enormous directory"
+        )),
         "stderr: {}",
         r.stderr_text()
     );
     assert_eq!(r.tool_calls, Some(2));
-    assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
     drop(dir);
 }
 
@@ -274,8 +295,19 @@ async fn sandboxctl_serves_a_tool_with_a_local_command() {
         return;
     };
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandboxctl"))
-        .args(["exec", "-l", "python", "--tool", "upper=tr a-z A-Z", "--tool", "fail=exit 3"])
-        .args(["--code", "try:\n    fail()\nexcept ToolError as e:\n    print(e.code)\nupper({'word': 'hi'})"])
+        .args([
+            "exec",
+            "-l",
+            "python",
+            "--tool",
+            "upper=tr a-z A-Z",
+            "--tool",
+            "fail=exit 3",
+        ])
+        .args([
+            "--code",
+            "try:\n    fail()\nexcept ToolError as e:\n    print(e.code)\nupper({'word': 'hi'})",
+        ])
         .args(["--token-file", "/nonexistent/token"])
         .env("SANDBOXD_URL", d.url())
         .env("SANDBOXD_TOKEN", &d.token)

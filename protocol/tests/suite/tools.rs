@@ -23,8 +23,7 @@ const DOC_TOOL_CALL: &str = r#"{"v":1,"type":"tool_call","id":"exec_t1","call_id
  "args":{"path":"notes.txt"},"timeout_ms":10000,"ts":"2026-01-20T12:34:56.000Z"}"#;
 
 /// `tool-calls.md`, the two `tool_result` examples.
-const DOC_RESULT_OK: &str =
-    r#"{"v":1,"type":"tool_result","id":"exec_t1","call_id":"c1","ts":"...","ok":true,"result":"hello\n"}"#;
+const DOC_RESULT_OK: &str = r#"{"v":1,"type":"tool_result","id":"exec_t1","call_id":"c1","ts":"...","ok":true,"result":"hello\n"}"#;
 const DOC_RESULT_ERR: &str = r#"{"v":1,"type":"tool_result","id":"exec_t1","call_id":"c1","ts":"...","ok":false,"error":"no such file"}"#;
 
 /// `tool-calls.md`, the `result` example.
@@ -56,7 +55,10 @@ fn the_execute_example_parses() {
     assert_eq!(req.resolve_tool_timeout(60_000), Ok(10_000));
     let e = req.resolve_tool_timeout(5_000).unwrap_err();
     assert_eq!(e.code, ErrorCode::InvalidRequest);
-    assert!(e.message.contains("tool_timeout_ms") && e.message.contains("5000"), "{e:?}");
+    assert!(
+        e.message.contains("tool_timeout_ms") && e.message.contains("5000"),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -77,7 +79,10 @@ fn the_tool_call_example_parses_and_encodes_the_same() {
     );
     assert!(env.message.id() == Some("exec_t1") && !env.message.is_terminal());
     let encoded: Value = serde_json::from_str(&encode_with_ts(&env.message, &env.ts)).unwrap();
-    assert_eq!(encoded, serde_json::from_str::<Value>(DOC_TOOL_CALL).unwrap());
+    assert_eq!(
+        encoded,
+        serde_json::from_str::<Value>(DOC_TOOL_CALL).unwrap()
+    );
 }
 
 #[test]
@@ -86,7 +91,10 @@ fn the_tool_result_examples_parse_and_round_trip() {
         let Ok(ClientMessage::ToolResult(r)) = parse_client_message(text) else {
             panic!("{text}");
         };
-        assert_eq!((r.id.as_str(), r.call_id.as_str(), r.ok), ("exec_t1", "c1", ok));
+        assert_eq!(
+            (r.id.as_str(), r.call_id.as_str(), r.ok),
+            ("exec_t1", "c1", ok)
+        );
         let again = serde_json::to_string(&ClientMessage::ToolResult(r.clone())).unwrap();
         assert_eq!(
             serde_json::from_str::<Value>(&again).unwrap(),
@@ -95,7 +103,9 @@ fn the_tool_result_examples_parse_and_round_trip() {
     }
     let built = ToolResult::failure("exec_t1", "c1", "no such file");
     let text = serde_json::to_string(&ClientMessage::ToolResult(built)).unwrap();
-    assert!(matches!(parse_client_message(&text), Ok(ClientMessage::ToolResult(r)) if r.error.as_deref() == Some("no such file")));
+    assert!(
+        matches!(parse_client_message(&text), Ok(ClientMessage::ToolResult(r)) if r.error.as_deref() == Some("no such file"))
+    );
 }
 
 #[test]
@@ -104,7 +114,10 @@ fn the_result_example_carries_count_and_return_value() {
     let ServerMessage::Result(r) = &env.message else {
         panic!("{env:?}");
     };
-    assert_eq!((r.tool_calls, r.return_value.clone()), (Some(1), Some(json!(6))));
+    assert_eq!(
+        (r.tool_calls, r.return_value.clone()),
+        (Some(1), Some(json!(6)))
+    );
     let encoded: Value = serde_json::from_str(&encode_with_ts(&env.message, &env.ts)).unwrap();
     assert_eq!(encoded, serde_json::from_str::<Value>(DOC_RESULT).unwrap());
 }
@@ -116,13 +129,30 @@ fn the_extension_is_advertised() {
 
 #[test]
 fn a_request_built_in_rust_round_trips() {
-    let mut req = ExecuteRequest::new("exec_t2", Language::Javascript, "return 1", RequestedLimits::new(1000, 64));
-    req.tools = vec![ToolSpec::new("grep"), ToolSpec { description: Some("d".into()), schema: Some(json!({})), ..ToolSpec::new("bash") }];
+    let mut req = ExecuteRequest::new(
+        "exec_t2",
+        Language::Javascript,
+        "return 1",
+        RequestedLimits::new(1000, 64),
+    );
+    req.tools = vec![
+        ToolSpec::new("grep"),
+        ToolSpec {
+            description: Some("d".into()),
+            schema: Some(json!({})),
+            ..ToolSpec::new("bash")
+        },
+    ];
     req.tool_timeout_ms = Some(5);
     let text = serde_json::to_string(&ClientMessage::Execute(req.clone())).unwrap();
     assert!(matches!(parse_client_message(&text), Ok(ClientMessage::Execute(back)) if back == req));
     // Without tools the fields stay off the wire.
-    let plain = ExecuteRequest::new("exec_t3", Language::Python, "1", RequestedLimits::new(1000, 64));
+    let plain = ExecuteRequest::new(
+        "exec_t3",
+        Language::Python,
+        "1",
+        RequestedLimits::new(1000, 64),
+    );
     let text = serde_json::to_string(&ClientMessage::Execute(plain)).unwrap();
     assert!(!text.contains("tool"), "{text}");
 }
@@ -132,19 +162,31 @@ fn bad_tools_are_refused_naming_the_field() {
     let id = Some("exec_t1");
     let long = "a".repeat(65);
     let cases = [
-        (json!({"tools": [{"name": "a"}, {"name": "a"}]}), "tools[1].name"),
+        (
+            json!({"tools": [{"name": "a"}, {"name": "a"}]}),
+            "tools[1].name",
+        ),
         (json!({"tools": [{"name": ""}]}), "tools[0].name"),
         (json!({"tools": [{"name": "9lives"}]}), "tools[0].name"),
         (json!({"tools": [{"name": "rm-rf"}]}), "tools[0].name"),
         (json!({"tools": [{"name": long}]}), "tools[0].name"),
         (json!({"tools": [{"name": "class"}]}), "reserved"),
         (json!({"tools": [{"name": "call"}]}), "reserved"),
-        (json!({"tools": [{"name": "a", "schema": "x"}]}), "tools[0].schema"),
-        (json!({"tools": [{"name": "a", "description": "x".repeat(4097)}]}), "tools[0].description"),
+        (
+            json!({"tools": [{"name": "a", "schema": "x"}]}),
+            "tools[0].schema",
+        ),
+        (
+            json!({"tools": [{"name": "a", "description": "x".repeat(4097)}]}),
+            "tools[0].description",
+        ),
         (json!({"tools": [{"name": "a", "version": 2}]}), "tools[0]"),
         (json!({"tools": [{"nome": "a"}]}), "tools[0]"),
         (json!({"tools": "read_file"}), "tools"),
-        (json!({"tools": (0..65).map(|i| json!({"name": format!("t{i}")})).collect::<Vec<_>>()}), "at most 64"),
+        (
+            json!({"tools": (0..65).map(|i| json!({"name": format!("t{i}")})).collect::<Vec<_>>()}),
+            "at most 64",
+        ),
         (json!({"tool_timeout_ms": 0}), "tool_timeout_ms"),
         (json!({"tool_timeout_ms": "fast"}), "tool_timeout_ms"),
         (json!({"tools": null}), "tool_timeout_ms"),
@@ -157,16 +199,29 @@ fn bad_tools_are_refused_naming_the_field() {
 
 #[test]
 fn bad_tool_results_are_refused_naming_the_field() {
-    let base = |extra: &str| format!(r#"{{"v":1,"type":"tool_result","id":"exec_t1","ts":"..."{extra}}}"#);
+    let base =
+        |extra: &str| format!(r#"{{"v":1,"type":"tool_result","id":"exec_t1","ts":"..."{extra}}}"#);
     let id = Some("exec_t1");
     invalid(&base(r#","ok":true"#), id, "call_id");
     invalid(&base(r#","call_id":"c 1","ok":true"#), id, "call_id");
     invalid(&base(r#","call_id":"c1""#), id, "ok");
     invalid(&base(r#","call_id":"c1","ok":false"#), id, "error");
-    invalid(&base(r#","call_id":"c1","ok":true,"error":"x""#), id, "error");
-    invalid(&base(r#","call_id":"c1","ok":false,"error":"x","result":1"#), id, "result");
+    invalid(
+        &base(r#","call_id":"c1","ok":true,"error":"x""#),
+        id,
+        "error",
+    );
+    invalid(
+        &base(r#","call_id":"c1","ok":false,"error":"x","result":1"#),
+        id,
+        "result",
+    );
     invalid(&base(r#","call_id":"c1","ok":true,"extra":1"#), id, "extra");
-    invalid(&base(r#","call_id":"c1","ok":false,"error":{"m":1}"#), id, "error");
+    invalid(
+        &base(r#","call_id":"c1","ok":false,"error":{"m":1}"#),
+        id,
+        "error",
+    );
     // No usable id: refused without one.
     refused(
         r#"{"v":1,"type":"tool_result","ts":"...","call_id":"c1","ok":true}"#,

@@ -1373,7 +1373,13 @@ pub fn check_vocabulary(raw: &Value) {
     word(
         "type",
         &[
-            "ack", "status", "stdout", "stderr", "result", "error", "pong",
+            "ack",
+            "status",
+            "stdout",
+            "stderr",
+            "result",
+            "error",
+            "pong",
             // extension tool_calls
             "tool_call",
         ],

@@ -93,15 +93,25 @@ print("lengths", len(text), len(n))
     let exec = with(
         exec_tools("t1", "python", code, &["read_file"]),
         json!({"tools": [{"name": "read_file", "description": "Read a file", "schema": {
-            "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]}),
+            "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
+            // Named like a module the SDK uses: must not break it.
+            {"name": "json"}]}),
     );
     let (run, calls) = run_answering(&mut c, exec, |call| {
         assert_eq!(call.name, "read_file");
-        Some(Ok(json!(format!("content of {}", call.args["path"].as_str().unwrap()))))
+        Some(Ok(json!(format!(
+            "content of {}",
+            call.args["path"].as_str().unwrap()
+        ))))
     })
     .await;
     let out = run.stdout_text();
-    assert_eq!(run.terminal_status(), Some(protocol::ExecStatus::Completed), "{}", run.dump());
+    assert_eq!(
+        run.terminal_status(),
+        Some(protocol::ExecStatus::Completed),
+        "{}",
+        run.dump()
+    );
     assert!(out.contains("socket True True"), "{out}");
     assert!(out.contains("lengths 20 20"), "{out}");
     assert_eq!(calls.len(), 2);
@@ -131,13 +141,29 @@ try { await call("delete_everything", {}); } catch (e) { refused = e.code; }
 console.log("sums", a, b, c, refused);
 return {sum: a + b + c, refused};
 "#;
-    let (run, calls) = run_answering(&mut c, exec_tools("j1", "javascript", code, &["add"]), |call| {
-        let (a, b) = (call.args["a"].as_i64().unwrap(), call.args["b"].as_i64().unwrap());
-        Some(Ok(json!(a + b)))
-    })
+    let (run, calls) = run_answering(
+        &mut c,
+        exec_tools("j1", "javascript", code, &["add"]),
+        |call| {
+            let (a, b) = (
+                call.args["a"].as_i64().unwrap(),
+                call.args["b"].as_i64().unwrap(),
+            );
+            Some(Ok(json!(a + b)))
+        },
+    )
     .await;
-    assert_eq!(run.terminal_status(), Some(protocol::ExecStatus::Completed), "{}", run.dump());
-    assert!(run.stdout_text().contains("sums 5 6 30 not_allowed"), "{}", run.dump());
+    assert_eq!(
+        run.terminal_status(),
+        Some(protocol::ExecStatus::Completed),
+        "{}",
+        run.dump()
+    );
+    assert!(
+        run.stdout_text().contains("sums 5 6 30 not_allowed"),
+        "{}",
+        run.dump()
+    );
     assert_eq!(calls.len(), 3);
     assert_eq!(run.result().tool_calls, Some(3));
     assert_eq!(
@@ -165,14 +191,23 @@ s.connect("/sandbox/tools.sock")
 s.sendall(b'{"op":"call","name":"secret","args":{}}\n')
 print("raw", s.makefile().readline().strip())
 "#;
-    let (run, calls) = run_answering(&mut c, exec_tools("r1", "python", code, &["read_file"]), |_| {
-        Some(Ok(Value::Null))
-    })
+    let (run, calls) = run_answering(
+        &mut c,
+        exec_tools("r1", "python", code, &["read_file"]),
+        |_| Some(Ok(Value::Null)),
+    )
     .await;
     let out = run.stdout_text();
-    assert!(calls.is_empty(), "a refused tool must never be forwarded: {calls:?}");
+    assert!(
+        calls.is_empty(),
+        "a refused tool must never be forwarded: {calls:?}"
+    );
     assert!(out.contains("refused not_allowed"), "{}", run.dump());
-    assert!(out.contains(r#"Tool \"rm_rf\" is not offered"#) || out.contains("Tool \"rm_rf\" is not offered"), "{out}");
+    assert!(
+        out.contains(r#"Tool \"rm_rf\" is not offered"#)
+            || out.contains("Tool \"rm_rf\" is not offered"),
+        "{out}"
+    );
     assert!(out.contains(r#""code":"not_allowed""#), "{out}");
     assert_eq!(run.result().tool_calls, Some(0));
     assert_eq!(run.result().return_value, None);
@@ -180,7 +215,8 @@ print("raw", s.makefile().readline().strip())
 
 #[tokio::test]
 async fn a_handler_that_never_answers_hits_the_per_call_timeout() {
-    let Some(_g) = privileged("a_handler_that_never_answers_hits_the_per_call_timeout").await else {
+    let Some(_g) = privileged("a_handler_that_never_answers_hits_the_per_call_timeout").await
+    else {
         return;
     };
     let d = Daemon::start(DaemonOpts::default()).await;
@@ -212,7 +248,10 @@ except ToolError as e:
         .nth(2)
         .and_then(|w| w.parse().ok())
         .unwrap_or_else(|| panic!("{out}"));
-    assert!(waited >= 700, "the call waited {waited} ms, less than its 700 ms timeout");
+    assert!(
+        waited >= 700,
+        "the call waited {waited} ms, less than its 700 ms timeout"
+    );
     assert_eq!(calls.len(), 2);
     assert_eq!(calls[0].timeout_ms, Some(700));
     assert_eq!(calls[1].timeout_ms, Some(100));
@@ -222,7 +261,9 @@ except ToolError as e:
         .await;
     c.assert_usable().await;
     assert!(
-        c.unclaimed().iter().all(|m| !matches!(m, ServerMessage::Error(_))),
+        c.unclaimed()
+            .iter()
+            .all(|m| !matches!(m, ServerMessage::Error(_))),
         "{:?}",
         c.unclaimed()
     );
@@ -240,7 +281,11 @@ async fn a_tool_error_reaches_the_code() {
         Some(Err("disk on fire".into()))
     })
     .await;
-    assert!(run.stdout_text().contains("tool_error disk on fire"), "{}", run.dump());
+    assert!(
+        run.stdout_text().contains("tool_error disk on fire"),
+        "{}",
+        run.dump()
+    );
     assert_eq!(run.result().tool_calls, Some(1));
 }
 
@@ -260,7 +305,10 @@ async fn executions_without_tools_are_unchanged() {
         run.dump()
     );
     let raw = run.result_raw();
-    assert!(raw.get("tool_calls").is_none() && raw.get("return_value").is_none(), "{raw}");
+    assert!(
+        raw.get("tool_calls").is_none() && raw.get("return_value").is_none(),
+        "{raw}"
+    );
 }
 
 #[tokio::test]
@@ -276,23 +324,44 @@ async fn tool_requests_are_validated() {
     let mut c = Client::connect(&d).await;
     let cases = [
         (exec_tools("v1", "shell", "true", &["a"]), "tools"),
-        (exec_tools("v2", "python", "1", &["a", "a"]), "tools[1].name"),
-        (exec_tools("v3", "python", "1", &["import"]), "tools[0].name"),
-        (exec_tools("v4", "python", "1", &["bad-name"]), "tools[0].name"),
         (
-            with(exec_tools("v5", "python", "1", &["a"]), json!({"tool_timeout_ms": 5001})),
+            exec_tools("v2", "python", "1", &["a", "a"]),
+            "tools[1].name",
+        ),
+        (
+            exec_tools("v3", "python", "1", &["import"]),
+            "tools[0].name",
+        ),
+        (
+            exec_tools("v4", "python", "1", &["bad-name"]),
+            "tools[0].name",
+        ),
+        (
+            with(
+                exec_tools("v5", "python", "1", &["a"]),
+                json!({"tool_timeout_ms": 5001}),
+            ),
             "tool_timeout_ms",
         ),
         (
-            with(exec_json("v6", "python", "1", 1000, 64), json!({"tool_timeout_ms": 10})),
+            with(
+                exec_json("v6", "python", "1", 1000, 64),
+                json!({"tool_timeout_ms": 10}),
+            ),
             "tool_timeout_ms",
         ),
         (
-            with(exec_json("v7", "python", "1", 1000, 64), json!({"tools": [{"name": "a", "extra": 1}]})),
+            with(
+                exec_json("v7", "python", "1", 1000, 64),
+                json!({"tools": [{"name": "a", "extra": 1}]}),
+            ),
             "tools[0]",
         ),
         (
-            with(exec_json("v8", "python", "1", 1000, 64), json!({"tools": [{"name": "a", "schema": [1]}]})),
+            with(
+                exec_json("v8", "python", "1", 1000, 64),
+                json!({"tools": [{"name": "a", "schema": [1]}]}),
+            ),
             "tools[0].schema",
         ),
     ];
@@ -301,11 +370,17 @@ async fn tool_requests_are_validated() {
         c.send_json(&exec).await;
         let (e, raw) = c.take_error().await;
         assert_error(&e, &raw, ErrorCode::InvalidRequest, Some(&id));
-        assert!(e.message.contains(field), "{id}: {:?} does not name {field}", e.message);
+        assert!(
+            e.message.contains(field),
+            "{id}: {:?} does not name {field}",
+            e.message
+        );
     }
     // A malformed tool_result is refused; one for an unknown execution is dropped quietly.
-    c.send_json(&json!({"v":1,"type":"tool_result","id":"nope","call_id":"c1","ts":"...","ok":false}))
-        .await;
+    c.send_json(
+        &json!({"v":1,"type":"tool_result","id":"nope","call_id":"c1","ts":"...","ok":false}),
+    )
+    .await;
     let (e, _) = c.take_error().await;
     assert!(e.message.contains("error"), "{e:?}");
     c.send_json(&tool_result("nope", "c1", Ok(json!(1)))).await;
@@ -317,7 +392,8 @@ async fn tool_requests_are_validated() {
 /// while the client answers every call: `ping` on the same connection is still answered within 500 ms.
 #[tokio::test]
 async fn a_flooding_program_does_not_starve_the_websocket() {
-    let Some(_g) = privileged_alone("a_flooding_program_does_not_starve_the_websocket").await else {
+    let Some(_g) = privileged_alone("a_flooding_program_does_not_starve_the_websocket").await
+    else {
         return;
     };
     let d = Daemon::start(DaemonOpts {
@@ -401,11 +477,19 @@ print("flood done")
     }
     collected.check_sequence();
     let out = collected.stdout_text();
-    assert_eq!(collected.terminal_status(), Some(protocol::ExecStatus::Completed), "{}", collected.dump());
+    assert_eq!(
+        collected.terminal_status(),
+        Some(protocol::ExecStatus::Completed),
+        "{}",
+        collected.dump()
+    );
     println!("flood: {answered} calls answered, {pings} pings, worst ping round trip {worst:?}");
     assert!(out.contains("flood done"), "{}", collected.dump());
     assert!(out.contains("endless line cut off"), "{}", collected.dump());
-    assert!(pings >= 10, "only {pings} pings were answered during the flood");
+    assert!(
+        pings >= 10,
+        "only {pings} pings were answered during the flood"
+    );
     assert!(answered >= 100, "the flood made only {answered} calls");
     assert_eq!(collected.result().tool_calls, Some(answered));
     assert!(
