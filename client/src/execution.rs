@@ -431,7 +431,7 @@ impl Accumulator {
             queued: self.queued,
             environment_fingerprint: r.environment_fingerprint,
             tool_calls: r.tool_calls,
-            return_value: r.return_value,
+            return_value: r.return_value.map(|v| *v),
         })
     }
 }

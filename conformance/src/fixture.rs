@@ -799,9 +799,9 @@ impl Execution {
                 self.waiters.clone(),
                 self.has(Fault::ForwardsUnlistedTools),
             ) {
-                Ok((b, env, runner)) => {
-                    cmd.arg(runner);
-                    tool_env = env;
+                Ok(b) => {
+                    cmd.arg(&b.runner);
+                    tool_env = b.env.clone();
                     broker = Some(b);
                 }
                 Err(e) => {
@@ -987,7 +987,7 @@ impl Execution {
         let mut r = self.result(exit_code, signame, reason, duration, usage, sent, truncated);
         if let Some(b) = broker.take() {
             r.tool_calls = Some(b.calls());
-            r.return_value = b.return_value();
+            r.return_value = b.return_value().map(Box::new);
         }
         self.finish(status, r).await;
     }

@@ -53,6 +53,10 @@ impl Waiters {
 
 /// One execution's tool socket; dropping it ends its tasks.
 pub(crate) struct Broker {
+    /// The environment the interpreter needs.
+    pub(crate) env: Vec<(String, String)>,
+    /// The runner, given to the interpreter before the code path.
+    pub(crate) runner: String,
     task: tokio::task::JoinHandle<()>,
     calls: Arc<AtomicU64>,
     value: Arc<Mutex<Option<Value>>>,
@@ -65,15 +69,14 @@ impl Drop for Broker {
 }
 
 impl Broker {
-    /// Writes the SDK into `dir`, binds `dir/tools.sock` and serves it. Returns the broker and the arguments and
-    /// environment the python interpreter needs (the runner before the code path).
+    /// Writes the SDK into `dir`, binds `dir/tools.sock` and serves it.
     pub(crate) fn start(
         req: &ExecuteRequest,
         dir: &Path,
         out: mpsc::Sender<ServerMessage>,
         waiters: Waiters,
         forward_unlisted: bool,
-    ) -> std::io::Result<(Broker, Vec<(String, String)>, String)> {
+    ) -> std::io::Result<Broker> {
         let tools: Vec<Value> = req
             .tools
             .iter()
@@ -134,7 +137,13 @@ impl Broker {
             ),
         ];
         let runner = dir.join("sandbox_tools_run.py").display().to_string();
-        Ok((Broker { task, calls, value }, env, runner))
+        Ok(Broker {
+            env,
+            runner,
+            task,
+            calls,
+            value,
+        })
     }
 
     /// Calls forwarded to the client.

@@ -268,9 +268,10 @@ pub struct ResultMessage {
     /// `tool_calls`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<u64>,
-    /// The value the code returned (extension `tool_calls`); absent when it returned nothing.
+    /// The value the code returned (extension `tool_calls`); absent when it returned nothing. Boxed: it is rare,
+    /// and every message the daemon queues is as large as the largest one.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub return_value: Option<Value>,
+    pub return_value: Option<Box<Value>>,
 }
 
 /// The parts of `environment_fingerprint` (sandboxd addition): enough to run the same program on the same image,
@@ -332,7 +333,7 @@ struct ResultWire {
     #[serde(default)]
     tool_calls: Option<u64>,
     #[serde(default)]
-    return_value: Option<Value>,
+    return_value: Option<Box<Value>>,
 }
 
 impl From<ResultWire> for ResultMessage {

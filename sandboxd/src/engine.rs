@@ -674,7 +674,7 @@ impl Engine {
         if let Some(b) = &tools {
             // tool_calls hook: the count and the return value
             res.tool_calls = Some(b.calls());
-            res.return_value = b.return_value();
+            res.return_value = b.return_value().map(Box::new);
         }
         messages.push(ServerMessage::Result(res));
         Ok((Some(prepared), messages))

@@ -115,8 +115,8 @@ fn the_result_example_carries_count_and_return_value() {
         panic!("{env:?}");
     };
     assert_eq!(
-        (r.tool_calls, r.return_value.clone()),
-        (Some(1), Some(json!(6)))
+        (r.tool_calls, r.return_value.as_deref()),
+        (Some(1), Some(&json!(6)))
     );
     let encoded: Value = serde_json::from_str(&encode_with_ts(&env.message, &env.ts)).unwrap();
     assert_eq!(encoded, serde_json::from_str::<Value>(DOC_RESULT).unwrap());

@@ -51,7 +51,7 @@ async fn run_answering(
         if let ServerMessage::ToolCall(call) = &m {
             assert_eq!(raw["type"], "tool_call", "{raw}");
             if let Some(answer) = handler(call) {
-                let answer = answer.as_ref().map(|v| v.clone()).map_err(|e| e.as_str());
+                let answer = answer.as_ref().map_err(String::as_str).cloned();
                 c.send_json(&tool_result(&id, &call.call_id, answer)).await;
             }
             calls.push(call.clone());
@@ -121,8 +121,8 @@ print("lengths", len(text), len(n))
     let result = run.result();
     assert_eq!(result.tool_calls, Some(2));
     assert_eq!(
-        result.return_value,
-        Some(json!({"upper": "CONTENT OF NOTES.TXT", "calls": 2}))
+        result.return_value.as_deref(),
+        Some(&json!({"upper": "CONTENT OF NOTES.TXT", "calls": 2}))
     );
 }
 
@@ -167,8 +167,8 @@ return {sum: a + b + c, refused};
     assert_eq!(calls.len(), 3);
     assert_eq!(run.result().tool_calls, Some(3));
     assert_eq!(
-        run.result().return_value,
-        Some(json!({"sum": 41, "refused": "not_allowed"}))
+        run.result().return_value.as_deref(),
+        Some(&json!({"sum": 41, "refused": "not_allowed"}))
     );
 }
 
