@@ -469,6 +469,9 @@ impl Engine {
         {
             // The client is gone; the loop below sees it too and kills.
         }
+        if let Some(b) = &tools {
+            b.started(); // tool_calls hook: calls are forwarded only after status: running
+        }
 
         let mut stream = Streams::new(id, stdout_r, stderr_r, limits.max_output_bytes);
         let deadline = tokio::time::sleep(Duration::from_millis(limits.timeout_ms));

@@ -160,11 +160,14 @@ struct Shared {
     requests: AtomicU64,
     forwarded: AtomicU64,
     return_value: Mutex<Option<Value>>,
+    /// Set once `status: running` is queued: no `tool_call` may come before it.
+    running: tokio::sync::watch::Receiver<bool>,
 }
 
 /// One execution's tool socket and its tasks; dropping it tears everything down.
 pub struct Broker {
     shared: Arc<Shared>,
+    running: tokio::sync::watch::Sender<bool>,
     socket: PathBuf,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -204,6 +207,7 @@ impl Broker {
         write_sdk(req, code_dir)?;
         let socket = code_dir.join(SOCKET_NAME);
         let listener = bind(code_dir, &socket, host_id)?;
+        let (running, running_rx) = tokio::sync::watch::channel(false);
         let shared = Arc::new(Shared {
             exec_id: req.id.clone(),
             allowed: req.tools.iter().map(|t| t.name.clone()).collect(),
@@ -215,6 +219,7 @@ impl Broker {
             requests: AtomicU64::new(0),
             forwarded: AtomicU64::new(0),
             return_value: Mutex::new(None),
+            running: running_rx,
         });
         let accept = tokio::spawn(accept_loop(
             listener,
@@ -224,9 +229,16 @@ impl Broker {
         ));
         Ok(Some(Broker {
             shared,
+            running,
             socket,
             accept,
         }))
+    }
+
+    /// The execution's `status: running` is queued: calls may be forwarded from now on (a program that calls at
+    /// once may otherwise get its `tool_call` ahead of it).
+    pub fn started(&self) {
+        self.running.send_replace(true);
     }
 
     /// Calls forwarded to the client as `tool_call`.
@@ -436,8 +448,13 @@ impl Shared {
             timeout_ms: Some(timeout_ms),
         });
         // The ordered execution queue is bounded: a client that does not read makes the call wait, within its
-        // timeout.
-        match tokio::time::timeout_at(deadline, self.out.send(message)).await {
+        // timeout. Nothing goes before `status: running`.
+        let mut running = self.running.clone();
+        let send = async {
+            running.wait_for(|r| *r).await.ok();
+            self.out.send(message).await
+        };
+        match tokio::time::timeout_at(deadline, send).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => {
                 self.inbox.forget(&call_id);
