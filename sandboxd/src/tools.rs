@@ -487,3 +487,158 @@ impl Shared {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use protocol::{Language, RequestedLimits, ToolSpec};
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::net::UnixStream;
+
+    use super::*;
+
+    fn request() -> ExecuteRequest {
+        let mut req = ExecuteRequest::new(
+            "exec_u",
+            Language::Python,
+            "1",
+            RequestedLimits::new(1000, 64),
+        );
+        req.tools = vec![ToolSpec::new("echo")];
+        req
+    }
+
+    struct Setup {
+        _dir: tempfile::TempDir,
+        socket: PathBuf,
+        broker: Broker,
+        calls: tokio::sync::mpsc::Receiver<ServerMessage>,
+        inbox: Inbox,
+    }
+
+    fn setup(config: &ToolsConfig, timeout_ms: u64) -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        let (tx, calls) = tokio::sync::mpsc::channel(4);
+        let inbox = Inbox::default();
+        let uid = nix::unistd::getuid().as_raw();
+        let broker = Broker::start(
+            &request(),
+            dir.path(),
+            uid,
+            timeout_ms,
+            config,
+            tx,
+            inbox.clone(),
+        )
+        .unwrap()
+        .unwrap();
+        broker.started();
+        Setup {
+            socket: dir.path().join(SOCKET_NAME),
+            _dir: dir,
+            broker,
+            calls,
+            inbox,
+        }
+    }
+
+    async fn ask(conn: &mut BufReader<UnixStream>, line: &str) -> Value {
+        conn.get_mut().write_all(line.as_bytes()).await.unwrap();
+        let mut reply = String::new();
+        conn.read_line(&mut reply).await.unwrap();
+        serde_json::from_str(&reply).unwrap()
+    }
+
+    #[tokio::test]
+    async fn forwards_listed_calls_refuses_others_and_times_out() {
+        let mut s = setup(&ToolsConfig::default(), 300);
+        for name in [
+            "sandbox_tools.json",
+            "sandbox_tools.py",
+            "sandbox_tools_run.py",
+        ] {
+            assert!(s._dir.path().join(name).is_file(), "{name}");
+        }
+        let meta = std::fs::metadata(&s.socket).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+
+        let refused = ask(&mut conn, "{\"op\":\"call\",\"name\":\"other\"}\n").await;
+        assert_eq!(refused["error"]["code"], "not_allowed", "{refused}");
+        let bad = ask(&mut conn, "nonsense\n").await;
+        assert_eq!(bad["error"]["code"], "invalid", "{bad}");
+
+        // Answered.
+        let inbox = s.inbox.clone();
+        let answer = tokio::spawn(async move {
+            let Some(ServerMessage::ToolCall(call)) = s.calls.recv().await else {
+                panic!("no tool_call");
+            };
+            assert_eq!(
+                (call.name.as_str(), call.args.clone()),
+                ("echo", json!({"a": 1}))
+            );
+            assert!(inbox.deliver(ToolResult::success("exec_u", &call.call_id, json!(2))));
+            // The next one is never answered.
+            let Some(ServerMessage::ToolCall(late)) = s.calls.recv().await else {
+                panic!("no second tool_call");
+            };
+            late
+        });
+        let ok = ask(
+            &mut conn,
+            "{\"op\":\"call\",\"name\":\"echo\",\"args\":{\"a\":1}}\n",
+        )
+        .await;
+        assert_eq!(ok, json!({"ok": true, "result": 2}));
+        let t0 = std::time::Instant::now();
+        let timeout = ask(&mut conn, "{\"op\":\"call\",\"name\":\"echo\"}\n").await;
+        assert_eq!(timeout["error"]["code"], "timeout", "{timeout}");
+        assert!(t0.elapsed() >= Duration::from_millis(300));
+        let late = answer.await.unwrap();
+        // A late answer finds nobody.
+        assert!(!s
+            .inbox
+            .deliver(ToolResult::success("exec_u", &late.call_id, json!(0))));
+
+        let ret = ask(&mut conn, "{\"op\":\"return\",\"value\":[1,\"x\"]}\n").await;
+        assert_eq!(ret["ok"], true);
+        assert_eq!(s.broker.calls(), 2);
+        assert_eq!(s.broker.return_value(), Some(json!([1, "x"])));
+
+        // Torn down: the socket file is gone, and the connection ends.
+        let socket = s.socket.clone();
+        drop(s.broker);
+        assert!(!socket.exists());
+        let mut rest = String::new();
+        let n = tokio::time::timeout(Duration::from_secs(5), conn.read_line(&mut rest))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        assert_eq!(n, 0, "{rest}");
+    }
+
+    #[tokio::test]
+    async fn a_long_line_closes_the_connection_and_requests_are_bounded() {
+        let config = ToolsConfig {
+            max_line_bytes: 1024,
+            max_calls: 3,
+            ..ToolsConfig::default()
+        };
+        let s = setup(&config, 1000);
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        let long = format!("{}\n", "x".repeat(4096));
+        let reply = ask(&mut conn, &long).await;
+        assert_eq!(reply["error"]["code"], "invalid", "{reply}");
+        let mut rest = String::new();
+        assert_eq!(conn.read_line(&mut rest).await.unwrap_or(0), 0);
+
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        // The over-long line was no request; three are allowed, the fourth is over the limit.
+        for _ in 0..3 {
+            let r = ask(&mut conn, "{\"op\":\"call\",\"name\":\"nope\"}\n").await;
+            assert_eq!(r["error"]["code"], "not_allowed");
+        }
+        let r = ask(&mut conn, "{\"op\":\"call\",\"name\":\"nope\"}\n").await;
+        assert_eq!(r["error"]["code"], "limit", "{r}");
+    }
+}
