@@ -340,12 +340,7 @@ impl Engine {
             tool_inbox,
         ) {
             Ok(b) => b,
-            Err(e) => {
-                return Err((
-                    Some(prepared),
-                    internal(format!("{e}: {:?}", std::error::Error::source(&e))),
-                ))
-            }
+            Err(e) => return Err((Some(prepared), internal(e.describe()))),
         };
         // --- end tool_calls hook ---
 
