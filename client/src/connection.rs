@@ -201,6 +201,38 @@ impl Connection {
             .await
     }
 
+    /// Runs `request` (which lists `tools`) and answers its tool calls with `handler` (see
+    /// [`Execution::result_with_tools`]).
+    ///
+    /// ```no_run
+    /// # async fn run(conn: client::Connection, request: client::ExecuteRequest) -> Result<(), client::ClientError> {
+    /// let result = conn
+    ///     .execute_with_tools(request, |call| async move {
+    ///         match call.name.as_str() {
+    ///             "add" => Ok(serde_json::json!(call.args["a"].as_i64().unwrap_or(0) + 1)),
+    ///             other => Err(format!("no tool {other}")),
+    ///         }
+    ///     })
+    ///     .await?;
+    /// println!("{:?}", result.return_value);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn execute_with_tools<H, F>(
+        &self,
+        request: ExecuteRequest,
+        handler: H,
+    ) -> Result<crate::ExecutionResult, ClientError>
+    where
+        H: FnMut(protocol::ToolCall) -> F,
+        F: std::future::Future<Output = crate::tools::ToolOutcome>,
+    {
+        self.execute_stream(request)
+            .await?
+            .result_with_tools(handler)
+            .await
+    }
+
     /// Sends `request` and returns its events as they arrive (an [`Execution`] stream).
     pub async fn execute_stream(&self, request: ExecuteRequest) -> Result<Execution, ClientError> {
         self.execute_stream_with(request, ExecOptions::default())
@@ -430,6 +462,29 @@ impl Shared {
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {}
         }
+    }
+
+    /// Sends `tool_result` on link `generation` and waits until it is queued.
+    pub(crate) async fn tool_result(
+        &self,
+        result: protocol::ToolResult,
+        generation: u64,
+    ) -> Result<(), ClientError> {
+        let out = {
+            let st = self.lock();
+            match &st.link {
+                Some(link) if st.generation == generation => link.out.clone(),
+                _ => {
+                    return Err(ClientError::disconnected(
+                        "the connection the execution was sent on is gone",
+                    ))
+                }
+            }
+        };
+        let frame = encode(&ClientMessage::ToolResult(result))?;
+        out.send(frame).await.map_err(|_| {
+            ClientError::disconnected("the connection closed before the tool_result was sent")
+        })
     }
 
     /// Sends `cancel` for `id` on link `generation` and waits until it is queued.

@@ -136,6 +136,63 @@ impl Execution {
         acc.finish()
     }
 
+    /// Answers the `tool_call` `call_id` of this execution (extension `tool_calls`): `Ok(value)` is sent as
+    /// `tool_result` `ok: true`, `Err(message)` as `ok: false`.
+    pub async fn answer(
+        &self,
+        call_id: &str,
+        outcome: crate::tools::ToolOutcome,
+    ) -> Result<(), ClientError> {
+        let result = match outcome {
+            Ok(value) => protocol::ToolResult::success(&self.id, call_id, value),
+            Err(error) => protocol::ToolResult::failure(&self.id, call_id, error),
+        };
+        self.connection
+            .shared()
+            .tool_result(result, self.generation)
+            .await
+    }
+
+    /// Reads the stream to its end like [`result`](Self::result), answering every `tool_call` (extension
+    /// `tool_calls`) with `handler`: `Ok(value)` becomes `tool_result` `ok: true` with `result: value`, `Err(message)`
+    /// `ok: false` with `error: message`. Handlers run concurrently with each other and with the stream (each call
+    /// is a future polled here, no task is spawned); those still running when the execution ends are dropped.
+    pub async fn result_with_tools<H, F>(
+        mut self,
+        mut handler: H,
+    ) -> Result<ExecutionResult, ClientError>
+    where
+        H: FnMut(protocol::ToolCall) -> F,
+        F: Future<Output = crate::tools::ToolOutcome>,
+    {
+        use futures_util::stream::FuturesUnordered;
+        use futures_util::StreamExt as _;
+
+        let mut acc = Accumulator::new(self.id.clone(), self.max_output_bytes);
+        let mut running = FuturesUnordered::new();
+        loop {
+            tokio::select! {
+                item = self.next() => {
+                    let Some(item) = item else { break };
+                    let message = item?.message;
+                    if let ServerMessage::ToolCall(call) = message {
+                        let call_id = call.call_id.clone();
+                        let answer = handler(call);
+                        running.push(async move { (call_id, answer.await) });
+                    } else {
+                        acc.push(message)?;
+                    }
+                }
+                Some((call_id, outcome)) = running.next(), if !running.is_empty() => {
+                    // A result for an execution that just ended is dropped by the server; a lost link ends the
+                    // stream with its own error.
+                    let _ = self.answer(&call_id, outcome).await;
+                }
+            }
+        }
+        acc.finish()
+    }
+
     /// Ends the stream; the connection goes back to its pool.
     fn finish(&mut self) {
         self.done = true;
@@ -256,6 +313,10 @@ pub struct ExecutionResult {
     pub queued: bool,
     /// The server's environment fingerprint, when it sends one.
     pub environment_fingerprint: Option<String>,
+    /// Tool calls forwarded to the client (extension `tool_calls`), when the request offered tools.
+    pub tool_calls: Option<u64>,
+    /// The value the code returned (extension `tool_calls`), if it returned one.
+    pub return_value: Option<serde_json::Value>,
 }
 
 impl ExecutionResult {
@@ -319,7 +380,8 @@ impl Accumulator {
             ServerMessage::Stderr(chunk) => self.output(false, &chunk)?,
             ServerMessage::Result(result) => self.result = Some(result),
             ServerMessage::Error(e) => return Err(e.into()),
-            ServerMessage::Pong(_) => {}
+            // Answered by `result_with_tools`; a plain `result` leaves them unanswered (the call times out).
+            ServerMessage::Pong(_) | ServerMessage::ToolCall(_) => {}
         }
         Ok(())
     }
@@ -368,6 +430,8 @@ impl Accumulator {
             limits: self.limits,
             queued: self.queued,
             environment_fingerprint: r.environment_fingerprint,
+            tool_calls: r.tool_calls,
+            return_value: r.return_value.map(|v| *v),
         })
     }
 }
@@ -400,6 +464,8 @@ mod tests {
             artifacts: None,
             environment_fingerprint: None,
             environment: None,
+            tool_calls: None,
+            return_value: None,
         }
     }
 

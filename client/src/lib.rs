@@ -17,6 +17,9 @@
 //! - [`Execution`]: the streaming form, a [`futures_util::Stream`] of the server's messages as they arrive, with
 //!   bounded buffering (backpressure reaches the program's output pipe) and a client deadline that sends `cancel`
 //!   and reports [`ClientError::Timeout`]. [`Execution::result`] adds it up into an [`ExecutionResult`].
+//! - Tool calls (extension `tool_calls`): [`Connection::execute_with_tools`] / [`Pool::execute_with_tools`] run a
+//!   request that lists [`ToolSpec`]s and answer each [`ToolCall`] with an async handler; [`tools::CommandTool`]
+//!   is a handler that runs a local command (what `sandboxctl --tool` uses).
 //! - [`ClientError`]: every failure, with [`is_retryable`](ClientError::is_retryable),
 //!   [`code`](ClientError::code) (the FSP code) and [`kind`](ClientError::kind) (the seed's `ToolError` type).
 //! - [`Auth`]: a static token or a [`TokenProvider`] asked on every (re)connect.
@@ -56,6 +59,7 @@ pub mod execution;
 pub mod health;
 pub mod pool;
 pub mod tls;
+pub mod tools;
 
 pub use auth::{Auth, TokenFuture, TokenProvider};
 pub use config::{Backoff, ConnectOptions, ExecOptions, DEFAULT_TOKEN_FILE, DEFAULT_URL};
@@ -66,10 +70,11 @@ pub use health::{health, healthz_url, Health};
 pub use pool::{Pool, PoolBuilder, PoolStats, PooledConnection};
 pub use protocol::{
     ExecStatus, ExecuteRequest, Language, Limits, Pong, Reason, RequestedLimits, ServerEnvelope,
-    ServerMessage,
+    ServerMessage, ToolCall, ToolResult, ToolSpec,
 };
 /// The rustls this crate is built with, to build a [`rustls::ClientConfig`] for [`ConnectOptions::tls_config`].
 pub use rustls;
+pub use tools::{CommandTool, ToolOutcome};
 
 /// A fresh execution id: `exec-` and 20 random hex digits (ids only need to be unique per connection; random ones
 /// are unique across connections too, which keeps logs readable).

@@ -423,6 +423,23 @@ impl Pool {
             .await
     }
 
+    /// Runs `request` on a checked-out connection and answers its tool calls with `handler` (see
+    /// [`Execution::result_with_tools`]).
+    pub async fn execute_with_tools<H, F>(
+        &self,
+        request: ExecuteRequest,
+        handler: H,
+    ) -> Result<ExecutionResult, ClientError>
+    where
+        H: FnMut(protocol::ToolCall) -> F,
+        F: std::future::Future<Output = crate::tools::ToolOutcome>,
+    {
+        self.execute_stream(request)
+            .await?
+            .result_with_tools(handler)
+            .await
+    }
+
     /// Sends `request` on a checked-out connection, which stays checked out until the returned stream ends.
     pub async fn execute_stream(&self, request: ExecuteRequest) -> Result<Execution, ClientError> {
         self.execute_stream_with(request, ExecOptions::default())

@@ -79,11 +79,13 @@ pub enum Fault {
     ExitCodeOnSignal,
     /// Accepts any `X-Protocol-Version`.
     IgnoresVersionHeader,
+    /// Forwards calls of tools the request did not list (extension `tool_calls`) instead of refusing them.
+    ForwardsUnlistedTools,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 19] = [
+    pub const ALL: [Fault; 20] = [
         Fault::NoAck,
         Fault::ResultBeforeStatus,
         Fault::NoResultAfterTimeout,
@@ -103,6 +105,7 @@ impl Fault {
         Fault::LoadLies,
         Fault::ExitCodeOnSignal,
         Fault::IgnoresVersionHeader,
+        Fault::ForwardsUnlistedTools,
     ];
 
     /// The command-line name, e.g. `no-ack`.
@@ -127,6 +130,7 @@ impl Fault {
             Fault::LoadLies => "load-lies",
             Fault::ExitCodeOnSignal => "exit-code-on-signal",
             Fault::IgnoresVersionHeader => "ignores-version-header",
+            Fault::ForwardsUnlistedTools => "forwards-unlisted-tools",
         }
     }
 }
@@ -278,7 +282,7 @@ impl Shared {
             capabilities: Some(Capabilities {
                 languages: self.languages.iter().map(|l| l.0).collect(),
                 max_limits: self.config.max_limits,
-                extensions: vec!["files".into(), "base64_output".into()],
+                extensions: vec!["files".into(), "base64_output".into(), "tool_calls".into()],
                 isolation: Isolation {
                     namespaces: Vec::new(),
                     cgroup_version: "none".into(),
@@ -406,6 +410,7 @@ async fn connection(shared: Arc<Shared>, stream: TcpStream) {
         }
     });
     let registry: Registry = Arc::new(Mutex::new(HashMap::new()));
+    let waiters = crate::fixture_tools::Waiters::default();
     let reply = |e: ErrorMessage| {
         let mut e = e;
         if shared.has(Fault::ErrorWithoutId) {
@@ -458,6 +463,7 @@ async fn connection(shared: Arc<Shared>, stream: TcpStream) {
                     None => reply(RequestError::unknown_execution(&c.id).into()),
                 }
             }
+            Ok(ClientMessage::ToolResult(r)) => waiters.deliver(r),
             Ok(ClientMessage::Execute(req)) => {
                 if let Some(e) = admit_request(&shared, &registry, &req) {
                     reply(e);
@@ -518,6 +524,7 @@ async fn connection(shared: Arc<Shared>, stream: TcpStream) {
                     out: exec_tx.clone(),
                     req,
                     limits,
+                    waiters: waiters.clone(),
                 };
                 tokio::spawn(exec.run(permit, ctl_rx));
             }
@@ -549,6 +556,8 @@ fn strip_unknown(text: &str) -> String {
                 "limits",
                 "files",
                 "artifacts",
+                "tools",
+                "tool_timeout_ms",
             ];
             o.retain(|k, _| known.contains(&k.as_str()));
             if let Some(l) = o.get_mut("limits").and_then(Value::as_object_mut) {
@@ -611,6 +620,7 @@ struct Execution {
     out: mpsc::Sender<ServerMessage>,
     req: ExecuteRequest,
     limits: Limits,
+    waiters: crate::fixture_tools::Waiters,
 }
 
 /// Why the fixture ended a program.
@@ -684,6 +694,8 @@ impl Execution {
             artifacts: None,
             environment_fingerprint: None,
             environment: None,
+            tool_calls: None,
+            return_value: None,
         }
     }
 
@@ -776,6 +788,33 @@ impl Execution {
             return;
         }
         let mut cmd = tokio::process::Command::new(&interpreter);
+        // Extension tool_calls: the SDK's runner before the code, its socket in the execution's directory.
+        let mut broker = None;
+        let mut tool_env = Vec::new();
+        if !self.req.tools.is_empty() {
+            match crate::fixture_tools::Broker::start(
+                &self.req,
+                &dir.join("tools"),
+                self.out.clone(),
+                self.waiters.clone(),
+                self.has(Fault::ForwardsUnlistedTools),
+            ) {
+                Ok(b) => {
+                    cmd.arg(&b.runner);
+                    tool_env = b.env.clone();
+                    broker = Some(b);
+                }
+                Err(e) => {
+                    self.release();
+                    self.send(ServerMessage::Error(ErrorMessage::internal(
+                        &id,
+                        format!("Cannot set up the tool socket: {e}"),
+                    )))
+                    .await;
+                    return;
+                }
+            }
+        }
         cmd.arg(&code_path)
             .current_dir(&work)
             .env_clear()
@@ -795,6 +834,7 @@ impl Execution {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
+        cmd.envs(tool_env);
         let fsize = self.limits.disk_mb << 20;
         // SAFETY: the closure runs in the forked child before exec and only calls setrlimit(2), which is
         // async-signal-safe; it allocates nothing and touches no lock.
@@ -944,7 +984,11 @@ impl Execution {
         } else {
             None
         };
-        let r = self.result(exit_code, signame, reason, duration, usage, sent, truncated);
+        let mut r = self.result(exit_code, signame, reason, duration, usage, sent, truncated);
+        if let Some(b) = broker.take() {
+            r.tool_calls = Some(b.calls());
+            r.return_value = b.return_value().map(Box::new);
+        }
         self.finish(status, r).await;
     }
 

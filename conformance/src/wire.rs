@@ -446,7 +446,8 @@ impl Exec {
         if ends != [self.msgs.len() - 1] {
             return fail("exactly one terminal message (result or error), and it is the last");
         }
-        let is_output = |l: &str| l == "stdout" || l == "stderr";
+        // A tool_call (extension tool_calls) only comes while the program runs, like its output.
+        let is_output = |l: &str| l == "stdout" || l == "stderr" || l == "tool_call";
         let running: Vec<usize> = (0..labels.len())
             .filter(|&i| labels[i] == "status:running")
             .collect();

@@ -6,10 +6,10 @@
 //! 1. JSON and an object, else `INVALID_REQUEST` without `id`.
 //! 2. A usable `id` (a string matching `^[A-Za-z0-9_.:-]{1,128}$`) is noted; every later error echoes it.
 //! 3. `v`: present, an integer, and one of [`SUPPORTED_VERSIONS`] (errors list `supported_versions`).
-//! 4. `type`: `execute`, `cancel` or `ping`.
-//! 5. `id` is required and must be usable on `execute` and `cancel`.
+//! 4. `type`: `execute`, `cancel`, `ping` or `tool_result`.
+//! 5. `id` is required and must be usable on `execute`, `cancel` and `tool_result`.
 //! 6. `ts`: a string. Its format is not checked: the spec's own examples use `"..."`.
-//! 7. The body. `execute` refuses unknown fields at every level; `cancel` and `ping` ignore them. Errors name the
+//! 7. The body. `execute` and `tool_result` refuse unknown fields at every level; `cancel` and `ping` ignore them. Errors name the
 //!    field path, e.g. `limits.timeout_ms`.
 //! 8. `execute` only: the language (`LANGUAGE_NOT_SUPPORTED` for a name FSP/1 does not know), then
 //!    [`ExecuteRequest::validate`].
@@ -25,6 +25,7 @@ use crate::envelope::{is_valid_id, now_ts, MAX_ID_LEN, PROTOCOL_VERSION, SUPPORT
 use crate::error::RequestError;
 use crate::language::Language;
 use crate::limits::{Limits, RequestedLimits};
+use crate::tools::{check_tools, ToolResult, ToolSpec, DEFAULT_TOOL_TIMEOUT_MS};
 use crate::validate::{validate_env_var, validate_relative_path};
 
 /// The longest artifact type name, in bytes.
@@ -45,6 +46,8 @@ pub enum ClientMessage {
     Cancel(CancelRequest),
     /// `ping`: ask for a `pong`.
     Ping(PingRequest),
+    /// `tool_result`: the answer to a `tool_call` (extension `tool_calls`).
+    ToolResult(ToolResult),
 }
 
 impl ClientMessage {
@@ -54,6 +57,7 @@ impl ClientMessage {
             ClientMessage::Execute(_) => "execute",
             ClientMessage::Cancel(_) => "cancel",
             ClientMessage::Ping(_) => "ping",
+            ClientMessage::ToolResult(_) => "tool_result",
         }
     }
 
@@ -63,6 +67,7 @@ impl ClientMessage {
             ClientMessage::Execute(req) => Some(&req.id),
             ClientMessage::Cancel(req) => Some(&req.id),
             ClientMessage::Ping(_) => None,
+            ClientMessage::ToolResult(res) => Some(&res.id),
         }
     }
 
@@ -72,6 +77,7 @@ impl ClientMessage {
             ClientMessage::Execute(req) => &req.ts,
             ClientMessage::Cancel(req) => &req.ts,
             ClientMessage::Ping(req) => &req.ts,
+            ClientMessage::ToolResult(res) => &res.ts,
         }
     }
 }
@@ -93,6 +99,7 @@ impl Serialize for ClientMessage {
             ClientMessage::Execute(body) => Wire { v, kind, body }.serialize(serializer),
             ClientMessage::Cancel(body) => Wire { v, kind, body }.serialize(serializer),
             ClientMessage::Ping(body) => Wire { v, kind, body }.serialize(serializer),
+            ClientMessage::ToolResult(body) => Wire { v, kind, body }.serialize(serializer),
         }
     }
 }
@@ -122,6 +129,13 @@ pub struct ExecuteRequest {
     /// Files to collect after the program ends (sandboxd addition).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub artifacts: Option<ArtifactsRequest>,
+    /// Tools the code may call (extension `tool_calls`; python and javascript).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<ToolSpec>,
+    /// How long one tool call may wait for its `tool_result`; only with `tools`. Default
+    /// [`DEFAULT_TOOL_TIMEOUT_MS`](crate::tools::DEFAULT_TOOL_TIMEOUT_MS), at most the server's maximum.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_timeout_ms: Option<u64>,
 }
 
 impl ExecuteRequest {
@@ -142,6 +156,8 @@ impl ExecuteRequest {
             limits,
             files: Vec::new(),
             artifacts: None,
+            tools: Vec::new(),
+            tool_timeout_ms: None,
         }
     }
 
@@ -175,7 +191,23 @@ impl ExecuteRequest {
                 return fail(message);
             }
         }
+        if let Err(message) = check_tools(self.language, &self.tools, self.tool_timeout_ms) {
+            return fail(message);
+        }
         Ok(())
+    }
+
+    /// The per-call tool timeout in effect: `tool_timeout_ms` or the default (capped by `max`), refused above
+    /// `max` (never clamped).
+    pub fn resolve_tool_timeout(&self, max: u64) -> Result<u64, RequestError> {
+        match self.tool_timeout_ms {
+            Some(ms) if ms > max => Err(RequestError::invalid(
+                Some(self.id.clone()),
+                format!("Field tool_timeout_ms: {ms} is above the maximum {max}"),
+            )),
+            Some(ms) => Ok(ms),
+            None => Ok(DEFAULT_TOOL_TIMEOUT_MS.min(max)),
+        }
     }
 
     /// [`RequestedLimits::resolve`] against the server's maximums, as an error for this execution.
@@ -360,6 +392,22 @@ struct ExecuteBody {
     files: Option<Vec<FileSpec>>,
     #[serde(default)]
     artifacts: Option<ArtifactsRequest>,
+    #[serde(default)]
+    tools: Option<Vec<ToolSpec>>,
+    #[serde(default)]
+    tool_timeout_ms: Option<u64>,
+}
+
+/// The fields of `tool_result` besides the envelope. Unknown fields are refused.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a tool_result object")]
+struct ToolResultBody {
+    call_id: String,
+    ok: bool,
+    #[serde(default)]
+    result: Option<Value>,
+    #[serde(default)]
+    error: Option<String>,
 }
 
 /// The message types a client may send.
@@ -368,6 +416,7 @@ enum Kind {
     Execute,
     Cancel,
     Ping,
+    ToolResult,
 }
 
 /// Parses one text frame from a client, applying every refusal of spec sections 2 and 3 (see the module docs for
@@ -423,9 +472,10 @@ pub fn parse_client_message(text: &str) -> Result<ClientMessage, RequestError> {
             "execute" => Kind::Execute,
             "cancel" => Kind::Cancel,
             "ping" => Kind::Ping,
+            "tool_result" => Kind::ToolResult,
             other => {
                 return Err(invalid(format!(
-                    "Field type: unknown message type {other:?}; expected execute, cancel or ping"
+                    "Field type: unknown message type {other:?}; expected execute, cancel, ping or tool_result"
                 )))
             }
         },
@@ -438,7 +488,7 @@ pub fn parse_client_message(text: &str) -> Result<ClientMessage, RequestError> {
     };
 
     let exec_id = match kind {
-        Kind::Execute | Kind::Cancel => match (&id, obj.get("id")) {
+        Kind::Execute | Kind::Cancel | Kind::ToolResult => match (&id, obj.get("id")) {
             (Some(id), _) => id.clone(),
             (None, None) => return Err(invalid("Missing field id".to_owned())),
             (None, Some(_)) => return Err(invalid(invalid_id_message())),
@@ -466,7 +516,40 @@ pub fn parse_client_message(text: &str) -> Result<ClientMessage, RequestError> {
         }
         Kind::Cancel => Ok(ClientMessage::Cancel(CancelRequest { id: exec_id, ts })),
         Kind::Ping => Ok(ClientMessage::Ping(PingRequest { ts })),
+        Kind::ToolResult => {
+            for envelope_field in ["v", "type", "id", "ts"] {
+                obj.remove(envelope_field);
+            }
+            parse_tool_result(obj, exec_id, ts).map(ClientMessage::ToolResult)
+        }
     }
+}
+
+/// Parses and checks the body of a `tool_result` whose envelope has been checked and removed.
+fn parse_tool_result(
+    body: Map<String, Value>,
+    id: String,
+    ts: String,
+) -> Result<ToolResult, RequestError> {
+    let body: ToolResultBody =
+        serde_path_to_error::deserialize(Value::Object(body)).map_err(|e| {
+            RequestError::invalid(
+                Some(id.clone()),
+                describe_body_error(&e).replace("Invalid execute", "Invalid tool_result"),
+            )
+        })?;
+    let result = ToolResult {
+        id,
+        ts,
+        call_id: body.call_id,
+        ok: body.ok,
+        result: body.result,
+        error: body.error,
+    };
+    result
+        .check()
+        .map_err(|m| RequestError::invalid(Some(result.id.clone()), m))?;
+    Ok(result)
 }
 
 /// Parses and validates the body of an `execute` whose envelope has been checked and removed.
@@ -491,6 +574,8 @@ fn parse_execute(
         limits: body.limits,
         files: body.files.unwrap_or_default(),
         artifacts: body.artifacts,
+        tools: body.tools.unwrap_or_default(),
+        tool_timeout_ms: body.tool_timeout_ms,
     };
     request.validate()?;
     Ok(request)

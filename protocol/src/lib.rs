@@ -5,13 +5,14 @@
 //! `error` message; it builds [`ServerMessage`]s and turns them into frames with [`encode`].
 //!
 //! - [`envelope`]: protocol version, execution ids and timestamps shared by every message.
-//! - [`client`]: `execute`, `cancel`, `ping` and [`parse_client_message`], which applies the refusal rules of
+//! - [`client`]: `execute`, `cancel`, `ping`, `tool_result` and [`parse_client_message`], which applies the refusal rules of
 //!   spec sections 2 and 3 in a fixed order (JSON, object, `id`, `v`, `type`, `ts`, body, semantic checks).
 //! - [`server`]: `ack`, `status`, `stdout`/`stderr`, `result`, `error`, `pong`, [`encode`] and
 //!   [`parse_server_message`] (for clients and tests).
 //! - [`limits`]: requested and effective resource limits, defaults and [`RequestedLimits::resolve`].
 //! - [`error`]: [`ErrorCode`] with its retryability, and [`RequestError`].
 //! - [`validate`]: path, glob and environment checks used by `execute`.
+//! - [`tools`]: the `tool_calls` extension: [`ToolSpec`], [`ToolCall`] and [`ToolResult`].
 //! - [`output`]: [`Utf8Chunker`], which turns raw pipe bytes into chunks that never split a UTF-8 sequence.
 
 pub mod client;
@@ -21,6 +22,7 @@ pub mod language;
 pub mod limits;
 pub mod output;
 pub mod server;
+pub mod tools;
 pub mod validate;
 
 pub use client::{
@@ -40,4 +42,5 @@ pub use server::{
     ErrorMessage, ExecStatus, Isolation, Load, OutputChunk, Pong, Reason, ResourceUsage,
     ResultMessage, ServerEnvelope, ServerMessage, SANDBOXD_EXTENSIONS,
 };
+pub use tools::{ToolCall, ToolResult, ToolSpec, DEFAULT_TOOL_TIMEOUT_MS, MAX_TOOLS};
 pub use validate::{validate_env_var, validate_relative_path, EnvError, PathError, MAX_PATH_LEN};

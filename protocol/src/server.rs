@@ -14,9 +14,10 @@ use crate::error::{ErrorCode, RequestError};
 use crate::language::Language;
 use crate::limits::Limits;
 use crate::output::{Chunk, OutputEncoding};
+use crate::tools::ToolCall;
 
 /// The protocol extensions sandboxd implements, for `pong.capabilities.extensions`.
-pub const SANDBOXD_EXTENSIONS: &[&str] = &["files", "artifacts", "base64_output"];
+pub const SANDBOXD_EXTENSIONS: &[&str] = &["files", "artifacts", "base64_output", "tool_calls"];
 
 /// A message the server sends. Tagged by `type`; [`encode`] adds `v` and `ts`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -56,6 +57,9 @@ pub enum ServerMessage {
     Error(ErrorMessage),
     /// `pong`: the answer to `ping`.
     Pong(Pong),
+    /// `tool_call`: code in the execution called a tool (extension `tool_calls`); answered by `tool_result`.
+    #[serde(rename = "tool_call")]
+    ToolCall(ToolCall),
 }
 
 impl ServerMessage {
@@ -69,6 +73,7 @@ impl ServerMessage {
             ServerMessage::Result(_) => "result",
             ServerMessage::Error(_) => "error",
             ServerMessage::Pong(_) => "pong",
+            ServerMessage::ToolCall(_) => "tool_call",
         }
     }
 
@@ -80,6 +85,7 @@ impl ServerMessage {
             ServerMessage::Result(result) => Some(&result.id),
             ServerMessage::Error(error) => error.id.as_deref(),
             ServerMessage::Pong(_) => None,
+            ServerMessage::ToolCall(call) => Some(&call.id),
         }
     }
 
@@ -258,6 +264,14 @@ pub struct ResultMessage {
     /// What the fingerprint is made of (sandboxd addition).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub environment: Option<Box<Environment>>,
+    /// How many tool calls were forwarded to the client; present when the request offered tools (extension
+    /// `tool_calls`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<u64>,
+    /// The value the code returned (extension `tool_calls`); absent when it returned nothing. Boxed: it is rare,
+    /// and every message the daemon queues is as large as the largest one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub return_value: Option<Box<Value>>,
 }
 
 /// The parts of `environment_fingerprint` (sandboxd addition): enough to run the same program on the same image,
@@ -316,6 +330,10 @@ struct ResultWire {
     environment_fingerprint: Option<String>,
     #[serde(default)]
     environment: Option<Box<Environment>>,
+    #[serde(default)]
+    tool_calls: Option<u64>,
+    #[serde(default)]
+    return_value: Option<Box<Value>>,
 }
 
 impl From<ResultWire> for ResultMessage {
@@ -338,6 +356,8 @@ impl From<ResultWire> for ResultMessage {
             artifacts: wire.artifacts,
             environment_fingerprint: wire.environment_fingerprint,
             environment: wire.environment,
+            tool_calls: wire.tool_calls,
+            return_value: wire.return_value,
         }
     }
 }

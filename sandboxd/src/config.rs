@@ -68,6 +68,8 @@ pub struct Config {
     pub languages: Option<BTreeMap<Language, LanguageConfig>>,
     /// Containers created ahead of time.
     pub pool: PoolConfig,
+    /// The `tool_calls` extension: per-call timeout maximum and per-execution bounds of the tool socket.
+    pub tools: crate::tools::ToolsConfig,
 }
 
 /// The most languages a daemon serves (python, javascript, shell, elixir): bounds the pool's rounding.
@@ -291,6 +293,7 @@ impl Default for Config {
             images: BTreeMap::new(),
             languages: None,
             pool: PoolConfig::default(),
+            tools: crate::tools::ToolsConfig::default(),
         }
     }
 }
@@ -401,6 +404,10 @@ impl Config {
         positive("limits.max.max_output_bytes", m.max_output_bytes)?;
         positive("limits.max.pids_max", m.pids_max)?;
         positive("limits.max.disk_mb", m.disk_mb)?;
+        positive("tools.max_call_timeout_ms", self.tools.max_call_timeout_ms)?;
+        positive("tools.max_connections", self.tools.max_connections as u64)?;
+        positive("tools.max_calls", self.tools.max_calls)?;
+        positive("tools.max_line_bytes", self.tools.max_line_bytes as u64)?;
         if m.cpu_shares < 2 {
             return Err(ConfigError::Value {
                 key: "limits.max.cpu_shares",

@@ -13,6 +13,7 @@ mod images_cli;
 mod pool;
 mod server;
 mod store;
+mod tools;
 mod upload;
 
 use std::io::Write;

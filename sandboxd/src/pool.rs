@@ -332,16 +332,16 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// A pool of `size` ready containers per language (0: no pool, every execution takes the cold path). Call
-    /// [`Self::start`] to begin filling it.
+    /// A pool of `total` ready containers, split evenly over the languages (rounded up; 0: no pool, every
+    /// execution takes the cold path). Call [`Self::start`] to begin filling it.
     pub fn new(
         factory: Arc<Factory>,
-        size: usize,
+        total: usize,
         languages: &BTreeMap<Language, LanguageRuntime>,
     ) -> Self {
         Self {
             factory,
-            size,
+            size: total.div_ceil(languages.len().max(1)),
             ready: Mutex::new(HashMap::new()),
             wake: languages
                 .keys()
@@ -367,8 +367,8 @@ impl Pool {
         self.lock().values().map(VecDeque::len).sum()
     }
 
-    /// For `/healthz`: size per language (`per_language`), ready containers, executions that took a ready one (hits) and that
-    /// created their own (misses).
+    /// For `/healthz`: size per language (`per_language`), ready containers, executions that took a ready one
+    /// (hits) and that created their own (misses).
     pub fn status(&self) -> serde_json::Value {
         serde_json::json!({
             "per_language": self.size,

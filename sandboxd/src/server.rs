@@ -174,7 +174,7 @@ enum Outgoing {
 
 /// The executions in flight on one connection, by id. An execution removes itself right before it sends its
 /// terminal message, so a client that saw the result may reuse the id at once.
-type Entries = HashMap<String, (u64, watch::Sender<Control>)>;
+type Entries = HashMap<String, (u64, watch::Sender<Control>, crate::tools::Inbox)>;
 
 #[derive(Clone, Default)]
 pub struct Registry {
@@ -195,12 +195,14 @@ impl Registry {
         }
         let token = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = watch::channel(Control::Run);
-        map.insert(id.to_owned(), (token, tx));
+        let inbox = crate::tools::Inbox::default();
+        map.insert(id.to_owned(), (token, tx, inbox.clone()));
         Some((
             Registration {
                 registry: self.clone(),
                 id: id.to_owned(),
                 token,
+                inbox,
             },
             rx,
         ))
@@ -209,12 +211,25 @@ impl Registry {
     /// Cancels `id`: `Some(true)` if it was running, `Some(false)` if already cancelling, `None` if unknown.
     fn cancel(&self, id: &str) -> Option<bool> {
         let map = self.lock();
-        let (_, tx) = map.get(id)?;
+        let (_, tx, _) = map.get(id)?;
         Some(tx.send_if_modified(|c| {
             let first = *c != Control::Cancel;
             *c = Control::Cancel;
             first
         }))
+    }
+
+    /// Hands a `tool_result` to its execution's broker. One for an execution or call no longer waiting is dropped:
+    /// it races with the execution's end, and an `error` with that id would be a second terminal message.
+    fn tool_result(&self, result: protocol::ToolResult) {
+        let inbox = self
+            .lock()
+            .get(&result.id)
+            .map(|(_, _, inbox)| inbox.clone());
+        let (id, call_id) = (result.id.clone(), result.call_id.clone());
+        if !inbox.is_some_and(|inbox| inbox.deliver(result)) {
+            debug!(%id, %call_id, "tool_result for no waiting call; dropped");
+        }
     }
 
     /// Drops every control sender: each execution sees its client gone.
@@ -228,13 +243,19 @@ pub struct Registration {
     registry: Registry,
     id: String,
     token: u64,
+    inbox: crate::tools::Inbox,
 }
 
 impl Registration {
+    /// Where the connection delivers this execution's `tool_result`s.
+    pub fn tool_inbox(&self) -> crate::tools::Inbox {
+        self.inbox.clone()
+    }
+
     /// Leaves the registry (idempotent; a newer execution with the same id is left alone).
     pub fn release(&self) {
         let mut map = self.registry.lock();
-        if map.get(&self.id).is_some_and(|(t, _)| *t == self.token) {
+        if map.get(&self.id).is_some_and(|(t, _, _)| *t == self.token) {
             map.remove(&self.id);
         }
     }
@@ -316,6 +337,10 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
         let keep = match protocol::parse_client_message(&text) {
             Err(e) => reply(e.into()),
             Ok(ClientMessage::Ping(_)) => reply(ServerMessage::Pong(engine.pong())),
+            Ok(ClientMessage::ToolResult(result)) => {
+                registry.tool_result(result);
+                true
+            }
             Ok(ClientMessage::Cancel(c)) => match registry.cancel(&c.id) {
                 Some(_) => true,
                 None => reply(RequestError::unknown_execution(&c.id).into()),
@@ -477,6 +502,9 @@ fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessag
             &req.id,
             req.language.as_str(),
         )));
+    }
+    if let Err(e) = req.resolve_tool_timeout(engine.config.tools.max_call_timeout_ms) {
+        return Some(e.into());
     }
     if let Some(a) = &req.artifacts {
         if let Err(e) =

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! sandboxctl exec --language python --code 'print(1)'     # or --file prog.py, or - (code on stdin)
+//! sandboxctl exec -l python --tool 'ls=ls -1' --code 'ls().split()'  # a tool served by a local command
 //! sandboxctl ping                                          # load and capabilities
 //! sandboxctl health                                        # GET /healthz
 //! ```
@@ -25,6 +26,7 @@ use client::{
     ExecuteRequest, Language, Reason, RequestedLimits, ServerMessage, DEFAULT_TOKEN_FILE,
     DEFAULT_URL,
 };
+use client::{CommandTool, ToolSpec};
 use protocol::{ArtifactsRequest, FileEncoding, FileSpec};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -149,6 +151,14 @@ struct ExecArgs {
     /// Print the protocol events as JSON lines instead of the program's output.
     #[arg(long)]
     json: bool,
+    /// Offer the tool NAME to the code (python, javascript; repeatable): each call runs `sh -c COMMAND` here with
+    /// the call's arguments as JSON on stdin, and its stdout (JSON, else text) is the result. The code's return
+    /// value, if any, is printed as one JSON line on stdout after its output.
+    #[arg(long = "tool", value_name = "NAME=COMMAND")]
+    tools: Vec<String>,
+    /// How long one tool call may take, in milliseconds (server default 30 s).
+    #[arg(long)]
+    tool_timeout_ms: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -391,6 +401,11 @@ async fn build_request(args: &ExecArgs) -> anyhow::Result<ExecuteRequest> {
             encoding,
         });
     }
+    for spec in &args.tools {
+        let tool = CommandTool::parse(spec).map_err(anyhow::Error::msg)?;
+        request.tools.push(ToolSpec::new(tool.name));
+    }
+    request.tool_timeout_ms = args.tool_timeout_ms;
     if !args.artifacts.is_empty() {
         request.artifacts = Some(ArtifactsRequest {
             paths: args.artifacts.clone(),
@@ -416,6 +431,15 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
         Some(ms) => ExecOptions::new().deadline(Duration::from_millis(ms)),
         None => ExecOptions::new(),
     };
+    let tools: Vec<CommandTool> = args
+        .tools
+        .iter()
+        .map(|t| CommandTool::parse(t))
+        .collect::<Result<_, _>>()
+        .map_err(anyhow::Error::msg)?;
+    let mut calls = futures_util::stream::FuturesUnordered::<
+        std::pin::Pin<Box<dyn std::future::Future<Output = (String, client::ToolOutcome)>>>,
+    >::new();
     let mut execution = match conn.execute_stream_with(request, exec_options).await {
         Ok(e) => e,
         Err(e) => return Ok(fail(&e).await),
@@ -427,6 +451,12 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
     let result = loop {
         let item = tokio::select! {
             item = execution.next() => item,
+            Some((call_id, outcome)) = futures_util::StreamExt::next(&mut calls), if !calls.is_empty() => {
+                if let Err(e) = execution.answer(&call_id, outcome).await {
+                    return Ok(fail(&e).await);
+                }
+                continue;
+            }
             _ = &mut ctrl_c, if !interrupted => {
                 interrupted = true;
                 say(format!("interrupted; cancelling {}", execution.id())).await;
@@ -473,10 +503,26 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
                 let bytes = chunk.decode().context("undecodable stderr chunk")?;
                 write_flush(&mut stderr, &bytes).await?;
             }
+            ServerMessage::ToolCall(call) => {
+                let tool = tools.iter().find(|t| t.name == call.name).cloned();
+                calls.push(Box::pin(async move {
+                    let outcome = match tool {
+                        Some(t) => {
+                            t.run(&call.args, call.timeout_ms.map(Duration::from_millis))
+                                .await
+                        }
+                        None => Err(format!("sandboxctl has no tool {:?}", call.name)),
+                    };
+                    (call.call_id, outcome)
+                }));
+            }
             ServerMessage::Result(result) => break result,
             _ => {}
         }
     };
+    if let (Some(value), false) = (&result.return_value, args.json) {
+        write_flush(&mut stdout, format!("{value}\n").as_bytes()).await?;
+    }
     conn.close();
     Ok(outcome(&result, timeout_ms).await)
 }

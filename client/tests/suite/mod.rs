@@ -11,3 +11,4 @@ mod pool_behaviour;
 mod readme;
 mod sandboxctl;
 mod tls;
+mod tools;

@@ -1,5 +1,6 @@
-//! Every case of the suite, by spec section (`P.*`), isolation posture (`I.*`) and resources and lifecycle
-//! (`R.*`), and the helpers they share. Ids are stable: a case is never renumbered, a retired id is not reused.
+//! Every case of the suite, by spec section (`P.*`), isolation posture (`I.*`), resources and lifecycle (`R.*`)
+//! and extension (`E.*`), and the helpers they share. Ids are stable: a case is never renumbered, a retired id is
+//! not reused.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +20,7 @@ pub mod messages;
 pub mod requests;
 pub mod resources;
 pub mod sequences;
+pub mod tools;
 pub mod transport;
 
 /// Declares a [`Case`].
@@ -47,6 +49,7 @@ pub fn all() -> Vec<Case> {
     v.extend(capacity::cases());
     v.extend(resources::cases());
     v.extend(isolation::cases());
+    v.extend(tools::cases());
     v
 }
 

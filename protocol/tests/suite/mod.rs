@@ -2,6 +2,7 @@ mod client_round_trip;
 mod refusals;
 mod server_encoding;
 mod spec_examples;
+mod tools;
 
 use protocol::{parse_client_message, ErrorCode, RequestError};
 

@@ -34,6 +34,8 @@ fn result(reason: Reason, exit_code: Option<i32>, signal: Option<&str>) -> Resul
         artifacts: None,
         environment_fingerprint: None,
         environment: None,
+        tool_calls: None,
+        return_value: None,
     }
 }
 

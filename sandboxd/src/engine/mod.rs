@@ -115,7 +115,12 @@ impl Engine {
 
     /// Protocol extensions this server implements.
     pub fn extensions(&self) -> Vec<String> {
-        vec!["files".into(), "base64_output".into(), "artifacts".into()]
+        vec![
+            "files".into(),
+            "base64_output".into(),
+            "artifacts".into(),
+            "tool_calls".into(),
+        ]
     }
 
     /// The `pong` for a `ping`.
@@ -210,7 +215,11 @@ impl Engine {
         control: watch::Receiver<Control>,
         registration: Registration,
     ) {
-        let (container, outcome) = self.clone().execute(&req, &limits, &out, control).await;
+        let tool_inbox = registration.tool_inbox();
+        let (container, outcome) = self
+            .clone()
+            .execute(&req, &limits, &out, control, tool_inbox)
+            .await;
         // The container goes first (in the background): the result does not wait for its removal.
         if let Some(c) = container {
             let factory = self.pool.factory().clone();
@@ -240,6 +249,7 @@ impl Engine {
         limits: &Limits,
         out: &mpsc::Sender<ServerMessage>,
         control: watch::Receiver<Control>,
+        tool_inbox: crate::tools::Inbox,
     ) -> Finished {
         let id = req.id.as_str();
         let internal = |m: String| ErrorMessage::internal(id, m);
@@ -274,11 +284,34 @@ impl Engine {
             // Cancelled while the container was being taken: the program never runs.
             return (Some(container), Ok(cancelled_before_start(id)));
         }
+        // The tool broker (tool_calls extension) serves /sandbox/tools.sock until the execution is over (Drop).
+        let tools = match crate::tools::Broker::start(
+            req,
+            &container.scratch.dir().join("code"),
+            container.host_id,
+            req.resolve_tool_timeout(self.config.tools.max_call_timeout_ms)
+                .unwrap_or(protocol::DEFAULT_TOOL_TIMEOUT_MS),
+            &self.config.tools,
+            out.clone(),
+            tool_inbox,
+        ) {
+            Ok(b) => b,
+            Err(e) => return (Some(container), Err(internal(e.describe()))),
+        };
         match self.launch(req, limits, &lang, files, &container).await {
             Ok(launched) => {
                 let launch_us = (t0.elapsed() - taken).as_micros() as u64;
                 let finished = self
-                    .supervise(req, limits, &lang, &container, launched, out, control)
+                    .supervise(
+                        req,
+                        limits,
+                        &lang,
+                        &container,
+                        launched,
+                        tools.as_ref(),
+                        out,
+                        control,
+                    )
                     .await;
                 debug!(
                     container = %container.cid,
@@ -343,9 +376,13 @@ impl Engine {
             stderr_w,
         } = make_stdio(req.stdin.as_deref().unwrap_or("").as_bytes())
             .map_err(|e| internal(format!("Cannot create pipes: {e}")))?;
+        let mut args = command(lang);
+        let mut env = environment(lang, req);
+        // With tools, the code runs inside the SDK's runner, which finds the SDK on its path.
+        crate::tools::adjust_command(req, &mut args, &mut env);
         let launch = Launch {
-            args: command(lang),
-            env: environment(lang, req),
+            args,
+            env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
         };
         let sent_ns = runtime::init::monotonic_ns();
         runtime::launch::send(
@@ -380,6 +417,7 @@ impl Engine {
         lang: &LanguageRuntime,
         container: &Container,
         (stdout_r, stderr_r, sent_ns): (OwnedFd, OwnedFd, u64),
+        tools: Option<&crate::tools::Broker>,
         out: &mpsc::Sender<ServerMessage>,
         mut control: watch::Receiver<Control>,
     ) -> Result<Vec<ServerMessage>, ErrorMessage> {
@@ -393,6 +431,10 @@ impl Engine {
                 status: ExecStatus::Running,
             })
             .await;
+        if let Some(b) = tools {
+            // Calls are forwarded only after `status: running`.
+            b.started();
+        }
         let mut status_rx = watch_end(&container.created.pidfd, &container.created.status)
             .map_err(|e| internal(format!("Cannot watch the container: {e}")))?;
         let pidfd = container.created.pidfd.as_fd();
@@ -540,6 +582,10 @@ impl Engine {
         res.artifacts = artifacts;
         res.environment_fingerprint = Some(fingerprint);
         res.environment = Some(Box::new(environment));
+        if let Some(b) = tools {
+            res.tool_calls = Some(b.calls());
+            res.return_value = b.return_value().map(Box::new);
+        }
         messages.push(ServerMessage::Result(res));
         debug!(
             exit_us = wall.as_micros() as u64,
@@ -559,7 +605,7 @@ fn command(lang: &LanguageRuntime) -> Vec<String> {
 }
 
 /// The program's environment: sandboxd's base, then the image's, then the request's.
-fn environment(lang: &LanguageRuntime, req: &ExecuteRequest) -> Vec<String> {
+fn environment(lang: &LanguageRuntime, req: &ExecuteRequest) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = [
         ("PATH", "/usr/local/bin:/usr/bin:/bin"),
         ("HOME", WORKDIR),
@@ -573,7 +619,7 @@ fn environment(lang: &LanguageRuntime, req: &ExecuteRequest) -> Vec<String> {
     .collect();
     env.extend(lang.image.env.iter().cloned());
     env.extend(req.env.clone());
-    env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+    env
 }
 
 /// The request's files, decoded; a bad one is `INVALID_REQUEST` before any container is taken.
@@ -689,6 +735,8 @@ fn result(
         artifacts: None,
         environment_fingerprint: None,
         environment: None,
+        tool_calls: None,
+        return_value: None,
     }
 }
 

@@ -1080,7 +1080,7 @@ impl Collected {
         let statuses: Vec<usize> = (0..kinds.len())
             .filter(|&i| kinds[i].starts_with("status:") && kinds[i] != "status:running")
             .collect();
-        let is_output = |k: &String| k == "stdout" || k == "stderr";
+        let is_output = |k: &String| k == "stdout" || k == "stderr" || k == "tool_call";
         match &self.messages[self.messages.len() - 1] {
             ServerMessage::Result(_) => {
                 if statuses.len() != 1 || statuses[0] != kinds.len() - 2 {
@@ -1418,7 +1418,15 @@ pub fn check_vocabulary(raw: &Value) {
     word(
         "type",
         &[
-            "ack", "status", "stdout", "stderr", "result", "error", "pong",
+            "ack",
+            "status",
+            "stdout",
+            "stderr",
+            "result",
+            "error",
+            "pong",
+            // extension tool_calls
+            "tool_call",
         ],
     );
     match raw["type"].as_str() {

@@ -22,3 +22,4 @@ mod limits;
 mod output;
 mod pool;
 mod requests;
+mod tools;

@@ -1,0 +1,352 @@
+//! The `tool_calls` extension (`docs/spec/tool-calls.md`): the tools an `execute` offers to its code, the
+//! server's `tool_call` and the client's `tool_result`.
+//!
+//! Code in an execution calls a tool through a small SDK; sandboxd forwards the call to the client as `tool_call`
+//! and hands the client's `tool_result` back to the code. Only the tools the request lists may be called.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::envelope::{is_valid_id, now_ts};
+use crate::language::Language;
+
+/// The most tools one `execute` may offer.
+pub const MAX_TOOLS: usize = 64;
+/// The longest tool name, in bytes.
+pub const MAX_TOOL_NAME_LEN: usize = 64;
+/// The longest tool description, in bytes.
+pub const MAX_TOOL_DESCRIPTION_LEN: usize = 4096;
+/// The largest tool schema, in bytes of compact JSON.
+pub const MAX_TOOL_SCHEMA_BYTES: usize = 64 * 1024;
+/// The per-call timeout when `tool_timeout_ms` is not given.
+pub const DEFAULT_TOOL_TIMEOUT_MS: u64 = 30_000;
+
+/// Names a tool may not have: they would shadow the SDK's own names or are reserved words of a language with an
+/// SDK (the SDKs define a function per tool).
+const RESERVED_NAMES: &[&str] = &[
+    // the SDK
+    "call",
+    "ToolError",
+    "Result",
+    // python keywords and soft keywords
+    "False",
+    "None",
+    "True",
+    "and",
+    "as",
+    "assert",
+    "async",
+    "await",
+    "break",
+    "class",
+    "continue",
+    "def",
+    "del",
+    "elif",
+    "else",
+    "except",
+    "finally",
+    "for",
+    "from",
+    "global",
+    "if",
+    "import",
+    "in",
+    "is",
+    "lambda",
+    "nonlocal",
+    "not",
+    "or",
+    "pass",
+    "raise",
+    "return",
+    "try",
+    "while",
+    "with",
+    "yield",
+    "match",
+    "case",
+    "type",
+    // javascript reserved words
+    "arguments",
+    "catch",
+    "const",
+    "debugger",
+    "default",
+    "delete",
+    "do",
+    "enum",
+    "eval",
+    "export",
+    "extends",
+    "false",
+    "function",
+    "implements",
+    "instanceof",
+    "interface",
+    "let",
+    "new",
+    "null",
+    "package",
+    "private",
+    "protected",
+    "public",
+    "static",
+    "super",
+    "switch",
+    "this",
+    "throw",
+    "true",
+    "typeof",
+    "var",
+    "void",
+    "require",
+    "module",
+    "exports",
+];
+
+/// A tool the code of an execution may call (`execute.tools[]`). Unknown fields are refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a tool object")]
+pub struct ToolSpec {
+    /// The tool's name; the SDKs define a function of this name. `^[A-Za-z][A-Za-z0-9_]{0,63}$`, not reserved.
+    pub name: String,
+    /// What the tool does (docstring of the generated function).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// A JSON Schema of the tool's arguments (an object). Its `required` list, in order, and then its other
+    /// `properties` in name order give the positional parameters of the generated function.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<Value>,
+}
+
+impl ToolSpec {
+    /// A tool with only a name.
+    pub fn new(name: impl Into<String>) -> Self {
+        ToolSpec {
+            name: name.into(),
+            description: None,
+            schema: None,
+        }
+    }
+
+    /// The names of the generated function's positional parameters: `schema.required` in order, then the other
+    /// `schema.properties` by name. Empty without a schema.
+    pub fn parameters(&self) -> Vec<String> {
+        let Some(schema) = self.schema.as_ref().and_then(Value::as_object) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = schema
+            .get("required")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .filter(|n| is_identifier(n))
+            .map(str::to_owned)
+            .collect();
+        if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+            for key in props.keys() {
+                if is_identifier(key) && !names.contains(key) {
+                    names.push(key.clone());
+                }
+            }
+        }
+        names
+    }
+}
+
+/// `^[A-Za-z_][A-Za-z0-9_]*$`.
+fn is_identifier(s: &str) -> bool {
+    let mut bytes = s.bytes();
+    bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// Checks `tools` and `tool_timeout_ms` of an `execute`; the error message names the field.
+pub(crate) fn check_tools(
+    language: Language,
+    tools: &[ToolSpec],
+    tool_timeout_ms: Option<u64>,
+) -> Result<(), String> {
+    if tools.is_empty() {
+        if tool_timeout_ms.is_some() {
+            return Err("Field tool_timeout_ms: only allowed together with tools".to_owned());
+        }
+        return Ok(());
+    }
+    if !matches!(language, Language::Python | Language::Javascript) {
+        return Err(format!(
+            "Field tools: tool calls are offered to python and javascript code, not to {}",
+            language.as_str()
+        ));
+    }
+    if tools.len() > MAX_TOOLS {
+        return Err(format!(
+            "Field tools: {} tools, at most {MAX_TOOLS} are allowed",
+            tools.len()
+        ));
+    }
+    if tool_timeout_ms == Some(0) {
+        return Err("Field tool_timeout_ms: must be at least 1".to_owned());
+    }
+    for (i, tool) in tools.iter().enumerate() {
+        let name = &tool.name;
+        let shaped = name.len() <= MAX_TOOL_NAME_LEN
+            && name.bytes().next().is_some_and(|b| b.is_ascii_alphabetic())
+            && is_identifier(name);
+        if !shaped {
+            return Err(format!(
+                "Field tools[{i}].name: {name:?} must be 1 to {MAX_TOOL_NAME_LEN} characters of [A-Za-z0-9_] \
+                 starting with a letter"
+            ));
+        }
+        if RESERVED_NAMES.contains(&name.as_str()) {
+            return Err(format!(
+                "Field tools[{i}].name: {name:?} is reserved (an SDK name or a python/javascript keyword)"
+            ));
+        }
+        if let Some(j) = tools[..i].iter().position(|t| t.name == *name) {
+            return Err(format!(
+                "Field tools[{i}].name: duplicate of tools[{j}].name {name:?}"
+            ));
+        }
+        if let Some(d) = &tool.description {
+            if d.len() > MAX_TOOL_DESCRIPTION_LEN || d.contains('\0') {
+                return Err(format!(
+                    "Field tools[{i}].description: at most {MAX_TOOL_DESCRIPTION_LEN} bytes, no NUL"
+                ));
+            }
+        }
+        if let Some(schema) = &tool.schema {
+            if !schema.is_object() {
+                return Err(format!("Field tools[{i}].schema: must be a JSON object"));
+            }
+            let size = serde_json::to_string(schema).map(|s| s.len()).unwrap_or(0);
+            if size > MAX_TOOL_SCHEMA_BYTES {
+                return Err(format!(
+                    "Field tools[{i}].schema: {size} bytes, at most {MAX_TOOL_SCHEMA_BYTES}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `tool_result` (client → server): the answer to a `tool_call`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolResult {
+    /// The execution id.
+    pub id: String,
+    /// The `call_id` of the `tool_call` this answers.
+    pub call_id: String,
+    /// The client's timestamp, unchecked.
+    pub ts: String,
+    /// Whether the tool succeeded: then `result` is the value, else `error` says why.
+    pub ok: bool,
+    /// The tool's value (any JSON; `null` when absent) when `ok`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// Why the tool failed, when not `ok`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl ToolResult {
+    /// A successful result stamped now.
+    pub fn success(id: impl Into<String>, call_id: impl Into<String>, result: Value) -> Self {
+        ToolResult {
+            id: id.into(),
+            call_id: call_id.into(),
+            ts: now_ts(),
+            ok: true,
+            result: Some(result),
+            error: None,
+        }
+    }
+
+    /// A failure stamped now.
+    pub fn failure(
+        id: impl Into<String>,
+        call_id: impl Into<String>,
+        error: impl Into<String>,
+    ) -> Self {
+        ToolResult {
+            id: id.into(),
+            call_id: call_id.into(),
+            ts: now_ts(),
+            ok: false,
+            result: None,
+            error: Some(error.into()),
+        }
+    }
+
+    /// `call_id` shaped like an id, `error` present exactly when not `ok`.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if !is_valid_id(&self.call_id) {
+            return Err(
+                "Field call_id must be a string of 1 to 128 characters of [A-Za-z0-9_.:-]"
+                    .to_owned(),
+            );
+        }
+        match (self.ok, &self.error) {
+            (true, Some(_)) => Err("Field error: not allowed when ok is true".to_owned()),
+            (false, None) => Err("Missing field error (required when ok is false)".to_owned()),
+            (false, Some(_)) if self.result.is_some() => {
+                Err("Field result: not allowed when ok is false".to_owned())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The body of `tool_call` (server → client): code in the execution called a tool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The execution id.
+    pub id: String,
+    /// Unique within the execution; the `tool_result` echoes it.
+    pub call_id: String,
+    /// One of the tools the `execute` listed.
+    pub name: String,
+    /// The arguments, a JSON object.
+    pub args: Value,
+    /// How long the server waits for the `tool_result` before the code gets a timeout error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_follow_required_then_properties() {
+        let mut t = ToolSpec::new("grep");
+        t.schema = Some(serde_json::json!({
+            "type": "object",
+            "properties": {"pattern": {}, "content": {}, "flags": {}, "bad name": {}},
+            "required": ["content", "pattern"],
+        }));
+        assert_eq!(t.parameters(), ["content", "pattern", "flags"]);
+        assert!(ToolSpec::new("x").parameters().is_empty());
+    }
+
+    #[test]
+    fn tool_checks() {
+        let ok = [ToolSpec::new("read_file"), ToolSpec::new("grep")];
+        assert!(check_tools(Language::Python, &ok, Some(10)).is_ok());
+        assert!(check_tools(Language::Shell, &ok, None).is_err());
+        assert!(check_tools(Language::Python, &[], Some(10)).is_err());
+        for bad in ["", "1a", "_x", "a-b", "import", "call", "const"] {
+            let e = check_tools(Language::Python, &[ToolSpec::new(bad)], None).unwrap_err();
+            assert!(e.starts_with("Field tools[0].name"), "{bad}: {e}");
+        }
+        let dup = [ToolSpec::new("a"), ToolSpec::new("a")];
+        assert!(check_tools(Language::Python, &dup, None)
+            .unwrap_err()
+            .contains("duplicate"));
+    }
+}

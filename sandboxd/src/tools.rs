@@ -1,0 +1,653 @@
+//! The tool-call broker of the `tool_calls` extension (`docs/spec/tool-calls.md`).
+//!
+//! When an `execute` lists `tools`, the daemon writes the SDK next to the code file (`/sandbox/sandbox_tools.py`,
+//! `/sandbox/sandbox_tools.js`, their runners, and `/sandbox/sandbox_tools.json` with the tool list), binds a unix
+//! socket at `/sandbox/tools.sock` (host side: `<scratch>/code/tools.sock`, owned by the execution's uid, mode
+//! 0600) before the program starts, and serves it until the execution ends:
+//!
+//! - The sandbox speaks JSON lines: `{"op":"call","name":..,"args":{..},"timeout_ms"?:n}` or
+//!   `{"op":"return","value":..}`; each line gets one reply line, `{"ok":true,"result":..}` or
+//!   `{"ok":false,"error":{"code":..,"message":..}}`, in order. One request is served at a time per connection, and
+//!   at most [`ToolsConfig::max_connections`] connections are served at once, so at most that many calls are in
+//!   flight; a longer line than [`ToolsConfig::max_line_bytes`] closes the connection.
+//! - A tool the request did not list is refused inside the sandbox (`not_allowed`), never forwarded. A listed one
+//!   becomes a `tool_call` on the connection's ordered execution queue (bounded: a flooding program waits, the
+//!   WebSocket's priority queue still answers `ping`), and the `tool_result` the connection routes back through
+//!   [`Inbox::deliver`] is the reply. No answer within the per-call timeout: `timeout`.
+//! - Dropping the [`Broker`] ends every task (the accept loop owns the connection tasks), forgets pending calls and
+//!   removes the socket file.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use protocol::{ExecuteRequest, Language, ServerMessage, ToolCall, ToolResult};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixListener;
+use tokio::sync::{oneshot, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
+use tracing::{debug, warn};
+
+/// The socket's name in the code directory.
+pub const SOCKET_NAME: &str = "tools.sock";
+/// The socket's path inside the container.
+pub const SANDBOX_SOCKET: &str = "/sandbox/tools.sock";
+
+const PY_SDK: &str = include_str!("../sdk/sandbox_tools.py");
+const PY_RUN: &str = include_str!("../sdk/sandbox_tools_run.py");
+const JS_SDK: &str = include_str!("../sdk/sandbox_tools.js");
+const JS_RUN: &str = include_str!("../sdk/sandbox_tools_run.js");
+
+/// `tools:` in the daemon's configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ToolsConfig {
+    /// The largest `tool_timeout_ms` a request may ask for.
+    pub max_call_timeout_ms: u64,
+    /// Connections to the tool socket served at once per execution (= calls in flight at most).
+    pub max_connections: usize,
+    /// Requests (calls, refused or not, and returns) one execution may make.
+    pub max_calls: u64,
+    /// The longest request line from the sandbox, bytes.
+    pub max_line_bytes: usize,
+}
+
+impl Default for ToolsConfig {
+    fn default() -> Self {
+        Self {
+            max_call_timeout_ms: 600_000,
+            max_connections: 8,
+            max_calls: 10_000,
+            max_line_bytes: 1 << 20,
+        }
+    }
+}
+
+/// A broker that could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolsError {
+    /// Writing the SDK or binding the socket failed.
+    #[error("Cannot set up the tool socket at {path}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl ToolsError {
+    /// The message with its cause, for the execution's `INTERNAL_ERROR`.
+    pub fn describe(&self) -> String {
+        match self {
+            ToolsError::Io { source, .. } => format!("{self}: {source}"),
+        }
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ToolsError + '_ {
+    move |source| ToolsError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// The calls of one execution waiting for their `tool_result`, by `call_id`. The connection's registry holds one
+/// per execution and hands it every `tool_result` for that execution.
+#[derive(Clone, Default)]
+pub struct Inbox {
+    pending: Arc<Mutex<HashMap<String, oneshot::Sender<ToolResult>>>>,
+}
+
+impl Inbox {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, oneshot::Sender<ToolResult>>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands `result` to the call waiting for it; `false` if none waits (timed out, or never made). Never blocks.
+    pub fn deliver(&self, result: ToolResult) -> bool {
+        match self.lock().remove(&result.call_id) {
+            Some(tx) => tx.send(result).is_ok(),
+            None => false,
+        }
+    }
+
+    fn expect(&self, call_id: &str) -> oneshot::Receiver<ToolResult> {
+        let (tx, rx) = oneshot::channel();
+        self.lock().insert(call_id.to_owned(), tx);
+        rx
+    }
+
+    fn forget(&self, call_id: &str) {
+        self.lock().remove(call_id);
+    }
+}
+
+/// Makes the interpreter run the SDK's runner for an execution with tools: for python
+/// `python3 /sandbox/sandbox_tools_run.py /sandbox/main.py` with `PYTHONPATH=/sandbox`, for javascript the same with
+/// `NODE_PATH=/sandbox`. Leaves executions without tools alone.
+pub fn adjust_command(
+    req: &ExecuteRequest,
+    args: &mut Vec<String>,
+    env: &mut std::collections::BTreeMap<String, String>,
+) {
+    if req.tools.is_empty() {
+        return;
+    }
+    let (runner, var) = match req.language {
+        Language::Python => ("sandbox_tools_run.py", "PYTHONPATH"),
+        Language::Javascript => ("sandbox_tools_run.js", "NODE_PATH"),
+        // Refused by the protocol's validation.
+        Language::Shell | Language::Elixir => return,
+    };
+    if let Some(code) = args.pop() {
+        args.push(format!("{}/{runner}", runtime::rootfs::CODE_DIR));
+        args.push(code);
+    }
+    env.insert(var.into(), runtime::rootfs::CODE_DIR.into());
+    env.insert("SANDBOX_TOOLS_SOCKET".into(), SANDBOX_SOCKET.into());
+}
+
+/// What one execution's broker shares with its tasks.
+struct Shared {
+    exec_id: String,
+    allowed: HashSet<String>,
+    timeout_ms: u64,
+    max_calls: u64,
+    out: tokio::sync::mpsc::Sender<ServerMessage>,
+    inbox: Inbox,
+    seq: AtomicU64,
+    requests: AtomicU64,
+    forwarded: AtomicU64,
+    return_value: Mutex<Option<Value>>,
+    /// Set once `status: running` is queued: no `tool_call` may come before it.
+    running: tokio::sync::watch::Receiver<bool>,
+}
+
+/// One execution's tool socket and its tasks; dropping it tears everything down.
+pub struct Broker {
+    shared: Arc<Shared>,
+    running: tokio::sync::watch::Sender<bool>,
+    socket: PathBuf,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+/// A request line from the sandbox.
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
+enum Request {
+    Call {
+        name: String,
+        #[serde(default)]
+        args: Option<Value>,
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+    },
+    Return {
+        #[serde(default)]
+        value: Value,
+    },
+}
+
+impl Broker {
+    /// Writes the SDK into `code_dir`, binds `code_dir/tools.sock` for the container user `host_id` and starts
+    /// serving it. `None` when the request lists no tools. Must be called inside the tokio runtime.
+    pub fn start(
+        req: &ExecuteRequest,
+        code_dir: &Path,
+        host_id: u32,
+        timeout_ms: u64,
+        config: &ToolsConfig,
+        out: tokio::sync::mpsc::Sender<ServerMessage>,
+        inbox: Inbox,
+    ) -> Result<Option<Broker>, ToolsError> {
+        if req.tools.is_empty() {
+            return Ok(None);
+        }
+        write_sdk(req, code_dir)?;
+        let socket = code_dir.join(SOCKET_NAME);
+        let listener = bind(code_dir, &socket, host_id)?;
+        let (running, running_rx) = tokio::sync::watch::channel(false);
+        let shared = Arc::new(Shared {
+            exec_id: req.id.clone(),
+            allowed: req.tools.iter().map(|t| t.name.clone()).collect(),
+            timeout_ms,
+            max_calls: config.max_calls,
+            out,
+            inbox,
+            seq: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            forwarded: AtomicU64::new(0),
+            return_value: Mutex::new(None),
+            running: running_rx,
+        });
+        let accept = tokio::spawn(accept_loop(
+            listener,
+            shared.clone(),
+            config.max_connections.max(1),
+            config.max_line_bytes,
+        ));
+        Ok(Some(Broker {
+            shared,
+            running,
+            socket,
+            accept,
+        }))
+    }
+
+    /// The execution's `status: running` is queued: calls may be forwarded from now on (a program that calls at
+    /// once may otherwise get its `tool_call` ahead of it).
+    pub fn started(&self) {
+        self.running.send_replace(true);
+    }
+
+    /// Calls forwarded to the client as `tool_call`.
+    pub fn calls(&self) -> u64 {
+        self.shared.forwarded.load(Ordering::Relaxed)
+    }
+
+    /// The value the code returned, if it returned one.
+    pub fn return_value(&self) -> Option<Value> {
+        self.shared
+            .return_value
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.shared.inbox.lock().clear();
+        if let Err(e) = std::fs::remove_file(&self.socket) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                warn!(error = %e, "cannot remove the tool socket");
+            }
+        }
+    }
+}
+
+/// The SDK files: the tool list as JSON, the SDK and the runner of the request's language. Read-only for the
+/// container (the directory is bind-mounted read-only too).
+fn write_sdk(req: &ExecuteRequest, code_dir: &Path) -> Result<(), ToolsError> {
+    let tools: Vec<Value> = req
+        .tools
+        .iter()
+        .map(|t| {
+            json!({
+                "name": t.name,
+                "description": t.description.clone().unwrap_or_default(),
+                "params": t.parameters(),
+            })
+        })
+        .collect();
+    let list = serde_json::to_string(&json!({ "tools": tools })).unwrap_or_default();
+    let mut files = vec![("sandbox_tools.json", list.as_str())];
+    match req.language {
+        Language::Python => files.extend([
+            ("sandbox_tools.py", PY_SDK),
+            ("sandbox_tools_run.py", PY_RUN),
+        ]),
+        Language::Javascript => files.extend([
+            ("sandbox_tools.js", JS_SDK),
+            ("sandbox_tools_run.js", JS_RUN),
+        ]),
+        Language::Shell | Language::Elixir => {}
+    }
+    for (name, text) in files {
+        let path = code_dir.join(name);
+        std::fs::write(&path, text).map_err(io_err(&path))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444))
+            .map_err(io_err(&path))?;
+    }
+    Ok(())
+}
+
+/// Binds the socket and gives it to the container user. A unix socket path holds at most 107 bytes and the
+/// scratch directory may be deeper, so the bind goes through `/proc/self/fd/<dir>/tools.sock`.
+fn bind(code_dir: &Path, socket: &Path, host_id: u32) -> Result<UnixListener, ToolsError> {
+    let dir = std::fs::File::open(code_dir).map_err(io_err(code_dir))?;
+    let short = PathBuf::from(format!("/proc/self/fd/{}/{SOCKET_NAME}", dir.as_raw_fd()));
+    let listener = std::os::unix::net::UnixListener::bind(&short).map_err(io_err(socket))?;
+    drop(dir);
+    let owner = Some(nix::unistd::Uid::from_raw(host_id));
+    let group = Some(nix::unistd::Gid::from_raw(host_id));
+    nix::unistd::chown(socket, owner, group).map_err(|e| ToolsError::Io {
+        path: socket.to_owned(),
+        source: e.into(),
+    })?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(io_err(socket))?;
+    listener.set_nonblocking(true).map_err(io_err(socket))?;
+    UnixListener::from_std(listener).map_err(io_err(socket))
+}
+
+async fn accept_loop(
+    listener: UnixListener,
+    shared: Arc<Shared>,
+    max_connections: usize,
+    max_line: usize,
+) {
+    let slots = Arc::new(Semaphore::new(max_connections));
+    // Owned here: aborting this task drops the set, which aborts every connection task.
+    let mut connections = JoinSet::new();
+    loop {
+        // Wait for a free slot before accepting: extra connections wait in the kernel's backlog.
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let stream = tokio::select! {
+            s = listener.accept() => match s {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    warn!(error = %e, "tool socket accept failed");
+                    return;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let shared = shared.clone();
+        connections.spawn(async move {
+            serve(stream, &shared, max_line).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Serves one connection: one request at a time, each answered by one line.
+async fn serve(stream: tokio::net::UnixStream, shared: &Shared, max_line: usize) {
+    let (read, mut write) = stream.into_split();
+    let mut lines = FramedRead::new(read, LinesCodec::new_with_max_length(max_line));
+    while let Some(line) = lines.next().await {
+        let (reply, last) = match line {
+            Ok(line) => (shared.handle(&line).await, false),
+            Err(LinesCodecError::MaxLineLengthExceeded) => (
+                refusal(
+                    "invalid",
+                    &format!("A request line is longer than {max_line} bytes"),
+                ),
+                true,
+            ),
+            Err(LinesCodecError::Io(e)) => {
+                debug!(error = %e, "tool connection read failed");
+                return;
+            }
+        };
+        let mut text = reply.to_string();
+        text.push('\n');
+        if write.write_all(text.as_bytes()).await.is_err() || last {
+            return;
+        }
+    }
+}
+
+fn refusal(code: &str, message: &str) -> Value {
+    json!({"ok": false, "error": {"code": code, "message": message}})
+}
+
+impl Shared {
+    async fn handle(&self, line: &str) -> Value {
+        let n = self.requests.fetch_add(1, Ordering::Relaxed);
+        if n >= self.max_calls {
+            return refusal(
+                "limit",
+                &format!(
+                    "This execution may make at most {} tool requests",
+                    self.max_calls
+                ),
+            );
+        }
+        let request: Request = match serde_json::from_str(line) {
+            Ok(r) => r,
+            Err(e) => return refusal("invalid", &format!("Invalid request: {e}")),
+        };
+        match request {
+            Request::Return { value } => {
+                *self.return_value.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(value).filter(|v| !v.is_null());
+                json!({"ok": true, "result": null})
+            }
+            Request::Call {
+                name,
+                args,
+                timeout_ms,
+            } => self.call(name, args, timeout_ms).await,
+        }
+    }
+
+    async fn call(&self, name: String, args: Option<Value>, timeout_ms: Option<u64>) -> Value {
+        if !self.allowed.contains(&name) {
+            let mut offered: Vec<&str> = self.allowed.iter().map(String::as_str).collect();
+            offered.sort_unstable();
+            return refusal(
+                "not_allowed",
+                &format!(
+                    "Tool {name:?} is not offered to this execution (offered: {})",
+                    offered.join(", ")
+                ),
+            );
+        }
+        let args = args.unwrap_or_else(|| json!({}));
+        if !args.is_object() {
+            return refusal("invalid", "Tool arguments must be a JSON object");
+        }
+        // A call may ask for less time than the execution's per-call timeout, never more.
+        let timeout_ms = timeout_ms
+            .filter(|t| *t > 0)
+            .map_or(self.timeout_ms, |t| t.min(self.timeout_ms));
+        let call_id = format!("c{}", self.seq.fetch_add(1, Ordering::Relaxed) + 1);
+        let answer = self.inbox.expect(&call_id);
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        let message = ServerMessage::ToolCall(ToolCall {
+            id: self.exec_id.clone(),
+            call_id: call_id.clone(),
+            name: name.clone(),
+            args,
+            timeout_ms: Some(timeout_ms),
+        });
+        // The ordered execution queue is bounded: a client that does not read makes the call wait, within its
+        // timeout. Nothing goes before `status: running`.
+        let mut running = self.running.clone();
+        let send = async {
+            running.wait_for(|r| *r).await.ok();
+            self.out.send(message).await
+        };
+        match tokio::time::timeout_at(deadline, send).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                self.inbox.forget(&call_id);
+                return refusal("closed", "The client is gone");
+            }
+            Err(_) => {
+                self.inbox.forget(&call_id);
+                return refusal(
+                    "timeout",
+                    &format!(
+                        "Tool {name:?} could not be sent to the client within {timeout_ms} ms"
+                    ),
+                );
+            }
+        }
+        self.forwarded.fetch_add(1, Ordering::Relaxed);
+        match tokio::time::timeout_at(deadline, answer).await {
+            Ok(Ok(result)) if result.ok => {
+                json!({"ok": true, "result": result.result.unwrap_or(Value::Null)})
+            }
+            Ok(Ok(result)) => refusal("tool_error", result.error.as_deref().unwrap_or("")),
+            Ok(Err(_)) => refusal("closed", "The execution is ending"),
+            Err(_) => {
+                self.inbox.forget(&call_id);
+                refusal(
+                    "timeout",
+                    &format!("Tool {name:?} did not answer within {timeout_ms} ms"),
+                )
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use protocol::{Language, RequestedLimits, ToolSpec};
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::net::UnixStream;
+
+    use super::*;
+
+    fn request() -> ExecuteRequest {
+        let mut req = ExecuteRequest::new(
+            "exec_u",
+            Language::Python,
+            "1",
+            RequestedLimits::new(1000, 64),
+        );
+        req.tools = vec![ToolSpec::new("echo")];
+        req
+    }
+
+    struct Setup {
+        _dir: tempfile::TempDir,
+        socket: PathBuf,
+        broker: Broker,
+        calls: tokio::sync::mpsc::Receiver<ServerMessage>,
+        inbox: Inbox,
+    }
+
+    fn setup(config: &ToolsConfig, timeout_ms: u64) -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        let (tx, calls) = tokio::sync::mpsc::channel(4);
+        let inbox = Inbox::default();
+        let uid = nix::unistd::getuid().as_raw();
+        let broker = Broker::start(
+            &request(),
+            dir.path(),
+            uid,
+            timeout_ms,
+            config,
+            tx,
+            inbox.clone(),
+        )
+        .unwrap()
+        .unwrap();
+        broker.started();
+        Setup {
+            socket: dir.path().join(SOCKET_NAME),
+            _dir: dir,
+            broker,
+            calls,
+            inbox,
+        }
+    }
+
+    async fn ask(conn: &mut BufReader<UnixStream>, line: &str) -> Value {
+        conn.get_mut().write_all(line.as_bytes()).await.unwrap();
+        let mut reply = String::new();
+        conn.read_line(&mut reply).await.unwrap();
+        serde_json::from_str(&reply).unwrap()
+    }
+
+    #[tokio::test]
+    async fn forwards_listed_calls_refuses_others_and_times_out() {
+        let mut s = setup(&ToolsConfig::default(), 300);
+        for name in [
+            "sandbox_tools.json",
+            "sandbox_tools.py",
+            "sandbox_tools_run.py",
+        ] {
+            assert!(s._dir.path().join(name).is_file(), "{name}");
+        }
+        let meta = std::fs::metadata(&s.socket).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+
+        let refused = ask(&mut conn, "{\"op\":\"call\",\"name\":\"other\"}\n").await;
+        assert_eq!(refused["error"]["code"], "not_allowed", "{refused}");
+        let bad = ask(&mut conn, "nonsense\n").await;
+        assert_eq!(bad["error"]["code"], "invalid", "{bad}");
+
+        // Answered.
+        let inbox = s.inbox.clone();
+        let answer = tokio::spawn(async move {
+            let Some(ServerMessage::ToolCall(call)) = s.calls.recv().await else {
+                panic!("no tool_call");
+            };
+            assert_eq!(
+                (call.name.as_str(), call.args.clone()),
+                ("echo", json!({"a": 1}))
+            );
+            assert!(inbox.deliver(ToolResult::success("exec_u", &call.call_id, json!(2))));
+            // The next one is never answered.
+            let Some(ServerMessage::ToolCall(late)) = s.calls.recv().await else {
+                panic!("no second tool_call");
+            };
+            late
+        });
+        let ok = ask(
+            &mut conn,
+            "{\"op\":\"call\",\"name\":\"echo\",\"args\":{\"a\":1}}\n",
+        )
+        .await;
+        assert_eq!(ok, json!({"ok": true, "result": 2}));
+        let t0 = std::time::Instant::now();
+        let timeout = ask(&mut conn, "{\"op\":\"call\",\"name\":\"echo\"}\n").await;
+        assert_eq!(timeout["error"]["code"], "timeout", "{timeout}");
+        assert!(t0.elapsed() >= Duration::from_millis(300));
+        let late = answer.await.unwrap();
+        // A late answer finds nobody.
+        assert!(!s
+            .inbox
+            .deliver(ToolResult::success("exec_u", &late.call_id, json!(0))));
+
+        let ret = ask(&mut conn, "{\"op\":\"return\",\"value\":[1,\"x\"]}\n").await;
+        assert_eq!(ret["ok"], true);
+        assert_eq!(s.broker.calls(), 2);
+        assert_eq!(s.broker.return_value(), Some(json!([1, "x"])));
+
+        // Torn down: the socket file is gone, and the connection ends.
+        let socket = s.socket.clone();
+        drop(s.broker);
+        assert!(!socket.exists());
+        let mut rest = String::new();
+        let n = tokio::time::timeout(Duration::from_secs(5), conn.read_line(&mut rest))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        assert_eq!(n, 0, "{rest}");
+    }
+
+    #[tokio::test]
+    async fn a_long_line_closes_the_connection_and_requests_are_bounded() {
+        let config = ToolsConfig {
+            max_line_bytes: 1024,
+            max_calls: 3,
+            ..ToolsConfig::default()
+        };
+        let s = setup(&config, 1000);
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        let long = format!("{}\n", "x".repeat(4096));
+        let reply = ask(&mut conn, &long).await;
+        assert_eq!(reply["error"]["code"], "invalid", "{reply}");
+        let mut rest = String::new();
+        assert_eq!(conn.read_line(&mut rest).await.unwrap_or(0), 0);
+
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        // The over-long line was no request; three are allowed, the fourth is over the limit.
+        for _ in 0..3 {
+            let r = ask(&mut conn, "{\"op\":\"call\",\"name\":\"nope\"}\n").await;
+            assert_eq!(r["error"]["code"], "not_allowed");
+        }
+        let r = ask(&mut conn, "{\"op\":\"call\",\"name\":\"nope\"}\n").await;
+        assert_eq!(r["error"]["code"], "limit", "{r}");
+    }
+}

@@ -1,0 +1,499 @@
+//! The `tool_calls` extension (`docs/spec/tool-calls.md`) against a real daemon: code in the sandbox calls tools
+//! over `/sandbox/tools.sock`, the client answers `tool_call` with `tool_result`.
+
+use std::time::{Duration, Instant};
+
+use protocol::{ErrorCode, ServerMessage, ToolCall};
+use serde_json::{json, Value};
+
+use super::harness::*;
+
+/// An `execute` offering `tools` (names only).
+fn exec_tools(id: &str, language: &str, code: &str, tools: &[&str]) -> Value {
+    let tools: Vec<Value> = tools.iter().map(|n| json!({"name": n})).collect();
+    with(
+        exec_json(id, language, code, 30_000, 256),
+        json!({ "tools": tools }),
+    )
+}
+
+fn tool_result(id: &str, call_id: &str, result: Result<Value, &str>) -> Value {
+    let mut m = json!({"v": 1, "type": "tool_result", "id": id, "call_id": call_id, "ts": protocol::now_ts()});
+    match result {
+        Ok(v) => {
+            m["ok"] = true.into();
+            m["result"] = v;
+        }
+        Err(e) => {
+            m["ok"] = false.into();
+            m["error"] = e.into();
+        }
+    }
+    m
+}
+
+/// Runs `exec` to its end, answering each `tool_call` with `handler` (`None`: no answer). Returns the execution's
+/// messages and the calls seen.
+async fn run_answering(
+    c: &mut Client,
+    exec: Value,
+    mut handler: impl FnMut(&ToolCall) -> Option<Result<Value, String>>,
+) -> (Collected, Vec<ToolCall>) {
+    let id = exec["id"].as_str().unwrap().to_owned();
+    c.send_json(&exec).await;
+    let mut collected = Collected::new(&id);
+    let mut calls = Vec::new();
+    while !collected.is_done() {
+        let (m, raw) = c.next_raw().await;
+        if m.id() != Some(id.as_str()) {
+            continue;
+        }
+        if let ServerMessage::ToolCall(call) = &m {
+            assert_eq!(raw["type"], "tool_call", "{raw}");
+            if let Some(answer) = handler(call) {
+                let answer = answer.as_ref().map_err(String::as_str).cloned();
+                c.send_json(&tool_result(&id, &call.call_id, answer)).await;
+            }
+            calls.push(call.clone());
+        }
+        collected.push(m, raw);
+    }
+    collected.check_sequence();
+    (collected, calls)
+}
+
+#[tokio::test]
+async fn pong_advertises_tool_calls() {
+    let Some(_g) = privileged("pong_advertises_tool_calls").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let pong = c.ping().await;
+    let ext = pong.capabilities.unwrap().extensions;
+    assert!(ext.iter().any(|e| e == "tool_calls"), "{ext:?}");
+}
+
+#[tokio::test]
+async fn python_calls_a_tool_and_returns_a_value() {
+    let Some(_g) = privileged("python_calls_a_tool_and_returns_a_value").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let code = r#"
+import os, stat
+st = os.stat("/sandbox/tools.sock")
+print("socket", stat.S_IMODE(st.st_mode) == 0o600, st.st_uid == os.getuid())
+text = read_file("notes.txt")
+n = call("read_file", {"path": "other.txt"})
+print("lengths", len(text), len(n))
+{"upper": text.upper(), "calls": 2}
+"#;
+    let exec = with(
+        exec_tools("t1", "python", code, &["read_file"]),
+        json!({"tools": [{"name": "read_file", "description": "Read a file", "schema": {
+            "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
+            // Named like a module the SDK uses: must not break it.
+            {"name": "json"}]}),
+    );
+    let (run, calls) = run_answering(&mut c, exec, |call| {
+        assert_eq!(call.name, "read_file");
+        Some(Ok(json!(format!(
+            "content of {}",
+            call.args["path"].as_str().unwrap()
+        ))))
+    })
+    .await;
+    let out = run.stdout_text();
+    assert_eq!(
+        run.terminal_status(),
+        Some(protocol::ExecStatus::Completed),
+        "{}",
+        run.dump()
+    );
+    assert!(out.contains("socket True True"), "{out}");
+    assert!(out.contains("lengths 20 20"), "{out}");
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0].args, json!({"path": "notes.txt"}));
+    assert_ne!(calls[0].call_id, calls[1].call_id);
+    assert_eq!(calls[0].timeout_ms, Some(protocol::DEFAULT_TOOL_TIMEOUT_MS));
+    let result = run.result();
+    assert_eq!(result.tool_calls, Some(2));
+    assert_eq!(
+        result.return_value.as_deref(),
+        Some(&json!({"upper": "CONTENT OF NOTES.TXT", "calls": 2}))
+    );
+}
+
+#[tokio::test]
+async fn javascript_calls_tools_and_returns_a_value() {
+    let Some(_g) = privileged("javascript_calls_tools_and_returns_a_value").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let code = r#"
+const a = await add({a: 2, b: 3});
+const [b, c] = await Promise.all([add({a: a, b: 1}), call("add", {a: 10, b: 20})]);
+let refused = null;
+try { await call("delete_everything", {}); } catch (e) { refused = e.code; }
+console.log("sums", a, b, c, refused);
+return {sum: a + b + c, refused};
+"#;
+    let (run, calls) = run_answering(
+        &mut c,
+        exec_tools("j1", "javascript", code, &["add"]),
+        |call| {
+            let (a, b) = (
+                call.args["a"].as_i64().unwrap(),
+                call.args["b"].as_i64().unwrap(),
+            );
+            Some(Ok(json!(a + b)))
+        },
+    )
+    .await;
+    assert_eq!(
+        run.terminal_status(),
+        Some(protocol::ExecStatus::Completed),
+        "{}",
+        run.dump()
+    );
+    assert!(
+        run.stdout_text().contains("sums 5 6 30 not_allowed"),
+        "{}",
+        run.dump()
+    );
+    assert_eq!(calls.len(), 3);
+    assert_eq!(run.result().tool_calls, Some(3));
+    assert_eq!(
+        run.result().return_value.as_deref(),
+        Some(&json!({"sum": 41, "refused": "not_allowed"}))
+    );
+}
+
+#[tokio::test]
+async fn a_tool_not_listed_is_refused_inside_the_sandbox() {
+    let Some(_g) = privileged("a_tool_not_listed_is_refused_inside_the_sandbox").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let code = r#"
+import json, socket
+try:
+    call("rm_rf", {"path": "/"})
+except ToolError as e:
+    print("refused", e.code, e.message)
+# The same over the raw socket, bypassing the SDK.
+s = socket.socket(socket.AF_UNIX)
+s.connect("/sandbox/tools.sock")
+s.sendall(b'{"op":"call","name":"secret","args":{}}\n')
+print("raw", s.makefile().readline().strip())
+"#;
+    let (run, calls) = run_answering(
+        &mut c,
+        exec_tools("r1", "python", code, &["read_file"]),
+        |_| Some(Ok(Value::Null)),
+    )
+    .await;
+    let out = run.stdout_text();
+    assert!(
+        calls.is_empty(),
+        "a refused tool must never be forwarded: {calls:?}"
+    );
+    assert!(out.contains("refused not_allowed"), "{}", run.dump());
+    assert!(
+        out.contains(r#"Tool \"rm_rf\" is not offered"#)
+            || out.contains("Tool \"rm_rf\" is not offered"),
+        "{out}"
+    );
+    assert!(out.contains(r#""code":"not_allowed""#), "{out}");
+    assert_eq!(run.result().tool_calls, Some(0));
+    assert_eq!(run.result().return_value, None);
+}
+
+#[tokio::test]
+async fn a_handler_that_never_answers_hits_the_per_call_timeout() {
+    let Some(_g) = privileged("a_handler_that_never_answers_hits_the_per_call_timeout").await
+    else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let code = r#"
+import time
+t0 = time.monotonic()
+try:
+    slow()
+    print("answered")
+except ToolError as e:
+    print("error", e.code, round((time.monotonic() - t0) * 1000))
+try:
+    slow(_timeout_ms=100)
+except ToolError as e:
+    print("shorter", e.code)
+"#;
+    let exec = with(
+        exec_tools("to1", "python", code, &["slow"]),
+        json!({"tool_timeout_ms": 700}),
+    );
+    let started = Instant::now();
+    let (run, calls) = run_answering(&mut c, exec, |_| None).await;
+    let out = run.stdout_text();
+    assert!(out.contains("error timeout"), "{}", run.dump());
+    assert!(out.contains("shorter timeout"), "{}", run.dump());
+    let waited: u64 = out
+        .split_whitespace()
+        .nth(2)
+        .and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        waited >= 700,
+        "the call waited {waited} ms, less than its 700 ms timeout"
+    );
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0].timeout_ms, Some(700));
+    assert_eq!(calls[1].timeout_ms, Some(100));
+    assert!(started.elapsed() < Duration::from_secs(20));
+    // A late answer is dropped quietly: no error for the finished execution, the connection stays usable.
+    c.send_json(&tool_result("to1", &calls[0].call_id, Ok(json!(1))))
+        .await;
+    c.assert_usable().await;
+    assert!(
+        c.unclaimed()
+            .iter()
+            .all(|m| !matches!(m, ServerMessage::Error(_))),
+        "{:?}",
+        c.unclaimed()
+    );
+}
+
+#[tokio::test]
+async fn a_tool_error_reaches_the_code() {
+    let Some(_g) = privileged("a_tool_error_reaches_the_code").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let code = "try:\n    boom()\nexcept ToolError as e:\n    print(e.code, e.message)\n";
+    let (run, _) = run_answering(&mut c, exec_tools("e1", "python", code, &["boom"]), |_| {
+        Some(Err("disk on fire".into()))
+    })
+    .await;
+    assert!(
+        run.stdout_text().contains("tool_error disk on fire"),
+        "{}",
+        run.dump()
+    );
+    assert_eq!(run.result().tool_calls, Some(1));
+}
+
+#[tokio::test]
+async fn executions_without_tools_are_unchanged() {
+    let Some(_g) = privileged("executions_without_tools_are_unchanged").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let code = "import os, sys\nprint(sorted(os.listdir('/sandbox')), 'PYTHONPATH' in os.environ, sys.argv)\n";
+    let run = c.run(exec_json("p1", "python", code, 10_000, 128)).await;
+    assert_eq!(
+        run.stdout_text().trim(),
+        "['main.py'] False ['/sandbox/main.py']",
+        "{}",
+        run.dump()
+    );
+    let raw = run.result_raw();
+    assert!(
+        raw.get("tool_calls").is_none() && raw.get("return_value").is_none(),
+        "{raw}"
+    );
+}
+
+#[tokio::test]
+async fn tool_requests_are_validated() {
+    let Some(_g) = privileged("tool_requests_are_validated").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts {
+        extra_config: Some(json!({"tools": {"max_call_timeout_ms": 5000}})),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    let cases = [
+        (exec_tools("v1", "shell", "true", &["a"]), "tools"),
+        (
+            exec_tools("v2", "python", "1", &["a", "a"]),
+            "tools[1].name",
+        ),
+        (
+            exec_tools("v3", "python", "1", &["import"]),
+            "tools[0].name",
+        ),
+        (
+            exec_tools("v4", "python", "1", &["bad-name"]),
+            "tools[0].name",
+        ),
+        (
+            with(
+                exec_tools("v5", "python", "1", &["a"]),
+                json!({"tool_timeout_ms": 5001}),
+            ),
+            "tool_timeout_ms",
+        ),
+        (
+            with(
+                exec_json("v6", "python", "1", 1000, 64),
+                json!({"tool_timeout_ms": 10}),
+            ),
+            "tool_timeout_ms",
+        ),
+        (
+            with(
+                exec_json("v7", "python", "1", 1000, 64),
+                json!({"tools": [{"name": "a", "extra": 1}]}),
+            ),
+            "tools[0]",
+        ),
+        (
+            with(
+                exec_json("v8", "python", "1", 1000, 64),
+                json!({"tools": [{"name": "a", "schema": [1]}]}),
+            ),
+            "tools[0].schema",
+        ),
+    ];
+    for (exec, field) in cases {
+        let id = exec["id"].as_str().unwrap().to_owned();
+        c.send_json(&exec).await;
+        let (e, raw) = c.take_error().await;
+        assert_error(&e, &raw, ErrorCode::InvalidRequest, Some(&id));
+        assert!(
+            e.message.contains(field),
+            "{id}: {:?} does not name {field}",
+            e.message
+        );
+    }
+    // A malformed tool_result is refused; one for an unknown execution is dropped quietly.
+    c.send_json(
+        &json!({"v":1,"type":"tool_result","id":"nope","call_id":"c1","ts":"...","ok":false}),
+    )
+    .await;
+    let (e, _) = c.take_error().await;
+    assert!(e.message.contains("error"), "{e:?}");
+    c.send_json(&tool_result("nope", "c1", Ok(json!(1)))).await;
+    c.assert_usable().await;
+    assert!(c.unclaimed().is_empty(), "{:?}", c.unclaimed());
+}
+
+/// A program floods the tool socket (allowed calls from many threads, refused calls, garbage and an endless line)
+/// while the client answers every call: `ping` on the same connection is still answered within 500 ms.
+#[tokio::test]
+async fn a_flooding_program_does_not_starve_the_websocket() {
+    let Some(_g) = privileged_alone("a_flooding_program_does_not_starve_the_websocket").await
+    else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts {
+        extra_config: Some(json!({"tools": {"max_calls": 100_000_000}})),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    let code = r#"
+import socket, threading, time
+def flood(line, answers):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/sandbox/tools.sock")
+    r = s.makefile("rb")
+    end = time.monotonic() + 4
+    n = 0
+    while time.monotonic() < end:
+        s.sendall(line * 32)
+        if answers:
+            for _ in range(32):
+                r.readline()
+        n += 32
+    return n
+def endless():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/sandbox/tools.sock")
+    try:
+        while True:
+            s.sendall(b"x" * 65536)
+    except OSError:
+        print("endless line cut off")
+threads = [threading.Thread(target=flood, args=(b'{"op":"call","name":"echo","args":{"x":1}}\n', True)) for _ in range(6)]
+threads.append(threading.Thread(target=flood, args=(b'{"op":"call","name":"nope"}\n', True)))
+threads.append(threading.Thread(target=flood, args=(b'garbage\n', False)))
+threads.append(threading.Thread(target=endless))
+for t in threads:
+    t.daemon = True  # the garbage thread never reads its replies and blocks once the socket is full
+    t.start()
+for t in threads[:7]: t.join()
+print("flood done")
+"#;
+    let exec = with(
+        exec_tools("f1", "python", code, &["echo"]),
+        json!({"limits": {"timeout_ms": 30_000}}),
+    );
+    c.send_json(&exec).await;
+    let mut collected = Collected::new("f1");
+    let mut worst = Duration::ZERO;
+    let mut pings = 0;
+    let mut answered = 0u64;
+    let mut next_ping = Instant::now() + Duration::from_millis(500);
+    let mut ping_sent: Option<Instant> = None;
+    while !collected.is_done() {
+        if ping_sent.is_none() && Instant::now() >= next_ping {
+            c.send_json(&ping_json()).await;
+            ping_sent = Some(Instant::now());
+        }
+        let Some(frame) = c.next_frame(Duration::from_millis(50)).await else {
+            continue;
+        };
+        let tungstenite_text = match frame.expect("connection open") {
+            tokio_tungstenite::tungstenite::Message::Text(t) => t,
+            other => panic!("{other:?}"),
+        };
+        let (m, raw) = Client::parse(tungstenite_text.as_str());
+        match &m {
+            ServerMessage::Pong(_) => {
+                let rtt = ping_sent.take().expect("a pong answers a ping").elapsed();
+                worst = worst.max(rtt);
+                pings += 1;
+                next_ping = Instant::now() + Duration::from_millis(100);
+            }
+            ServerMessage::ToolCall(call) => {
+                answered += 1;
+                c.send_json(&tool_result("f1", &call.call_id, Ok(json!({"x": 1}))))
+                    .await;
+                collected.push(m, raw);
+            }
+            _ => collected.push(m, raw),
+        }
+    }
+    collected.check_sequence();
+    let out = collected.stdout_text();
+    assert_eq!(
+        collected.terminal_status(),
+        Some(protocol::ExecStatus::Completed),
+        "{}",
+        collected.dump()
+    );
+    println!("flood: {answered} calls answered, {pings} pings, worst ping round trip {worst:?}");
+    assert!(out.contains("flood done"), "{}", collected.dump());
+    assert!(out.contains("endless line cut off"), "{}", collected.dump());
+    assert!(
+        pings >= 10,
+        "only {pings} pings were answered during the flood"
+    );
+    assert!(answered >= 100, "the flood made only {answered} calls");
+    assert_eq!(collected.result().tool_calls, Some(answered));
+    assert!(
+        worst < Duration::from_millis(500),
+        "a ping took {worst:?} during the flood"
+    );
+}
