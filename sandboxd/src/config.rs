@@ -65,6 +65,49 @@ pub struct Config {
     /// Which image and interpreter each language uses. Absent: every language the host image can run, with the
     /// interpreter found there. Present: exactly the languages listed.
     pub languages: Option<BTreeMap<Language, LanguageConfig>>,
+    /// Agent sandboxes (the adapter-shim endpoints under `/sandboxes`).
+    pub agents: AgentsConfig,
+}
+
+/// Sandboxes at once by default.
+pub const DEFAULT_MAX_SANDBOXES: usize = 16;
+
+/// `agents:`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentsConfig {
+    /// Agent sandboxes at once; `POST /sandboxes` beyond it is refused (`provider_unavailable`, retryable). Their
+    /// host uids follow the executions': `uid_base + max_concurrent + n`.
+    pub max_sandboxes: usize,
+    /// The largest, and default, CPU quota of a sandbox, cores.
+    pub cpu_cores: f64,
+    /// The largest, and default, memory of a sandbox, MiB.
+    pub memory_mb: u64,
+    /// The largest, and default, size of a sandbox's `/workspace` + `/tmp` tmpfs, MiB.
+    pub disk_mb: u64,
+    /// The largest, and default, lifetime of a sandbox, ms.
+    pub timeout_ms: u64,
+    /// Processes and threads of a sandbox.
+    pub pids_max: u64,
+    /// Largest request body of the agent endpoints.
+    pub max_body_bytes: usize,
+    /// Upload attempts per artifact.
+    pub upload_attempts: u32,
+}
+
+impl Default for AgentsConfig {
+    fn default() -> Self {
+        Self {
+            max_sandboxes: DEFAULT_MAX_SANDBOXES,
+            cpu_cores: 2.0,
+            memory_mb: 4096,
+            disk_mb: 1024,
+            timeout_ms: 3_600_000,
+            pids_max: 512,
+            max_body_bytes: 1 << 20,
+            upload_attempts: 4,
+        }
+    }
 }
 
 /// `images.<name>:`
@@ -244,6 +287,7 @@ impl Default for Config {
             artifacts: ArtifactsConfig::default(),
             images: BTreeMap::new(),
             languages: None,
+            agents: AgentsConfig::default(),
         }
     }
 }
@@ -343,6 +387,19 @@ impl Config {
         }
         let m = &self.limits.max;
         positive("limits.max.timeout_ms", m.timeout_ms)?;
+        let a = &self.agents;
+        positive("agents.memory_mb", a.memory_mb)?;
+        positive("agents.disk_mb", a.disk_mb)?;
+        positive("agents.timeout_ms", a.timeout_ms)?;
+        positive("agents.pids_max", a.pids_max)?;
+        positive("agents.max_body_bytes", a.max_body_bytes as u64)?;
+        positive("agents.upload_attempts", a.upload_attempts as u64)?;
+        if !(a.cpu_cores.is_finite() && a.cpu_cores >= 0.01) {
+            return Err(ConfigError::Value {
+                key: "agents.cpu_cores",
+                reason: "must be at least 0.01".into(),
+            });
+        }
         positive("limits.max.memory_mb", m.memory_mb)?;
         positive("limits.max.cpu_shares", m.cpu_shares)?;
         positive("limits.max.max_output_bytes", m.max_output_bytes)?;
@@ -495,6 +552,7 @@ mod tests {
         artifacts: std::collections::BTreeMap<&'static str, Option<u64>>,
         images: std::collections::BTreeMap<String, String>,
         languages: Option<u8>,
+        agents: std::collections::BTreeMap<&'static str, String>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -530,6 +588,17 @@ mod tests {
                 .into(),
                 images: Default::default(),
                 languages: None,
+                agents: [
+                    ("max_sandboxes", c.agents.max_sandboxes.to_string()),
+                    ("cpu_cores", c.agents.cpu_cores.to_string()),
+                    ("memory_mb", c.agents.memory_mb.to_string()),
+                    ("disk_mb", c.agents.disk_mb.to_string()),
+                    ("timeout_ms", c.agents.timeout_ms.to_string()),
+                    ("pids_max", c.agents.pids_max.to_string()),
+                    ("max_body_bytes", c.agents.max_body_bytes.to_string()),
+                    ("upload_attempts", c.agents.upload_attempts.to_string()),
+                ]
+                .into(),
             }
         }
     }

@@ -4,6 +4,7 @@
 //! the container helper, the HTTP/WebSocket server and graceful shutdown. Start-up order matters: everything that
 //! forks (the helper) happens while the process is still single-threaded, before the tokio runtime exists.
 
+mod agent;
 mod capacity;
 mod config;
 mod doctor;
@@ -378,10 +379,12 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", engine.config.listen))?;
     let addr = listener.local_addr()?;
     info!(%addr, "listening");
+    let agents = agent::Agents::new(engine.clone()).context("agent sandboxes")?;
     let state = server::AppState {
         engine: engine.clone(),
         tokens: Arc::new(engine.config.auth.tokens.clone()),
         connections: Arc::new(AtomicU64::new(0)),
+        agents: agents.clone(),
     };
     let app = server::router(state);
     // Executions send several small frames in a row (ack, status, output): without TCP_NODELAY, Nagle's algorithm
@@ -428,6 +431,7 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         }
     }
     server.abort();
+    agents.shutdown().await;
     Ok(())
 }
 
