@@ -237,6 +237,14 @@ pub struct SandboxClient {
     http: Http,
 }
 
+impl std::fmt::Debug for SandboxClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandboxClient")
+            .field("transport", &self.transport)
+            .finish_non_exhaustive()
+    }
+}
+
 impl SandboxClient {
     fn url(&self, path: &str) -> String {
         format!("{}{path}", self.transport.rpc_endpoint)

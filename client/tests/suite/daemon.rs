@@ -234,6 +234,16 @@ impl Daemon {
         }
     }
 
+    /// `<tempdir>/state`.
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn http_base(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
     /// `ws://127.0.0.1:PORT/ws`.
     pub fn url(&self) -> String {
         format!("ws://127.0.0.1:{}/ws", self.port)
