@@ -94,7 +94,11 @@ struct Http {
 impl Http {
     fn new(token: &str) -> Self {
         Self {
-            client: Client::builder(TokioExecutor::new()).build_http(),
+            // No connection reuse: a daemon closes a connection after refusing an oversize body, and a pooled
+            // connection closed under a request fails it; one TCP handshake on the gateway's link is cheap.
+            client: Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(0)
+                .build_http(),
             token: token.to_owned(),
         }
     }
