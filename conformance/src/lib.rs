@@ -15,6 +15,7 @@ pub mod cases;
 pub mod client;
 pub mod ctx;
 pub mod fixture;
+pub mod fixture_agents;
 pub mod framework;
 pub mod msgs;
 pub mod probe;

@@ -12,6 +12,7 @@ use crate::ctx::Ctx;
 use crate::framework::{Case, Stop};
 use crate::wire::{check_error, short, Exec, Msg};
 
+pub mod agents;
 pub mod capacity;
 pub mod envelope;
 pub mod isolation;
@@ -47,6 +48,7 @@ pub fn all() -> Vec<Case> {
     v.extend(capacity::cases());
     v.extend(resources::cases());
     v.extend(isolation::cases());
+    v.extend(agents::cases());
     v
 }
 

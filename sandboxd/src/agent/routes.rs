@@ -55,27 +55,27 @@ fn unauthorized() -> Response {
 }
 
 /// Auth, then the sandbox.
-fn lookup(st: &AppState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, Response> {
+fn lookup(st: &AppState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
     if !crate::server::authorized(headers, &st.tokens) {
-        return Err(unauthorized());
+        return Err(Box::new(unauthorized()));
     }
     st.agents.get(id).ok_or_else(|| {
         let shown: String = id.chars().take(64).collect();
-        refuse(
+        Box::new(refuse(
             StatusCode::NOT_FOUND,
             PluginError::invalid(format!("No sandbox {shown:?}")),
-        )
+        ))
     })
 }
 
 /// Reads a bounded body and parses it; an empty body reads as `{}`.
-async fn body<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, Response> {
+async fn body<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, Box<Response>> {
     let limit = st.engine.config.agents.max_body_bytes;
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        refuse(
+        Box::new(refuse(
             StatusCode::PAYLOAD_TOO_LARGE,
             PluginError::invalid(format!("Request body over {limit} bytes")),
-        )
+        ))
     })?;
     let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
         b"{}"
@@ -91,10 +91,10 @@ async fn body<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, Respo
         } else {
             format!(" at {path}")
         };
-        refuse(
+        Box::new(refuse(
             StatusCode::BAD_REQUEST,
             PluginError::invalid(format!("Malformed request body{at}: {inner}")),
-        )
+        ))
     })
 }
 
@@ -104,7 +104,7 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, b: Body) -> Resp
     }
     let req: CreateSandboxRequest = match body(&st, b).await {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let host = headers
         .get(axum::http::header::HOST)
@@ -137,7 +137,7 @@ async fn remove(
     Path(id): Path<String>,
 ) -> Response {
     if let Err(r) = lookup(&st, &headers, &id) {
-        return r;
+        return *r;
     }
     if st.agents.delete(&id).await {
         StatusCode::NO_CONTENT.into_response()
@@ -160,11 +160,11 @@ macro_rules! command {
         ) -> Response {
             let $sb = match lookup(&st, &headers, &id) {
                 Ok(s) => s,
-                Err(r) => return r,
+                Err(r) => return *r,
             };
             let $r: $req = match body(&st, b).await {
                 Ok(r) => r,
-                Err(r) => return r,
+                Err(r) => return *r,
             };
             match $call.await {
                 Ok(v) => Json(v).into_response(),
@@ -227,7 +227,7 @@ async fn health(
                 }),
             }
         }
-        Err(r) => r,
+        Err(r) => *r,
     }
 }
 
@@ -239,7 +239,7 @@ async fn events(
 ) -> Response {
     let sb = match lookup(&st, &headers, &id) {
         Ok(s) => s,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let upgrade = match upgrade {
         Ok(u) => u,

@@ -947,14 +947,11 @@ async fn read_lines(r: tokio::net::unix::OwnedReadHalf, tx: mpsc::Sender<Incomin
     let mut reader = tokio::io::BufReader::new(r);
     loop {
         let mut buf = Vec::new();
-        let n = match (&mut reader)
+        let n = (&mut reader)
             .take(MAX_LINE + 1)
             .read_until(b'\n', &mut buf)
             .await
-        {
-            Ok(n) => n,
-            Err(_) => 0,
-        };
+            .unwrap_or_default();
         if n == 0 {
             let _ = tx.send(Incoming::Eof).await;
             return;
