@@ -13,6 +13,7 @@ brief.providerConfig.script: a list of steps, each one of
   {"raw": TEXT}                    write TEXT as a line (malformed input)
   {"exit": CODE}
 After the script it echoes every command it gets as a status event, answers "shutdown" with its state and exits 0.
+FAKE_AGENT_SIGTERM=1 does the same on SIGTERM; FAKE_AGENT_IGNORE_SHUTDOWN=1 ignores the "shutdown" line.
 """
 import json
 import os
@@ -65,7 +66,7 @@ status("brief received run=%s" % brief["runId"])
 
 
 def handle(cmd):
-    if cmd["type"] == "shutdown":
+    if cmd["type"] == "shutdown" and os.environ.get("FAKE_AGENT_IGNORE_SHUTDOWN") != "1":
         shutdown()
     status("command " + json.dumps(cmd, sort_keys=True))
 
