@@ -894,6 +894,60 @@ async fn a_restart_removes_what_a_killed_daemon_left() {
     assert_eq!(plugin_err(sb.health().await).0, 404);
 }
 
+/// Capacity counts sandboxes: beyond `agents.max_sandboxes`, `provider_unavailable` (retryable) at once; a removal
+/// frees a place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_counts_sandboxes() {
+    let Some(bin) = require_daemon("capacity_counts_sandboxes") else {
+        return;
+    };
+    let d = Daemon::start(
+        &bin,
+        DaemonOpts {
+            max_sandboxes: 2,
+            ..DaemonOpts::default()
+        },
+    )
+    .await;
+    let gw = Gateway::new(&d.http_base(), &d.token);
+    let backend = Backend::start().await;
+    let a = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    let b = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    let (status, e) = plugin_err(gw.create(&create_request(backend.port, 3600)).await);
+    assert_eq!(status, 503);
+    assert!(
+        matches!(
+            e,
+            PluginError::ProviderUnavailable {
+                retryable: true,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        std::fs::read_dir(d.state_dir().join("agents"))
+            .unwrap()
+            .count(),
+        2,
+        "the refusal left state"
+    );
+    gw.delete(a.id()).await.unwrap();
+    let c = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    // Distinct host uids: the freed one is reused, never shared.
+    gw.delete(b.id()).await.unwrap();
+    gw.delete(c.id()).await.unwrap();
+}
+
 /// Kill with grace reaches an agent that only handles SIGTERM (it ignores the `shutdown` line): it saves its state
 /// and exits 0 within the grace period. Needs the container's init to forward SIGTERM to the program (the
 /// warm-pool rework of `runtime/src/init.rs`); until then the init, as pid 1 without a handler, drops it and the
@@ -901,18 +955,24 @@ async fn a_restart_removes_what_a_killed_daemon_left() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs SIGTERM forwarding in the container init (runtime/src/init.rs rework); run with --ignored"]
 async fn kill_with_grace_sends_sigterm_to_the_agent() {
-    let Some((_d, gw)) = start().await else { return };
+    let Some((_d, gw)) = start().await else {
+        return;
+    };
     let backend = Backend::start().await;
     let mut req = create_request(backend.port, 3600);
     let t = req.template.as_mut().unwrap();
     t.env.insert("FAKE_AGENT_SIGTERM".into(), "1".into());
-    t.env.insert("FAKE_AGENT_IGNORE_SHUTDOWN".into(), "1".into());
+    t.env
+        .insert("FAKE_AGENT_IGNORE_SHUTDOWN".into(), "1".into());
     let sb = gw.create(&req).await.unwrap();
     let mut events = sb.events(0);
     sb.spawn(&brief(json!([]))).await.unwrap();
-    until(&mut events, "brief received", Duration::from_secs(20), |e| {
-        status_contains(e, "brief received")
-    })
+    until(
+        &mut events,
+        "brief received",
+        Duration::from_secs(20),
+        |e| status_contains(e, "brief received"),
+    )
     .await;
     let t0 = Instant::now();
     let k = sb
@@ -923,7 +983,10 @@ async fn kill_with_grace_sends_sigterm_to_the_agent() {
         .await
         .unwrap();
     assert!(k.clean_shutdown, "SIGTERM did not reach the agent: {k:?}");
-    assert!(t0.elapsed() < Duration::from_secs(4), "the kill waited out the grace period");
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "the kill waited out the grace period"
+    );
     assert_eq!(k.state.unwrap().checkpoint["agent"]["via"], "sigterm");
     gw.delete(sb.id()).await.unwrap();
 }

@@ -94,6 +94,8 @@ pub struct DaemonOpts {
     pub max_output_bytes: u64,
     /// `limits.max.timeout_ms`.
     pub max_timeout_ms: u64,
+    /// `agents.max_sandboxes` (with `max_concurrent`, at most 64: the uid range per daemon).
+    pub max_sandboxes: usize,
 }
 
 impl Default for DaemonOpts {
@@ -103,6 +105,7 @@ impl Default for DaemonOpts {
             max_queue: 32,
             max_output_bytes: 16 << 20,
             max_timeout_ms: 120_000,
+            max_sandboxes: 16,
         }
     }
 }
@@ -129,7 +132,10 @@ pub struct Daemon {
 impl Daemon {
     /// Starts a daemon and waits until it serves.
     pub async fn start(binary: &Path, opts: DaemonOpts) -> Daemon {
-        assert!(opts.max_concurrent <= 64, "uid ranges are 64 wide");
+        assert!(
+            opts.max_concurrent + opts.max_sandboxes <= 64,
+            "uid ranges are 64 wide"
+        );
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
         // A uid region apart from the daemon's own suite (which starts at 1,000,000).
@@ -155,6 +161,7 @@ impl Daemon {
                 }},
                 "shutdown_grace_ms": 1000,
                 "sandbox": {"cgroup_parent": cgroup_parent, "uid_base": uid_base},
+                "agents": {"max_sandboxes": opts.max_sandboxes},
             });
             let config_path = dir.path().join("config.yaml");
             std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
