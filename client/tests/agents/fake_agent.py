@@ -12,6 +12,7 @@ brief.providerConfig.script: a list of steps, each one of
   {"sleep_ms": N}
   {"raw": TEXT}                    write TEXT as a line (malformed input)
   {"exit": CODE}
+  {"close_socket": true}           close the control connection and keep running
 After the script it echoes every command it gets as a status event, answers "shutdown" with its state and exits 0.
 FAKE_AGENT_SIGTERM=1 does the same on SIGTERM; FAKE_AGENT_IGNORE_SHUTDOWN=1 ignores the "shutdown" line.
 """
@@ -107,6 +108,11 @@ for position, step in enumerate(script):
         sock.sendall((step["raw"] + "\n").encode())
     elif "exit" in step:
         sys.exit(step["exit"])
+    elif "close_socket" in step:
+        sock.shutdown(socket.SHUT_RDWR)
+        rfile.close()
+        sock.close()
+        time.sleep(60)
 
 while True:
     handle(read_cmd())

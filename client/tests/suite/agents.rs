@@ -894,6 +894,84 @@ async fn a_restart_removes_what_a_killed_daemon_left() {
     assert_eq!(plugin_err(sb.health().await).0, 404);
 }
 
+/// A malformed control line becomes a warning ErrorEvent; a failed upload forwards the artifact without its sandbox
+/// path plus an ErrorEvent; a control connection dropped while the agent keeps running is a crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misbehaving_agents_and_failed_uploads() {
+    let Some((_d, gw)) = start().await else {
+        return;
+    };
+    let backend = Backend::start().await;
+    let mut req = create_request(backend.port, 3600);
+    // Nothing listens there: every upload attempt fails.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    req.bootstrap.artifact_upload_endpoint = format!("http://127.0.0.1:{dead}/api/artifacts");
+    let sb = gw.create(&req).await.unwrap();
+    let mut events = sb.events(0);
+    sb.spawn(&brief(json!([
+        {"raw": "this is not json"},
+        {"raw": "{\"type\": \"teleport\", \"agentId\": \"x\"}"},
+        {"write": {"path": "a.txt", "content": "A"}},
+        {"artifact": {"path": "a.txt", "artifactId": "art-a"}},
+        {"emit": {"type": "artifact", "artifactId": "art-b", "name": "b", "kind": "other", "workstream": "w",
+                  "status": "draft", "qualityScore": 1, "provenance": {"createdBy": "x", "createdAt": "x"},
+                  "uri": "/etc/passwd"}},
+        {"close_socket": true},
+    ])))
+    .await
+    .unwrap();
+    let seen = until(&mut events, "crashed", Duration::from_secs(30), |e| {
+        action(e) == Some("crashed")
+    })
+    .await;
+    let codes: Vec<&str> = seen
+        .iter()
+        .filter_map(|e| e.event.get("errorCode").and_then(Value::as_str))
+        .collect();
+    assert_eq!(
+        codes.iter().filter(|c| **c == "malformed_event").count(),
+        2,
+        "{seen:#?}"
+    );
+    assert_eq!(
+        codes
+            .iter()
+            .filter(|c| **c == "artifact_upload_failed")
+            .count(),
+        2,
+        "{seen:#?}"
+    );
+    for a in seen.iter().filter(|e| is(e, "artifact")) {
+        assert!(
+            a.event.get("uri").is_none(),
+            "a sandbox path was forwarded: {a:?}"
+        );
+    }
+    let a = seen
+        .iter()
+        .find(|e| is(e, "artifact") && e.event["artifactId"] == "art-a")
+        .unwrap();
+    assert_eq!(
+        a.event["contentHash"],
+        format!("{:x}", sha2::Sha256::digest(b"A")).as_str()
+    );
+    let crashed = seen.last().unwrap();
+    assert!(
+        crashed.event["reason"]
+            .as_str()
+            .unwrap()
+            .contains("control connection dropped"),
+        "{crashed:?}"
+    );
+    assert_eq!(sb.health().await.unwrap().agent_status, AgentStatus::Error);
+    assert!(backend.seen().iter().all(|s| s.path != "/api/artifacts"));
+    gw.delete(sb.id()).await.unwrap();
+}
+
 /// Capacity counts sandboxes: beyond `agents.max_sandboxes`, `provider_unavailable` (retryable) at once; a removal
 /// frees a place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
