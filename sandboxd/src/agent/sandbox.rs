@@ -234,6 +234,13 @@ impl Sandbox {
         if self.shared().expired {
             return Err(self.invalid("The sandbox's lifetime (resourceLimits.timeoutMs) is over"));
         }
+        // A run that has ended (its exit is processed and its last events are out) may still be removing its
+        // container: wait for that rather than refuse.
+        let ending = self.shared().last_exit.is_some();
+        if let Some(run) = Self::live(&ops).filter(|_| ending) {
+            let mut done = run.done.clone();
+            let _ = tokio::time::timeout(Duration::from_secs(30), done.wait_for(|d| *d)).await;
+        }
         if Self::live(&ops).is_some() {
             return Err(self.invalid("An agent is already running in this sandbox"));
         }
