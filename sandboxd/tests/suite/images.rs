@@ -673,7 +673,7 @@ async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
     ] {
         let (status, h) = agent_http(
             &d,
-            &"POST".to_owned(),
+            "POST",
             &format!("/sandboxes/{id}/spawn"),
             &json!({"agentId": "a", "providerConfig": {"command": ["/bin/sh", "-c", script]}}),
         )
