@@ -88,7 +88,7 @@ mod tests {
             assert!(seen.insert(c.id), "duplicate id {}", c.id);
             let parts: Vec<&str> = c.id.split('.').collect();
             assert_eq!(parts.len(), 3, "{}", c.id);
-            assert!(matches!(parts[0], "P" | "I" | "R"), "{}", c.id);
+            assert!(matches!(parts[0], "P" | "I" | "R" | "A"), "{}", c.id);
             assert!(parts[2].parse::<u32>().is_ok(), "{}", c.id);
             assert!(!c.requirement.is_empty() && !c.title.is_empty(), "{}", c.id);
         }
