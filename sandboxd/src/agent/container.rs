@@ -80,7 +80,7 @@ impl Container {
         }
     }
 
-    /// Lets the program run. On error the container is killed and removed before returning.
+    /// Lets the program run. On error the caller kills the container ([`signal`]) and waits for [`Self::removed`].
     pub async fn start(&mut self) -> Result<(), String> {
         let req = Request::Start {
             id: self.cid.clone(),
