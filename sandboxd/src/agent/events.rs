@@ -130,6 +130,8 @@ pub struct Hub {
     /// Bumped on every change a gateway writer must look at (new event, new gateway).
     changed: watch::Sender<u64>,
     agent_id: String,
+    /// Age after which a buffered event is dropped while no gateway is connected.
+    max_age: Duration,
 }
 
 impl Hub {
@@ -154,6 +156,7 @@ impl Hub {
             }),
             changed: watch::channel(0).0,
             agent_id: agent_id.to_owned(),
+            max_age: Duration::from_millis(DISCONNECTED_BUFFER_MS),
         }))
     }
 
@@ -173,7 +176,7 @@ impl Hub {
         };
         let mut dropped = 0u64;
         if inner.gateway.is_none() {
-            let max_age = Duration::from_millis(DISCONNECTED_BUFFER_MS);
+            let max_age = self.max_age;
             while inner
                 .queue
                 .front()
@@ -454,6 +457,39 @@ mod tests {
             })
             .unwrap();
         assert_eq!(r.events.len() as u64, last);
+    }
+
+    #[test]
+    fn without_a_gateway_old_events_leave_the_buffer_but_not_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        Arc::get_mut(&mut hub).unwrap().max_age = Duration::from_millis(50);
+        for i in 0..10 {
+            hub.emit("r", status(i));
+        }
+        assert_eq!(hub.pending(), 10);
+        std::thread::sleep(Duration::from_millis(80));
+        hub.emit("r", status(10));
+        let g = hub.attach();
+        let got = drain(&hub, g);
+        // The new event and the warning about the 10 expired ones.
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got[0].source_sequence, 11);
+        assert_eq!(got[1].event["errorCode"], "events_dropped");
+        assert!(got[1].event["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("10 events dropped"));
+        assert_eq!(
+            hub.replay(SequenceRange {
+                from_sequence: 1,
+                to_sequence: 10
+            })
+            .unwrap()
+            .events
+            .len(),
+            10
+        );
     }
 
     #[test]
