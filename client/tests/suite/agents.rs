@@ -38,6 +38,12 @@ struct Backend {
 
 impl Backend {
     async fn start() -> Backend {
+        Self::start_refusing(None).await
+    }
+
+    /// A backend whose `/api/artifacts` answers 401 to `Bearer <refused>`.
+    async fn start_refusing(refused: Option<&str>) -> Backend {
+        let refused = refused.map(|t| format!("Bearer {t}"));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -50,6 +56,7 @@ impl Backend {
                 };
                 n += 1;
                 let seen = seen2.clone();
+                let refused = refused.clone();
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 65536];
@@ -90,14 +97,16 @@ impl Backend {
                         json!({"backendUri": format!("artifact://project/agent/{n}"), "version": n,
                                "storedAt": "2026-01-01T00:00:00Z", "sizeBytes": len})
                     };
-                    seen.lock().unwrap().push(Seen {
-                        path,
-                        auth: header("authorization"),
-                        body,
-                    });
+                    let auth = header("authorization");
+                    let status = if path == "/api/artifacts" && Some(&auth) == refused.as_ref() {
+                        "401 Unauthorized"
+                    } else {
+                        "200 OK"
+                    };
+                    seen.lock().unwrap().push(Seen { path, auth, body });
                     let text = answer.to_string();
                     let resp = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
                         text.len()
                     );
                     let _ = s.write_all(resp.as_bytes()).await;
@@ -969,6 +978,55 @@ async fn misbehaving_agents_and_failed_uploads() {
     );
     assert_eq!(sb.health().await.unwrap().agent_status, AgentStatus::Error);
     assert!(backend.seen().iter().all(|s| s.path != "/api/artifacts"));
+    gw.delete(sb.id()).await.unwrap();
+}
+
+/// An upload refused with 401 (the token expired before its renewal) renews the token at once and succeeds with
+/// the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_is_renewed_and_the_upload_retried() {
+    let Some((_d, gw)) = start().await else {
+        return;
+    };
+    let backend = Backend::start_refusing(Some(SECRET)).await;
+    let sb = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    let mut events = sb.events(0);
+    sb.spawn(&brief(json!([
+        {"write": {"path": "r.txt", "content": "R"}},
+        {"artifact": {"path": "r.txt", "artifactId": "art-r"}},
+    ])))
+    .await
+    .unwrap();
+    let seen = until(&mut events, "the artifact", Duration::from_secs(30), |e| {
+        is(e, "artifact")
+    })
+    .await;
+    let a = seen.last().unwrap();
+    assert!(
+        a.event["uri"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("artifact://")),
+        "{a:?}"
+    );
+    let calls = backend.seen();
+    let renew = calls
+        .iter()
+        .position(|s| s.path == "/api/token/renew")
+        .expect("a renewal");
+    let ok = calls
+        .iter()
+        .rposition(|s| s.path == "/api/artifacts")
+        .unwrap();
+    assert!(calls[..renew]
+        .iter()
+        .any(|s| s.path == "/api/artifacts" && s.auth == format!("Bearer {SECRET}")));
+    assert!(
+        ok > renew && calls[ok].auth.starts_with("Bearer renewed-token-"),
+        "{calls:?}"
+    );
     gw.delete(sb.id()).await.unwrap();
 }
 

@@ -1,6 +1,7 @@
 //! The sandbox-to-backend calls sandboxd makes on an agent's behalf: eager artifact upload (an `ArtifactEvent`'s
 //! file is read from the workspace, stored, uploaded, and its `uri` rewritten to the returned `backendUri`) and
-//! token renewal at 80% of the token's lifetime. The token never reaches the agent and is never logged.
+//! token renewal at 80% of the token's lifetime (and at once when an upload is refused with 401, before one more
+//! attempt). The token never reaches the agent and is never logged.
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -238,7 +239,20 @@ impl Backend {
             event.remove("uri");
             return Err("stored content vanished".into());
         };
-        match crate::upload::upload(&self.upload_config(), &blob, &stored.hex, &mime).await {
+        let mut outcome =
+            crate::upload::upload(&self.upload_config(), &blob, &stored.hex, &mime).await;
+        // A refused token (expired before its renewal): renew now and try once more.
+        if outcome.as_ref().is_err_and(|e| e.contains("HTTP 401")) {
+            match self.renew_once().await {
+                Ok(()) => {
+                    outcome =
+                        crate::upload::upload(&self.upload_config(), &blob, &stored.hex, &mime)
+                            .await;
+                }
+                Err(e) => tracing::warn!(error = %e, "token renewal after a refused upload failed"),
+            }
+        }
+        match outcome {
             Ok(backend_uri) => {
                 event.insert("uri".into(), backend_uri.into());
                 event.insert("contentHash".into(), stored.hex.clone().into());
