@@ -654,6 +654,9 @@ pub enum AgentCommand {
         run_id: String,
         /// The sandbox id.
         sandbox_id: String,
+        /// The agent's checkpoint when the run resumes a stored state (`POST /resume` with no agent running).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resume: Option<Value>,
     },
     /// A decision was resolved.
     #[serde(rename_all = "camelCase")]

@@ -64,6 +64,8 @@ brief = read_cmd()
 assert brief["type"] == "brief", brief
 script = (brief["brief"].get("providerConfig") or {}).get("script", [])
 status("brief received run=%s" % brief["runId"])
+if brief.get("resume") is not None:
+    status("resuming from " + json.dumps(brief["resume"], sort_keys=True))
 
 
 def handle(cmd):

@@ -475,6 +475,24 @@ async fn every_endpoint_through_the_client() {
     );
     assert_eq!(plugin_err(sb.kill(&KillRequest::default()).await).0, 409);
 
+    // Resume from the stored state with no agent running: a new run, handed the agent's checkpoint.
+    let h = sb.resume(&st).await.unwrap();
+    assert_eq!(h.status, AgentStatus::Running);
+    assert_ne!(h.session_id, run_id);
+    until(
+        &mut events,
+        "the resumed agent",
+        Duration::from_secs(20),
+        |e| status_contains(e, "resuming from") && status_contains(e, "\"via\": \"shutdown\""),
+    )
+    .await;
+    sb.kill(&KillRequest {
+        grace: false,
+        grace_timeout_ms: None,
+    })
+    .await
+    .unwrap();
+
     gw.delete(sb.id()).await.unwrap();
     assert_eq!(plugin_err(sb.health().await).0, 404);
     assert!(

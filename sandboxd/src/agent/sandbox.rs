@@ -231,17 +231,27 @@ impl Sandbox {
     /// `POST /spawn`.
     pub async fn spawn(self: &Arc<Self>, brief: AgentBrief) -> Result<AgentHandle, PluginError> {
         let mut ops = self.ops.lock().await;
+        self.spawn_locked(&mut ops, brief, None).await
+    }
+
+    /// Starts a run; `resume` is the agent's checkpoint from a stored state (handed to it in the brief line).
+    async fn spawn_locked(
+        self: &Arc<Self>,
+        ops: &mut Ops,
+        brief: AgentBrief,
+        resume: Option<Value>,
+    ) -> Result<AgentHandle, PluginError> {
         if self.shared().expired {
             return Err(self.invalid("The sandbox's lifetime (resourceLimits.timeoutMs) is over"));
         }
         // A run that has ended (its exit is processed and its last events are out) may still be removing its
         // container: wait for that rather than refuse.
         let ending = self.shared().last_exit.is_some();
-        if let Some(run) = Self::live(&ops).filter(|_| ending) {
+        if let Some(run) = Self::live(ops).filter(|_| ending) {
             let mut done = run.done.clone();
             let _ = tokio::time::timeout(Duration::from_secs(30), done.wait_for(|d| *d)).await;
         }
-        if Self::live(&ops).is_some() {
+        if Self::live(ops).is_some() {
             return Err(self.invalid("An agent is already running in this sandbox"));
         }
         let command = brief
@@ -327,6 +337,7 @@ impl Sandbox {
             brief,
             run_id: run_id.clone(),
             sandbox_id: self.id.clone(),
+            resume,
         });
         self.hub
             .emit(&run_id, lifecycle_event(&self.agent_id, "started", None));
@@ -745,8 +756,42 @@ impl Sandbox {
     }
 
     /// `POST /resume`: thaws a paused agent.
-    pub async fn resume(&self, _state: SerializedAgentState) -> Result<AgentHandle, PluginError> {
-        let ops = self.ops.lock().await;
+    /// `POST /resume`: thaws a paused agent; with no agent running, starts a new run from the state's brief
+    /// snapshot and hands the agent its checkpoint (`resume` in the brief line).
+    pub async fn resume(
+        self: &Arc<Self>,
+        state: SerializedAgentState,
+    ) -> Result<AgentHandle, PluginError> {
+        let mut ops = self.ops.lock().await;
+        if Self::live(&ops).is_none() || self.shared().last_exit.is_some() {
+            let brief: AgentBrief =
+                serde_json::from_value(state.brief_snapshot.clone()).map_err(|e| {
+                    PluginError::invalid(format!(
+                        "No agent is running and the state's briefSnapshot is not a brief: {e}"
+                    ))
+                })?;
+            if brief.agent_id != self.agent_id {
+                return Err(PluginError::invalid(format!(
+                    "The state is for agent {:?}, this sandbox runs {:?}",
+                    brief.agent_id, self.agent_id
+                )));
+            }
+            let checkpoint = state
+                .checkpoint
+                .get("agent")
+                .cloned()
+                .unwrap_or(Value::Null);
+            let h = self.spawn_locked(&mut ops, brief, Some(checkpoint)).await?;
+            self.hub.emit(
+                &h.session_id,
+                lifecycle_event(
+                    &self.agent_id,
+                    "resumed",
+                    Some("new run from a stored state"),
+                ),
+            );
+            return Ok(h);
+        }
         let Some(run) = Self::live(&ops) else {
             return Err(self.invalid("No agent is running in this sandbox"));
         };
