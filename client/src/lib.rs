@@ -24,6 +24,8 @@
 //!   [`code`](ClientError::code) (the FSP code) and [`kind`](ClientError::kind) (the seed's `ToolError` type).
 //! - [`Auth`]: a static token or a [`TokenProvider`] asked on every (re)connect.
 //! - [`health()`]: `GET /healthz`.
+//! - [`Gateway`]: agent sandboxes (`POST /sandboxes` and the adapter-shim endpoints), with an [`EventStream`] that
+//!   replays what a dropped connection lost.
 //!
 //! ```no_run
 //! use client::{new_execution_id, ExecuteRequest, Language, Pool, RequestedLimits};
@@ -56,6 +58,7 @@ pub mod config;
 pub mod connection;
 pub mod error;
 pub mod execution;
+pub mod gateway;
 pub mod health;
 pub mod pool;
 pub mod tls;
@@ -66,6 +69,7 @@ pub use config::{Backoff, ConnectOptions, ExecOptions, DEFAULT_TOKEN_FILE, DEFAU
 pub use connection::{Connection, ConnectionStatus};
 pub use error::{BoxError, ClientError, ErrorKind};
 pub use execution::{Execution, ExecutionResult};
+pub use gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 pub use health::{health, healthz_url, Health};
 pub use pool::{Pool, PoolBuilder, PoolStats, PooledConnection};
 pub use protocol::{

@@ -81,11 +81,19 @@ pub enum Fault {
     IgnoresVersionHeader,
     /// Forwards calls of tools the request did not list (extension `tool_calls`) instead of refusing them.
     ForwardsUnlistedTools,
+    /// Agent sandboxes: skips `sourceSequence` 3.
+    AgentSequenceGap,
+    /// Agent sandboxes: `POST /resolve` of an unknown decision succeeds.
+    AgentResolveUnknownOk,
+    /// Agent sandboxes: `POST /replay` answers the range one later.
+    AgentReplayOffByOne,
+    /// Agent sandboxes: refusals are plain text, not `PluginError` JSON.
+    AgentPlainTextErrors,
 }
 
 impl Fault {
     /// Every fault.
-    pub const ALL: [Fault; 20] = [
+    pub const ALL: [Fault; 24] = [
         Fault::NoAck,
         Fault::ResultBeforeStatus,
         Fault::NoResultAfterTimeout,
@@ -106,6 +114,10 @@ impl Fault {
         Fault::ExitCodeOnSignal,
         Fault::IgnoresVersionHeader,
         Fault::ForwardsUnlistedTools,
+        Fault::AgentSequenceGap,
+        Fault::AgentResolveUnknownOk,
+        Fault::AgentReplayOffByOne,
+        Fault::AgentPlainTextErrors,
     ];
 
     /// The command-line name, e.g. `no-ack`.
@@ -131,6 +143,10 @@ impl Fault {
             Fault::ExitCodeOnSignal => "exit-code-on-signal",
             Fault::IgnoresVersionHeader => "ignores-version-header",
             Fault::ForwardsUnlistedTools => "forwards-unlisted-tools",
+            Fault::AgentSequenceGap => "agent-sequence-gap",
+            Fault::AgentResolveUnknownOk => "agent-resolve-unknown-ok",
+            Fault::AgentReplayOffByOne => "agent-replay-off-by-one",
+            Fault::AgentPlainTextErrors => "agent-plain-text-errors",
         }
     }
 }
@@ -235,6 +251,7 @@ pub async fn start(config: FixtureConfig, listen: &str) -> std::io::Result<Fixtu
         root: root.path().to_owned(),
         languages,
         config,
+        agents: Arc::new(crate::fixture_agents::Agents::default()),
     });
     let task = tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
@@ -256,6 +273,8 @@ struct Shared {
     seq: AtomicU64,
     root: PathBuf,
     languages: Vec<(Language, PathBuf, &'static str)>,
+    /// Agent sandboxes (`/sandboxes...`).
+    agents: Arc<crate::fixture_agents::Agents>,
 }
 
 impl Shared {
@@ -311,6 +330,23 @@ enum Ctl {
 
 type Registry = Arc<Mutex<HashMap<String, watch::Sender<Ctl>>>>;
 
+/// The request target of the connection's first request line, read without consuming it.
+async fn request_target(stream: &TcpStream) -> Option<String> {
+    let mut buf = [0u8; 512];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = stream.peek(&mut buf).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        if buf[..n].contains(&b'\n') || n == buf.len() || Instant::now() > deadline {
+            let line = String::from_utf8_lossy(&buf[..n]);
+            return line.split_whitespace().nth(1).map(str::to_owned);
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 fn status_response(code: StatusCode, body: String) -> ErrorResponse {
     let mut r = ErrorResponse::new(Some(body));
     *r.status_mut() = code;
@@ -322,6 +358,19 @@ fn status_response(code: StatusCode, body: String) -> ErrorResponse {
     reason = "the handshake callback's error type is tungstenite's"
 )]
 async fn connection(shared: Arc<Shared>, stream: TcpStream) {
+    // Agent sandboxes (`/sandboxes...`) are served by their own module.
+    if let Some(path) = request_target(&stream).await {
+        if path.starts_with("/sandboxes") {
+            let is_ws = path.ends_with("/events");
+            let (token, faults) = (shared.config.token.clone(), shared.config.faults.clone());
+            shared
+                .agents
+                .clone()
+                .serve(stream, &token, &faults, is_ws)
+                .await;
+            return;
+        }
+    }
     let s = shared.clone();
     let check = move |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
         if req.uri().path() != "/ws" {

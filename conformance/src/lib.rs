@@ -15,6 +15,7 @@ pub mod cases;
 pub mod client;
 pub mod ctx;
 pub mod fixture;
+pub mod fixture_agents;
 mod fixture_tools;
 pub mod framework;
 pub mod msgs;
@@ -88,7 +89,7 @@ mod tests {
             assert!(seen.insert(c.id), "duplicate id {}", c.id);
             let parts: Vec<&str> = c.id.split('.').collect();
             assert_eq!(parts.len(), 3, "{}", c.id);
-            assert!(matches!(parts[0], "P" | "I" | "R" | "E"), "{}", c.id);
+            assert!(matches!(parts[0], "P" | "I" | "R" | "E" | "A"), "{}", c.id);
             assert!(parts[2].parse::<u32>().is_ok(), "{}", c.id);
             assert!(!c.requirement.is_empty() && !c.title.is_empty(), "{}", c.id);
         }

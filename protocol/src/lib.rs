@@ -4,6 +4,7 @@
 //! WebSocket frame and gets back a typed [`ClientMessage`] or a [`RequestError`] that maps one-to-one onto an FSP
 //! `error` message; it builds [`ServerMessage`]s and turns them into frames with [`encode`].
 //!
+//! - [`agent`]: agent sandboxes, the adapter-shim HTTP/WebSocket surface (`docs/spec/agent-sandboxes.md`).
 //! - [`envelope`]: protocol version, execution ids and timestamps shared by every message.
 //! - [`client`]: `execute`, `cancel`, `ping`, `tool_result` and [`parse_client_message`], which applies the refusal rules of
 //!   spec sections 2 and 3 in a fixed order (JSON, object, `id`, `v`, `type`, `ts`, body, semantic checks).
@@ -15,6 +16,7 @@
 //! - [`tools`]: the `tool_calls` extension: [`ToolSpec`], [`ToolCall`] and [`ToolResult`].
 //! - [`output`]: [`Utf8Chunker`], which turns raw pipe bytes into chunks that never split a UTF-8 sequence.
 
+pub mod agent;
 pub mod client;
 pub mod envelope;
 pub mod error;

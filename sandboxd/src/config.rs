@@ -70,6 +70,49 @@ pub struct Config {
     pub pool: PoolConfig,
     /// The `tool_calls` extension: per-call timeout maximum and per-execution bounds of the tool socket.
     pub tools: crate::tools::ToolsConfig,
+    /// Agent sandboxes (the adapter-shim endpoints under `/sandboxes`).
+    pub agents: AgentsConfig,
+}
+
+/// Sandboxes at once by default.
+pub const DEFAULT_MAX_SANDBOXES: usize = 16;
+
+/// `agents:`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentsConfig {
+    /// Agent sandboxes at once; `POST /sandboxes` beyond it is refused (`provider_unavailable`, retryable). Their
+    /// host uids follow the executions' containers': `uid_base + uid_count() + n`.
+    pub max_sandboxes: usize,
+    /// The largest, and default, CPU quota of a sandbox, cores.
+    pub cpu_cores: f64,
+    /// The largest, and default, memory of a sandbox, MiB.
+    pub memory_mb: u64,
+    /// The largest, and default, size of a sandbox's `/workspace` + `/tmp` tmpfs, MiB.
+    pub disk_mb: u64,
+    /// The largest, and default, lifetime of a sandbox, ms.
+    pub timeout_ms: u64,
+    /// Processes and threads of a sandbox.
+    pub pids_max: u64,
+    /// Largest request body of the agent endpoints.
+    pub max_body_bytes: usize,
+    /// Upload attempts per artifact.
+    pub upload_attempts: u32,
+}
+
+impl Default for AgentsConfig {
+    fn default() -> Self {
+        Self {
+            max_sandboxes: DEFAULT_MAX_SANDBOXES,
+            cpu_cores: 2.0,
+            memory_mb: 4096,
+            disk_mb: 1024,
+            timeout_ms: 3_600_000,
+            pids_max: 512,
+            max_body_bytes: 1 << 20,
+            upload_attempts: 4,
+        }
+    }
 }
 
 /// The most languages a daemon serves (python, javascript, shell, elixir): bounds the pool's rounding.
@@ -294,6 +337,7 @@ impl Default for Config {
             languages: None,
             pool: PoolConfig::default(),
             tools: crate::tools::ToolsConfig::default(),
+            agents: AgentsConfig::default(),
         }
     }
 }
@@ -399,6 +443,19 @@ impl Config {
         }
         let m = &self.limits.max;
         positive("limits.max.timeout_ms", m.timeout_ms)?;
+        let a = &self.agents;
+        positive("agents.memory_mb", a.memory_mb)?;
+        positive("agents.disk_mb", a.disk_mb)?;
+        positive("agents.timeout_ms", a.timeout_ms)?;
+        positive("agents.pids_max", a.pids_max)?;
+        positive("agents.max_body_bytes", a.max_body_bytes as u64)?;
+        positive("agents.upload_attempts", a.upload_attempts as u64)?;
+        if !(a.cpu_cores.is_finite() && a.cpu_cores >= 0.01) {
+            return Err(ConfigError::Value {
+                key: "agents.cpu_cores",
+                reason: "must be at least 0.01".into(),
+            });
+        }
         positive("limits.max.memory_mb", m.memory_mb)?;
         positive("limits.max.cpu_shares", m.cpu_shares)?;
         positive("limits.max.max_output_bytes", m.max_output_bytes)?;
@@ -422,8 +479,9 @@ impl Config {
                 });
             }
         }
+        let uids = self.uid_count() + self.agents.max_sandboxes;
         if self.sandbox.uid_base == 0
-            || u32::try_from(self.uid_count())
+            || u32::try_from(uids)
                 .ok()
                 .and_then(|n| self.sandbox.uid_base.checked_add(n))
                 .is_none()
@@ -431,8 +489,7 @@ impl Config {
             return Err(ConfigError::Value {
                 key: "sandbox.uid_base",
                 reason: format!(
-                    "must be a non-zero uid with room for {} uids (2 x max_concurrent + pool size + 4)",
-                    self.uid_count()
+                    "must be a non-zero uid with room for {uids} uids (2 x max_concurrent + pool size + 4 + agents.max_sandboxes)"
                 ),
             });
         }
@@ -557,6 +614,7 @@ mod tests {
         images: std::collections::BTreeMap<String, String>,
         languages: Option<u8>,
         pool: std::collections::BTreeMap<&'static str, Option<usize>>,
+        agents: std::collections::BTreeMap<&'static str, String>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -593,6 +651,17 @@ mod tests {
                 images: Default::default(),
                 languages: None,
                 pool: [("size", c.pool.size), ("helpers", c.pool.helpers)].into(),
+                agents: [
+                    ("max_sandboxes", c.agents.max_sandboxes.to_string()),
+                    ("cpu_cores", c.agents.cpu_cores.to_string()),
+                    ("memory_mb", c.agents.memory_mb.to_string()),
+                    ("disk_mb", c.agents.disk_mb.to_string()),
+                    ("timeout_ms", c.agents.timeout_ms.to_string()),
+                    ("pids_max", c.agents.pids_max.to_string()),
+                    ("max_body_bytes", c.agents.max_body_bytes.to_string()),
+                    ("upload_attempts", c.agents.upload_attempts.to_string()),
+                ]
+                .into(),
             }
         }
     }

@@ -4,6 +4,7 @@
 //! the container helper, the HTTP/WebSocket server and graceful shutdown. Start-up order matters: everything that
 //! forks (the helper) happens while the process is still single-threaded, before the tokio runtime exists.
 
+mod agent;
 mod capacity;
 mod config;
 mod doctor;
@@ -298,12 +299,15 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         .build()
         .context("cannot start the async runtime")?;
     let result = rt.block_on(async move {
-        let clients = forked
+        let mut clients = forked
             .into_iter()
             .map(|(pid, sock)| HelperClient::new(sock, pid))
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<std::collections::VecDeque<_>, _>>()?;
+        let first = clients
+            .pop_front()
+            .context("no container helper was started (pool.helpers)")?;
         let factory = Arc::new(pool::Factory::new(
-            pool::Helpers::new(clients),
+            pool::Helpers::new(first, clients.into()),
             cgroups.clone(),
             run_dir.clone(),
             config.sandbox.nofile,
@@ -400,10 +404,12 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", engine.config.listen))?;
     let addr = listener.local_addr()?;
     info!(%addr, "listening");
+    let agents = agent::Agents::new(engine.clone()).context("agent sandboxes")?;
     let state = server::AppState {
         engine: engine.clone(),
         tokens: Arc::new(engine.config.auth.tokens.clone()),
         connections: Arc::new(AtomicU64::new(0)),
+        agents: agents.clone(),
     };
     let app = server::router(state);
     // Executions send several small frames in a row (ack, status, output): without TCP_NODELAY, Nagle's algorithm
@@ -450,6 +456,7 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         }
     }
     server.abort();
+    agents.shutdown().await;
     Ok(())
 }
 

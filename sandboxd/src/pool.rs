@@ -81,16 +81,25 @@ impl Uids {
 /// that created it (its init is that helper's child).
 pub struct Helpers {
     all: Vec<HelperClient>,
+    primary: HelperClient,
     next: AtomicUsize,
 }
 
 impl Helpers {
-    /// Over these helpers (at least one).
-    pub fn new(all: Vec<HelperClient>) -> Self {
+    /// Over `first` and `rest`.
+    pub fn new(first: HelperClient, rest: Vec<HelperClient>) -> Self {
+        let mut all = vec![first.clone()];
+        all.extend(rest);
         Self {
             all,
+            primary: first,
             next: AtomicUsize::new(0),
         }
+    }
+
+    /// The first helper: agent sandboxes' containers live there (they are few and long-lived).
+    pub fn primary(&self) -> &HelperClient {
+        &self.primary
     }
 
     fn pick(&self) -> usize {

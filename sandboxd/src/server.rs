@@ -41,6 +41,8 @@ pub struct AppState {
     pub tokens: Arc<Vec<String>>,
     /// Connection counter (for log spans).
     pub connections: Arc<AtomicU64>,
+    /// Agent sandboxes.
+    pub agents: Arc<crate::agent::Agents>,
 }
 
 /// The router.
@@ -49,6 +51,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/ws", get(ws))
         .route("/artifacts/sha256/{hex}", get(artifact))
+        .merge(crate::agent::router()) // agent sandboxes (issue 12)
         .with_state(state)
 }
 
@@ -115,7 +118,7 @@ async fn artifact(
 }
 
 /// Constant-time check of `Authorization: Bearer <token>` against every configured token.
-fn authorized(headers: &HeaderMap, tokens: &[String]) -> bool {
+pub(crate) fn authorized(headers: &HeaderMap, tokens: &[String]) -> bool {
     let Some(given) = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())

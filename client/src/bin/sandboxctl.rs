@@ -36,6 +36,8 @@ use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 enum Exit {
+    /// Success.
+    Ok0 = 0,
     /// A local problem: a file that cannot be read, a bad `--env` or `--file-in`, a bad URL.
     Local = 1,
     /// The sandbox refused the request (`INVALID_REQUEST`, `LANGUAGE_NOT_SUPPORTED`, ...): do not retry as is.
@@ -98,6 +100,54 @@ enum Command {
     },
     /// GET /healthz of the daemon (exit 0 when healthy, 69 when not).
     Health,
+    /// Agent sandboxes: create, spawn, events, kill, rm (JSON in, JSON out).
+    #[command(subcommand)]
+    Sandbox(SandboxCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum SandboxCommand {
+    /// POST /sandboxes with a CreateSandboxRequest (JSON file, `-` for stdin); prints the endpoints.
+    Create {
+        /// The request.
+        #[arg(long)]
+        request: PathBuf,
+    },
+    /// POST /sandboxes/ID/spawn with an AgentBrief (JSON file, `-` for stdin); prints the AgentHandle.
+    Spawn {
+        /// Sandbox id.
+        id: String,
+        /// The brief.
+        #[arg(long)]
+        brief: PathBuf,
+    },
+    /// WS /sandboxes/ID/events: prints AdapterEvents as JSON lines (reconnecting and replaying gaps).
+    Events {
+        /// Sandbox id.
+        id: String,
+        /// Start after this sequence.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// Stop after this many events.
+        #[arg(long)]
+        count: Option<u64>,
+    },
+    /// POST /sandboxes/ID/kill; prints the KillResponse.
+    Kill {
+        /// Sandbox id.
+        id: String,
+        /// Kill at once (no grace period).
+        #[arg(long)]
+        no_grace: bool,
+        /// Grace period in milliseconds (default 10000).
+        #[arg(long)]
+        grace_timeout_ms: Option<u64>,
+    },
+    /// DELETE /sandboxes/ID.
+    Rm {
+        /// Sandbox id.
+        id: String,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -213,10 +263,128 @@ impl Cli {
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let options = connect_options(&cli).await;
+    let (url, token) = (cli.url(), resolve_token(&cli).await);
     match cli.command {
         Command::Exec(args) => exec(options, *args).await,
         Command::Ping { json } => ping(options, json).await,
         Command::Health => health(&cli.url()).await,
+        Command::Sandbox(cmd) => sandbox(&url, token, cmd).await,
+    }
+}
+
+/// The daemon's HTTP base (`http://host:port`) from its WebSocket endpoint.
+fn http_base(ws_url: &str) -> anyhow::Result<String> {
+    let healthz = client::healthz_url(ws_url)?;
+    Ok(healthz.trim_end_matches("/healthz").to_owned())
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
+    let text = if path == Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).context("reading stdin")?
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+    };
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+async fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
+    let mut out = tokio::io::stdout();
+    out.write_all(format!("{}\n", serde_json::to_string(v)?).as_bytes())
+        .await?;
+    out.flush().await?;
+    Ok(())
+}
+
+async fn sandbox(
+    url: &str,
+    token: Option<String>,
+    cmd: SandboxCommand,
+) -> anyhow::Result<ExitCode> {
+    use client::gateway::{Gateway, GatewayError};
+    use protocol::agent::{CreateSandboxResponse, KillRequest};
+    let base = http_base(url)?;
+    let gw = Gateway::new(&base, token.as_deref().unwrap_or_default());
+    let handle = |id: &str| {
+        gw.sandbox(CreateSandboxResponse {
+            id: id.to_owned(),
+            rpc_endpoint: format!("{base}/sandboxes/{id}"),
+            event_stream_endpoint: format!(
+                "{}/sandboxes/{id}/events",
+                base.replacen("http", "ws", 1)
+            ),
+            health_endpoint: format!("{base}/sandboxes/{id}/health"),
+        })
+    };
+    let outcome: Result<(), GatewayError> = async {
+        match cmd {
+            SandboxCommand::Create { request } => {
+                let req =
+                    read_json(&request).map_err(|e| GatewayError::Events(format!("{e:#}")))?;
+                let sb = gw.create(&req).await?;
+                let _ = print_json(&sb.transport).await;
+            }
+            SandboxCommand::Spawn { id, brief } => {
+                let brief =
+                    read_json(&brief).map_err(|e| GatewayError::Events(format!("{e:#}")))?;
+                let h = handle(&id).spawn(&brief).await?;
+                let _ = print_json(&h).await;
+            }
+            SandboxCommand::Events { id, after, count } => {
+                let mut events = handle(&id).events(after);
+                let mut n = 0;
+                while count.is_none_or(|c| n < c) {
+                    let e = events.next().await?;
+                    let _ = print_json(&e).await;
+                    n += 1;
+                }
+            }
+            SandboxCommand::Kill {
+                id,
+                no_grace,
+                grace_timeout_ms,
+            } => {
+                let r = handle(&id)
+                    .kill(&KillRequest {
+                        grace: !no_grace,
+                        grace_timeout_ms,
+                    })
+                    .await?;
+                let _ = print_json(&r).await;
+            }
+            SandboxCommand::Rm { id } => gw.delete(&id).await?,
+        }
+        Ok(())
+    }
+    .await;
+    match outcome {
+        Ok(()) => Ok(Exit::Ok0.into()),
+        Err(e) => {
+            let code = match &e {
+                GatewayError::Plugin { status: 401, .. } => Exit::Unauthorized,
+                GatewayError::Malformed { .. } => Exit::Protocol,
+                e if e.is_retryable() => Exit::Unavailable,
+                _ => Exit::Refused,
+            };
+            say(e.to_string()).await;
+            Ok(code.into())
+        }
+    }
+}
+
+/// The token: flag, then environment, then the token file.
+async fn resolve_token(cli: &Cli) -> Option<String> {
+    let given = cli
+        .token
+        .as_deref()
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    match given {
+        Some(t) => Some(t.to_owned()),
+        None => tokio::fs::read_to_string(&cli.token_file)
+            .await
+            .ok()
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty()),
     }
 }
 

@@ -94,6 +94,8 @@ pub struct DaemonOpts {
     pub max_output_bytes: u64,
     /// `limits.max.timeout_ms`.
     pub max_timeout_ms: u64,
+    /// `agents.max_sandboxes` (with `max_concurrent`, at most 64: the uid range per daemon).
+    pub max_sandboxes: usize,
 }
 
 impl Default for DaemonOpts {
@@ -103,6 +105,7 @@ impl Default for DaemonOpts {
             max_queue: 32,
             max_output_bytes: 16 << 20,
             max_timeout_ms: 120_000,
+            max_sandboxes: 16,
         }
     }
 }
@@ -130,8 +133,8 @@ impl Daemon {
     /// Starts a daemon and waits until it serves.
     pub async fn start(binary: &Path, opts: DaemonOpts) -> Daemon {
         assert!(
-            opts.max_concurrent <= 32,
-            "uid ranges are 64 wide (2 per slot)"
+            2 * opts.max_concurrent + opts.max_sandboxes <= 64,
+            "uid ranges are 64 wide (2 per slot, 1 per sandbox)"
         );
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
@@ -161,6 +164,7 @@ impl Daemon {
                 // No warm pool: every process of the uid range belongs to a running execution (the daemon's own
                 // suite covers the pool).
                 "pool": {"size": 0},
+                "agents": {"max_sandboxes": opts.max_sandboxes},
             });
             let config_path = dir.path().join("config.yaml");
             std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
@@ -238,6 +242,16 @@ impl Daemon {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// `<tempdir>/state`.
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn http_base(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
     }
 
     /// `ws://127.0.0.1:PORT/ws`.

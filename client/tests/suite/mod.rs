@@ -3,6 +3,7 @@
 pub mod daemon;
 pub mod fake;
 
+mod agents;
 mod auth;
 mod daemon_failures;
 mod daemon_pool;

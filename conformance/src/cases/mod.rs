@@ -13,6 +13,7 @@ use crate::ctx::Ctx;
 use crate::framework::{Case, Stop};
 use crate::wire::{check_error, short, Exec, Msg};
 
+pub mod agents;
 pub mod capacity;
 pub mod envelope;
 pub mod isolation;
@@ -50,6 +51,7 @@ pub fn all() -> Vec<Case> {
     v.extend(resources::cases());
     v.extend(isolation::cases());
     v.extend(tools::cases());
+    v.extend(agents::cases());
     v
 }
 

@@ -591,3 +591,105 @@ async fn recipe_images_run_fsp_executions() {
     }
     c.assert_usable().await;
 }
+
+/// One HTTP/1.1 request with the daemon's token (`Connection: close`): status and JSON body.
+async fn agent_http(d: &Daemon, method: &str, path: &str, body: &Value) -> (u16, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .unwrap();
+    let body = body.to_string();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        d.token(),
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(rest).unwrap_or(Value::Null))
+}
+
+/// An agent sandbox on an OCI image (issue 12): each run's agent (a busybox shell) runs on the sandbox's overlay
+/// root, and `/workspace` outlives the container: the second run sees the first run's file. Removal leaves nothing.
+#[tokio::test]
+async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let Some((_g, _dir, state_dir, digest)) =
+        imported_busybox("agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs").await
+    else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts {
+        state_dir: Some(state_dir.clone()),
+        extra_config: Some(json!({
+            "images": {"bb": {"digest": digest}},
+            "languages": {"shell": {"image": "bb", "command": ["/bin/sh"]}},
+            "agents": {"max_sandboxes": 4},
+        })),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let (status, created) = agent_http(
+        &d,
+        "POST",
+        "/sandboxes",
+        &json!({
+            "workspaceRequirements": {"baseImage": "bb", "resourceLimits": {"memoryMb": 128, "diskMb": 16}},
+            "bootstrap": {"backendUrl": "http://127.0.0.1:9", "backendToken": "t", "agentId": "a",
+                          "tokenExpiresAt": "2099-01-01T00:00:00Z",
+                          "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"},
+        }),
+    )
+    .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    let mut req = format!("ws://127.0.0.1:{}/sandboxes/{id}/events", d.port)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut().insert(
+        "authorization",
+        format!("Bearer {}", d.token()).parse().unwrap(),
+    );
+    let (mut ws, _) = tokio_tungstenite::connect_async(req).await.unwrap();
+    let mut next_action = async || loop {
+        let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
+            .await
+            .expect("an event within 30 s")
+            .unwrap()
+            .unwrap();
+        let v: Value = serde_json::from_str(m.to_text().unwrap()).unwrap();
+        if let Some(a) = v["event"]["action"].as_str() {
+            return (a.to_owned(), v);
+        }
+    };
+    for script in [
+        "busybox test -e /bin/layer2 && echo run1 > /workspace/f && exit 0; exit 5",
+        "test \"$(cat /workspace/f)\" = run1 && exit 0; exit 7",
+    ] {
+        let (status, h) = agent_http(
+            &d,
+            "POST",
+            &format!("/sandboxes/{id}/spawn"),
+            &json!({"agentId": "a", "providerConfig": {"command": ["/bin/sh", "-c", script]}}),
+        )
+        .await;
+        assert_eq!(status, 200, "{h}");
+        assert_eq!(next_action().await.0, "started");
+        let (action, v) = next_action().await;
+        assert_eq!(action, "session_end", "the agent did not exit 0: {v}");
+    }
+    let (status, _) = agent_http(&d, "DELETE", &format!("/sandboxes/{id}"), &json!({})).await;
+    assert_eq!(status, 204);
+    let left: Vec<_> = std::fs::read_dir(state_dir.join("agents"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    assert!(d.cgroup_leftovers().is_empty());
+}

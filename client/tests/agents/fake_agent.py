@@ -1,0 +1,123 @@
+#!/usr/bin/python3
+"""A scripted fake agent for sandboxd's agent-sandbox tests.
+
+It connects to the control socket ($SANDBOXD_CONTROL_SOCKET), reads its brief, then follows the script in
+brief.providerConfig.script: a list of steps, each one of
+  {"emit": EVENT}                  write an AgentEvent (agentId filled in)
+  {"emit_many": N, "every_ms": M}  N status events, M ms apart ("every_ms": 0 for a burst)
+  {"write": {"path": P, "content": C}}   write a file under /workspace
+  {"artifact": {"path": P, "artifactId": A}}  write nothing, emit an ArtifactEvent with uri /workspace/P
+  {"wait": "resolve"|"inject_context"|"update_brief"|"shutdown"}  wait for that command, echo it as a status event
+  {"busy": true}                   spin forever (CPU)
+  {"sleep_ms": N}
+  {"raw": TEXT}                    write TEXT as a line (malformed input)
+  {"exit": CODE}
+  {"close_socket": true}           close the control connection and keep running
+After the script it echoes every command it gets as a status event, answers "shutdown" with its state and exits 0.
+FAKE_AGENT_SIGTERM=1 does the same on SIGTERM (otherwise SIGTERM, which a kill with grace sends together with the
+"shutdown" line, is ignored); FAKE_AGENT_IGNORE_SHUTDOWN=1 ignores the "shutdown" line.
+"""
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(os.environ["SANDBOXD_CONTROL_SOCKET"])
+rfile = sock.makefile("rb")
+agent_id = os.environ.get("SANDBOXD_AGENT_ID", "agent")
+position = 0
+
+
+def send(obj):
+    sock.sendall((json.dumps(obj) + "\n").encode())
+
+
+def emit(ev):
+    ev = dict(ev)
+    ev.setdefault("agentId", agent_id)
+    send(ev)
+
+
+def status(msg):
+    emit({"type": "status", "message": msg})
+
+
+def read_cmd():
+    line = rfile.readline()
+    if not line:
+        sys.exit(3)
+    return json.loads(line)
+
+
+def shutdown(_signum=None, _frame=None):
+    send({"type": "state", "state": {"scriptPosition": position, "via": "sigterm" if _signum else "shutdown"}})
+    status("shutting down")
+    sys.exit(0)
+
+
+if os.environ.get("FAKE_AGENT_SIGTERM") == "1":
+    signal.signal(signal.SIGTERM, shutdown)
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+brief = read_cmd()
+assert brief["type"] == "brief", brief
+script = (brief["brief"].get("providerConfig") or {}).get("script", [])
+status("brief received run=%s" % brief["runId"])
+if brief.get("resume") is not None:
+    status("resuming from " + json.dumps(brief["resume"], sort_keys=True))
+
+
+def handle(cmd):
+    if cmd["type"] == "shutdown" and os.environ.get("FAKE_AGENT_IGNORE_SHUTDOWN") != "1":
+        shutdown()
+    status("command " + json.dumps(cmd, sort_keys=True))
+
+
+for position, step in enumerate(script):
+    if "emit" in step:
+        emit(step["emit"])
+    elif "emit_many" in step:
+        for i in range(step["emit_many"]):
+            status("tick %d" % i)
+            if step.get("every_ms"):
+                time.sleep(step["every_ms"] / 1000.0)
+    elif "write" in step:
+        path = os.path.join("/workspace", step["write"]["path"])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(step["write"]["content"])
+    elif "artifact" in step:
+        a = step["artifact"]
+        emit({"type": "artifact", "artifactId": a["artifactId"], "name": a["path"], "kind": "document",
+              "workstream": "w", "status": "draft", "qualityScore": 1,
+              "provenance": {"createdBy": agent_id, "createdAt": "2026-01-01T00:00:00Z"},
+              "uri": "/workspace/" + a["path"]})
+    elif "wait" in step:
+        while True:
+            cmd = read_cmd()
+            handle(cmd)
+            if cmd["type"] == step["wait"]:
+                break
+    elif "busy" in step:
+        status("busy")
+        n = 0
+        while True:
+            n += 1
+    elif "sleep_ms" in step:
+        time.sleep(step["sleep_ms"] / 1000.0)
+    elif "raw" in step:
+        sock.sendall((step["raw"] + "\n").encode())
+    elif "exit" in step:
+        sys.exit(step["exit"])
+    elif "close_socket" in step:
+        sock.shutdown(socket.SHUT_RDWR)
+        rfile.close()
+        sock.close()
+        time.sleep(60)
+
+while True:
+    handle(read_cmd())

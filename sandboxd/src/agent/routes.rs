@@ -1,0 +1,293 @@
+//! The axum routes of agent sandboxes: `POST /sandboxes`, `DELETE /sandboxes/<id>`, and the adapter-shim endpoints
+//! under `/sandboxes/<id>`. Every route checks the same bearer token as `/ws` before anything else, reads at most
+//! `agents.max_body_bytes` of body, and answers every refusal with a `PluginError` JSON body.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use futures_util::{SinkExt, StreamExt};
+use protocol::agent::{
+    AgentBrief, ContextInjection, CreateSandboxRequest, CreateSandboxResponse, KillRequest,
+    PluginError, ReplayRequest, ResolveRequest, SerializedAgentState, UpdateBriefRequest,
+};
+use serde::de::DeserializeOwned;
+
+use super::sandbox::Sandbox;
+use crate::server::AppState;
+
+/// The agent routes, merged into the daemon's router.
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/sandboxes", post(create))
+        .route("/sandboxes/{id}", delete(remove))
+        .route("/sandboxes/{id}/spawn", post(spawn))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/kill", post(kill))
+        .route("/sandboxes/{id}/resolve", post(resolve))
+        .route("/sandboxes/{id}/inject-context", post(inject))
+        .route("/sandboxes/{id}/update-brief", post(update_brief))
+        .route("/sandboxes/{id}/replay", post(replay))
+        .route("/sandboxes/{id}/health", get(health))
+        .route("/sandboxes/{id}/events", get(events))
+}
+
+fn refuse(status: StatusCode, e: PluginError) -> Response {
+    (status, Json(e)).into_response()
+}
+
+fn plugin(e: PluginError) -> Response {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    refuse(status, e)
+}
+
+fn unauthorized() -> Response {
+    refuse(
+        StatusCode::UNAUTHORIZED,
+        PluginError::invalid("Unauthorized: missing or wrong bearer token"),
+    )
+}
+
+/// Auth, then the sandbox.
+fn lookup(st: &AppState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
+    if !crate::server::authorized(headers, &st.tokens) {
+        return Err(Box::new(unauthorized()));
+    }
+    st.agents.get(id).ok_or_else(|| {
+        let shown: String = id.chars().take(64).collect();
+        Box::new(refuse(
+            StatusCode::NOT_FOUND,
+            PluginError::invalid(format!("No sandbox {shown:?}")),
+        ))
+    })
+}
+
+/// Reads a bounded body and parses it; an empty body reads as `{}`.
+async fn body<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, Box<Response>> {
+    let limit = st.engine.config.agents.max_body_bytes;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        Box::new(refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            PluginError::invalid(format!("Request body over {limit} bytes")),
+        ))
+    })?;
+    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        &bytes
+    };
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let at = if path == "." {
+            String::new()
+        } else {
+            format!(" at {path}")
+        };
+        Box::new(refuse(
+            StatusCode::BAD_REQUEST,
+            PluginError::invalid(format!("Malformed request body{at}: {inner}")),
+        ))
+    })
+}
+
+async fn create(State(st): State<AppState>, headers: HeaderMap, b: Body) -> Response {
+    if !crate::server::authorized(&headers, &st.tokens) {
+        return unauthorized();
+    }
+    let req: CreateSandboxRequest = match body(&st, b).await {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let host = headers
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .filter(|h| h.bytes().all(|c| c.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(|| st.engine.config.listen.to_string());
+    match st.agents.create(req).await {
+        Ok(sb) => {
+            let base = format!("http://{host}/sandboxes/{}", sb.id);
+            (
+                StatusCode::CREATED,
+                Json(CreateSandboxResponse {
+                    id: sb.id.clone(),
+                    event_stream_endpoint: format!("ws://{host}/sandboxes/{}/events", sb.id),
+                    health_endpoint: format!("{base}/health"),
+                    rpc_endpoint: base,
+                }),
+            )
+                .into_response()
+        }
+        Err(e @ PluginError::InvalidState { .. }) => refuse(StatusCode::BAD_REQUEST, e),
+        Err(e) => plugin(e),
+    }
+}
+
+async fn remove(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(r) = lookup(&st, &headers, &id) {
+        return *r;
+    }
+    if st.agents.delete(&id).await {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        refuse(
+            StatusCode::NOT_FOUND,
+            PluginError::invalid("No such sandbox"),
+        )
+    }
+}
+
+/// One adapter-shim command: auth, sandbox, body, call.
+macro_rules! command {
+    ($name:ident, $req:ty, |$sb:ident, $r:ident| $call:expr) => {
+        async fn $name(
+            State(st): State<AppState>,
+            headers: HeaderMap,
+            Path(id): Path<String>,
+            b: Body,
+        ) -> Response {
+            let $sb = match lookup(&st, &headers, &id) {
+                Ok(s) => s,
+                Err(r) => return *r,
+            };
+            let $r: $req = match body(&st, b).await {
+                Ok(r) => r,
+                Err(r) => return *r,
+            };
+            match $call.await {
+                Ok(v) => Json(v).into_response(),
+                Err(e) => plugin(e),
+            }
+        }
+    };
+}
+
+/// An empty body (`{}` or nothing).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Empty {}
+
+command!(spawn, AgentBrief, |sb, r| sb.spawn(r));
+command!(pause, Empty, |sb, _r| sb.pause());
+command!(resume, SerializedAgentState, |sb, r| sb.resume(r));
+command!(kill, KillRequest, |sb, r| sb.kill(r));
+command!(resolve, ResolveRequest, |sb, r| async {
+    sb.resolve(r).await.map(|()| serde_json::json!({}))
+});
+command!(inject, ContextInjection, |sb, r| async {
+    sb.inject(r).await.map(|()| serde_json::json!({}))
+});
+command!(update_brief, UpdateBriefRequest, |sb, r| async {
+    sb.update_brief(r.changes)
+        .await
+        .map(|()| serde_json::json!({}))
+});
+command!(replay, ReplayRequest, |sb, r| async {
+    if r.from_sequence > r.to_sequence {
+        return Err(PluginError::invalid("fromSequence is after toSequence"));
+    }
+    let hub = sb.hub.clone();
+    tokio::task::spawn_blocking(move || hub.replay(r))
+        .await
+        .map_err(|e| PluginError::ProviderUnavailable {
+            message: format!("Replay failed: {e}"),
+            retryable: true,
+        })?
+        .map_err(|e| PluginError::ProviderUnavailable {
+            message: format!("Cannot read the event log: {e}"),
+            retryable: true,
+        })
+});
+
+async fn health(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    match lookup(&st, &headers, &id) {
+        Ok(sb) => {
+            let sb2 = sb.clone();
+            match tokio::task::spawn_blocking(move || sb2.health()).await {
+                Ok(h) => Json(h).into_response(),
+                Err(e) => plugin(PluginError::ProviderUnavailable {
+                    message: format!("Health failed: {e}"),
+                    retryable: true,
+                }),
+            }
+        }
+        Err(r) => *r,
+    }
+}
+
+async fn events(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Response {
+    let sb = match lookup(&st, &headers, &id) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let upgrade = match upgrade {
+        Ok(u) => u,
+        Err(rej) => {
+            return refuse(
+                rej.status(),
+                PluginError::invalid(format!("Not a WebSocket upgrade: {rej}")),
+            )
+        }
+    };
+    upgrade
+        .max_message_size(64 << 10)
+        .on_upgrade(move |ws| stream_events(sb, ws))
+}
+
+/// Sends queued events to this gateway until it goes away or a newer one connects.
+async fn stream_events(sb: Arc<Sandbox>, ws: WebSocket) {
+    let hub = sb.hub.clone();
+    let mut changed = hub.subscribe();
+    let g = hub.attach();
+    let (mut sink, mut stream) = ws.split();
+    'outer: loop {
+        changed.borrow_and_update();
+        loop {
+            match hub.next(g) {
+                Ok(Some(json)) => {
+                    if sink
+                        .send(Message::Text(json.as_ref().into()))
+                        .await
+                        .is_err()
+                    {
+                        break 'outer;
+                    }
+                }
+                Ok(None) => break,
+                Err(()) => {
+                    let _ = sink.send(Message::Close(None)).await;
+                    break 'outer;
+                }
+            }
+        }
+        tokio::select! {
+            r = changed.changed() => if r.is_err() { break },
+            m = stream.next() => match m {
+                None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break,
+                Some(Ok(_)) => {}
+            },
+        }
+    }
+    hub.detach(g);
+}

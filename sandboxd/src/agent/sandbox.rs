@@ -1,0 +1,1047 @@
+//! One agent sandbox: its workspace (a tmpfs of `diskMb` under `<state_dir>/agents/<id>/` that outlives each agent
+//! run), its event hub, its backend credentials, and at most one agent run at a time: a container started by
+//! `POST /spawn` whose program talks to sandboxd over the control socket `/sandbox/control.sock`.
+//!
+//! Operations on a sandbox are serialized by one async lock; the run's supervisor task owns the container and the
+//! control connection, turns the agent's lines into stamped events, and detects the end of the run (container exit
+//! or control socket drop: a crash unless the agent exited with status 0 or was killed).
+
+use std::collections::BTreeSet;
+use std::os::fd::AsFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use protocol::agent::{
+    error_event, lifecycle_event, parse_agent_line, AgentBrief, AgentCommand, AgentHandle,
+    AgentLine, AgentStatus, AgentTemplate, ContextInjection, HealthStatus, KillRequest,
+    KillResponse, PluginError, ResolveRequest, SandboxHealthResponse, SandboxResourceUsage,
+    SerializedAgentState, SerializedBy, DEFAULT_GRACE_TIMEOUT_MS,
+};
+use runtime::rootfs::{Scratch, CODE_DIR, WORKDIR};
+use runtime::spec::ContainerPlan;
+use serde_json::{Map, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn, Instrument};
+
+use super::backend::Backend;
+use super::container::{self, Container, Exit};
+use super::events::Hub;
+use crate::engine::Engine;
+use crate::images::{RootImage, RootKind};
+
+/// Name of the control socket in the code directory (`/sandbox` inside).
+pub const CONTROL_SOCKET: &str = "control.sock";
+/// Longest line the agent may write.
+const MAX_LINE: u64 = 1 << 20;
+/// Commands queued for the agent before callers are told to retry.
+const COMMAND_QUEUE: usize = 64;
+/// How long a dropped control connection may precede the container's exit before the run counts as crashed and
+/// is killed.
+const EOF_GRACE: Duration = Duration::from_millis(500);
+/// The plugin name in handles and states.
+pub const PLUGIN_NAME: &str = "sandboxd";
+
+/// Resolved resource limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// CPU quota, cores.
+    pub cpu_cores: f64,
+    /// Memory, MiB.
+    pub memory_mb: u64,
+    /// Workspace tmpfs, MiB.
+    pub disk_mb: u64,
+    /// Sandbox lifetime, ms.
+    pub timeout_ms: u64,
+}
+
+/// What readers outside the operation lock see.
+#[derive(Default)]
+struct Shared {
+    status: Option<AgentStatus>,
+    /// Status to return to on resume.
+    before_pause: Option<AgentStatus>,
+    run_id: String,
+    cid: Option<String>,
+    pending_decisions: BTreeSet<String>,
+    checkpoint: Option<(Value, Option<String>)>,
+    uploads: u64,
+    last_exit: Option<Option<Exit>>,
+    cpu_sample: Option<(Instant, u64)>,
+    expired: bool,
+}
+
+/// A live run, as operations see it.
+struct Run {
+    commands: mpsc::Sender<String>,
+    done: watch::Receiver<bool>,
+    killing: Arc<AtomicBool>,
+    cid: String,
+}
+
+#[derive(Default)]
+struct Ops {
+    run: Option<Run>,
+    brief: Option<Map<String, Value>>,
+}
+
+/// One agent sandbox.
+pub struct Sandbox {
+    /// Sandbox id.
+    pub id: String,
+    /// The agent (from the bootstrap).
+    pub agent_id: String,
+    /// Index of its host uid.
+    pub uid_index: usize,
+    host_id: u32,
+    limits: Limits,
+    template: AgentTemplate,
+    image: Arc<RootImage>,
+    /// Backend credentials.
+    pub backend: Arc<Backend>,
+    /// Events.
+    pub hub: Arc<Hub>,
+    dir: PathBuf,
+    scratch: Mutex<Option<Scratch>>,
+    ops: tokio::sync::Mutex<Ops>,
+    shared: Mutex<Shared>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    runs: AtomicU64,
+    created: Instant,
+    engine: Arc<Engine>,
+}
+
+fn unavailable(message: impl Into<String>, retryable: bool) -> PluginError {
+    PluginError::ProviderUnavailable {
+        message: message.into(),
+        retryable,
+    }
+}
+
+impl Sandbox {
+    /// Assembles a sandbox around its prepared scratch space.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: String,
+        agent_id: String,
+        uid_index: usize,
+        host_id: u32,
+        limits: Limits,
+        template: AgentTemplate,
+        image: Arc<RootImage>,
+        backend: Arc<Backend>,
+        hub: Arc<Hub>,
+        scratch: Scratch,
+        engine: Arc<Engine>,
+    ) -> Arc<Self> {
+        let dir = scratch.dir().to_owned();
+        Arc::new(Self {
+            id,
+            agent_id,
+            uid_index,
+            host_id,
+            limits,
+            template,
+            image,
+            backend,
+            hub,
+            dir,
+            scratch: Mutex::new(Some(scratch)),
+            ops: tokio::sync::Mutex::new(Ops::default()),
+            shared: Mutex::new(Shared::default()),
+            tasks: Mutex::new(Vec::new()),
+            runs: AtomicU64::new(0),
+            created: Instant::now(),
+            engine,
+        })
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts the sandbox's background tasks: token renewal and the lifetime limit.
+    pub fn start_tasks(self: &Arc<Self>) {
+        let renew = tokio::spawn(self.backend.clone().renew_loop());
+        let me = Arc::downgrade(self);
+        let lifetime = Duration::from_millis(self.limits.timeout_ms);
+        let expire = tokio::spawn(async move {
+            tokio::time::sleep(lifetime).await;
+            if let Some(sb) = me.upgrade() {
+                sb.expire().await;
+            }
+        });
+        let mut t = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        t.push(renew);
+        t.push(expire);
+    }
+
+    async fn expire(self: Arc<Self>) {
+        info!(sandbox = %self.id, "sandbox lifetime over");
+        self.shared().expired = true;
+        let mut ops = self.ops.lock().await;
+        if ops.run.as_ref().is_some_and(|r| !*r.done.borrow()) {
+            let _ = self
+                .stop_run(
+                    &mut ops,
+                    KillRequest {
+                        grace: false,
+                        grace_timeout_ms: None,
+                    },
+                    "timeout",
+                )
+                .await;
+        }
+    }
+
+    fn workspace(&self) -> PathBuf {
+        self.dir.join("scratch/workspace")
+    }
+
+    fn status(&self) -> Option<AgentStatus> {
+        self.shared().status
+    }
+
+    /// The agent's handle (status `completed` before the first spawn).
+    pub fn handle(&self) -> AgentHandle {
+        let sh = self.shared();
+        AgentHandle {
+            id: self.agent_id.clone(),
+            plugin_name: PLUGIN_NAME.into(),
+            status: sh.status.unwrap_or(AgentStatus::Completed),
+            session_id: sh.run_id.clone(),
+            pending_brief_changes: None,
+        }
+    }
+
+    fn invalid(&self, message: impl Into<String>) -> PluginError {
+        PluginError::InvalidState {
+            message: message.into(),
+            handle: Some(Box::new(self.handle())),
+        }
+    }
+
+    fn live(ops: &Ops) -> Option<&Run> {
+        ops.run.as_ref().filter(|r| !*r.done.borrow())
+    }
+
+    /// `POST /spawn`.
+    pub async fn spawn(self: &Arc<Self>, brief: AgentBrief) -> Result<AgentHandle, PluginError> {
+        let mut ops = self.ops.lock().await;
+        self.spawn_locked(&mut ops, brief, None).await
+    }
+
+    /// Starts a run; `resume` is the agent's checkpoint from a stored state (handed to it in the brief line).
+    async fn spawn_locked(
+        self: &Arc<Self>,
+        ops: &mut Ops,
+        brief: AgentBrief,
+        resume: Option<Value>,
+    ) -> Result<AgentHandle, PluginError> {
+        if self.shared().expired {
+            return Err(self.invalid("The sandbox's lifetime (resourceLimits.timeoutMs) is over"));
+        }
+        // A run that has ended (its exit is processed and its last events are out) may still be removing its
+        // container: wait for that rather than refuse.
+        let ending = self.shared().last_exit.is_some();
+        if let Some(run) = Self::live(ops).filter(|_| ending) {
+            let mut done = run.done.clone();
+            let _ = tokio::time::timeout(Duration::from_secs(30), done.wait_for(|d| *d)).await;
+        }
+        if Self::live(ops).is_some() {
+            return Err(self.invalid("An agent is already running in this sandbox"));
+        }
+        let command = brief
+            .command()
+            .or_else(|| (!self.template.command.is_empty()).then(|| self.template.command.clone()))
+            .ok_or_else(|| {
+                PluginError::invalid(
+                    "No agent command: set providerConfig.command in the brief or template.command at creation",
+                )
+            })?;
+        if command.first().is_none_or(|p| !p.starts_with('/')) {
+            return Err(PluginError::invalid(
+                "The agent command's program must be an absolute path",
+            ));
+        }
+        let n = self.runs.fetch_add(1, Ordering::Relaxed) + 1;
+        let cid = format!("{}-{n}", self.id);
+        let run_id = uuid::Uuid::now_v7().to_string();
+
+        // The control socket, connectable only by the sandbox's uid.
+        let sock_path = self.dir.join("code").join(CONTROL_SOCKET);
+        let _ = std::fs::remove_file(&sock_path);
+        let listener = tokio::net::UnixListener::bind(&sock_path)
+            .map_err(|e| unavailable(format!("Cannot create the control socket: {e}"), false))?;
+        let uid = Some(nix::unistd::Uid::from_raw(self.host_id));
+        let gid = Some(nix::unistd::Gid::from_raw(self.host_id));
+        nix::unistd::chown(&sock_path, uid, gid)
+            .map_err(|e| unavailable(format!("Cannot chown the control socket: {e}"), false))?;
+        std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| unavailable(format!("Cannot chmod the control socket: {e}"), false))?;
+
+        self.write_bundle(&cid, command)
+            .map_err(|e| unavailable(format!("Cannot prepare the container: {e}"), false))?;
+        let stdin = std::fs::File::open("/dev/null")
+            .map_err(|e| unavailable(format!("/dev/null: {e}"), false))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("scratch/agent.log"))
+            .map_err(|e| unavailable(format!("Cannot open the agent log: {e}"), false))?;
+        let helper = self.engine.pool.factory().helpers.primary();
+        let mut c = Container::create(
+            helper,
+            &cid,
+            &self.dir,
+            self.image.landlock.clone(),
+            [stdin.as_fd(), log.as_fd(), log.as_fd()],
+        )
+        .await
+        .map_err(|e| unavailable(e, true))?;
+        drop((stdin, log));
+        let started = match self
+            .engine
+            .cgroups
+            .set_cpu_quota(&cid, self.limits.cpu_cores)
+        {
+            Err(e) => Err(format!("Cannot enforce the cpu quota: {e}")),
+            Ok(()) => c.start().await,
+        };
+        if let Err(e) = started {
+            let _ = container::signal(helper, &cid, libc::SIGKILL).await;
+            c.removed().await;
+            return Err(unavailable(e, true));
+        }
+        info!(sandbox = %self.id, container = %cid, run = %run_id, "agent started");
+
+        ops.brief = match serde_json::to_value(&brief) {
+            Ok(Value::Object(m)) => Some(m),
+            _ => None,
+        };
+        {
+            let mut sh = self.shared();
+            sh.status = Some(AgentStatus::Running);
+            sh.before_pause = None;
+            sh.run_id = run_id.clone();
+            sh.cid = Some(cid.clone());
+            sh.pending_decisions.clear();
+            sh.checkpoint = None;
+            sh.last_exit = None;
+            sh.cpu_sample = None;
+        }
+        let brief_line = line(&AgentCommand::Brief {
+            brief,
+            run_id: run_id.clone(),
+            sandbox_id: self.id.clone(),
+            resume,
+        });
+        self.hub
+            .emit(&run_id, lifecycle_event(&self.agent_id, "started", None));
+        let (commands, commands_rx) = mpsc::channel(COMMAND_QUEUE);
+        let (done_tx, done) = watch::channel(false);
+        let killing = Arc::new(AtomicBool::new(false));
+        ops.run = Some(Run {
+            commands,
+            done,
+            killing: killing.clone(),
+            cid: cid.clone(),
+        });
+        let span = tracing::info_span!("agent", sandbox = %self.id, run = %run_id);
+        tokio::spawn(
+            self.clone()
+                .supervise(
+                    c,
+                    listener,
+                    brief_line,
+                    commands_rx,
+                    run_id,
+                    killing,
+                    done_tx,
+                )
+                .instrument(span),
+        );
+        Ok(self.handle())
+    }
+
+    fn write_bundle(&self, cid: &str, args: Vec<String>) -> runtime::Result<()> {
+        let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(scratch) = scratch.as_ref() else {
+            return Err(runtime::Error::Container(
+                "the sandbox is being removed".into(),
+            ));
+        };
+        let mut env: std::collections::BTreeMap<String, String> = [
+            ("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            ("HOME", WORKDIR),
+            ("TMPDIR", "/tmp"),
+            ("LANG", "C.UTF-8"),
+            ("PYTHONUNBUFFERED", "1"),
+            ("PYTHONDONTWRITEBYTECODE", "1"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        env.extend(self.image.env.iter().cloned());
+        env.extend(self.template.env.clone());
+        env.insert(
+            "SANDBOXD_CONTROL_SOCKET".into(),
+            format!("{CODE_DIR}/{CONTROL_SOCKET}"),
+        );
+        env.insert("SANDBOXD_SANDBOX_ID".into(), self.id.clone());
+        env.insert("SANDBOXD_AGENT_ID".into(), self.agent_id.clone());
+        let (rootfs, readonly_root, mut binds) = match &self.image.kind {
+            RootKind::Host(host) => (host.rootfs.clone(), true, host.binds.clone()),
+            RootKind::Oci { .. } => (scratch.rootfs(), false, Vec::new()),
+        };
+        binds.extend(scratch.binds());
+        let disk_bytes = self.limits.disk_mb << 20;
+        let plan = ContainerPlan {
+            rootfs,
+            readonly_root,
+            hostname: "sandbox".into(),
+            args,
+            env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            cwd: WORKDIR.into(),
+            binds,
+            host_id: self.host_id,
+            cgroups_path: self.engine.cgroups.cgroups_path(cid),
+            memory_bytes: (self.limits.memory_mb << 20) as i64,
+            pids_max: self.engine.config.agents.pids_max as i64,
+            cpu_shares: 1024,
+            nofile: self.engine.config.sandbox.nofile,
+            fsize_bytes: disk_bytes,
+            shm_bytes: disk_bytes.min(64 << 20),
+        };
+        let spec = runtime::spec::build(&plan)?;
+        let config = scratch.dir().join("config.json");
+        spec.save(&config).map_err(|e| {
+            runtime::Error::Container(format!("cannot write {}: {e}", config.display()))
+        })
+    }
+
+    /// The run's supervisor: accepts the agent's control connection, sends it the brief and the commands, turns its
+    /// lines into events, and ends the run when the container exits.
+    #[allow(clippy::too_many_arguments)]
+    async fn supervise(
+        self: Arc<Self>,
+        mut c: Container,
+        listener: tokio::net::UnixListener,
+        brief_line: String,
+        commands_rx: mpsc::Receiver<String>,
+        run_id: String,
+        killing: Arc<AtomicBool>,
+        done_tx: watch::Sender<bool>,
+    ) {
+        let (line_tx, mut line_rx) = mpsc::channel::<Incoming>(64);
+        let mut commands_rx = Some(commands_rx);
+        let mut connected = false;
+        let mut helpers: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+        let mut exit: Option<Option<Exit>> = None;
+        let mut eof = false;
+        let mut eof_deadline: Option<tokio::time::Instant> = None;
+        let mut drain_deadline: Option<tokio::time::Instant> = None;
+        let mut crash: Option<String> = None;
+        let mut helper_gone = false;
+        loop {
+            if exit.is_some() && (eof || !connected) {
+                break;
+            }
+            tokio::select! {
+                ex = c.exited(), if exit.is_none() => {
+                    match ex {
+                        Some(ex) => exit = Some(ex),
+                        None => { helper_gone = true; exit = Some(None); }
+                    }
+                    drain_deadline = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                }
+                acc = listener.accept(), if !connected => match acc {
+                    Ok((stream, _)) => {
+                        connected = true;
+                        let (r, w) = stream.into_split();
+                        helpers.push(tokio::spawn(read_lines(r, line_tx.clone())));
+                        if let Some(rx) = commands_rx.take() {
+                            helpers.push(tokio::spawn(write_lines(w, brief_line.clone(), rx)));
+                        }
+                    }
+                    Err(e) => warn!(error = %e, "control socket accept failed"),
+                },
+                msg = line_rx.recv(), if connected && !eof => match msg {
+                    Some(Incoming::Line(bytes)) => self.handle_line(&run_id, &bytes).await,
+                    Some(Incoming::TooLong) => {
+                        self.hub.emit(&run_id, error_event(&self.agent_id, "high",
+                            &format!("The agent wrote a control line over {MAX_LINE} bytes; the run is stopped"),
+                            false, Some("control_line_too_long"), "internal"));
+                        crash.get_or_insert_with(|| "control line too long".into());
+                        let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(&self), libc::SIGKILL).await;
+                        eof = true;
+                    }
+                    Some(Incoming::Eof) | None => {
+                        eof = true;
+                        if exit.is_none() && !killing.load(Ordering::SeqCst) {
+                            eof_deadline = Some(tokio::time::Instant::now() + EOF_GRACE);
+                        }
+                    }
+                },
+                _ = sleep_until(eof_deadline), if eof_deadline.is_some() && exit.is_none() => {
+                    eof_deadline = None;
+                    crash.get_or_insert_with(|| "the control connection dropped while the agent kept running".into());
+                    let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(&self), libc::SIGKILL).await;
+                }
+                _ = sleep_until(drain_deadline), if drain_deadline.is_some() => {
+                    // The container is gone but the connection never closed (a leaked descriptor): stop reading.
+                    break;
+                }
+            }
+        }
+        for h in helpers {
+            h.abort();
+        }
+        let exit = exit.flatten();
+        let killed = killing.load(Ordering::SeqCst);
+        let crashed = if killed {
+            None
+        } else if let Some(why) = crash {
+            Some(why)
+        } else if helper_gone {
+            Some("the container helper died".to_owned())
+        } else {
+            match exit {
+                Some(Exit::Code(0)) => None,
+                Some(e) => Some(format!("the agent ended: {}", e.describe())),
+                None => Some("the agent's container ended".to_owned()),
+            }
+        };
+        {
+            let mut sh = self.shared();
+            sh.last_exit = Some(exit);
+            sh.status = Some(if crashed.is_some() {
+                AgentStatus::Error
+            } else {
+                AgentStatus::Completed
+            });
+        }
+        match &crashed {
+            Some(why) => {
+                warn!(reason = %why, "agent crashed");
+                self.hub.emit(
+                    &run_id,
+                    lifecycle_event(&self.agent_id, "crashed", Some(why)),
+                );
+                self.hub.emit(
+                    &run_id,
+                    error_event(
+                        &self.agent_id,
+                        "high",
+                        &format!("The agent crashed: {why}"),
+                        false,
+                        Some("agent_crashed"),
+                        "internal",
+                    ),
+                );
+            }
+            None if !killed => {
+                self.hub.emit(
+                    &run_id,
+                    lifecycle_event(&self.agent_id, "session_end", None),
+                );
+            }
+            None => {}
+        }
+        c.removed().await;
+        let _ = std::fs::remove_file(self.dir.join("code").join(CONTROL_SOCKET));
+        self.shared().cid = None;
+        let _ = done_tx.send(true);
+    }
+
+    async fn handle_line(&self, run_id: &str, bytes: &[u8]) {
+        match parse_agent_line(bytes) {
+            Err(why) => {
+                let why: String = why.chars().take(200).collect();
+                self.hub.emit(
+                    run_id,
+                    error_event(
+                        &self.agent_id,
+                        "warning",
+                        &format!("Malformed control line dropped: {why}"),
+                        true,
+                        Some("malformed_event"),
+                        "internal",
+                    ),
+                );
+            }
+            Ok(AgentLine::State {
+                checkpoint,
+                conversation_summary,
+            }) => {
+                self.shared().checkpoint = Some((checkpoint, conversation_summary));
+            }
+            Ok(AgentLine::Event(mut event)) => {
+                let kind = event
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned();
+                if kind == "decision" {
+                    if let Some(d) = event.get("decisionId").and_then(Value::as_str) {
+                        let mut sh = self.shared();
+                        sh.pending_decisions.insert(d.to_owned());
+                        if sh.status == Some(AgentStatus::Running) {
+                            sh.status = Some(AgentStatus::WaitingOnHuman);
+                        }
+                    }
+                }
+                let mut failure = None;
+                if kind == "artifact" {
+                    match self
+                        .backend
+                        .upload_artifact(
+                            &self.engine.store,
+                            &self.workspace(),
+                            self.engine.config.artifacts.max_file_bytes,
+                            &mut event,
+                        )
+                        .await
+                    {
+                        Ok(()) => {
+                            if event.contains_key("contentHash") {
+                                self.shared().uploads += 1;
+                            }
+                        }
+                        Err(e) => failure = Some(e),
+                    }
+                }
+                self.hub.emit(run_id, event);
+                if let Some(e) = failure {
+                    self.hub.emit(
+                        run_id,
+                        error_event(
+                            &self.agent_id,
+                            "medium",
+                            &format!("Artifact not uploaded: {e}"),
+                            true,
+                            Some("artifact_upload_failed"),
+                            "tool",
+                        ),
+                    );
+                }
+            }
+        }
+    }
+
+    fn send(&self, ops: &Ops, cmd: &AgentCommand) -> Result<(), PluginError> {
+        let Some(run) = Self::live(ops) else {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        };
+        run.commands.try_send(line(cmd)).map_err(|_| {
+            unavailable(
+                "The agent is not reading its control channel; retry later",
+                true,
+            )
+        })
+    }
+
+    /// `POST /resolve`.
+    pub async fn resolve(&self, req: ResolveRequest) -> Result<(), PluginError> {
+        let ops = self.ops.lock().await;
+        if Self::live(&ops).is_none() {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        }
+        if !self.shared().pending_decisions.contains(&req.decision_id) {
+            return Err(PluginError::DecisionNotFound {
+                decision_id: req.decision_id,
+            });
+        }
+        self.send(
+            &ops,
+            &AgentCommand::Resolve {
+                decision_id: req.decision_id.clone(),
+                resolution: req.resolution,
+            },
+        )?;
+        let mut sh = self.shared();
+        sh.pending_decisions.remove(&req.decision_id);
+        if sh.pending_decisions.is_empty() && sh.status == Some(AgentStatus::WaitingOnHuman) {
+            sh.status = Some(AgentStatus::Running);
+        }
+        if sh.pending_decisions.is_empty() && sh.before_pause == Some(AgentStatus::WaitingOnHuman) {
+            sh.before_pause = Some(AgentStatus::Running);
+        }
+        Ok(())
+    }
+
+    /// `POST /inject-context`.
+    pub async fn inject(&self, injection: ContextInjection) -> Result<(), PluginError> {
+        let ops = self.ops.lock().await;
+        self.send(&ops, &AgentCommand::InjectContext { injection })
+    }
+
+    /// `POST /update-brief`: forwarded to the running agent (hot update) and applied to the brief snapshot.
+    pub async fn update_brief(&self, changes: Map<String, Value>) -> Result<(), PluginError> {
+        let mut ops = self.ops.lock().await;
+        if changes.contains_key("agentId") {
+            return Err(PluginError::invalid("update-brief cannot change agentId"));
+        }
+        self.send(
+            &ops,
+            &AgentCommand::UpdateBrief {
+                changes: changes.clone(),
+            },
+        )?;
+        if let Some(b) = ops.brief.as_mut() {
+            b.extend(changes);
+        }
+        Ok(())
+    }
+
+    fn serialize(&self, ops: &Ops, by: SerializedBy) -> SerializedAgentState {
+        let sh = self.shared();
+        let (agent_checkpoint, summary) = sh.checkpoint.clone().unzip();
+        let mut state = SerializedAgentState {
+            agent_id: self.agent_id.clone(),
+            plugin_name: PLUGIN_NAME.into(),
+            session_id: sh.run_id.clone(),
+            checkpoint: serde_json::json!({
+                "sdk": PLUGIN_NAME,
+                "sandboxId": self.id,
+                "runId": sh.run_id,
+                "frozen": by == SerializedBy::Pause,
+                "agent": agent_checkpoint,
+            }),
+            brief_snapshot: ops.brief.clone().map(Value::Object).unwrap_or(Value::Null),
+            conversation_summary: summary.flatten(),
+            pending_decision_ids: sh.pending_decisions.iter().cloned().collect(),
+            last_sequence: self.hub.last_sequence(),
+            serialized_at: protocol::now_ts(),
+            serialized_by: by,
+            estimated_size_bytes: 0,
+        };
+        drop(sh);
+        state.estimated_size_bytes = serde_json::to_vec(&state)
+            .map(|v| v.len() as u64)
+            .unwrap_or(0);
+        state
+    }
+
+    /// `POST /pause`: freezes the agent's cgroup.
+    pub async fn pause(&self) -> Result<SerializedAgentState, PluginError> {
+        let ops = self.ops.lock().await;
+        let Some(run) = Self::live(&ops) else {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        };
+        let status = self.status();
+        if !matches!(
+            status,
+            Some(AgentStatus::Running | AgentStatus::WaitingOnHuman)
+        ) {
+            return Err(self.invalid("The agent is not running"));
+        }
+        let (cg, cid) = (self.engine.cgroups.clone(), run.cid.clone());
+        tokio::task::spawn_blocking(move || cg.freeze(&cid))
+            .await
+            .map_err(|e| unavailable(format!("Freeze task failed: {e}"), false))?
+            .map_err(|e| unavailable(format!("Cannot freeze the agent: {e}"), false))?;
+        {
+            let mut sh = self.shared();
+            sh.before_pause = status;
+            sh.status = Some(AgentStatus::Paused);
+        }
+        let run_id = self.shared().run_id.clone();
+        self.hub
+            .emit(&run_id, lifecycle_event(&self.agent_id, "paused", None));
+        Ok(self.serialize(&ops, SerializedBy::Pause))
+    }
+
+    /// `POST /resume`: thaws a paused agent.
+    /// `POST /resume`: thaws a paused agent; with no agent running, starts a new run from the state's brief
+    /// snapshot and hands the agent its checkpoint (`resume` in the brief line).
+    pub async fn resume(
+        self: &Arc<Self>,
+        state: SerializedAgentState,
+    ) -> Result<AgentHandle, PluginError> {
+        let mut ops = self.ops.lock().await;
+        if Self::live(&ops).is_none() || self.shared().last_exit.is_some() {
+            let brief: AgentBrief =
+                serde_json::from_value(state.brief_snapshot.clone()).map_err(|e| {
+                    PluginError::invalid(format!(
+                        "No agent is running and the state's briefSnapshot is not a brief: {e}"
+                    ))
+                })?;
+            if brief.agent_id != self.agent_id {
+                return Err(PluginError::invalid(format!(
+                    "The state is for agent {:?}, this sandbox runs {:?}",
+                    brief.agent_id, self.agent_id
+                )));
+            }
+            let checkpoint = state
+                .checkpoint
+                .get("agent")
+                .cloned()
+                .unwrap_or(Value::Null);
+            let h = self.spawn_locked(&mut ops, brief, Some(checkpoint)).await?;
+            self.hub.emit(
+                &h.session_id,
+                lifecycle_event(
+                    &self.agent_id,
+                    "resumed",
+                    Some("new run from a stored state"),
+                ),
+            );
+            return Ok(h);
+        }
+        let Some(run) = Self::live(&ops) else {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        };
+        if self.status() != Some(AgentStatus::Paused) {
+            return Err(self.invalid("The agent is not paused"));
+        }
+        let (cg, cid) = (self.engine.cgroups.clone(), run.cid.clone());
+        tokio::task::spawn_blocking(move || cg.thaw(&cid))
+            .await
+            .map_err(|e| unavailable(format!("Thaw task failed: {e}"), false))?
+            .map_err(|e| unavailable(format!("Cannot thaw the agent: {e}"), false))?;
+        let run_id = {
+            let mut sh = self.shared();
+            sh.status = Some(sh.before_pause.take().unwrap_or(AgentStatus::Running));
+            sh.run_id.clone()
+        };
+        self.hub
+            .emit(&run_id, lifecycle_event(&self.agent_id, "resumed", None));
+        Ok(self.handle())
+    }
+
+    /// `POST /kill`.
+    pub async fn kill(&self, req: KillRequest) -> Result<KillResponse, PluginError> {
+        let mut ops = self.ops.lock().await;
+        if Self::live(&ops).is_none() {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        }
+        self.stop_run(&mut ops, req, "kill").await
+    }
+
+    /// Stops the live run: with grace, a `shutdown` line and SIGTERM, then SIGKILL after the grace period.
+    async fn stop_run(
+        &self,
+        ops: &mut Ops,
+        req: KillRequest,
+        reason: &str,
+    ) -> Result<KillResponse, PluginError> {
+        let Some(run) = Self::live(ops) else {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        };
+        let (cid, mut done, killing) = (run.cid.clone(), run.done.clone(), run.killing.clone());
+        killing.store(true, Ordering::SeqCst);
+        let uploads_before = self.shared().uploads;
+        let helper = self.engine.pool.factory().helpers.primary();
+        if self.status() == Some(AgentStatus::Paused) {
+            // Frozen tasks cannot act on signals (v1 cannot even die): thaw first.
+            let (cg, c2) = (self.engine.cgroups.clone(), cid.clone());
+            let _ = tokio::task::spawn_blocking(move || cg.thaw(&c2)).await;
+        }
+        let mut clean = false;
+        if req.grace {
+            let grace =
+                Duration::from_millis(req.grace_timeout_ms.unwrap_or(DEFAULT_GRACE_TIMEOUT_MS));
+            let _ = run.commands.try_send(line(&AgentCommand::Shutdown {
+                grace_timeout_ms: grace.as_millis() as u64,
+            }));
+            let _ = container::signal(helper, &cid, libc::SIGTERM).await;
+            if tokio::time::timeout(grace, done.wait_for(|d| *d))
+                .await
+                .is_ok()
+            {
+                clean = matches!(self.shared().last_exit, Some(Some(Exit::Code(0))));
+            }
+        }
+        if !*done.borrow() {
+            let _ = container::signal(helper, &cid, libc::SIGKILL).await;
+            if tokio::time::timeout(Duration::from_secs(10), done.wait_for(|d| *d))
+                .await
+                .is_err()
+            {
+                return Err(unavailable(
+                    "The agent did not stop within 10 s of SIGKILL",
+                    true,
+                ));
+            }
+        }
+        let state = (req.grace && self.shared().checkpoint.is_some())
+            .then(|| self.serialize(ops, SerializedBy::KillGrace));
+        let artifacts_extracted = self.shared().uploads - uploads_before;
+        let run_id = self.shared().run_id.clone();
+        self.hub.emit(
+            &run_id,
+            lifecycle_event(&self.agent_id, "killed", Some(reason)),
+        );
+        Ok(KillResponse {
+            state,
+            artifacts_extracted,
+            clean_shutdown: clean,
+        })
+    }
+
+    /// `GET /health`.
+    pub fn health(&self) -> SandboxHealthResponse {
+        let (status, cid) = {
+            let sh = self.shared();
+            (sh.status, sh.cid.clone())
+        };
+        let mut degraded = self.hub.dropping();
+        let (mut cpu_percent, mut memory_mb) = (0.0, 0.0);
+        if let Some(cid) = &cid {
+            let cg = &self.engine.cgroups;
+            match (cg.usage(cid), cg.memory_current(cid)) {
+                (Ok(u), Ok(m)) => {
+                    memory_mb = m as f64 / (1u64 << 20) as f64;
+                    let now = Instant::now();
+                    let mut sh = self.shared();
+                    if let Some((t, ns)) = sh.cpu_sample {
+                        let wall = now.duration_since(t).as_nanos() as f64;
+                        if wall > 0.0 {
+                            cpu_percent = u.cpu_time_ns.saturating_sub(ns) as f64 * 100.0 / wall;
+                        }
+                    }
+                    sh.cpu_sample = Some((now, u.cpu_time_ns));
+                }
+                _ => degraded = true,
+            }
+        }
+        let disk_mb = nix::sys::statvfs::statvfs(&self.dir.join("scratch"))
+            .map(|s| {
+                (s.blocks().saturating_sub(s.blocks_free()) as f64 * s.fragment_size() as f64)
+                    / (1u64 << 20) as f64
+            })
+            .unwrap_or(0.0);
+        let agent_status = status.unwrap_or(AgentStatus::Completed);
+        SandboxHealthResponse {
+            status: if agent_status == AgentStatus::Error {
+                HealthStatus::Unhealthy
+            } else if degraded {
+                HealthStatus::Degraded
+            } else {
+                HealthStatus::Healthy
+            },
+            agent_status,
+            uptime_ms: self.created.elapsed().as_millis() as u64,
+            resource_usage: SandboxResourceUsage {
+                cpu_percent,
+                memory_mb,
+                disk_mb,
+                collected_at: protocol::now_ts(),
+            },
+            pending_event_buffer_size: self.hub.pending() as u64,
+        }
+    }
+
+    /// Kills the run (if any), stops the tasks and removes the workspace. Idempotent.
+    pub async fn destroy(&self) {
+        let mut ops = self.ops.lock().await;
+        if Self::live(&ops).is_some() {
+            if let Err(e) = self
+                .stop_run(
+                    &mut ops,
+                    KillRequest {
+                        grace: false,
+                        grace_timeout_ms: None,
+                    },
+                    "deleted",
+                )
+                .await
+            {
+                warn!(sandbox = %self.id, error = %e, "agent not stopped at removal");
+            }
+        }
+        ops.run = None;
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+        self.hub.close();
+        let scratch = self
+            .scratch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(mut s) = scratch {
+            match tokio::task::spawn_blocking(move || s.remove()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(sandbox = %self.id, error = %e, "workspace removal failed"),
+                Err(e) => warn!(sandbox = %self.id, error = %e, "workspace removal panicked"),
+            }
+        }
+    }
+}
+
+fn c_cid(sb: &Sandbox) -> String {
+    sb.shared().cid.clone().unwrap_or_default()
+}
+
+fn line(cmd: &AgentCommand) -> String {
+    let mut s = serde_json::to_string(cmd).unwrap_or_default();
+    s.push('\n');
+    s
+}
+
+enum Incoming {
+    Line(Vec<u8>),
+    TooLong,
+    Eof,
+}
+
+async fn read_lines(r: tokio::net::unix::OwnedReadHalf, tx: mpsc::Sender<Incoming>) {
+    let mut reader = tokio::io::BufReader::new(r);
+    loop {
+        let mut buf = Vec::new();
+        let n = (&mut reader)
+            .take(MAX_LINE + 1)
+            .read_until(b'\n', &mut buf)
+            .await
+            .unwrap_or_default();
+        if n == 0 {
+            let _ = tx.send(Incoming::Eof).await;
+            return;
+        }
+        if buf.last() != Some(&b'\n') && buf.len() as u64 > MAX_LINE {
+            let _ = tx.send(Incoming::TooLong).await;
+            return;
+        }
+        while buf.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+            buf.pop();
+        }
+        if buf.is_empty() {
+            continue;
+        }
+        if tx.send(Incoming::Line(buf)).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn write_lines(
+    mut w: tokio::net::unix::OwnedWriteHalf,
+    first: String,
+    mut rx: mpsc::Receiver<String>,
+) {
+    if w.write_all(first.as_bytes()).await.is_err() {
+        return;
+    }
+    while let Some(l) = rx.recv().await {
+        if w.write_all(l.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
