@@ -157,6 +157,7 @@ impl Engine {
         registration: Registration,
     ) {
         let id = req.id.clone();
+        let timer = crate::metrics::ExecutionTimer::begin(req.language); // metrics hook
         let queued = matches!(admission, Admission::Queued(_));
         let environment = self
             .languages
@@ -179,6 +180,7 @@ impl Engine {
                         Some(s) => s,
                         None => {
                             registration.release();
+                            timer.ended_without_slot("error"); // metrics hook
                             let _ = out.send(ServerMessage::Error(ErrorMessage::internal(&id, "The daemon is shutting down"))).await;
                             return;
                         }
@@ -186,6 +188,7 @@ impl Engine {
                     _ = cancelled(&mut control) => {
                         // Cancelled (or the client left) while queued: it never ran.
                         registration.release();
+                        timer.ended_without_slot("cancelled"); // metrics hook
                         let _ = out.send(ServerMessage::Status { id: id.clone(), status: ExecStatus::Cancelled }).await;
                         let _ = out.send(ServerMessage::Result(result(&id, None, Reason::Cancelled, 0, ResourceUsage::default(), [0, 0], false))).await;
                         return;
@@ -194,6 +197,7 @@ impl Engine {
             }
             Admission::Overloaded => {
                 registration.release();
+                timer.ended_without_slot("overloaded"); // metrics hook
                 let _ = out
                     .send(ServerMessage::Error(ErrorMessage::overloaded(&id)))
                     .await;
@@ -205,6 +209,7 @@ impl Engine {
             self.nonce,
             self.seq.fetch_add(1, Ordering::Relaxed)
         );
+        timer.slot_acquired(&cid); // metrics hook
         let span = tracing::info_span!("container", container = %cid, slot = slot.index());
         self.run_in_slot(req, limits, slot, cid, out, control, registration)
             .instrument(span)
@@ -242,6 +247,8 @@ impl Engine {
                 scratch
             }
         };
+        crate::metrics::finished(&cid); // metrics hook
+
         // Cleanup: the container (helper), then the scratch space; the slot is freed last.
         if let Some(created) = scratch.as_ref().map(|s| s.created) {
             if created {
@@ -357,7 +364,10 @@ impl Engine {
         drop((stdin, stdout_w, stderr_w));
         prepared.created = true;
         match events.recv().await {
-            Some(Event::Created { pid, .. }) => debug!(pid, "container created"),
+            Some(Event::Created { pid, .. }) => {
+                crate::metrics::created(cid); // metrics hook
+                debug!(pid, "container created")
+            }
             Some(Event::Failed { message, .. }) => {
                 prepared.created = false;
                 return Err((
@@ -561,6 +571,7 @@ impl Engine {
                 }
             },
         };
+        crate::metrics::exited(cid, reason, Duration::from_millis(duration_ms)); // metrics hook
         let exit = match (reason, program) {
             (Reason::Exited, Some(ProgramExit::Code(c))) => Exit::Code(c),
             (_, Some(ProgramExit::Signal(s))) => Exit::Signal(s),

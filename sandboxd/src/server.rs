@@ -113,7 +113,7 @@ async fn artifact(
 }
 
 /// Constant-time check of `Authorization: Bearer <token>` against every configured token.
-fn authorized(headers: &HeaderMap, tokens: &[String]) -> bool {
+pub(crate) fn authorized(headers: &HeaderMap, tokens: &[String]) -> bool {
     let Some(given) = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
