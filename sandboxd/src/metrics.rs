@@ -413,6 +413,55 @@ mod tests {
         }
     }
 
+    /// Every series the sample dashboard and the README name is one the daemon exposes.
+    #[test]
+    fn the_dashboard_and_the_readme_name_only_exposed_series() {
+        // Labelled families appear once they have a child: give each one.
+        let cid = "metrics-unit-3";
+        ExecutionTimer::begin(Language::Javascript).slot_acquired(cid);
+        created(cid);
+        exited(cid, Reason::Exited, Duration::from_millis(1));
+        finished(cid);
+        get().leftover("unit-test");
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &get().registry).unwrap();
+        let readme = include_str!("../../README.md");
+        let metrics_section = readme
+            .split("## Metrics")
+            .nth(1)
+            .and_then(|s| s.split("\n## ").next())
+            .expect("README has a Metrics section");
+        let docs = [
+            include_str!("../../docs/grafana-dashboard.json"),
+            metrics_section,
+        ];
+        let mut checked = 0;
+        for doc in docs {
+            for (i, _) in doc.match_indices("sandboxd_") {
+                let name: String = doc[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                    .collect();
+                let base = ["_bucket", "_sum", "_count", "_total"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s))
+                    .unwrap_or(&name);
+                if base == "sandboxd_" {
+                    continue; // the prefix in prose
+                }
+                assert!(
+                    text.contains(&format!("# TYPE {base} ")),
+                    "{name} is not exposed:\n{text}"
+                );
+                checked += 1;
+            }
+        }
+        assert!(
+            checked > 20,
+            "only {checked} series names found in the docs"
+        );
+    }
+
     #[test]
     fn an_execution_without_a_result_counts_as_error() {
         let cid = "metrics-unit-2";
