@@ -415,11 +415,12 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    notify::spawn_watchdog(engine.clone());
-    notify::ready(addr);
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    // Serving, and SIGTERM handled from here on.
+    notify::spawn_watchdog(engine.clone());
+    notify::ready(addr);
     tokio::select! {
         _ = term.recv() => info!("SIGTERM: draining"),
         _ = int.recv() => info!("SIGINT: draining"),
