@@ -1,5 +1,5 @@
-//! Authentication: a static bearer token, or a [`TokenProvider`] consulted on every connect and reconnect (the
-//! seed's `TokenManager`, Dimension 21 Gap 5), so a rotated token is picked up by the next connection.
+//! Authentication: a static bearer token, or a [`TokenProvider`] consulted on every connect and reconnect (the original
+//! design's token manager, `docs/spec/fsp-v1.md` Appendix A), so a rotated token is picked up by the next connection.
 
 use std::fmt;
 use std::future::Future;

@@ -14,7 +14,8 @@ use crate::tls;
 pub const DEFAULT_URL: &str = "ws://127.0.0.1:7070/ws";
 /// The local daemon's default token file.
 pub const DEFAULT_TOKEN_FILE: &str = "/var/lib/sandboxd/token";
-/// Default time to open a connection (TCP, TLS and the WebSocket upgrade), as in the seed's `connect_timeout_ms`.
+/// Default time to open a connection (TCP, TLS and the WebSocket upgrade), as in the original design
+/// (`docs/spec/fsp-v1.md`, Appendix A).
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default largest WebSocket message accepted from the server (the daemon's default `max_frame_bytes`).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
@@ -36,7 +37,8 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// The seed's schedule: at once, then 100 ms, 200 ms, ... up to 30 s; 10 retries.
+    /// The original design's schedule (`docs/spec/fsp-v1.md`, Appendix A): at once, then 100 ms, 200 ms, ... up
+    /// to 30 s; 10 retries.
     pub const DEFAULT: Backoff = Backoff {
         initial: Duration::from_millis(100),
         max: Duration::from_secs(30),
@@ -233,7 +235,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_schedule_is_the_seeds() {
+    fn backoff_schedule_is_the_original_designs() {
         let b = Backoff::DEFAULT;
         let delays: Vec<u64> = (1..=b.max_retries)
             .map(|r| b.delay(r).as_millis() as u64)

@@ -15,10 +15,10 @@
 //! 100 ms doubling to 30 s, at most 10 retries), asking the [`Auth`](crate::Auth) for the token each time. When the
 //! retries are used up, the connection is [`ConnectionStatus::Failed`] for good and a pool replaces it.
 //!
-//! A frame that does not parse is logged (`tracing::error!`, with the frame's start) and fails the executions it
-//! may concern with [`ClientError::Malformed`] (not retryable): the one whose `id` it carries, or, when no `id` can
-//! be read from it, every execution in flight on the connection (the seed's rule). Those executions are cancelled
-//! on the server. The connection itself stays open.
+//! A frame that does not parse is logged (`tracing::error!`, with the frame's start) and fails the executions it may
+//! concern with [`ClientError::Malformed`] (not retryable): the one whose `id` it carries, or, when no `id` can be read
+//! from it, every execution in flight on the connection (the original design's rule, `docs/spec/fsp-v1.md` Appendix A).
+//! Those executions are cancelled on the server. The connection itself stays open.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,7 +1,7 @@
 //! [`ClientError`]: every way a call can fail, with the FSP code it maps to and whether retrying can help.
 //!
-//! The seed's error table (Dimension 21, Gap 2) is covered one-to-one, and [`ErrorKind`] mirrors its `ToolError`
-//! types:
+//! The original design's error table (`docs/spec/fsp-v1.md`, Appendix A) is covered one-to-one, and [`ErrorKind`]
+//! mirrors its `ToolError` types:
 //!
 //! | scenario | variant | [`ErrorKind`] | retryable |
 //! |---|---|---|---|
@@ -22,7 +22,7 @@ use tokio_tungstenite::tungstenite;
 /// A boxed error from a [`TokenProvider`](crate::TokenProvider).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// The seed's `ToolError` types: what an agent loop tells the model about a failure.
+/// The original design's `ToolError` types: what an agent loop tells the model about a failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
     /// The sandbox could not be reached or misbehaved (disconnect, malformed response, pool exhausted).
@@ -151,8 +151,8 @@ pub enum ClientError {
 }
 
 impl ClientError {
-    /// Whether the same request may succeed if sent again later (the seed's `retryable` column; for server
-    /// errors, the spec's table).
+    /// Whether the same request may succeed if sent again later (the original design's `retryable` column; for
+    /// server errors, the spec's table).
     pub fn is_retryable(&self) -> bool {
         match self {
             ClientError::Disconnected { .. }
@@ -202,7 +202,7 @@ impl ClientError {
         }
     }
 
-    /// The seed's `ToolError` type for this failure.
+    /// The original design's `ToolError` type for this failure.
     pub fn kind(&self) -> ErrorKind {
         match self {
             ClientError::Timeout { .. } => ErrorKind::Timeout,
@@ -236,7 +236,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_seed_table() {
+    fn the_original_design_table() {
         let disconnect = ClientError::disconnected("reset");
         assert!(disconnect.is_retryable());
         assert_eq!(disconnect.kind(), ErrorKind::Sandbox);

@@ -1,9 +1,10 @@
 //! Orchestrator client for sandboxd: pooled FSP/1 connections over WebSocket (`ws://`, or `wss://` with rustls),
 //! reconnect with backoff, typed retryable errors, and the pieces of the `sandboxctl` command.
 //!
-//! The protocol is `spec/fsp-v1.md`; the wire types come from the [`protocol`] crate. This crate is the Rust
-//! counterpart of the orchestrator side the seed describes (Dimension 21: the poolboy pool with health check,
-//! reconnection with immediate retry then exponential backoff, the error table, the `TokenManager`).
+//! The protocol is `docs/spec/fsp-v1.md`; the wire types come from the [`protocol`] crate. This crate is the Rust
+//! counterpart of the orchestrator side of the original FSP design (`docs/spec/fsp-v1.md`, Appendix A: the pool
+//! with health check, reconnection with immediate retry then exponential backoff, the error table, the token
+//! manager).
 //!
 //! - [`Pool`]: `Pool::builder(url).token(..).size(5).max_overflow(10).build()`. Checkout hands out a connection
 //!   only after a `ping` answered in time, replaces one that fails, closes overflow connections when they come
@@ -21,7 +22,8 @@
 //!   request that lists [`ToolSpec`]s and answer each [`ToolCall`] with an async handler; [`tools::CommandTool`]
 //!   is a handler that runs a local command (what `sandboxctl --tool` uses).
 //! - [`ClientError`]: every failure, with [`is_retryable`](ClientError::is_retryable),
-//!   [`code`](ClientError::code) (the FSP code) and [`kind`](ClientError::kind) (the seed's `ToolError` type).
+//!   [`code`](ClientError::code) (the FSP code) and [`kind`](ClientError::kind) (the original design's `ToolError`
+//!   type, `docs/spec/fsp-v1.md` Appendix A).
 //! - [`Auth`]: a static token or a [`TokenProvider`] asked on every (re)connect.
 //! - [`health()`]: `GET /healthz`.
 //! - [`Gateway`]: agent sandboxes (`POST /sandboxes` and the adapter-shim endpoints), with an [`EventStream`] that

@@ -1,5 +1,5 @@
-//! The connection pool: the Rust counterpart of the seed's poolboy pool of WebSocket workers (Dimension 21,
-//! Gap 1).
+//! The connection pool: the Rust counterpart of the original design's pool of WebSocket workers
+//! (`docs/spec/fsp-v1.md`, Appendix A).
 //!
 //! - Up to `size + max_overflow` connections are checked out at once; a checkout beyond that waits (first come,
 //!   first served) up to the checkout timeout, then fails with [`ClientError::PoolExhausted`] (retryable).
@@ -58,7 +58,7 @@ impl PoolBuilder {
         self
     }
 
-    /// A token provider asked on every connection attempt (the seed's `TokenManager`).
+    /// A token provider asked on every connection attempt (the original design's token manager).
     pub fn token_provider(mut self, provider: impl TokenProvider) -> Self {
         self.options = self.options.auth(Auth::provider(provider));
         self

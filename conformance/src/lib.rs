@@ -1,5 +1,5 @@
 //! A conformance suite for the Fathom Sandbox Protocol v1 (FSP/1, sandboxd profile): it connects to any FSP/1
-//! endpoint and tells, case by case, whether the implementation does what `spec/fsp-v1.md` requires.
+//! endpoint and tells, case by case, whether the implementation does what `docs/spec/fsp-v1.md` requires.
 //!
 //! - [`framework`]: cases with stable ids and RFC 2119 levels, verdicts (PASS, NON_STRICT, FAIL, SKIP, INFO,
 //!   HARNESS_ERROR), selection by glob, expected failures, and the runner.

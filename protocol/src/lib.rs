@@ -1,6 +1,6 @@
 //! Wire types, validation and error codes of the Fathom Sandbox Protocol v1 (FSP/1), sandboxd profile.
 //!
-//! The authoritative text is `spec/fsp-v1.md`. This crate does no I/O: the daemon hands it the text of each
+//! The authoritative text is `docs/spec/fsp-v1.md`. This crate does no I/O: the daemon hands it the text of each
 //! WebSocket frame and gets back a typed [`ClientMessage`] or a [`RequestError`] that maps one-to-one onto an FSP
 //! `error` message; it builds [`ServerMessage`]s and turns them into frames with [`encode`].
 //!

@@ -45,6 +45,8 @@ pub const DEFAULT_MAX_LIMITS: Limits = Limits {
 pub struct Config {
     /// Address of the HTTP/WebSocket listener.
     pub listen: SocketAddr,
+    /// A second listener serving only `GET /metrics` (same bearer token), e.g. on an internal interface.
+    pub metrics_listen: Option<SocketAddr>,
     /// Directory for the token file, images and per-execution state.
     pub state_dir: PathBuf,
     /// Authentication.
@@ -325,6 +327,7 @@ impl Default for Config {
             listen: DEFAULT_LISTEN
                 .parse()
                 .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 7070))),
+            metrics_listen: None,
             state_dir: DEFAULT_STATE_DIR.into(),
             auth: AuthConfig::default(),
             capacity: CapacityConfig::default(),
@@ -603,6 +606,7 @@ mod tests {
     #[derive(serde::Serialize)]
     struct DefaultsView {
         listen: String,
+        metrics_listen: Option<String>,
         state_dir: PathBuf,
         auth: std::collections::BTreeMap<&'static str, Vec<String>>,
         capacity: std::collections::BTreeMap<&'static str, usize>,
@@ -621,6 +625,7 @@ mod tests {
         fn from(c: &Config) -> Self {
             Self {
                 listen: c.listen.to_string(),
+                metrics_listen: c.metrics_listen.map(|a| a.to_string()),
                 state_dir: c.state_dir.clone(),
                 auth: [("tokens", c.auth.tokens.clone())].into(),
                 capacity: [

@@ -11,6 +11,8 @@ mod doctor;
 mod engine;
 mod images;
 mod images_cli;
+mod metrics;
+mod notify;
 mod pool;
 mod server;
 mod store;
@@ -243,12 +245,14 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     for r in cgroups.remove_leftovers() {
         match r {
             Ok(r) => {
+                metrics::get().leftover("cgroup");
                 warn!(path = %r.path.display(), killed = r.killed, "removed a leftover cgroup")
             }
             Err(e) => bail!("cannot remove a leftover cgroup: {e}"),
         }
     }
     let run_dir = config.state_dir.join("run");
+    metrics::count_leftover_mounts(&run_dir);
     remove_leftover_dir(&run_dir)?;
     runtime::rootfs::mount_run_dir(&run_dir)?;
     cgroups.ensure_parent()?;
@@ -391,6 +395,7 @@ fn untraversable_ancestor(dir: &Path) -> Option<PathBuf> {
 fn remove_leftover_dir(dir: &Path) -> anyhow::Result<()> {
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {
+            metrics::get().leftover("state");
             warn!(path = %e.path().display(), "removing leftover execution state");
         }
         std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
@@ -411,7 +416,7 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         connections: Arc::new(AtomicU64::new(0)),
         agents: agents.clone(),
     };
-    let app = server::router(state);
+    let app = server::router(state).merge(metrics::router(engine.clone()));
     // Executions send several small frames in a row (ack, status, output): without TCP_NODELAY, Nagle's algorithm
     // and the client's delayed ACK hold them for 40 ms.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
@@ -427,14 +432,29 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
             })
             .await
     });
+    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    let metrics_server = match engine.config.metrics_listen {
+        Some(addr) => Some(
+            metrics::serve_separately(engine.clone(), addr, async move {
+                let _ = metrics_stopped.await;
+            })
+            .await
+            .with_context(|| format!("cannot listen on metrics_listen {addr}"))?,
+        ),
+        None => None,
+    };
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    // Serving, and SIGTERM handled from here on.
+    notify::spawn_watchdog(engine.clone());
+    notify::ready(addr);
     tokio::select! {
         _ = term.recv() => info!("SIGTERM: draining"),
         _ = int.recv() => info!("SIGINT: draining"),
         r = engine_dead(&engine) => { error!("{r}"); }
     }
+    notify::stopping();
     // Stop accepting connections and executions; let running ones finish within the grace period.
     let _ = stop_tx.send(());
     engine.capacity.close();
@@ -457,6 +477,10 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
     }
     server.abort();
     agents.shutdown().await;
+    let _ = metrics_stop.send(());
+    if let Some(m) = metrics_server {
+        m.abort();
+    }
     Ok(())
 }
 

@@ -168,6 +168,7 @@ impl Store {
             if !dest.exists() {
                 fs::write(dir.join(format!("{}.type", s.stored.hex)), &s.content_type)?;
                 s.tmp.persist(&dest).map_err(|e| e.error)?;
+                crate::metrics::get().artifact_stored(s.stored.size);
             }
             out.push(s.stored);
         }
@@ -255,6 +256,7 @@ impl Store {
             }
         }
         report.bytes_left = total;
+        crate::metrics::get().set_artifacts_bytes(total);
         Ok(report)
     }
 }

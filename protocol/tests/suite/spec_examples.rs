@@ -1,5 +1,5 @@
-//! Every JSON example of `spec/fsp-v1.md` and of the seed's FSP v1.0 text (`seeds/000_f47ff647331ff5f9.txt`,
-//! "Dimension 21, Gap 4"), copied literally. The `"..."` placeholders are kept: the parser does not check `ts`, and
+//! Every JSON example of `docs/spec/fsp-v1.md` and of the original FSP v1.0 text it starts from ("Dimension 21, Gap 4",
+//! quoted here as `SEED_*`), copied literally. The `"..."` placeholders are kept: the parser does not check `ts`, and
 //! `"..."` is valid UTF-8 file content and a valid env value.
 
 use protocol::{
@@ -194,7 +194,7 @@ fn seed_client_messages() {
     for text in [SEED_CANCEL, SEED_PING] {
         let msg = parse_client_message(text).unwrap();
         parse_ts(msg.ts()).unwrap();
-        // Exact round trip of the seed's text.
+        // Exact round trip of the original text.
         assert_eq!(serde_json::to_value(&msg).unwrap(), json(text));
     }
 }

@@ -16,6 +16,7 @@ mod streams;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,8 @@ use crate::pool::{Container, Pool};
 use crate::server::Registration;
 use crate::store::Store;
 
+/// Executions so far (keys of their metrics).
+static EXECUTIONS: AtomicU64 = AtomicU64::new(0);
 /// How long output may keep flowing after the init exited (the pipes close when the pid namespace is gone).
 const DRAIN_AFTER_EXIT: Duration = Duration::from_secs(2);
 /// Messages an execution buffers while the connection is slow before it stops reading the program's output.
@@ -156,6 +159,7 @@ impl Engine {
         registration: Registration,
     ) {
         let id = req.id.clone();
+        let timer = crate::metrics::ExecutionTimer::begin(req.language);
         let queued = matches!(admission, Admission::Queued(_));
         let environment = self
             .languages
@@ -178,6 +182,7 @@ impl Engine {
                         Some(s) => s,
                         None => {
                             registration.release();
+                            timer.ended_without_slot("error");
                             let _ = out.send(ServerMessage::Error(ErrorMessage::internal(&id, "The daemon is shutting down"))).await;
                             return;
                         }
@@ -185,6 +190,7 @@ impl Engine {
                     _ = cancelled(&mut control) => {
                         // Cancelled (or the client left) while queued: it never ran.
                         registration.release();
+                        timer.ended_without_slot("cancelled");
                         for m in cancelled_before_start(&id) {
                             let _ = out.send(m).await;
                         }
@@ -194,23 +200,28 @@ impl Engine {
             }
             Admission::Overloaded => {
                 registration.release();
+                timer.ended_without_slot("overloaded");
                 let _ = out
                     .send(ServerMessage::Error(ErrorMessage::overloaded(&id)))
                     .await;
                 return;
             }
         };
+        let key = format!("x{}", EXECUTIONS.fetch_add(1, Ordering::Relaxed));
+        timer.slot_acquired(&key);
         let span = tracing::info_span!("execution", slot = slot.index());
-        self.run_in_slot(req, limits, slot, out, control, registration)
+        self.run_in_slot(req, limits, slot, key, out, control, registration)
             .instrument(span)
             .await
     }
 
+    #[allow(clippy::too_many_arguments)] // one call site; every argument is a distinct part of the execution
     async fn run_in_slot(
         self: Arc<Self>,
         req: ExecuteRequest,
         limits: Limits,
         slot: Slot,
+        key: String,
         out: mpsc::Sender<ServerMessage>,
         control: watch::Receiver<Control>,
         registration: Registration,
@@ -218,7 +229,7 @@ impl Engine {
         let tool_inbox = registration.tool_inbox();
         let (container, outcome) = self
             .clone()
-            .execute(&req, &limits, &out, control, tool_inbox)
+            .execute(&req, &limits, &key, &out, control, tool_inbox)
             .await;
         // The container goes first (in the background): the result does not wait for its removal.
         if let Some(c) = container {
@@ -236,6 +247,7 @@ impl Engine {
                 let _ = out.send(ServerMessage::Error(message)).await;
             }
         }
+        crate::metrics::finished(&key);
         debug!(id = %req.id, "execution finished");
         drop(slot);
         self.pool.replenish(req.language);
@@ -247,6 +259,7 @@ impl Engine {
         self: Arc<Self>,
         req: &ExecuteRequest,
         limits: &Limits,
+        key: &str,
         out: &mpsc::Sender<ServerMessage>,
         control: watch::Receiver<Control>,
         tool_inbox: crate::tools::Inbox,
@@ -280,6 +293,7 @@ impl Engine {
             }
         };
         let taken = t0.elapsed();
+        crate::metrics::created(key);
         if *control.borrow() == Control::Cancel || control.has_changed().is_err() {
             // Cancelled while the container was being taken: the program never runs.
             return (Some(container), Ok(cancelled_before_start(id)));
@@ -309,6 +323,7 @@ impl Engine {
                         &container,
                         launched,
                         tools.as_ref(),
+                        key,
                         out,
                         control,
                     )
@@ -418,6 +433,7 @@ impl Engine {
         container: &Container,
         (stdout_r, stderr_r, sent_ns): (OwnedFd, OwnedFd, u64),
         tools: Option<&crate::tools::Broker>,
+        key: &str,
         out: &mpsc::Sender<ServerMessage>,
         mut control: watch::Receiver<Control>,
     ) -> Result<Vec<ServerMessage>, ErrorMessage> {
@@ -541,10 +557,12 @@ impl Engine {
             cpu_time_ms: usage.cpu_time_ns / 1_000_000,
         };
         let duration_ms = wall.as_millis() as u64;
+        let reason_known = |r| crate::metrics::exited(key, r, wall);
         let o = outcome::classify(kill_reason, report.exit, usage.oom_kills).map_err(|e| {
             error!(error = %e, "unexplained end of an execution");
             internal(e)
         })?;
+        reason_known(o.reason);
         info!(
             reason = o.reason.as_str(),
             exit = ?o.exit,

@@ -1,4 +1,4 @@
-//! Artifacts (`/shared/spec/artifact-manifest.md`): collected after the program ends, stored by sha256, served at
+//! Artifacts (`docs/spec/artifact-manifest.md`): collected after the program ends, stored by sha256, served at
 //! `GET /artifacts/sha256/<hex>` with the bearer token, listed in `result.artifacts` with what was skipped and why.
 
 use std::time::Duration;

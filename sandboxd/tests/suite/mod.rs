@@ -1,4 +1,4 @@
-//! The suites, by area. Each names the spec section (`/shared/spec/fsp-v1.md`) its cases come from.
+//! The suites, by area. Each names the spec section (`docs/spec/fsp-v1.md`) its cases come from.
 
 pub mod harness;
 
@@ -19,6 +19,7 @@ mod images;
 mod isolation;
 mod lifecycle;
 mod limits;
+mod ops;
 mod output;
 mod pool;
 mod requests;

@@ -1,0 +1,34 @@
+# sandboxd for local development: the daemon and sandboxctl built from this checkout, run as root in a privileged
+# container with the host's cgroups (compose.yaml; README "Docker"). Production runs the systemd unit instead.
+#
+# Both stages start from Debian trixie (the runtime must have the builder's glibc or newer). Without a registry
+# (CI), import a root filesystem under this name first: mmdebstrap --variant=apt trixie - | docker import -
+# debian:trixie-slim (.ci/run does).
+ARG BASE=debian:trixie-slim
+
+FROM ${BASE} AS build
+# trixie's rustc is 1.85 and the lockfile needs 1.88 (time 0.3.55, globset 0.4.21): rustc-web and cargo-web are
+# Debian's newer toolchain for trixie (1.96), and provide rustc and cargo.
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      rustc-web cargo-web gcc libc6-dev pkg-config ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+# A network that intercepts TLS needs its CA for cargo (docker/ca-certificates/README.md).
+COPY docker/ca-certificates/ /usr/local/share/ca-certificates/
+RUN update-ca-certificates
+WORKDIR /src
+COPY . .
+# rust-toolchain.toml pins rustup's channel; there is no rustup here, so it is not read.
+RUN cargo build --release --locked -p sandboxd -p sandboxd-client \
+ && install -m755 target/release/sandboxd target/release/sandboxctl /usr/local/bin/
+
+FROM ${BASE}
+# The embedded host image runs the languages on this image's /usr: python3 and node (sh is there).
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 nodejs \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /usr/local/bin/sandboxd /usr/local/bin/sandboxctl /usr/local/bin/
+# Token, image skeleton, artifacts, per-execution state.
+VOLUME /var/lib/sandboxd
+EXPOSE 7070
+ENTRYPOINT ["/usr/local/bin/sandboxd"]
