@@ -305,6 +305,36 @@ impl Crun {
     }
 }
 
+impl Crun {
+    /// One run of `true`, with crun's own error when it fails (crun refuses some cgroup setups outright).
+    fn probe(&self, tmp: &Path) -> Result<(), String> {
+        let file = tmp.join("probe.sh");
+        std::fs::write(&file, "true\n").unwrap();
+        std::fs::copy(&file, self.bundle.path().join("code/probe.sh")).unwrap();
+        std::fs::write(
+            self.bundle.path().join("config.json"),
+            self.config("/bin/sh", "probe.sh", 0).to_string(),
+        )
+        .unwrap();
+        let out = Command::new("crun")
+            .args(["run", "--bundle"])
+            .arg(self.bundle.path())
+            .arg(format!("bench-{}-probe", std::process::id()))
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} ({})",
+                String::from_utf8_lossy(&out.stderr).trim(),
+                out.status
+            ))
+        }
+    }
+}
+
 impl Peer for Crun {
     fn name(&self) -> &'static str {
         "crun"
@@ -409,7 +439,10 @@ fn main() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut peers: Vec<Box<dyn Peer>> = Vec::new();
     match Crun::new() {
-        Some(c) => peers.push(Box::new(c)),
+        Some(c) => match c.probe(tmp.path()) {
+            Ok(()) => peers.push(Box::new(c)),
+            Err(why) => println!("crun: left out, it cannot run on this host: {why}"),
+        },
         None => println!("crun: not installed (apt-get install crun); its column is left out"),
     }
     if Command::new("bwrap").arg("--version").output().is_ok() {
@@ -554,6 +587,7 @@ fn plain_client(rt: &tokio::runtime::Runtime, warm: &Daemon, tmp: &Path) {
         println!("plain client: SKIPPED, {python} has no `websockets` (apt-get install python3-websockets)");
         return;
     }
+    warm.wait_refilled();
     let out = Command::new(python)
         .arg(&script)
         .arg(warm.port.to_string())
@@ -568,6 +602,7 @@ fn plain_client(rt: &tokio::runtime::Runtime, warm: &Daemon, tmp: &Path) {
     );
     let report: Value = serde_json::from_slice(&out.stdout).expect("plain_client.py output");
     // The Rust client right after, on the same daemon, interleaved with its own bare spawns.
+    warm.wait_refilled();
     let mut rust = Vec::new();
     rt.block_on(async {
         let mut ws = connect(warm.port).await;

@@ -31,6 +31,8 @@ use crate::images::{LanguageRuntime, RootKind};
 
 /// The `disk_mb` class pooled containers are created with: the protocol's default.
 pub const POOL_DISK_MB: u64 = Limits::DEFAULTS.disk_mb;
+/// The kernel's smallest `cpu.shares` (v2: `cpu.weight` 1), for containers while they wait in the pool.
+const MIN_CPU_SHARES: u64 = 2;
 /// How long a refill task waits after a failed creation before it tries again.
 const REFILL_BACKOFF: Duration = Duration::from_secs(1);
 
@@ -402,7 +404,14 @@ impl Pool {
         let Some(wake) = self.wake.get(&lang).cloned() else {
             return;
         };
-        let max = self.factory.max_limits;
+        // Created with the largest memory and pids limits (lowered at launch) and the kernel's smallest cpu weight:
+        // most of a creation's CPU work (libcontainer's intermediate process and the init) runs inside the new
+        // container's cgroup, so refills yield to the programs that run meanwhile. The launch writes the
+        // request's `cpu_shares`.
+        let max = Limits {
+            cpu_shares: MIN_CPU_SHARES,
+            ..self.factory.max_limits
+        };
         loop {
             let notified = wake.notified();
             let have = self.lock().get(&lang).map_or(0, VecDeque::len);
