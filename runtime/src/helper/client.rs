@@ -86,22 +86,16 @@ impl HelperClient {
         bundle: PathBuf,
         landlock: crate::landlock::Policy,
     ) -> Result<Created> {
-        let mut rx = self.subscribe(id);
-        let sent = self
-            .request(&Request::Create {
-                id: id.to_owned(),
-                bundle,
-                landlock,
-            })
-            .await;
-        let answer = match sent {
-            Ok(()) => rx.recv().await,
-            Err(e) => {
-                self.unsubscribe(id);
-                return Err(e);
-            }
-        };
-        self.unsubscribe(id);
+        let answer = self
+            .ask(
+                id,
+                &Request::Create {
+                    id: id.to_owned(),
+                    bundle,
+                    landlock,
+                },
+            )
+            .await?;
         match answer {
             Some((Event::Created { pid, .. }, fds)) => {
                 let [launch, status, pidfd]: [OwnedFd; 3] =
@@ -126,16 +120,7 @@ impl HelperClient {
     /// Kills (if needed), deletes and reaps a container and removes its cgroups. `Ok(Some(step))` names a cleanup
     /// step that failed.
     pub async fn remove(&self, id: &str) -> Result<Option<String>> {
-        let mut rx = self.subscribe(id);
-        let sent = self.request(&Request::Remove { id: id.to_owned() }).await;
-        let answer = match sent {
-            Ok(()) => rx.recv().await,
-            Err(e) => {
-                self.unsubscribe(id);
-                return Err(e);
-            }
-        };
-        self.unsubscribe(id);
+        let answer = self.ask(id, &Request::Remove { id: id.to_owned() }).await?;
         match answer {
             Some((Event::Removed { error, .. }, _)) => Ok(error),
             Some((other, _)) => Err(Error::Protocol(format!(
@@ -158,6 +143,18 @@ impl HelperClient {
     pub async fn shutdown(&self) -> Result<()> {
         self.inner.stopping.store(true, Ordering::SeqCst);
         self.request(&Request::Shutdown).await
+    }
+
+    /// Sends a request about container `id` and waits for the helper's answer about it (`None`: the helper died).
+    async fn ask(&self, id: &str, req: &Request) -> Result<Option<(Event, Vec<OwnedFd>)>> {
+        let mut rx = self.subscribe(id);
+        let sent = self.request(req).await;
+        let answer = match sent {
+            Ok(()) => Ok(rx.recv().await),
+            Err(e) => Err(e),
+        };
+        self.unsubscribe(id);
+        answer
     }
 
     fn subscribe(&self, id: &str) -> mpsc::UnboundedReceiver<(Event, Vec<OwnedFd>)> {

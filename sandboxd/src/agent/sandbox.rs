@@ -374,18 +374,7 @@ impl Sandbox {
                 "the sandbox is being removed".into(),
             ));
         };
-        let mut env: std::collections::BTreeMap<String, String> = [
-            ("PATH", "/usr/local/bin:/usr/bin:/bin"),
-            ("HOME", WORKDIR),
-            ("TMPDIR", "/tmp"),
-            ("LANG", "C.UTF-8"),
-            ("PYTHONUNBUFFERED", "1"),
-            ("PYTHONDONTWRITEBYTECODE", "1"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect();
-        env.extend(self.image.env.iter().cloned());
+        let mut env = crate::engine::base_environment(&self.image);
         env.extend(self.template.env.clone());
         env.insert(
             "SANDBOXD_CONTROL_SOCKET".into(),

@@ -624,6 +624,14 @@ fn command(lang: &LanguageRuntime) -> Vec<String> {
 
 /// The program's environment: sandboxd's base, then the image's, then the request's.
 fn environment(lang: &LanguageRuntime, req: &ExecuteRequest) -> BTreeMap<String, String> {
+    let mut env = base_environment(&lang.image);
+    env.extend(req.env.clone());
+    env
+}
+
+/// Every program's environment before its request's (or sandbox template's) own: sandboxd's base, then the
+/// image's.
+pub fn base_environment(image: &crate::images::RootImage) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = [
         ("PATH", "/usr/local/bin:/usr/bin:/bin"),
         ("HOME", WORKDIR),
@@ -635,8 +643,7 @@ fn environment(lang: &LanguageRuntime, req: &ExecuteRequest) -> BTreeMap<String,
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
     .collect();
-    env.extend(lang.image.env.iter().cloned());
-    env.extend(req.env.clone());
+    env.extend(image.env.iter().cloned());
     env
 }
 
