@@ -412,29 +412,47 @@ impl Pool {
             cpu_shares: MIN_CPU_SHARES,
             ..self.factory.max_limits
         };
+        // As many creations at once as there are helpers: each helper is single-threaded.
+        let parallel = self.factory.helpers.len().max(1);
+        let mut creating = tokio::task::JoinSet::new();
         loop {
             let notified = wake.notified();
-            let have = self.lock().get(&lang).map_or(0, VecDeque::len);
             if self.closed.load(Ordering::SeqCst) {
+                // Never abandon a creation half-way (the helper would finish it): wait for each, then remove it.
+                while let Some(done) = creating.join_next().await {
+                    if let Ok(Ok(c)) = done {
+                        self.factory.remove(c).await;
+                    }
+                }
                 return;
             }
-            if have >= self.size {
+            let have = self.lock().get(&lang).map_or(0, VecDeque::len);
+            while have + creating.len() < self.size && creating.len() < parallel {
+                let (factory, rt) = (self.factory.clone(), rt.clone());
+                creating.spawn(async move { factory.create(&rt, POOL_DISK_MB, &max).await });
+            }
+            if creating.is_empty() {
                 notified.await;
                 continue;
             }
-            match self.factory.create(&rt, POOL_DISK_MB, &max).await {
-                Ok(mut c) => {
-                    c.warm = true;
-                    if self.closed.load(Ordering::SeqCst) {
-                        self.factory.remove(c).await;
-                        return;
+            tokio::select! {
+                done = creating.join_next() => match done {
+                    Some(Ok(Ok(mut c))) => {
+                        c.warm = true;
+                        if self.closed.load(Ordering::SeqCst) {
+                            self.factory.remove(c).await;
+                        } else {
+                            self.lock().entry(lang).or_default().push_back(c);
+                        }
                     }
-                    self.lock().entry(lang).or_default().push_back(c);
-                }
-                Err(e) => {
-                    warn!(language = lang.as_str(), error = %e, "cannot create a pooled container; retrying in 1 s");
-                    tokio::time::sleep(REFILL_BACKOFF).await;
-                }
+                    Some(Ok(Err(e))) => {
+                        warn!(language = lang.as_str(), error = %e, "cannot create a pooled container; retrying in 1 s");
+                        tokio::time::sleep(REFILL_BACKOFF).await;
+                    }
+                    Some(Err(e)) => error!(language = lang.as_str(), error = %e, "a pooled container's creation panicked"),
+                    None => {}
+                },
+                _ = notified => {}
             }
         }
     }
