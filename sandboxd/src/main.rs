@@ -357,6 +357,8 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
                 .unwrap_or_default();
             bail!("{e}{hint}");
         }
+        // Serve only once the self-test's containers are removed: a ready daemon has nothing but its pool.
+        engine.pool.factory().removals_done().await;
         info!("self-test execution passed");
         serve(engine.clone()).await?;
         stop_containers(&engine).await;

@@ -25,7 +25,7 @@ use runtime::helper::{Created, HelperClient};
 use runtime::rootfs::{RootSource, Scratch, CODE_DIR, WORKDIR};
 use runtime::spec::ContainerPlan;
 use tokio::sync::Notify;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, info, warn, Instrument};
 
 use crate::images::{LanguageRuntime, RootKind};
 
@@ -160,6 +160,9 @@ pub struct Factory {
     pub max_limits: Limits,
     /// Host uids.
     pub uids: Uids,
+    /// Removals under way, and a wake-up when one ends.
+    removing: AtomicUsize,
+    removed: Notify,
     nonce: String,
     seq: AtomicU64,
 }
@@ -181,6 +184,8 @@ impl Factory {
             nofile,
             max_limits,
             uids,
+            removing: AtomicUsize::new(0),
+            removed: Notify::new(),
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }
@@ -293,6 +298,38 @@ impl Factory {
     /// Removes a container: the helper kills, deletes and reaps it, then the scratch space goes and the uid is
     /// free again. Errors are logged: there is nobody left to tell.
     pub async fn remove(&self, c: Container) {
+        self.removing.fetch_add(1, Ordering::SeqCst);
+        self.remove_inner(c).await;
+        self.removing.fetch_sub(1, Ordering::SeqCst);
+        self.removed.notify_waiters();
+    }
+
+    /// [`Self::remove`] in a task of its own; counted as under way from this call on (not from the task's start).
+    pub fn remove_in_background(self: &Arc<Self>, c: Container) {
+        self.removing.fetch_add(1, Ordering::SeqCst);
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                this.remove_inner(c).await;
+                this.removing.fetch_sub(1, Ordering::SeqCst);
+                this.removed.notify_waiters();
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// Waits until no removal is under way (the start-up self-test's containers are gone before the daemon serves).
+    pub async fn removals_done(&self) {
+        loop {
+            let notified = self.removed.notified();
+            if self.removing.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    async fn remove_inner(&self, c: Container) {
         let Container {
             cid,
             host_id,

@@ -233,8 +233,7 @@ impl Engine {
             .await;
         // The container goes first (in the background): the result does not wait for its removal.
         if let Some(c) = container {
-            let factory = self.pool.factory().clone();
-            tokio::spawn(async move { factory.remove(c).await }.in_current_span());
+            self.pool.factory().remove_in_background(c);
         }
         registration.release();
         match outcome {
