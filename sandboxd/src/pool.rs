@@ -372,6 +372,8 @@ pub struct Pool {
     size: usize,
     ready: Mutex<HashMap<Language, VecDeque<Container>>>,
     wake: HashMap<Language, Arc<Notify>>,
+    /// The refill tasks ([`Self::close`] waits for them).
+    refills: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     closed: std::sync::atomic::AtomicBool,
     /// Executions that found no ready container of their class.
     misses: AtomicU64,
@@ -395,6 +397,7 @@ impl Pool {
                 .keys()
                 .map(|l| (*l, Arc::new(Notify::new())))
                 .collect(),
+            refills: Mutex::new(Vec::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
             misses: AtomicU64::new(0),
             hits: AtomicU64::new(0),
@@ -431,9 +434,10 @@ impl Pool {
         if self.size == 0 {
             return;
         }
+        let mut refills = self.refills.lock().unwrap_or_else(|p| p.into_inner());
         for (lang, rt) in languages {
             let (pool, lang, rt) = (self.clone(), *lang, rt.clone());
-            tokio::spawn(async move { pool.refill(lang, rt).await });
+            refills.push(tokio::spawn(async move { pool.refill(lang, rt).await }));
         }
     }
 
@@ -522,7 +526,8 @@ impl Pool {
         }
     }
 
-    /// Stops refilling and removes every ready container.
+    /// Stops refilling and removes every ready container, and every container a refill was still creating (the
+    /// refill tasks are waited for, at most 10 s).
     pub async fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         for w in self.wake.values() {
@@ -534,6 +539,21 @@ impl Pool {
         }
         for c in all {
             self.factory.remove(c).await;
+        }
+        let refills: Vec<_> = self
+            .refills
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        let stopped = tokio::time::timeout(Duration::from_secs(10), async {
+            for r in refills {
+                let _ = r.await;
+            }
+        })
+        .await;
+        if stopped.is_err() {
+            warn!("the pool's refill tasks did not stop within 10 s");
         }
     }
 }
