@@ -19,7 +19,7 @@ RUN update-ca-certificates
 WORKDIR /src
 COPY . .
 # rust-toolchain.toml pins rustup's channel; there is no rustup here, so it is not read.
-RUN cargo build --release --locked -p sandboxd -p sandboxd-client \
+RUN cargo build --release --locked -p sandboxd -p sandboxctl \
  && install -m755 target/release/sandboxd target/release/sandboxctl /usr/local/bin/
 
 FROM ${BASE}

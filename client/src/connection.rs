@@ -20,16 +20,13 @@
 //! from it, every execution in flight on the connection (the original design's rule, `docs/spec/fsp-v1.md` Appendix A).
 //! Those executions are cancelled on the server. The connection itself stays open.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use protocol::{
-    CancelRequest, ClientMessage, ExecuteRequest, PingRequest, Pong, ServerEnvelope, ServerMessage,
-};
+use protocol::{ClientMessage, ExecuteRequest, PingRequest, Pong, ServerMessage};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -41,7 +38,10 @@ use tracing::{debug, error, info, warn};
 
 use crate::config::{ConnectOptions, ExecOptions};
 use crate::error::ClientError;
-use crate::execution::{Execution, Parts};
+use crate::execution::{Execution, ExecutionResult, Parts};
+pub use crate::session::ConnectionStatus;
+use crate::session::{encode, Handle, Pending, Shared, State};
+use crate::tools::ToolOutcome;
 
 /// Frames callers may queue for the writer before they wait.
 const OUTBOX: usize = 64;
@@ -54,22 +54,6 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
-/// Where a connection is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConnectionStatus {
-    /// Connected; executions and pings may be sent.
-    Connected,
-    /// The link dropped; the driver is on retry `attempt` of the backoff schedule.
-    Reconnecting {
-        /// The retry under way (1-based).
-        attempt: u32,
-    },
-    /// Every retry failed; the connection stays down (a pool replaces it).
-    Failed,
-    /// Closed by its owner.
-    Closed,
-}
-
 /// A connection to sandboxd. Cheap to clone (clones share the connection); the connection closes when the last
 /// clone is dropped or [`close`](Self::close) is called.
 ///
@@ -77,17 +61,6 @@ pub enum ConnectionStatus {
 #[derive(Clone)]
 pub struct Connection {
     handle: Arc<Handle>,
-}
-
-/// Closes the connection when the last [`Connection`] clone goes.
-struct Handle {
-    shared: Arc<Shared>,
-}
-
-impl Drop for Handle {
-    fn drop(&mut self) {
-        self.shared.close();
-    }
 }
 
 impl std::fmt::Debug for Connection {
@@ -125,10 +98,6 @@ impl Connection {
         Ok(Connection {
             handle: Arc::new(Handle { shared }),
         })
-    }
-
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.handle.shared
     }
 
     /// The endpoint.
@@ -182,10 +151,7 @@ impl Connection {
     }
 
     /// Runs `request` and collects its output and result (see [`Execution::result`]).
-    pub async fn execute(
-        &self,
-        request: ExecuteRequest,
-    ) -> Result<crate::ExecutionResult, ClientError> {
+    pub async fn execute(&self, request: ExecuteRequest) -> Result<ExecutionResult, ClientError> {
         self.execute_with(request, ExecOptions::default()).await
     }
 
@@ -194,7 +160,7 @@ impl Connection {
         &self,
         request: ExecuteRequest,
         options: ExecOptions,
-    ) -> Result<crate::ExecutionResult, ClientError> {
+    ) -> Result<ExecutionResult, ClientError> {
         self.execute_stream_with(request, options)
             .await?
             .result()
@@ -222,10 +188,10 @@ impl Connection {
         &self,
         request: ExecuteRequest,
         handler: H,
-    ) -> Result<crate::ExecutionResult, ClientError>
+    ) -> Result<ExecutionResult, ClientError>
     where
         H: FnMut(protocol::ToolCall) -> F,
-        F: std::future::Future<Output = crate::tools::ToolOutcome>,
+        F: std::future::Future<Output = ToolOutcome>,
     {
         self.execute_stream(request)
             .await?
@@ -276,7 +242,7 @@ impl Connection {
         // takes it out of the connection again.
         let execution = Execution::new(Parts {
             id,
-            connection: self.clone(),
+            handle: self.handle.clone(),
             generation,
             token,
             events: events_rx,
@@ -291,219 +257,6 @@ impl Connection {
         // stream reports it.
         let _ = out.send(frame).await;
         Ok(execution)
-    }
-}
-
-/// The frame for a client message.
-fn encode(message: &ClientMessage) -> Result<Message, ClientError> {
-    serde_json::to_string(message)
-        .map(Message::text)
-        .map_err(|e| ClientError::Config(format!("cannot encode a {}: {e}", message.type_name())))
-}
-
-/// An execution in flight, as the reader sees it.
-struct Pending {
-    events: mpsc::Sender<ServerEnvelope>,
-    fail: oneshot::Sender<ClientError>,
-    /// Whether its `ack` arrived (an `error` without `id` can only concern an execution not acked yet).
-    acked: bool,
-    /// Tells this execution apart from a later one with the same id.
-    token: u64,
-}
-
-impl Pending {
-    /// Ends the execution with `error`: it reaches the consumer after the events already buffered.
-    fn fail(self, error: ClientError) {
-        let _ = self.fail.send(error);
-        drop(self.events);
-    }
-}
-
-/// The current link: where the writer takes frames from.
-struct Link {
-    out: mpsc::Sender<Message>,
-}
-
-#[derive(Default)]
-struct State {
-    link: Option<Link>,
-    /// Incremented at every new link; an execution only ever talks to the link it was sent on.
-    generation: u64,
-    pending: HashMap<String, Pending>,
-    /// Waiters for `pong`, in the order their pings were sent.
-    pings: VecDeque<oneshot::Sender<Pong>>,
-    closed: bool,
-    /// Set when the retries are used up.
-    failed: bool,
-}
-
-impl State {
-    /// The writer queue of the live link, or why there is none.
-    fn sender(&self, shared: &Shared) -> Result<mpsc::Sender<Message>, ClientError> {
-        if self.closed {
-            return Err(ClientError::Closed);
-        }
-        if self.failed {
-            return Err(ClientError::disconnected(
-                "the connection gave up reconnecting",
-            ));
-        }
-        match &self.link {
-            Some(link) => Ok(link.out.clone()),
-            None => Err(ClientError::disconnected(match *shared.status.borrow() {
-                ConnectionStatus::Reconnecting { attempt } => {
-                    format!("not connected (reconnecting, retry {attempt})")
-                }
-                _ => "not connected".to_owned(),
-            })),
-        }
-    }
-}
-
-/// What the handle, the driver and the executions share.
-pub(crate) struct Shared {
-    pub(crate) options: Arc<ConnectOptions>,
-    state: Mutex<State>,
-    close: Notify,
-    status: watch::Sender<ConnectionStatus>,
-    next_token: AtomicU64,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // Nothing panics while holding the lock; recover the state rather than propagate a poison.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn set_status(&self, status: ConnectionStatus) {
-        self.status.send_replace(status);
-    }
-
-    /// Makes `out` the live link; returns its generation.
-    fn install_link(&self, out: mpsc::Sender<Message>) -> u64 {
-        let generation = {
-            let mut st = self.lock();
-            st.generation += 1;
-            st.link = Some(Link { out });
-            st.generation
-        };
-        self.set_status(ConnectionStatus::Connected);
-        generation
-    }
-
-    /// Drops the live link and fails everything that was waiting on it.
-    fn link_lost(&self, error: impl Fn() -> ClientError) {
-        let (pending, pings) = {
-            let mut st = self.lock();
-            st.link = None;
-            (
-                std::mem::take(&mut st.pending),
-                std::mem::take(&mut st.pings),
-            )
-        };
-        for (_, p) in pending {
-            p.fail(error());
-        }
-        drop(pings);
-    }
-
-    fn close(&self) {
-        let link = {
-            let mut st = self.lock();
-            if st.closed {
-                return;
-            }
-            st.closed = true;
-            st.link.take()
-        };
-        // Let the writer send a close frame before it stops.
-        if let Some(link) = link {
-            let _ = link.out.try_send(Message::Close(None));
-        }
-        self.close.notify_one();
-    }
-
-    fn is_closed(&self) -> bool {
-        self.lock().closed
-    }
-
-    /// Takes execution `id` out of the connection, if it is still the one with `token`.
-    pub(crate) fn forget(&self, id: &str, token: u64) -> bool {
-        let mut st = self.lock();
-        if st.pending.get(id).is_some_and(|p| p.token == token) {
-            st.pending.remove(id);
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Sends `cancel` for `id` on link `generation`, without waiting (best effort: if the writer queue is full, a
-    /// task sends it).
-    pub(crate) fn cancel_soon(&self, id: &str, generation: u64) {
-        let out = {
-            let st = self.lock();
-            match &st.link {
-                Some(link) if st.generation == generation => link.out.clone(),
-                _ => return,
-            }
-        };
-        let Ok(frame) = encode(&ClientMessage::Cancel(CancelRequest::new(id))) else {
-            return;
-        };
-        match out.try_send(frame) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(frame)) => {
-                if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(async move {
-                        let _ = out.send(frame).await;
-                    });
-                }
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => {}
-        }
-    }
-
-    /// Sends `tool_result` on link `generation` and waits until it is queued.
-    pub(crate) async fn tool_result(
-        &self,
-        result: protocol::ToolResult,
-        generation: u64,
-    ) -> Result<(), ClientError> {
-        let out = {
-            let st = self.lock();
-            match &st.link {
-                Some(link) if st.generation == generation => link.out.clone(),
-                _ => {
-                    return Err(ClientError::disconnected(
-                        "the connection the execution was sent on is gone",
-                    ))
-                }
-            }
-        };
-        let frame = encode(&ClientMessage::ToolResult(result))?;
-        out.send(frame).await.map_err(|_| {
-            ClientError::disconnected("the connection closed before the tool_result was sent")
-        })
-    }
-
-    /// Sends `cancel` for `id` on link `generation` and waits until it is queued.
-    pub(crate) async fn cancel(&self, id: &str, generation: u64) -> Result<(), ClientError> {
-        let out = {
-            let st = self.lock();
-            match &st.link {
-                Some(link) if st.generation == generation => link.out.clone(),
-                _ => {
-                    return Err(ClientError::disconnected(
-                        "the connection the execution was sent on is gone",
-                    ))
-                }
-            }
-        };
-        let frame = encode(&ClientMessage::Cancel(CancelRequest::new(id)))?;
-        out.send(frame).await.map_err(|_| {
-            ClientError::disconnected("the connection closed before the cancel was sent")
-        })
     }
 }
 

@@ -3,6 +3,7 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -13,14 +14,15 @@ use protocol::{
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
 
-use crate::connection::Connection;
 use crate::error::ClientError;
-use crate::pool::PooledConnection;
+use crate::session::Handle;
+use crate::tools::ToolOutcome;
 
-/// What [`Connection`] hands to a new [`Execution`].
+/// What a [`Connection`](crate::Connection) hands to a new [`Execution`].
 pub(crate) struct Parts {
     pub(crate) id: String,
-    pub(crate) connection: Connection,
+    /// The connection's handle: the execution keeps the connection open until it ends.
+    pub(crate) handle: Arc<Handle>,
     pub(crate) generation: u64,
     pub(crate) token: u64,
     pub(crate) events: mpsc::Receiver<ServerEnvelope>,
@@ -53,7 +55,7 @@ struct Deadline {
 /// execution on the server. A stream from a [`Pool`](crate::Pool) keeps its connection checked out until the end.
 pub struct Execution {
     id: String,
-    connection: Connection,
+    handle: Arc<Handle>,
     generation: u64,
     token: u64,
     events: mpsc::Receiver<ServerEnvelope>,
@@ -61,7 +63,8 @@ pub struct Execution {
     deadline: Option<Deadline>,
     max_output_bytes: u64,
     done: bool,
-    lease: Option<PooledConnection>,
+    /// Whatever must stay alive until the execution ends (a pool's checked-out connection).
+    lease: Option<Box<dyn Send + Sync>>,
 }
 
 impl std::fmt::Debug for Execution {
@@ -82,7 +85,7 @@ impl Execution {
         });
         Execution {
             id: parts.id,
-            connection: parts.connection,
+            handle: parts.handle,
             generation: parts.generation,
             token: parts.token,
             events: parts.events,
@@ -95,8 +98,8 @@ impl Execution {
     }
 
     /// Keeps `lease` checked out until the execution ends.
-    pub(crate) fn hold(&mut self, lease: PooledConnection) {
-        self.lease = Some(lease);
+    pub(crate) fn hold(&mut self, lease: impl Send + Sync + 'static) {
+        self.lease = Some(Box::new(lease));
     }
 
     /// The execution id.
@@ -120,10 +123,7 @@ impl Execution {
         if self.done {
             return Ok(());
         }
-        self.connection
-            .shared()
-            .cancel(&self.id, self.generation)
-            .await
+        self.handle.shared.cancel(&self.id, self.generation).await
     }
 
     /// Reads the stream to its end and adds it up: stdout and stderr bytes (at most the `max_output_bytes` in
@@ -138,17 +138,13 @@ impl Execution {
 
     /// Answers the `tool_call` `call_id` of this execution (extension `tool_calls`): `Ok(value)` is sent as
     /// `tool_result` `ok: true`, `Err(message)` as `ok: false`.
-    pub async fn answer(
-        &self,
-        call_id: &str,
-        outcome: crate::tools::ToolOutcome,
-    ) -> Result<(), ClientError> {
+    pub async fn answer(&self, call_id: &str, outcome: ToolOutcome) -> Result<(), ClientError> {
         let result = match outcome {
             Ok(value) => protocol::ToolResult::success(&self.id, call_id, value),
             Err(error) => protocol::ToolResult::failure(&self.id, call_id, error),
         };
-        self.connection
-            .shared()
+        self.handle
+            .shared
             .tool_result(result, self.generation)
             .await
     }
@@ -163,7 +159,7 @@ impl Execution {
     ) -> Result<ExecutionResult, ClientError>
     where
         H: FnMut(protocol::ToolCall) -> F,
-        F: Future<Output = crate::tools::ToolOutcome>,
+        F: Future<Output = ToolOutcome>,
     {
         use futures_util::stream::FuturesUnordered;
         use futures_util::StreamExt as _;
@@ -202,7 +198,7 @@ impl Execution {
 
     /// Stops following the execution and cancels it on the server.
     fn abandon(&mut self) {
-        let shared = self.connection.shared();
+        let shared = &self.handle.shared;
         if shared.forget(&self.id, self.token) {
             shared.cancel_soon(&self.id, self.generation);
         }

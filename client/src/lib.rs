@@ -63,6 +63,7 @@ pub mod execution;
 pub mod gateway;
 pub mod health;
 pub mod pool;
+mod session;
 pub mod tls;
 pub mod tools;
 

@@ -16,10 +16,9 @@ use serde_json::{json, Map, Value};
 use sha2::Digest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::daemon::{processes_with_uid, require_daemon, Daemon, DaemonOpts};
+use super::daemon::{processes_with_uid, require_daemon, sandboxctl, Daemon, DaemonOpts};
 
 const FAKE_AGENT: &str = include_str!("../agents/fake_agent.py");
-const SANDBOXCTL: &str = env!("CARGO_BIN_EXE_sandboxctl");
 const SECRET: &str = "sekrit-backend-token-4711";
 
 /// One request the fake backend received.
@@ -1163,7 +1162,7 @@ async fn sandboxctl_sandbox_commands() {
     )
     .unwrap();
     let ctl = |args: &[&str]| {
-        let out = std::process::Command::new(SANDBOXCTL)
+        let out = std::process::Command::new(sandboxctl())
             .args(["--url", &d.url(), "--token", &d.token])
             .args(args)
             .output()
@@ -1211,7 +1210,7 @@ async fn sandboxctl_sandbox_commands() {
     assert_eq!(code, Some(0), "{err}");
     let (code, _, err) = ctl(&["sandbox", "rm", &id]);
     assert_eq!(code, Some(65), "{err}");
-    let out = std::process::Command::new(SANDBOXCTL)
+    let out = std::process::Command::new(sandboxctl())
         .args([
             "--url",
             &d.url(),

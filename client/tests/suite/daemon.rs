@@ -38,12 +38,23 @@ pub fn cannot_run(test: &str, reason: &str) {
 
 /// The sandboxd binary, if it exists.
 pub fn sandboxd_binary() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("SANDBOXD_BIN") {
+    workspace_binary("sandboxd", "SANDBOXD_BIN")
+}
+
+/// The `sandboxctl` binary (its own crate, so not a `CARGO_BIN_EXE_` of this one): `$SANDBOXCTL_BIN`, else next
+/// to the running test. A test that needs it has a daemon already, so a missing one is a failure, not a skip.
+pub fn sandboxctl() -> PathBuf {
+    workspace_binary("sandboxctl", "SANDBOXCTL_BIN").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Binary `name` of this workspace: `$env_var`, else in the target profile directory of the running executable.
+fn workspace_binary(name: &str, env_var: &str) -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os(env_var) {
         let p = PathBuf::from(p);
         return if p.is_file() {
             Ok(p)
         } else {
-            Err(format!("SANDBOXD_BIN={} does not exist", p.display()))
+            Err(format!("{env_var}={} does not exist", p.display()))
         };
     }
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
@@ -56,14 +67,14 @@ pub fn sandboxd_binary() -> Result<PathBuf, String> {
         }
     }
     for dir in &dirs {
-        let candidate = dir.join("sandboxd");
+        let candidate = dir.join(name);
         if candidate.is_file() {
             return Ok(candidate);
         }
     }
     Err(format!(
-        "no sandboxd binary next to {} (run `cargo build -p sandboxd` first, or `cargo test --workspace`, \
-         which builds it; or set SANDBOXD_BIN)",
+        "no {name} binary next to {} (run `cargo build -p {name}` first, or `cargo test --workspace`, \
+         which builds it; or set {env_var})",
         exe.display()
     ))
 }

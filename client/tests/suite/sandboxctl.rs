@@ -8,9 +8,7 @@ use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
-use super::daemon::{free_port, require_daemon, Daemon, DaemonOpts};
-
-const SANDBOXCTL: &str = env!("CARGO_BIN_EXE_sandboxctl");
+use super::daemon::{free_port, require_daemon, sandboxctl, Daemon, DaemonOpts};
 
 /// `sandboxctl ARGS` with the daemon's endpoint and token in the environment (the token file disabled).
 async fn ctl(d: &Daemon, args: &[&str], stdin: Option<&str>) -> Output {
@@ -23,7 +21,7 @@ async fn ctl(d: &Daemon, args: &[&str], stdin: Option<&str>) -> Output {
 }
 
 async fn ctl_env(args: &[&str], stdin: Option<&str>, env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(SANDBOXCTL);
+    let mut cmd = Command::new(sandboxctl());
     cmd.args(args)
         .args(["--token-file", "/nonexistent/token"])
         .env_remove("SANDBOXD_URL")
@@ -322,7 +320,7 @@ async fn the_token_file_is_the_fallback() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("token");
     std::fs::write(&file, format!("{}\n", d.token)).unwrap();
-    let mut cmd = Command::new(SANDBOXCTL);
+    let mut cmd = Command::new(sandboxctl());
     let o = cmd
         .args([
             "ping",
@@ -345,7 +343,7 @@ async fn ctrl_c_cancels_the_execution_and_exits_130() {
         return;
     };
     let d = Daemon::start(&bin, DaemonOpts::default()).await;
-    let mut child = Command::new(SANDBOXCTL)
+    let mut child = Command::new(sandboxctl())
         .args(["exec", "-l", "shell", "--code", "echo ready; sleep 30"])
         .args(["--url", &d.url(), "--token", &d.token])
         .stdin(std::process::Stdio::null())

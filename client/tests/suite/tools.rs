@@ -294,7 +294,7 @@ async fn sandboxctl_serves_a_tool_with_a_local_command() {
     let Some(d) = daemon("sandboxctl_serves_a_tool_with_a_local_command").await else {
         return;
     };
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandboxctl"))
+    let out = tokio::process::Command::new(super::daemon::sandboxctl())
         .args([
             "exec",
             "-l",
