@@ -57,3 +57,27 @@ fn say_skipped(test: &str, reason: &str) {
     // Straight to fd 2: the libtest harness captures `eprintln!` of passing tests, and a skip must be seen.
     let _ = writeln!(std::io::stderr(), "SKIPPED ({reason}): {test}");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // One test for every case: `CI` is process-wide, and tests of a crate run in parallel threads.
+    #[test]
+    fn cannot_run_skips_off_ci_and_panics_on_ci() {
+        std::env::remove_var("CI");
+        cannot_run("off_ci", "returns");
+        std::env::set_var("CI", "");
+        assert!(!on_ci(), "an empty CI is not CI");
+        cannot_run("empty_ci", "returns");
+        std::env::set_var("CI", "1");
+        assert!(on_ci());
+        let panicked = std::panic::catch_unwind(|| cannot_run("on_ci", "must panic")).is_err();
+        not_applicable("on_ci", "never panics");
+        if is_root() {
+            assert!(require_root("on_ci", "root goes on, CI or not"));
+        }
+        std::env::remove_var("CI");
+        assert!(panicked, "cannot_run must panic when CI is set");
+    }
+}
