@@ -38,117 +38,79 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{self, Message};
 
-/// One way the fixture breaks FSP/1 on purpose.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Fault {
-    /// Never sends `ack`.
-    NoAck,
-    /// Sends `result` before the terminal `status`.
-    ResultBeforeStatus,
-    /// After a timeout, sends the terminal status but no `result`.
-    NoResultAfterTimeout,
-    /// Answers a cancel of an unknown id with `INVALID_REQUEST` instead of `UNKNOWN_EXECUTION`.
-    WrongErrorCode,
-    /// Lowers limits above the maximum to the maximum instead of refusing them.
-    ClampsLimits,
-    /// Ignores `cancel`.
-    IgnoresCancel,
-    /// Sends all output, beyond `max_output_bytes`.
-    OutputBeyondLimit,
-    /// Holds `pong` back while output flows on the connection.
-    NoPongDuringFlood,
-    /// Accepts any bearer token.
-    AcceptsBadToken,
-    /// Runs every execution in one shared working directory, never cleaned.
-    SharedWorkdir,
-    /// Leaves the programs of a closed connection running.
-    LeavesProcessAfterDisconnect,
-    /// Sends each read of output as it comes, splitting UTF-8 sequences across chunks.
-    SplitsUtf8,
-    /// Sends `SANDBOX_OVERLOADED` with `retryable: false`.
-    OverloadNotRetryable,
-    /// Leaves `id` out of every `error`.
-    ErrorWithoutId,
-    /// Ignores unknown fields of `execute` instead of refusing them.
-    IgnoresUnknownFields,
-    /// Sends `SANDBOX_OVERLOADED` only after 3 s.
-    SlowOverload,
-    /// Reports `pong.load` as always 0.
-    LoadLies,
-    /// Reports exit code 128+N instead of null for a program killed by signal N.
-    ExitCodeOnSignal,
-    /// Accepts any `X-Protocol-Version`.
-    IgnoresVersionHeader,
-    /// Forwards calls of tools the request did not list (extension `tool_calls`) instead of refusing them.
-    ForwardsUnlistedTools,
-    /// Agent sandboxes: skips `sourceSequence` 3.
-    AgentSequenceGap,
-    /// Agent sandboxes: `POST /resolve` of an unknown decision succeeds.
-    AgentResolveUnknownOk,
-    /// Agent sandboxes: `POST /replay` answers the range one later.
-    AgentReplayOffByOne,
-    /// Agent sandboxes: refusals are plain text, not `PluginError` JSON.
-    AgentPlainTextErrors,
+/// Declares [`Fault`] from one table (variant, its doc, its command-line name), with [`Fault::ALL`] in table order
+/// and [`Fault::name`].
+macro_rules! faults {
+    ($($(#[doc = $doc:literal])+ $variant:ident = $name:literal,)+) => {
+        /// One way the fixture breaks FSP/1 on purpose.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Fault {
+            $($(#[doc = $doc])+ $variant,)+
+        }
+
+        impl Fault {
+            /// Every fault.
+            pub const ALL: [Fault; [$($name),+].len()] = [$(Fault::$variant),+];
+
+            /// The command-line name, e.g. `no-ack`.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Fault::$variant => $name,)+
+                }
+            }
+        }
+    };
 }
 
-impl Fault {
-    /// Every fault.
-    pub const ALL: [Fault; 24] = [
-        Fault::NoAck,
-        Fault::ResultBeforeStatus,
-        Fault::NoResultAfterTimeout,
-        Fault::WrongErrorCode,
-        Fault::ClampsLimits,
-        Fault::IgnoresCancel,
-        Fault::OutputBeyondLimit,
-        Fault::NoPongDuringFlood,
-        Fault::AcceptsBadToken,
-        Fault::SharedWorkdir,
-        Fault::LeavesProcessAfterDisconnect,
-        Fault::SplitsUtf8,
-        Fault::OverloadNotRetryable,
-        Fault::ErrorWithoutId,
-        Fault::IgnoresUnknownFields,
-        Fault::SlowOverload,
-        Fault::LoadLies,
-        Fault::ExitCodeOnSignal,
-        Fault::IgnoresVersionHeader,
-        Fault::ForwardsUnlistedTools,
-        Fault::AgentSequenceGap,
-        Fault::AgentResolveUnknownOk,
-        Fault::AgentReplayOffByOne,
-        Fault::AgentPlainTextErrors,
-    ];
-
-    /// The command-line name, e.g. `no-ack`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Fault::NoAck => "no-ack",
-            Fault::ResultBeforeStatus => "result-before-status",
-            Fault::NoResultAfterTimeout => "no-result-after-timeout",
-            Fault::WrongErrorCode => "wrong-error-code",
-            Fault::ClampsLimits => "clamps-limits",
-            Fault::IgnoresCancel => "ignores-cancel",
-            Fault::OutputBeyondLimit => "output-beyond-limit",
-            Fault::NoPongDuringFlood => "no-pong-during-flood",
-            Fault::AcceptsBadToken => "accepts-bad-token",
-            Fault::SharedWorkdir => "shared-workdir",
-            Fault::LeavesProcessAfterDisconnect => "leaves-process-after-disconnect",
-            Fault::SplitsUtf8 => "splits-utf8",
-            Fault::OverloadNotRetryable => "overload-not-retryable",
-            Fault::ErrorWithoutId => "error-without-id",
-            Fault::IgnoresUnknownFields => "ignores-unknown-fields",
-            Fault::SlowOverload => "slow-overload",
-            Fault::LoadLies => "load-lies",
-            Fault::ExitCodeOnSignal => "exit-code-on-signal",
-            Fault::IgnoresVersionHeader => "ignores-version-header",
-            Fault::ForwardsUnlistedTools => "forwards-unlisted-tools",
-            Fault::AgentSequenceGap => "agent-sequence-gap",
-            Fault::AgentResolveUnknownOk => "agent-resolve-unknown-ok",
-            Fault::AgentReplayOffByOne => "agent-replay-off-by-one",
-            Fault::AgentPlainTextErrors => "agent-plain-text-errors",
-        }
-    }
+faults! {
+    /// Never sends `ack`.
+    NoAck = "no-ack",
+    /// Sends `result` before the terminal `status`.
+    ResultBeforeStatus = "result-before-status",
+    /// After a timeout, sends the terminal status but no `result`.
+    NoResultAfterTimeout = "no-result-after-timeout",
+    /// Answers a cancel of an unknown id with `INVALID_REQUEST` instead of `UNKNOWN_EXECUTION`.
+    WrongErrorCode = "wrong-error-code",
+    /// Lowers limits above the maximum to the maximum instead of refusing them.
+    ClampsLimits = "clamps-limits",
+    /// Ignores `cancel`.
+    IgnoresCancel = "ignores-cancel",
+    /// Sends all output, beyond `max_output_bytes`.
+    OutputBeyondLimit = "output-beyond-limit",
+    /// Holds `pong` back while output flows on the connection.
+    NoPongDuringFlood = "no-pong-during-flood",
+    /// Accepts any bearer token.
+    AcceptsBadToken = "accepts-bad-token",
+    /// Runs every execution in one shared working directory, never cleaned.
+    SharedWorkdir = "shared-workdir",
+    /// Leaves the programs of a closed connection running.
+    LeavesProcessAfterDisconnect = "leaves-process-after-disconnect",
+    /// Sends each read of output as it comes, splitting UTF-8 sequences across chunks.
+    SplitsUtf8 = "splits-utf8",
+    /// Sends `SANDBOX_OVERLOADED` with `retryable: false`.
+    OverloadNotRetryable = "overload-not-retryable",
+    /// Leaves `id` out of every `error`.
+    ErrorWithoutId = "error-without-id",
+    /// Ignores unknown fields of `execute` instead of refusing them.
+    IgnoresUnknownFields = "ignores-unknown-fields",
+    /// Sends `SANDBOX_OVERLOADED` only after 3 s.
+    SlowOverload = "slow-overload",
+    /// Reports `pong.load` as always 0.
+    LoadLies = "load-lies",
+    /// Reports exit code 128+N instead of null for a program killed by signal N.
+    ExitCodeOnSignal = "exit-code-on-signal",
+    /// Accepts any `X-Protocol-Version`.
+    IgnoresVersionHeader = "ignores-version-header",
+    /// Forwards calls of tools the request did not list (extension `tool_calls`) instead of refusing them.
+    ForwardsUnlistedTools = "forwards-unlisted-tools",
+    /// Agent sandboxes: skips `sourceSequence` 3.
+    AgentSequenceGap = "agent-sequence-gap",
+    /// Agent sandboxes: `POST /resolve` of an unknown decision succeeds.
+    AgentResolveUnknownOk = "agent-resolve-unknown-ok",
+    /// Agent sandboxes: `POST /replay` answers the range one later.
+    AgentReplayOffByOne = "agent-replay-off-by-one",
+    /// Agent sandboxes: refusals are plain text, not `PluginError` JSON.
+    AgentPlainTextErrors = "agent-plain-text-errors",
 }
 
 impl fmt::Display for Fault {

@@ -24,8 +24,7 @@ fn p95(v: &mut [Duration]) -> Duration {
 }
 
 fn main() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED overlay bench: needs root (mounts)");
+    if !test_support::require_root("overlay bench", "mounts") {
         return;
     }
     // Our mounts stay in a mount namespace of our own.

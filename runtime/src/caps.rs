@@ -42,7 +42,7 @@ mod tests {
         // unprivileged user it holds none (or only a bounding set) and the check names what it found.
         match ensure_none() {
             Ok(()) => assert!(
-                !nix::unistd::geteuid().is_root(),
+                !test_support::is_root(),
                 "root with no capabilities at all?"
             ),
             Err(e) => assert!(e.to_string().contains("capability set"), "{e}"),

@@ -22,19 +22,8 @@ const READY_DEADLINE: Duration = Duration::from_secs(30);
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
-/// Whether `CI` is set (where every test must run).
-pub fn on_ci() -> bool {
-    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
-}
-
-/// A test that cannot run here: a failure on CI, a loud skip elsewhere.
-pub fn cannot_run(test: &str, reason: &str) {
-    if on_ci() {
-        panic!("{test} cannot run ({reason}), and CI must run every test");
-    }
-    use std::io::Write as _;
-    let _ = writeln!(std::io::stderr(), "SKIPPED ({reason}): {test}");
-}
+pub use test_support::cannot_run;
+pub use test_support::cgroups::remove_cgroup_parent;
 
 /// The sandboxd binary, if it exists.
 pub fn sandboxd_binary() -> Result<PathBuf, String> {
@@ -81,8 +70,7 @@ fn workspace_binary(name: &str, env_var: &str) -> Result<PathBuf, String> {
 
 /// For a test that needs a real daemon: the binary, or `None` after saying why (panics on CI).
 pub fn require_daemon(test: &str) -> Option<PathBuf> {
-    if !nix::unistd::geteuid().is_root() {
-        cannot_run(test, "needs root");
+    if !test_support::require_root(test, "") {
         return None;
     }
     match sandboxd_binary() {
@@ -412,57 +400,6 @@ pub fn processes_with_uid(uids: std::ops::Range<u32>) -> Vec<i32> {
                     .is_some_and(|uid| uids.contains(&uid))
         })
         .collect()
-}
-
-/// Best-effort removal of a test daemon's cgroup parent (processes killed, directories removed).
-pub fn remove_cgroup_parent(parent: &str) {
-    let hierarchies: Vec<PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
-        .map(|rd| {
-            rd.flatten()
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .map(|e| e.path())
-                .collect()
-        })
-        .unwrap_or_default();
-    let start = Instant::now();
-    loop {
-        let mut all = Vec::new();
-        for h in &hierarchies {
-            let d = h.join(parent);
-            if d.is_dir() {
-                collect_dirs(&d, &mut all);
-            }
-        }
-        if all.is_empty() {
-            return;
-        }
-        all.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        for d in &all {
-            let _ = std::fs::write(d.join("freezer.state"), "THAWED");
-            if let Ok(procs) = std::fs::read_to_string(d.join("cgroup.procs")) {
-                for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                    let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
-                }
-            }
-            let _ = std::fs::remove_dir(d);
-        }
-        if start.elapsed() > Duration::from_secs(5) {
-            eprintln!("daemon: could not remove cgroups {all:?}");
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn collect_dirs(dir: &Path, out: &mut Vec<PathBuf>) {
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                collect_dirs(&e.path(), out);
-            }
-        }
-    }
-    out.push(dir.to_owned());
 }
 
 /// Polls `check` every 20 ms until it returns `Ok`, or panics after `deadline` with its last `Err`.

@@ -48,82 +48,80 @@ const KILL: &str = "`POST /kill` answers `KillResponse {artifactsExtracted, clea
 const HEALTH: &str = "`GET /health` answers `{status, agentStatus, uptimeMs, resourceUsage {cpuPercent, memoryMb, diskMb, collectedAt}, pendingEventBufferSize}`.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!(
-            "A.1.1",
-            Must,
-            "agents",
-            "Agent routes need the bearer token",
-            AUTH,
-            auth
-        ),
-        case!(
-            "A.1.2",
-            Must,
-            "agents",
-            "Unknown sandbox: 404 PluginError",
-            UNKNOWN,
-            unknown
-        ),
-        case!(
-            "A.1.3",
-            Must,
-            "agents",
-            "Malformed and oversize bodies: 400/413 PluginError",
-            MALFORMED,
-            malformed
-        ),
-        case!(
-            "A.2.1",
-            Must,
-            "agents",
-            "Create answers the endpoints; delete removes",
-            CREATE,
-            create_delete
-        ),
-        case!(
-            "A.2.2",
-            Must,
-            "agents",
-            "Events are stamped with gapless sequences and UUID v7 ids",
-            STAMPS,
-            stamps
-        ),
-        case!(
-            "A.2.3",
-            Must,
-            "agents",
-            "Resolve of an unknown decision: decision_not_found",
-            RESOLVE,
-            resolve
-        ),
-        case!(
-            "A.2.4",
-            Must,
-            "agents",
-            "Replay answers exactly the range",
-            REPLAY,
-            replay
-        ),
-        case!(
-            "A.2.5",
-            Must,
-            "agents",
-            "Kill answers a KillResponse and emits killed",
-            KILL,
-            kill
-        ),
-        case!(
-            "A.2.6",
-            Must,
-            "agents",
-            "Health has the SandboxHealthResponse fields",
-            HEALTH,
-            health
-        ),
-    ]
-}
+pub static CASES: &[Case] = &[
+    case!(
+        "A.1.1",
+        Must,
+        "agents",
+        "Agent routes need the bearer token",
+        AUTH,
+        auth
+    ),
+    case!(
+        "A.1.2",
+        Must,
+        "agents",
+        "Unknown sandbox: 404 PluginError",
+        UNKNOWN,
+        unknown
+    ),
+    case!(
+        "A.1.3",
+        Must,
+        "agents",
+        "Malformed and oversize bodies: 400/413 PluginError",
+        MALFORMED,
+        malformed
+    ),
+    case!(
+        "A.2.1",
+        Must,
+        "agents",
+        "Create answers the endpoints; delete removes",
+        CREATE,
+        create_delete
+    ),
+    case!(
+        "A.2.2",
+        Must,
+        "agents",
+        "Events are stamped with gapless sequences and UUID v7 ids",
+        STAMPS,
+        stamps
+    ),
+    case!(
+        "A.2.3",
+        Must,
+        "agents",
+        "Resolve of an unknown decision: decision_not_found",
+        RESOLVE,
+        resolve
+    ),
+    case!(
+        "A.2.4",
+        Must,
+        "agents",
+        "Replay answers exactly the range",
+        REPLAY,
+        replay
+    ),
+    case!(
+        "A.2.5",
+        Must,
+        "agents",
+        "Kill answers a KillResponse and emits killed",
+        KILL,
+        kill
+    ),
+    case!(
+        "A.2.6",
+        Must,
+        "agents",
+        "Health has the SandboxHealthResponse fields",
+        HEALTH,
+        health
+    ),
+];
 
 /// One HTTP/1.1 request (`Connection: close`): status and JSON body (`Value::Null` when empty, a string when not
 /// JSON).

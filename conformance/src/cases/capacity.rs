@@ -27,90 +27,88 @@ const QUEUE: &str = "The server runs at most `max_concurrent` executions (config
 const CANCEL: &str = "An id that is in flight (running or queued) can be cancelled; cancelled before it started, it ends as `status: cancelled` with its `result`.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!(
-            "P.6.1",
-            Must,
-            "6",
-            "Beyond capacity, execute gets SANDBOX_OVERLOADED",
-            OVERLOAD,
-            overloaded
-        ),
-        case!(
-            "P.6.2",
-            Must,
-            "4, 6",
-            "SANDBOX_OVERLOADED is sent at once",
-            AT_ONCE,
-            at_once
-        ),
-        case!(
-            "P.6.3",
-            Must,
-            "4",
-            "SANDBOX_OVERLOADED is retryable and echoes the id",
-            RETRY,
-            retryable
-        ),
-        case!(
-            "P.6.4",
-            Must,
-            "6",
-            "pong.load is truthful while saturated",
-            LOAD,
-            load_truthful
-        ),
-        case!(
-            "P.6.5",
-            Must,
-            "6",
-            "A queued execution starts when a slot frees",
-            QUEUE,
-            queued_starts
-        ),
-        case!(
-            "P.6.6",
-            Must,
-            "3, 6",
-            "Cancel of a queued execution ends it as cancelled",
-            CANCEL,
-            queued_cancel
-        ),
-        case!(
-            "P.6.7",
-            Must,
-            "6",
-            "pong.load returns to 0 when everything ended",
-            LOAD,
-            load_back
-        ),
-        case!(
-            "P.6.8",
-            Should,
-            "4, 6",
-            "A retry is accepted once capacity is free",
-            RETRY,
-            retry_accepted
-        ),
-        case!(
-            "P.6.9",
-            Info,
-            "6",
-            "Discovered max_concurrent and max_queue",
-            QUEUE,
-            discovered
-        ),
-        case!(
-            "P.6.10",
-            Info,
-            "6",
-            "Whether queued executions start in order of arrival",
-            "The server ... queues up to `max_queue` more. (The spec does not say in which order they start.)",
-            queue_order
-        ),
-    ]
-}
+pub static CASES: &[Case] = &[
+    case!(
+        "P.6.1",
+        Must,
+        "6",
+        "Beyond capacity, execute gets SANDBOX_OVERLOADED",
+        OVERLOAD,
+        overloaded
+    ),
+    case!(
+        "P.6.2",
+        Must,
+        "4, 6",
+        "SANDBOX_OVERLOADED is sent at once",
+        AT_ONCE,
+        at_once
+    ),
+    case!(
+        "P.6.3",
+        Must,
+        "4",
+        "SANDBOX_OVERLOADED is retryable and echoes the id",
+        RETRY,
+        retryable
+    ),
+    case!(
+        "P.6.4",
+        Must,
+        "6",
+        "pong.load is truthful while saturated",
+        LOAD,
+        load_truthful
+    ),
+    case!(
+        "P.6.5",
+        Must,
+        "6",
+        "A queued execution starts when a slot frees",
+        QUEUE,
+        queued_starts
+    ),
+    case!(
+        "P.6.6",
+        Must,
+        "3, 6",
+        "Cancel of a queued execution ends it as cancelled",
+        CANCEL,
+        queued_cancel
+    ),
+    case!(
+        "P.6.7",
+        Must,
+        "6",
+        "pong.load returns to 0 when everything ended",
+        LOAD,
+        load_back
+    ),
+    case!(
+        "P.6.8",
+        Should,
+        "4, 6",
+        "A retry is accepted once capacity is free",
+        RETRY,
+        retry_accepted
+    ),
+    case!(
+        "P.6.9",
+        Info,
+        "6",
+        "Discovered max_concurrent and max_queue",
+        QUEUE,
+        discovered
+    ),
+    case!(
+        "P.6.10",
+        Info,
+        "6",
+        "Whether queued executions start in order of arrival",
+        "The server ... queues up to `max_queue` more. (The spec does not say in which order they start.)",
+        queue_order
+    ),
+];
 
 /// What the capacity scenario observed.
 #[derive(Debug, Clone)]

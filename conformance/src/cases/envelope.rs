@@ -20,130 +20,128 @@ const FIELDS: &str = "Unknown `type`, a missing required field, a wrong field ty
 const UNKNOWN: &str = "Unknown fields are refused rather than ignored, so a client never believes a limit is enforced when it is not.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!(
-            "P.2.1",
-            Must,
-            "2",
-            "Every server message carries \"v\": 1 and a type of section 4",
-            ENVELOPE,
-            v_and_type
-        ),
-        case!(
-            "P.2.2",
-            Must,
-            "2",
-            "Every server message carries ts in UTC ISO 8601 with milliseconds",
-            ENVELOPE,
-            timestamps
-        ),
-        case!(
-            "P.2.3",
-            Must,
-            "2",
-            "Execution messages carry the execution's id",
-            ID,
-            execution_ids
-        ),
-        case!(
-            "P.2.4",
-            Must,
-            "2",
-            "An error answering a message with an id echoes it",
-            ECHO,
-            echoes_id
-        ),
-        case!(
-            "P.2.5",
-            Must,
-            "2",
-            "An error about a frame without a usable id has none",
-            ECHO,
-            no_usable_id
-        ),
-        case!(
-            "P.2.6",
-            Must,
-            "2",
-            "An unsupported v gets INVALID_REQUEST with supported_versions [1]",
-            VERSION,
-            bad_version
-        ),
-        case!(
-            "P.2.7",
-            Must,
-            "2",
-            "An execute with an unsupported v is refused, echoing its id",
-            VERSION,
-            bad_version_execute
-        ),
-        case!(
-            "P.2.8",
-            Must,
-            "2",
-            "An unknown type gets INVALID_REQUEST naming the field",
-            FIELDS,
-            unknown_type
-        ),
-        case!(
-            "P.2.9",
-            Must,
-            "2",
-            "A missing required field of execute is refused naming the field",
-            FIELDS,
-            missing_fields
-        ),
-        case!(
-            "P.2.10",
-            Must,
-            "2",
-            "A missing envelope field is refused naming the field",
-            FIELDS,
-            missing_envelope
-        ),
-        case!(
-            "P.2.11",
-            Must,
-            "2",
-            "A field of the wrong type is refused naming the field",
-            FIELDS,
-            wrong_types
-        ),
-        case!(
-            "P.2.12",
-            Must,
-            "2",
-            "An unknown field of execute is refused naming the field",
-            UNKNOWN,
-            unknown_field
-        ),
-        case!(
-            "P.2.13",
-            Must,
-            "2",
-            "An unknown field in execute.limits is refused naming the field",
-            UNKNOWN,
-            unknown_limit
-        ),
-        case!(
-            "P.2.14",
-            Must,
-            "2",
-            "An unknown field inside files or artifacts is refused naming the field",
-            UNKNOWN,
-            unknown_nested
-        ),
-        case!(
-            "P.2.15",
-            Must,
-            "2",
-            "An id of 128 characters using every allowed character is accepted",
-            ID,
-            longest_id
-        ),
-    ]
-}
+pub static CASES: &[Case] = &[
+    case!(
+        "P.2.1",
+        Must,
+        "2",
+        "Every server message carries \"v\": 1 and a type of section 4",
+        ENVELOPE,
+        v_and_type
+    ),
+    case!(
+        "P.2.2",
+        Must,
+        "2",
+        "Every server message carries ts in UTC ISO 8601 with milliseconds",
+        ENVELOPE,
+        timestamps
+    ),
+    case!(
+        "P.2.3",
+        Must,
+        "2",
+        "Execution messages carry the execution's id",
+        ID,
+        execution_ids
+    ),
+    case!(
+        "P.2.4",
+        Must,
+        "2",
+        "An error answering a message with an id echoes it",
+        ECHO,
+        echoes_id
+    ),
+    case!(
+        "P.2.5",
+        Must,
+        "2",
+        "An error about a frame without a usable id has none",
+        ECHO,
+        no_usable_id
+    ),
+    case!(
+        "P.2.6",
+        Must,
+        "2",
+        "An unsupported v gets INVALID_REQUEST with supported_versions [1]",
+        VERSION,
+        bad_version
+    ),
+    case!(
+        "P.2.7",
+        Must,
+        "2",
+        "An execute with an unsupported v is refused, echoing its id",
+        VERSION,
+        bad_version_execute
+    ),
+    case!(
+        "P.2.8",
+        Must,
+        "2",
+        "An unknown type gets INVALID_REQUEST naming the field",
+        FIELDS,
+        unknown_type
+    ),
+    case!(
+        "P.2.9",
+        Must,
+        "2",
+        "A missing required field of execute is refused naming the field",
+        FIELDS,
+        missing_fields
+    ),
+    case!(
+        "P.2.10",
+        Must,
+        "2",
+        "A missing envelope field is refused naming the field",
+        FIELDS,
+        missing_envelope
+    ),
+    case!(
+        "P.2.11",
+        Must,
+        "2",
+        "A field of the wrong type is refused naming the field",
+        FIELDS,
+        wrong_types
+    ),
+    case!(
+        "P.2.12",
+        Must,
+        "2",
+        "An unknown field of execute is refused naming the field",
+        UNKNOWN,
+        unknown_field
+    ),
+    case!(
+        "P.2.13",
+        Must,
+        "2",
+        "An unknown field in execute.limits is refused naming the field",
+        UNKNOWN,
+        unknown_limit
+    ),
+    case!(
+        "P.2.14",
+        Must,
+        "2",
+        "An unknown field inside files or artifacts is refused naming the field",
+        UNKNOWN,
+        unknown_nested
+    ),
+    case!(
+        "P.2.15",
+        Must,
+        "2",
+        "An id of 128 characters using every allowed character is accepted",
+        ID,
+        longest_id
+    ),
+];
 
 /// Some ordinary traffic: a ping, an execution with stdout and stderr, a refusal and an unknown cancel. Returns
 /// every message received.

@@ -19,31 +19,30 @@ const POSTURE: &str =
     "Suite posture check (no spec keyword): executions of untrusted code run without privileges.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!("I.summary.1", Info, "4 (pong)", "The isolation the server announces", ANNOUNCED, summary),
-        case!("I.probe.1", Info, "-", "What the shell probe reports", POSTURE, shell_probe),
-        case!("I.probe.2", Info, "-", "What the python probe reports", POSTURE, python_probe),
-        case!("I.caps.1", Should, "-", "No capabilities in the effective, permitted or ambient sets", POSTURE, caps_empty),
-        case!("I.caps.2", Should, "-", "An empty capability bounding set", POSTURE, bounding_empty),
-        case!("I.nnp.1", Should, "-", "no_new_privs is set", POSTURE, no_new_privs),
-        case!("I.seccomp.1", Must, "4 (pong)", "An announced seccomp filter is in effect", ANNOUNCED, seccomp_announced),
-        case!("I.seccomp.2", Info, "4 (pong)", "The seccomp mode executions run under", ANNOUNCED, seccomp_mode),
-        case!("I.landlock.1", Info, "4 (pong)", "The Landlock ABI announced and the kernel's", ANNOUNCED, landlock),
-        case!("I.ns.1", Must, "4 (pong)", "Each announced namespace is fresh per execution", ANNOUNCED, fresh_namespaces),
-        case!("I.ns.2", Must, "4 (pong)", "With a pid namespace, another execution's processes are invisible", ANNOUNCED, pid_invisible),
-        case!("I.user.1", Must, "4 (pong)", "With a user namespace, root inside is not root outside", ANNOUNCED, user_namespace),
-        case!("I.net.1", Must, "4 (pong)", "Restricted network: no connection to a public address", ANNOUNCED, no_public_network),
-        case!("I.net.2", Must, "4 (pong)", "Restricted network: the FSP endpoint is unreachable from inside", ANNOUNCED, no_endpoint),
-        case!("I.net.3", Must, "4 (pong)", "Restricted network with a net namespace: loopback only", ANNOUNCED, loopback_only),
-        case!("I.fs.1", Must, "4 (pong)", "With a mount namespace, system paths are read-only", ANNOUNCED, system_read_only),
-        case!("I.fs.2", Should, "3", "The working directory and TMPDIR are writable",
-            "`disk_mb` (size of the writable scratch space); files placed in the working directory.", scratch_writable),
-        case!("I.fs.3", Must, "4 (pong)", "With a mount namespace, another execution's files are invisible", ANNOUNCED, files_invisible_announced),
-        case!("I.fs.4", Should, "1, 3", "Another execution's files are invisible",
-            "Suite posture check: files placed in an execution's working directory are its own.", files_invisible),
-    ]
-}
+#[rustfmt::skip]
+pub static CASES: &[Case] = &[
+    case!("I.summary.1", Info, "4 (pong)", "The isolation the server announces", ANNOUNCED, summary),
+    case!("I.probe.1", Info, "-", "What the shell probe reports", POSTURE, shell_probe),
+    case!("I.probe.2", Info, "-", "What the python probe reports", POSTURE, python_probe),
+    case!("I.caps.1", Should, "-", "No capabilities in the effective, permitted or ambient sets", POSTURE, caps_empty),
+    case!("I.caps.2", Should, "-", "An empty capability bounding set", POSTURE, bounding_empty),
+    case!("I.nnp.1", Should, "-", "no_new_privs is set", POSTURE, no_new_privs),
+    case!("I.seccomp.1", Must, "4 (pong)", "An announced seccomp filter is in effect", ANNOUNCED, seccomp_announced),
+    case!("I.seccomp.2", Info, "4 (pong)", "The seccomp mode executions run under", ANNOUNCED, seccomp_mode),
+    case!("I.landlock.1", Info, "4 (pong)", "The Landlock ABI announced and the kernel's", ANNOUNCED, landlock),
+    case!("I.ns.1", Must, "4 (pong)", "Each announced namespace is fresh per execution", ANNOUNCED, fresh_namespaces),
+    case!("I.ns.2", Must, "4 (pong)", "With a pid namespace, another execution's processes are invisible", ANNOUNCED, pid_invisible),
+    case!("I.user.1", Must, "4 (pong)", "With a user namespace, root inside is not root outside", ANNOUNCED, user_namespace),
+    case!("I.net.1", Must, "4 (pong)", "Restricted network: no connection to a public address", ANNOUNCED, no_public_network),
+    case!("I.net.2", Must, "4 (pong)", "Restricted network: the FSP endpoint is unreachable from inside", ANNOUNCED, no_endpoint),
+    case!("I.net.3", Must, "4 (pong)", "Restricted network with a net namespace: loopback only", ANNOUNCED, loopback_only),
+    case!("I.fs.1", Must, "4 (pong)", "With a mount namespace, system paths are read-only", ANNOUNCED, system_read_only),
+    case!("I.fs.2", Should, "3", "The working directory and TMPDIR are writable",
+        "`disk_mb` (size of the writable scratch space); files placed in the working directory.", scratch_writable),
+    case!("I.fs.3", Must, "4 (pong)", "With a mount namespace, another execution's files are invisible", ANNOUNCED, files_invisible_announced),
+    case!("I.fs.4", Should, "1, 3", "Another execution's files are invisible",
+        "Suite posture check: files placed in an execution's working directory are its own.", files_invisible),
+];
 
 /// What the probes reported.
 #[derive(Debug, Clone, Default)]

@@ -26,31 +26,30 @@ const NEVER: &str = "For an execution, `error` is its last message; an execution
 const PONG: &str = "`pong` `{load:{active_executions, queue_depth}}`. sandboxd adds `capabilities`: `languages`, `max_limits`, `extensions`, and `isolation`.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!("P.4.1", Must, "4 (ack)", "ack is sent once, before anything else for the id", ACK, ack_first),
-        case!("P.4.2", Must, "4 (status)", "running once, then exactly one terminal status", STATUS, statuses),
-        case!("P.4.3", Must, "4 (status)", "Exit code 0 ends as completed", STATUS, completed),
-        case!("P.4.4", Must, "4 (status)", "A non-zero exit code ends as failed with that code", STATUS, failed_exit),
-        case!("P.4.5", Must, "4 (status)", "A signal the daemon did not send ends as failed, exit_code null", STATUS, failed_signal),
-        case!("P.4.6", Must, "4 (status)", "Wall clock over timeout_ms ends as timeout", STATUS, timeout),
-        case!("P.4.7", Must, "4 (status)", "The memory limit ends the program as oom", STATUS, oom),
-        case!("P.4.8", Must, "4 (output)", "Output beyond max_output_bytes: cut to the byte, failed, output_limit", LIMIT, output_limit),
-        case!("P.4.9", Must, "4 (output)", "Output of exactly max_output_bytes completes untruncated", LIMIT, output_exact),
-        case!("P.4.10", Must, "3, 4 (output)", "max_output_bytes counts stdout and stderr together",
-            "`max_output_bytes` (1 MiB, stdout and stderr counted together). Output beyond `max_output_bytes` is not sent.", output_both),
-        case!("P.4.11", Must, "4 (output)", "Output arrives in order of production per stream", ORDER, output_order),
-        case!("P.4.12", Must, "4 (output)", "Chunks never split a UTF-8 sequence", UTF8, utf8_boundaries),
-        case!("P.4.13", Must, "4 (output)", "Output that is not UTF-8 arrives exactly, base64-encoded", BASE64, base64_output),
-        case!("P.4.14", Must, "4 (result)", "result carries exit_code, duration_ms and resource_usage", RESULT, result_fields),
-        case!("P.4.15", Must, "4 (result)", "The sandboxd additions of result are consistent when sent", ADDITIONS, result_additions),
-        case!("P.4.16", Must, "4 (error)", "error carries code, message and retryable as the spec's table says", ERROR, error_fields),
-        case!("P.4.17", Must, "4 (error)", "An execution refused with an error never runs", NEVER, refused_never_runs),
-        case!("P.4.18", Must, "4 (pong)", "pong's load and announced capabilities are well formed", PONG, pong_form),
-        case!("P.4.19", Must, "4 (output)", "An output limit inside a UTF-8 character cuts cleanly",
-            "Chunks never split a UTF-8 sequence. Output beyond `max_output_bytes` is not sent.", limit_mid_character),
-    ]
-}
+#[rustfmt::skip]
+pub static CASES: &[Case] = &[
+    case!("P.4.1", Must, "4 (ack)", "ack is sent once, before anything else for the id", ACK, ack_first),
+    case!("P.4.2", Must, "4 (status)", "running once, then exactly one terminal status", STATUS, statuses),
+    case!("P.4.3", Must, "4 (status)", "Exit code 0 ends as completed", STATUS, completed),
+    case!("P.4.4", Must, "4 (status)", "A non-zero exit code ends as failed with that code", STATUS, failed_exit),
+    case!("P.4.5", Must, "4 (status)", "A signal the daemon did not send ends as failed, exit_code null", STATUS, failed_signal),
+    case!("P.4.6", Must, "4 (status)", "Wall clock over timeout_ms ends as timeout", STATUS, timeout),
+    case!("P.4.7", Must, "4 (status)", "The memory limit ends the program as oom", STATUS, oom),
+    case!("P.4.8", Must, "4 (output)", "Output beyond max_output_bytes: cut to the byte, failed, output_limit", LIMIT, output_limit),
+    case!("P.4.9", Must, "4 (output)", "Output of exactly max_output_bytes completes untruncated", LIMIT, output_exact),
+    case!("P.4.10", Must, "3, 4 (output)", "max_output_bytes counts stdout and stderr together",
+        "`max_output_bytes` (1 MiB, stdout and stderr counted together). Output beyond `max_output_bytes` is not sent.", output_both),
+    case!("P.4.11", Must, "4 (output)", "Output arrives in order of production per stream", ORDER, output_order),
+    case!("P.4.12", Must, "4 (output)", "Chunks never split a UTF-8 sequence", UTF8, utf8_boundaries),
+    case!("P.4.13", Must, "4 (output)", "Output that is not UTF-8 arrives exactly, base64-encoded", BASE64, base64_output),
+    case!("P.4.14", Must, "4 (result)", "result carries exit_code, duration_ms and resource_usage", RESULT, result_fields),
+    case!("P.4.15", Must, "4 (result)", "The sandboxd additions of result are consistent when sent", ADDITIONS, result_additions),
+    case!("P.4.16", Must, "4 (error)", "error carries code, message and retryable as the spec's table says", ERROR, error_fields),
+    case!("P.4.17", Must, "4 (error)", "An execution refused with an error never runs", NEVER, refused_never_runs),
+    case!("P.4.18", Must, "4 (pong)", "pong's load and announced capabilities are well formed", PONG, pong_form),
+    case!("P.4.19", Must, "4 (output)", "An output limit inside a UTF-8 character cuts cleanly",
+        "Chunks never split a UTF-8 sequence. Output beyond `max_output_bytes` is not sent.", limit_mid_character),
+];
 
 async fn run_one(ctx: &Ctx, tag: &str, lang: &str, code: &str, extra: Value) -> Result<Exec, Stop> {
     let mut c = ctx.connect().await?;
@@ -62,60 +61,99 @@ async fn run_one(ctx: &Ctx, tag: &str, lang: &str, code: &str, extra: Value) -> 
     Ok(e)
 }
 
-/// Exit code 0, output on both streams.
-pub async fn completed_exec(ctx: &Ctx) -> Result<Exec, Stop> {
-    ctx.scenario("completed", || async {
-        run_one(
-            ctx,
-            "ok",
-            ctx.shell()?,
-            "echo out; echo err >&2; echo more",
-            json!({}),
-        )
-        .await
-    })
-    .await
+/// A shell program several cases judge, run once per suite run (under `key`, see [`Ctx::scenario`]).
+struct ShellScenario {
+    key: &'static str,
+    /// The execution id's tag.
+    tag: &'static str,
+    code: &'static str,
+    /// The limits the request sets (the others take their defaults).
+    limits: &'static [(&'static str, u64)],
 }
+
+/// Exit code 0, output on both streams.
+const COMPLETED: ShellScenario = ShellScenario {
+    key: "completed",
+    tag: "ok",
+    code: "echo out; echo err >&2; echo more",
+    limits: &[],
+};
 
 /// Exit code 3.
-pub async fn exit_code_exec(ctx: &Ctx) -> Result<Exec, Stop> {
-    ctx.scenario("exit3", || async {
-        run_one(ctx, "exit3", ctx.shell()?, "echo before; exit 3", json!({})).await
-    })
-    .await
-}
+const EXIT_CODE: ShellScenario = ShellScenario {
+    key: "exit3",
+    tag: "exit3",
+    code: "echo before; exit 3",
+    limits: &[],
+};
 
 /// Killed by SIGTERM, sent by the program itself.
-pub async fn signaled_exec(ctx: &Ctx) -> Result<Exec, Stop> {
-    ctx.scenario("signaled", || async {
-        run_one(
-            ctx,
-            "sig",
-            ctx.shell()?,
-            "echo before; kill -TERM $$; sleep 5; echo survived",
-            json!({}),
-        )
-        .await
-    })
-    .await
-}
+const SIGNALED: ShellScenario = ShellScenario {
+    key: "signaled",
+    tag: "sig",
+    code: "echo before; kill -TERM $$; sleep 5; echo survived",
+    limits: &[],
+};
 
 /// The timeout limit of [`timeout_exec`].
 pub const TIMEOUT_LIMIT_MS: u64 = 1000;
 
 /// Sleeps past a 1 s timeout.
-pub async fn timeout_exec(ctx: &Ctx) -> Result<Exec, Stop> {
-    ctx.scenario("timeout", || async {
-        run_one(
-            ctx,
-            "timeout",
-            ctx.shell()?,
-            "echo started; sleep 30; echo survived",
-            json!({"limits": {"timeout_ms": TIMEOUT_LIMIT_MS}}),
-        )
-        .await
+const TIMEOUT: ShellScenario = ShellScenario {
+    key: "timeout",
+    tag: "timeout",
+    code: "echo started; sleep 30; echo survived",
+    limits: &[("timeout_ms", TIMEOUT_LIMIT_MS)],
+};
+
+/// Writes 10 MB with `max_output_bytes` 1000.
+const OUTPUT_LIMIT: ShellScenario = ShellScenario {
+    key: "output_limit",
+    tag: "outlimit",
+    code: "head -c 10000000 /dev/zero | tr '\\0' x; sleep 5; echo survived",
+    limits: &[("max_output_bytes", 1000)],
+};
+
+async fn shell_scenario(ctx: &Ctx, s: &'static ShellScenario) -> Result<Exec, Stop> {
+    ctx.scenario(s.key, || async {
+        let extra = if s.limits.is_empty() {
+            json!({})
+        } else {
+            let limits: serde_json::Map<String, Value> = s
+                .limits
+                .iter()
+                .map(|&(k, v)| (k.to_owned(), json!(v)))
+                .collect();
+            json!({ "limits": limits })
+        };
+        run_one(ctx, s.tag, ctx.shell()?, s.code, extra).await
     })
     .await
+}
+
+/// [`COMPLETED`]: exit code 0, output on both streams.
+pub async fn completed_exec(ctx: &Ctx) -> Result<Exec, Stop> {
+    shell_scenario(ctx, &COMPLETED).await
+}
+
+/// [`EXIT_CODE`]: exit code 3.
+pub async fn exit_code_exec(ctx: &Ctx) -> Result<Exec, Stop> {
+    shell_scenario(ctx, &EXIT_CODE).await
+}
+
+/// [`SIGNALED`]: killed by SIGTERM, sent by the program itself.
+pub async fn signaled_exec(ctx: &Ctx) -> Result<Exec, Stop> {
+    shell_scenario(ctx, &SIGNALED).await
+}
+
+/// [`TIMEOUT`]: sleeps past a 1 s timeout.
+pub async fn timeout_exec(ctx: &Ctx) -> Result<Exec, Stop> {
+    shell_scenario(ctx, &TIMEOUT).await
+}
+
+/// [`OUTPUT_LIMIT`]: writes 10 MB with `max_output_bytes` 1000.
+pub async fn output_limit_exec(ctx: &Ctx) -> Result<Exec, Stop> {
+    shell_scenario(ctx, &OUTPUT_LIMIT).await
 }
 
 /// Allocates far beyond a 64 MiB memory limit.
@@ -139,19 +177,29 @@ pub async fn oom_exec(ctx: &Ctx) -> Result<Exec, Stop> {
     .await
 }
 
-/// Writes 10 MB with `max_output_bytes` 1000.
-pub async fn output_limit_exec(ctx: &Ctx) -> Result<Exec, Stop> {
-    ctx.scenario("output_limit", || async {
-        run_one(
-            ctx,
-            "outlimit",
-            ctx.shell()?,
-            "head -c 10000000 /dev/zero | tr '\\0' x; sleep 5; echo survived",
-            json!({"limits": {"max_output_bytes": 1000}}),
-        )
-        .await
-    })
-    .await
+/// The shared executions P.5 judges by name (its table's rows).
+#[derive(Debug, Clone, Copy)]
+pub enum Scenario {
+    /// [`timeout_exec`].
+    Timeout,
+    /// [`oom_exec`].
+    Oom,
+    /// [`super::requests::cancelled_execution`].
+    Cancelled,
+    /// [`output_limit_exec`].
+    OutputLimit,
+}
+
+impl Scenario {
+    /// Runs (or reuses) the execution.
+    pub async fn exec(self, ctx: &Ctx) -> Result<Exec, Stop> {
+        match self {
+            Scenario::Timeout => timeout_exec(ctx).await,
+            Scenario::Oom => oom_exec(ctx).await,
+            Scenario::Cancelled => super::requests::cancelled_execution(ctx).await,
+            Scenario::OutputLimit => output_limit_exec(ctx).await,
+        }
+    }
 }
 
 async fn ack_first(ctx: C) -> CaseResult {

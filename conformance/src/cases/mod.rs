@@ -24,8 +24,19 @@ pub mod sequences;
 pub mod tools;
 pub mod transport;
 
-/// Declares a [`Case`].
+/// Declares a [`Case`], a row of a group's `CASES` table. The body is a case function, or a function shared by
+/// several rows with the row's arguments after the context (`above_max("timeout_ms")`).
 macro_rules! case {
+    ($id:literal, $level:ident, $section:literal, $title:literal, $req:expr, $f:ident($($arg:expr),+ $(,)?)) => {
+        $crate::framework::Case {
+            id: $id,
+            level: $crate::framework::Level::$level,
+            section: $section,
+            title: $title,
+            requirement: $req,
+            run: |ctx| Box::pin(async move { $f(&ctx, $($arg),+).await }),
+        }
+    };
     ($id:literal, $level:ident, $section:literal, $title:literal, $req:expr, $f:path) => {
         $crate::framework::Case {
             id: $id,
@@ -39,20 +50,21 @@ macro_rules! case {
 }
 pub(crate) use case;
 
-/// Every case, in run order.
+/// Every case, in run order: the groups' tables one after the other.
 pub fn all() -> Vec<Case> {
-    let mut v = Vec::new();
-    v.extend(transport::cases());
-    v.extend(envelope::cases());
-    v.extend(requests::cases());
-    v.extend(messages::cases());
-    v.extend(sequences::cases());
-    v.extend(capacity::cases());
-    v.extend(resources::cases());
-    v.extend(isolation::cases());
-    v.extend(tools::cases());
-    v.extend(agents::cases());
-    v
+    [
+        transport::CASES,
+        envelope::CASES,
+        requests::CASES,
+        messages::CASES,
+        sequences::CASES,
+        capacity::CASES,
+        resources::CASES,
+        isolation::CASES,
+        tools::CASES,
+        agents::CASES,
+    ]
+    .concat()
 }
 
 /// The shared context type cases get.

@@ -31,39 +31,38 @@ const PING: &str = "`{\"v\":1,\"type\":\"ping\",\"ts\":\"...\"}` → `pong`.";
 const FLOOD: &str = "A `ping` MUST be answered within 1 s even while executions flood output on the same connection.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!("P.3.1", Must, "3 (execute)", "An unknown language gets LANGUAGE_NOT_SUPPORTED", LANG, unknown_language),
-        case!("P.3.2", Must, "3 (execute)", "An FSP language the server does not announce gets LANGUAGE_NOT_SUPPORTED", LANG, unannounced_language),
-        case!("P.3.3", Must, "3 (execute)", "Every announced language runs a program", LANG, announced_languages),
-        case!("P.3.4", Must, "3 (execute)", "timeout_ms above the maximum is refused, not clamped", MAX, above_timeout),
-        case!("P.3.5", Must, "3 (execute)", "memory_mb above the maximum is refused, not clamped", MAX, above_memory),
-        case!("P.3.6", Must, "3 (execute)", "cpu_shares above the maximum is refused, not clamped", MAX, above_cpu),
-        case!("P.3.7", Must, "3 (execute)", "max_output_bytes above the maximum is refused, not clamped", MAX, above_output),
-        case!("P.3.8", Must, "3 (execute)", "pids_max above the maximum is refused, not clamped", MAX, above_pids),
-        case!("P.3.9", Must, "3 (execute)", "disk_mb above the maximum is refused, not clamped", MAX, above_disk),
-        case!("P.3.10", Must, "3 (execute)", "Every limit at its maximum is accepted and in effect as asked", MAX, at_maximum),
-        case!("P.3.11", Must, "3, 4 (ack)", "Optional limits take their defaults (ack.limits)", DEFAULTS, defaults_filled),
-        case!("P.3.12", Must, "3 (execute)", "stdin is written to the program, then closed", STDIN, stdin_written),
-        case!("P.3.13", Must, "3 (execute)", "Absent or null stdin is empty", STDIN, stdin_empty),
-        case!("P.3.14", Must, "3 (execute)", "files are placed in the working directory (utf8 and base64)", FILES, files_placed),
-        case!("P.3.15", Must, "3 (execute)", "File paths that escape the working directory are refused", FILES, files_escape),
-        case!("P.3.16", Must, "3 (execute)", "artifacts: a manifest when announced, refused otherwise", ARTIFACTS, artifacts),
-        case!("P.3.17", Must, "3 (execute)", "A duplicate id in flight is refused as a duplicate", DUP, duplicate_refused),
-        case!("P.3.18", Must, "3 (execute)", "The running execution is not affected by its duplicate", DUP, duplicate_harmless),
-        case!("P.3.19", Should, "3 (execute)", "An id can be used again once its execution ended",
-            "A second `execute` with the `id` of an execution still in flight MUST get `error` (so an id no longer in flight is free).", id_reuse),
-        case!("P.3.20", Must, "3 (cancel)", "Cancel after the first output ends the execution as cancelled", CANCEL, cancel_running),
-        case!("P.3.21", Must, "3 (cancel)", "Cancel right after execute (before start) ends it as cancelled", CANCEL, cancel_before_start),
-        case!("P.3.22", Must, "3 (cancel)", "Cancel of an unknown id gets UNKNOWN_EXECUTION", UNKNOWN, cancel_unknown),
-        case!("P.3.23", Must, "3 (cancel)", "Cancel of an execution that already ended gets UNKNOWN_EXECUTION", UNKNOWN, cancel_ended),
-        case!("P.3.24", Must, "3 (cancel)", "Cancel of another connection's execution gets UNKNOWN_EXECUTION", UNKNOWN, cancel_other_connection),
-        case!("P.3.25", Must, "3 (cancel)", "A second cancel produces nothing further", TWICE, cancel_twice),
-        case!("P.3.26", Must, "3 (cancel)", "Cancel kills the whole process tree", CANCEL, cancel_tree),
-        case!("P.3.27", Must, "3 (ping), 4 (pong)", "ping is answered with pong and its load", PING, ping_pong),
-        case!("P.3.28", Must, "3 (ping)", "ping is answered within 1 s during an output flood", FLOOD, ping_during_flood),
-    ]
-}
+#[rustfmt::skip]
+pub static CASES: &[Case] = &[
+    case!("P.3.1", Must, "3 (execute)", "An unknown language gets LANGUAGE_NOT_SUPPORTED", LANG, unknown_language),
+    case!("P.3.2", Must, "3 (execute)", "An FSP language the server does not announce gets LANGUAGE_NOT_SUPPORTED", LANG, unannounced_language),
+    case!("P.3.3", Must, "3 (execute)", "Every announced language runs a program", LANG, announced_languages),
+    case!("P.3.4", Must, "3 (execute)", "timeout_ms above the maximum is refused, not clamped", MAX, above_max("timeout_ms")),
+    case!("P.3.5", Must, "3 (execute)", "memory_mb above the maximum is refused, not clamped", MAX, above_max("memory_mb")),
+    case!("P.3.6", Must, "3 (execute)", "cpu_shares above the maximum is refused, not clamped", MAX, above_max("cpu_shares")),
+    case!("P.3.7", Must, "3 (execute)", "max_output_bytes above the maximum is refused, not clamped", MAX, above_max("max_output_bytes")),
+    case!("P.3.8", Must, "3 (execute)", "pids_max above the maximum is refused, not clamped", MAX, above_max("pids_max")),
+    case!("P.3.9", Must, "3 (execute)", "disk_mb above the maximum is refused, not clamped", MAX, above_max("disk_mb")),
+    case!("P.3.10", Must, "3 (execute)", "Every limit at its maximum is accepted and in effect as asked", MAX, at_maximum),
+    case!("P.3.11", Must, "3, 4 (ack)", "Optional limits take their defaults (ack.limits)", DEFAULTS, defaults_filled),
+    case!("P.3.12", Must, "3 (execute)", "stdin is written to the program, then closed", STDIN, stdin_written),
+    case!("P.3.13", Must, "3 (execute)", "Absent or null stdin is empty", STDIN, stdin_empty),
+    case!("P.3.14", Must, "3 (execute)", "files are placed in the working directory (utf8 and base64)", FILES, files_placed),
+    case!("P.3.15", Must, "3 (execute)", "File paths that escape the working directory are refused", FILES, files_escape),
+    case!("P.3.16", Must, "3 (execute)", "artifacts: a manifest when announced, refused otherwise", ARTIFACTS, artifacts),
+    case!("P.3.17", Must, "3 (execute)", "A duplicate id in flight is refused as a duplicate", DUP, duplicate_refused),
+    case!("P.3.18", Must, "3 (execute)", "The running execution is not affected by its duplicate", DUP, duplicate_harmless),
+    case!("P.3.19", Should, "3 (execute)", "An id can be used again once its execution ended",
+        "A second `execute` with the `id` of an execution still in flight MUST get `error` (so an id no longer in flight is free).", id_reuse),
+    case!("P.3.20", Must, "3 (cancel)", "Cancel after the first output ends the execution as cancelled", CANCEL, cancel_running),
+    case!("P.3.21", Must, "3 (cancel)", "Cancel right after execute (before start) ends it as cancelled", CANCEL, cancel_before_start),
+    case!("P.3.22", Must, "3 (cancel)", "Cancel of an unknown id gets UNKNOWN_EXECUTION", UNKNOWN, cancel_unknown),
+    case!("P.3.23", Must, "3 (cancel)", "Cancel of an execution that already ended gets UNKNOWN_EXECUTION", UNKNOWN, cancel_ended),
+    case!("P.3.24", Must, "3 (cancel)", "Cancel of another connection's execution gets UNKNOWN_EXECUTION", UNKNOWN, cancel_other_connection),
+    case!("P.3.25", Must, "3 (cancel)", "A second cancel produces nothing further", TWICE, cancel_twice),
+    case!("P.3.26", Must, "3 (cancel)", "Cancel kills the whole process tree", CANCEL, cancel_tree),
+    case!("P.3.27", Must, "3 (ping), 4 (pong)", "ping is answered with pong and its load", PING, ping_pong),
+    case!("P.3.28", Must, "3 (ping)", "ping is answered within 1 s during an output flood", FLOOD, ping_during_flood),
+];
 
 async fn unknown_language(ctx: C) -> CaseResult {
     let mut c = ctx.connect().await?;
@@ -147,6 +146,7 @@ async fn announced_languages(ctx: C) -> CaseResult {
     Ok(format!("ran {langs:?}"))
 }
 
+/// P.3.4 to P.3.9: `limit` one above its maximum (or 2^52 when no maximum is announced) is refused.
 async fn above_max(ctx: &Ctx, limit: &str) -> CaseResult {
     let lang = ctx.shell()?;
     let mut c = ctx.connect().await?;
@@ -174,25 +174,6 @@ async fn above_max(ctx: &Ctx, limit: &str) -> CaseResult {
     )
     .await?;
     Ok(note)
-}
-
-async fn above_timeout(ctx: C) -> CaseResult {
-    above_max(&ctx, "timeout_ms").await
-}
-async fn above_memory(ctx: C) -> CaseResult {
-    above_max(&ctx, "memory_mb").await
-}
-async fn above_cpu(ctx: C) -> CaseResult {
-    above_max(&ctx, "cpu_shares").await
-}
-async fn above_output(ctx: C) -> CaseResult {
-    above_max(&ctx, "max_output_bytes").await
-}
-async fn above_pids(ctx: C) -> CaseResult {
-    above_max(&ctx, "pids_max").await
-}
-async fn above_disk(ctx: C) -> CaseResult {
-    above_max(&ctx, "disk_mb").await
 }
 
 async fn at_maximum(ctx: C) -> CaseResult {

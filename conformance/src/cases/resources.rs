@@ -20,106 +20,104 @@ const LIMITS: &str = "`pids_max` (defaults to 64), `disk_mb` (size of the writab
 const TIMEOUT: &str = "`timeout` (wall clock over `timeout_ms`).";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!(
-            "R.cleanup.1",
-            Must,
-            "1",
-            "A disconnect kills the connection's running execution",
-            CLOSE,
-            disconnect_kills
-        ),
-        case!(
-            "R.cleanup.2",
-            Must,
-            "1, 6",
-            "After a disconnect the load returns to 0",
-            CLOSE,
-            disconnect_load
-        ),
-        case!(
-            "R.cleanup.3",
-            Must,
-            "1",
-            "After a disconnect no file of the execution is left",
-            CLOSE,
-            disconnect_files
-        ),
-        case!(
-            "R.cleanup.4",
-            Must,
-            "1, 6",
-            "A disconnect also ends the connection's queued executions",
-            CLOSE,
-            disconnect_queued
-        ),
-        case!(
-            "R.cleanup.5",
-            Should,
-            "1",
-            "A disconnect leaves other connections' executions alone",
-            CLOSE,
-            other_connection
-        ),
-        case!(
-            "R.cleanup.6",
-            Must,
-            "1, 4",
-            "A timeout kills the execution's whole process tree",
-            CLOSE,
-            timeout_tree
-        ),
-        case!(
-            "R.cleanup.7",
-            Should,
-            "1",
-            "Background processes do not outlive a finished execution",
-            CLOSE,
-            exit_tree
-        ),
-        case!(
-            "R.limits.1",
-            Must,
-            "3",
-            "max_output_bytes defaults to 1 MiB",
-            DEFAULTS,
-            default_output_limit
-        ),
-        case!(
-            "R.limits.2",
-            Should,
-            "3",
-            "pids_max is enforced",
-            LIMITS,
-            pids_enforced
-        ),
-        case!(
-            "R.limits.3",
-            Should,
-            "3",
-            "disk_mb limits the writable scratch space",
-            LIMITS,
-            disk_enforced
-        ),
-        case!(
-            "R.limits.4",
-            Should,
-            "4",
-            "A timeout ends the execution promptly (within 2 s of timeout_ms)",
-            TIMEOUT,
-            timeout_prompt
-        ),
-        case!(
-            "R.limits.5",
-            Info,
-            "4",
-            "Resource usage reported by the result",
-            "`resource_usage:{peak_memory_mb, cpu_time_ms}`",
-            usage
-        ),
-    ]
-}
+pub static CASES: &[Case] = &[
+    case!(
+        "R.cleanup.1",
+        Must,
+        "1",
+        "A disconnect kills the connection's running execution",
+        CLOSE,
+        disconnect_kills
+    ),
+    case!(
+        "R.cleanup.2",
+        Must,
+        "1, 6",
+        "After a disconnect the load returns to 0",
+        CLOSE,
+        disconnect_load
+    ),
+    case!(
+        "R.cleanup.3",
+        Must,
+        "1",
+        "After a disconnect no file of the execution is left",
+        CLOSE,
+        disconnect_files
+    ),
+    case!(
+        "R.cleanup.4",
+        Must,
+        "1, 6",
+        "A disconnect also ends the connection's queued executions",
+        CLOSE,
+        disconnect_queued
+    ),
+    case!(
+        "R.cleanup.5",
+        Should,
+        "1",
+        "A disconnect leaves other connections' executions alone",
+        CLOSE,
+        other_connection
+    ),
+    case!(
+        "R.cleanup.6",
+        Must,
+        "1, 4",
+        "A timeout kills the execution's whole process tree",
+        CLOSE,
+        timeout_tree
+    ),
+    case!(
+        "R.cleanup.7",
+        Should,
+        "1",
+        "Background processes do not outlive a finished execution",
+        CLOSE,
+        exit_tree
+    ),
+    case!(
+        "R.limits.1",
+        Must,
+        "3",
+        "max_output_bytes defaults to 1 MiB",
+        DEFAULTS,
+        default_output_limit
+    ),
+    case!(
+        "R.limits.2",
+        Should,
+        "3",
+        "pids_max is enforced",
+        LIMITS,
+        pids_enforced
+    ),
+    case!(
+        "R.limits.3",
+        Should,
+        "3",
+        "disk_mb limits the writable scratch space",
+        LIMITS,
+        disk_enforced
+    ),
+    case!(
+        "R.limits.4",
+        Should,
+        "4",
+        "A timeout ends the execution promptly (within 2 s of timeout_ms)",
+        TIMEOUT,
+        timeout_prompt
+    ),
+    case!(
+        "R.limits.5",
+        Info,
+        "4",
+        "Resource usage reported by the result",
+        "`resource_usage:{peak_memory_mb, cpu_time_ms}`",
+        usage
+    ),
+];
 
 /// Starts `code` on a new connection and waits for its first output line; returns the connection.
 async fn start(ctx: &Ctx, tag: &str, code: &str) -> Result<(crate::client::Conn, String), Stop> {

@@ -4,11 +4,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::messages::{
-    completed_exec, exit_code_exec, oom_exec, output_limit_exec, signaled_exec, timeout_exec,
-};
-use super::requests::cancelled_execution;
+use super::messages::{completed_exec, exit_code_exec, signaled_exec, Scenario};
 use super::{case, ended, sequence, C};
+use crate::ctx::Ctx;
 use crate::framework::{Case, CaseResult};
 use crate::msgs::with;
 use crate::wire::short;
@@ -24,61 +22,80 @@ const ONE: &str =
     "For every execute there is exactly one terminal message: a `result` or an `error`.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!(
-            "P.5.1",
-            Must,
-            "5",
-            "Success sequence (completed)",
-            SUCCESS,
-            success
-        ),
-        case!(
-            "P.5.2",
-            Must,
-            "5",
-            "Success sequence (failed: exit code and signal)",
-            SUCCESS,
-            failure
-        ),
-        case!("P.5.3", Must, "5", "Timeout sequence", SAME, timeout),
-        case!("P.5.4", Must, "5", "OOM sequence", SAME, oom),
-        case!("P.5.5", Must, "5", "Cancel sequence", SAME, cancel),
-        case!(
-            "P.5.6",
-            Must,
-            "5",
-            "Output limit sequence",
-            SAME,
-            output_limit
-        ),
-        case!(
-            "P.5.7",
-            Must,
-            "5",
-            "Refused sequence: error only",
-            REFUSED,
-            refused_only
-        ),
-        case!(
-            "P.5.8",
-            Must,
-            "5",
-            "Infrastructure failure: INTERNAL_ERROR is the last message",
-            INFRA,
-            infrastructure
-        ),
-        case!(
-            "P.5.9",
-            Must,
-            "5",
-            "Exactly one terminal message per execute",
-            ONE,
-            one_terminal
-        ),
-    ]
-}
+pub static CASES: &[Case] = &[
+    case!(
+        "P.5.1",
+        Must,
+        "5",
+        "Success sequence (completed)",
+        SUCCESS,
+        success
+    ),
+    case!(
+        "P.5.2",
+        Must,
+        "5",
+        "Success sequence (failed: exit code and signal)",
+        SUCCESS,
+        failure
+    ),
+    case!(
+        "P.5.3",
+        Must,
+        "5",
+        "Timeout sequence",
+        SAME,
+        ends_as(Scenario::Timeout, "timeout", "timeout")
+    ),
+    case!(
+        "P.5.4",
+        Must,
+        "5",
+        "OOM sequence",
+        SAME,
+        ends_as(Scenario::Oom, "oom", "oom")
+    ),
+    case!(
+        "P.5.5",
+        Must,
+        "5",
+        "Cancel sequence",
+        SAME,
+        ends_as(Scenario::Cancelled, "cancelled", "cancelled")
+    ),
+    case!(
+        "P.5.6",
+        Must,
+        "5",
+        "Output limit sequence",
+        SAME,
+        ends_as(Scenario::OutputLimit, "failed", "output_limit")
+    ),
+    case!(
+        "P.5.7",
+        Must,
+        "5",
+        "Refused sequence: error only",
+        REFUSED,
+        refused_only
+    ),
+    case!(
+        "P.5.8",
+        Must,
+        "5",
+        "Infrastructure failure: INTERNAL_ERROR is the last message",
+        INFRA,
+        infrastructure
+    ),
+    case!(
+        "P.5.9",
+        Must,
+        "5",
+        "Exactly one terminal message per execute",
+        ONE,
+        one_terminal
+    ),
+];
 
 async fn success(ctx: C) -> CaseResult {
     let e = completed_exec(&ctx).await?;
@@ -109,31 +126,11 @@ async fn failure(ctx: C) -> CaseResult {
     Ok(format!("{:?}", a.labels()))
 }
 
-async fn timeout(ctx: C) -> CaseResult {
-    let e = timeout_exec(&ctx).await?;
+/// P.5.3 to P.5.6: the shared execution `scenario` is well sequenced and ends with `status` and `reason`.
+async fn ends_as(ctx: &Ctx, scenario: Scenario, status: &str, reason: &str) -> CaseResult {
+    let e = scenario.exec(ctx).await?;
     sequence(&e)?;
-    ended(&e, "timeout", "timeout")?;
-    Ok(format!("{:?}", e.labels()))
-}
-
-async fn oom(ctx: C) -> CaseResult {
-    let e = oom_exec(&ctx).await?;
-    sequence(&e)?;
-    ended(&e, "oom", "oom")?;
-    Ok(format!("{:?}", e.labels()))
-}
-
-async fn cancel(ctx: C) -> CaseResult {
-    let e = cancelled_execution(&ctx).await?;
-    sequence(&e)?;
-    ended(&e, "cancelled", "cancelled")?;
-    Ok(format!("{:?}", e.labels()))
-}
-
-async fn output_limit(ctx: C) -> CaseResult {
-    let e = output_limit_exec(&ctx).await?;
-    sequence(&e)?;
-    ended(&e, "failed", "output_limit")?;
+    ended(&e, status, reason)?;
     Ok(format!("{:?}", e.labels()))
 }
 

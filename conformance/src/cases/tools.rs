@@ -19,50 +19,48 @@ const TIMEOUT: &str = "A call the client does not answer within `tool_timeout_ms
 const INVALID: &str = "`tools` is refused with INVALID_REQUEST naming the field when names repeat, are not identifiers, or the language has no SDK.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!(
-            "E.tools.1",
-            Must,
-            "tool-calls",
-            "A listed tool's call reaches the client and its answer the code",
-            FORWARD,
-            forwarded
-        ),
-        case!(
-            "E.tools.2",
-            Must,
-            "tool-calls",
-            "A tool not listed is refused inside the sandbox, never forwarded",
-            REFUSE,
-            refused_inside
-        ),
-        case!(
-            "E.tools.3",
-            Must,
-            "tool-calls",
-            "The code's return value is result.return_value",
-            RETURN,
-            return_value
-        ),
-        case!(
-            "E.tools.4",
-            Must,
-            "tool-calls",
-            "An unanswered call times out after tool_timeout_ms",
-            TIMEOUT,
-            timeout
-        ),
-        case!(
-            "E.tools.5",
-            Must,
-            "tool-calls",
-            "Invalid tools are refused with INVALID_REQUEST naming the field",
-            INVALID,
-            invalid
-        ),
-    ]
-}
+pub static CASES: &[Case] = &[
+    case!(
+        "E.tools.1",
+        Must,
+        "tool-calls",
+        "A listed tool's call reaches the client and its answer the code",
+        FORWARD,
+        forwarded
+    ),
+    case!(
+        "E.tools.2",
+        Must,
+        "tool-calls",
+        "A tool not listed is refused inside the sandbox, never forwarded",
+        REFUSE,
+        refused_inside
+    ),
+    case!(
+        "E.tools.3",
+        Must,
+        "tool-calls",
+        "The code's return value is result.return_value",
+        RETURN,
+        return_value
+    ),
+    case!(
+        "E.tools.4",
+        Must,
+        "tool-calls",
+        "An unanswered call times out after tool_timeout_ms",
+        TIMEOUT,
+        timeout
+    ),
+    case!(
+        "E.tools.5",
+        Must,
+        "tool-calls",
+        "Invalid tools are refused with INVALID_REQUEST naming the field",
+        INVALID,
+        invalid
+    ),
+];
 
 fn applies(ctx: &Ctx) -> Result<&'static str, Stop> {
     if ctx.extension("tool_calls") != Some(true) {

@@ -18,98 +18,96 @@ const FRAMES: &str = "A binary frame, or a text frame that is not a JSON object,
 const MUX: &str = "Many executions MAY run at once on one connection; they are told apart by `id`.";
 
 /// The cases of this group, in id order.
-pub fn cases() -> Vec<Case> {
-    vec![
-        case!(
-            "P.1.1",
-            Must,
-            "1",
-            "A missing token is refused with 401 before the upgrade",
-            AUTH,
-            missing_token
-        ),
-        case!(
-            "P.1.2",
-            Must,
-            "1",
-            "A wrong token is refused with 401 before the upgrade",
-            AUTH,
-            wrong_token
-        ),
-        case!(
-            "P.1.3",
-            Must,
-            "1",
-            "A refused upgrade reveals nothing else",
-            AUTH,
-            reveals_nothing
-        ),
-        case!(
-            "P.1.4",
-            Must,
-            "1",
-            "X-Protocol-Version: 1 is accepted",
-            VERSION,
-            version_one
-        ),
-        case!(
-            "P.1.5",
-            Must,
-            "1",
-            "An X-Protocol-Version the server does not speak is refused with 400",
-            VERSION,
-            version_refused
-        ),
-        case!(
-            "P.1.6",
-            Must,
-            "1",
-            "The 400 body names the supported versions",
-            VERSION,
-            version_body
-        ),
-        case!(
-            "P.1.7",
-            Must,
-            "1",
-            "A binary frame gets INVALID_REQUEST without id; the connection stays open",
-            FRAMES,
-            binary_frame
-        ),
-        case!(
-            "P.1.8",
-            Must,
-            "1",
-            "A text frame that is not a JSON object gets INVALID_REQUEST without id",
-            FRAMES,
-            not_an_object
-        ),
-        case!(
-            "P.1.9",
-            Must,
-            "1",
-            "A frame over the size limit closes the connection with 1009",
-            "A frame larger than the server's limit (default 16 MiB) closes with code 1009.",
-            oversized_frame
-        ),
-        case!(
-            "P.1.10",
-            Must,
-            "1",
-            "Concurrent executions on one connection are told apart by id",
-            MUX,
-            multiplexed
-        ),
-        case!(
-            "P.1.11",
-            May,
-            "1",
-            "Executions on one connection run at the same time",
-            MUX,
-            overlapping
-        ),
-    ]
-}
+pub static CASES: &[Case] = &[
+    case!(
+        "P.1.1",
+        Must,
+        "1",
+        "A missing token is refused with 401 before the upgrade",
+        AUTH,
+        missing_token
+    ),
+    case!(
+        "P.1.2",
+        Must,
+        "1",
+        "A wrong token is refused with 401 before the upgrade",
+        AUTH,
+        wrong_token
+    ),
+    case!(
+        "P.1.3",
+        Must,
+        "1",
+        "A refused upgrade reveals nothing else",
+        AUTH,
+        reveals_nothing
+    ),
+    case!(
+        "P.1.4",
+        Must,
+        "1",
+        "X-Protocol-Version: 1 is accepted",
+        VERSION,
+        version_one
+    ),
+    case!(
+        "P.1.5",
+        Must,
+        "1",
+        "An X-Protocol-Version the server does not speak is refused with 400",
+        VERSION,
+        version_refused
+    ),
+    case!(
+        "P.1.6",
+        Must,
+        "1",
+        "The 400 body names the supported versions",
+        VERSION,
+        version_body
+    ),
+    case!(
+        "P.1.7",
+        Must,
+        "1",
+        "A binary frame gets INVALID_REQUEST without id; the connection stays open",
+        FRAMES,
+        binary_frame
+    ),
+    case!(
+        "P.1.8",
+        Must,
+        "1",
+        "A text frame that is not a JSON object gets INVALID_REQUEST without id",
+        FRAMES,
+        not_an_object
+    ),
+    case!(
+        "P.1.9",
+        Must,
+        "1",
+        "A frame over the size limit closes the connection with 1009",
+        "A frame larger than the server's limit (default 16 MiB) closes with code 1009.",
+        oversized_frame
+    ),
+    case!(
+        "P.1.10",
+        Must,
+        "1",
+        "Concurrent executions on one connection are told apart by id",
+        MUX,
+        multiplexed
+    ),
+    case!(
+        "P.1.11",
+        May,
+        "1",
+        "Executions on one connection run at the same time",
+        MUX,
+        overlapping
+    ),
+];
 
 async fn refused_upgrade(
     ctx: &C,

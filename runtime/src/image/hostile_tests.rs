@@ -2,7 +2,8 @@
 //! names `tar::Header::set_path` refuses survive), unpacked with [`unpack`], mounted as a real overlay, imported
 //! through the [`ImageStore`] from layouts written by [`pack`].
 //!
-//! Tests that need root (device nodes for whiteouts, `trusted.*` xattrs, mounts) print `SKIP` and return without it.
+//! Tests that need root (device nodes for whiteouts, `trusted.*` xattrs, mounts) go through
+//! [`test_support::require_root`]: without root they say `SKIPPED` and return, and fail instead on CI.
 
 use std::collections::BTreeSet;
 use std::ffi::CString;
@@ -218,14 +219,6 @@ fn layer_error(r: Result<UnpackStats, ImageError>) -> Result<(String, String), S
 // Inspecting the result
 // ---------------------------------------------------------------------------------------------------------------
 
-fn is_root(test: &str, why: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("SKIP {test}: needs root ({why})");
-    false
-}
-
 /// Every path under `root` (not following symlinks), relative, with its type and, for files, content.
 fn tree(root: &Path) -> BTreeSet<String> {
     fn walk(root: &Path, dir: &Path, out: &mut BTreeSet<String>) {
@@ -344,7 +337,7 @@ fn good_layer2() -> Vec<Entry> {
 
 #[test]
 fn good_layers_unpack_exactly_and_overlay_as_expected() {
-    if !is_root(
+    if !test_support::require_root(
         "good_layers_unpack_exactly_and_overlay_as_expected",
         "whiteouts are device nodes, opaque directories trusted xattrs, and the overlay a mount",
     ) {
@@ -377,7 +370,14 @@ fn good_layers_unpack_exactly_and_overlay_as_expected() {
         }
     );
 
-    // Layer 1, exactly.
+    check_good_layer1(&l1);
+    check_good_layer2(&l2);
+    check_good_overlay(tmp.path(), &l1, &l2);
+}
+
+/// Layer 1 of [`good_layer1`] as unpacked in `l1`, exactly: the tree, hard links, modes, mtimes; no owners, no
+/// extended attributes.
+fn check_good_layer1(l1: &Path) {
     let expected1: BTreeSet<String> = [
         "bin -> usr/bin",
         "caps 755 nlink=1 \"caps\"",
@@ -404,7 +404,7 @@ fn good_layers_unpack_exactly_and_overlay_as_expected() {
     .into_iter()
     .map(String::from)
     .collect();
-    assert_eq!(tree(&l1), expected1);
+    assert_eq!(tree(l1), expected1);
     let tool = lmeta(&l1.join("usr/bin/tool"));
     assert!(tool.file_type().is_file());
     assert_eq!((tool.mtime(), tool.mtime_nsec()), (1_600_000_000, 0));
@@ -436,8 +436,11 @@ fn good_layers_unpack_exactly_and_overlay_as_expected() {
     ] {
         assert_eq!(get_xattr(&l1.join(p), x), None, "{p} {x}");
     }
+}
 
-    // Layer 2, exactly.
+/// Layer 2 of [`good_layer2`] as unpacked in `l2`, exactly: whiteouts as overlayfs's device nodes and opaque
+/// directories as its xattr.
+fn check_good_layer2(l2: &Path) {
     let expected2: BTreeSet<String> = [
         "d/ 755",
         "d/new 644 nlink=1 \"new\\n\"",
@@ -449,7 +452,7 @@ fn good_layers_unpack_exactly_and_overlay_as_expected() {
     .into_iter()
     .map(String::from)
     .collect();
-    assert_eq!(tree(&l2), expected2);
+    assert_eq!(tree(l2), expected2);
     let wh = lmeta(&l2.join("somefile"));
     assert!(wh.file_type().is_char_device());
     assert_eq!(wh.rdev(), 0);
@@ -458,9 +461,11 @@ fn good_layers_unpack_exactly_and_overlay_as_expected() {
         Some(b"y".to_vec())
     );
     assert_eq!(get_xattr(&l2.join("d2"), "trusted.overlay.opaque"), None);
+}
 
-    // The merged view of a real overlay.
-    let merged = tmp.path().join("merged");
+/// The merged view of a real overlay of `l2` over `l1`, mounted under `tmp`.
+fn check_good_overlay(tmp: &Path, l1: &Path, l2: &Path) {
+    let merged = tmp.join("merged");
     fs::create_dir(&merged).unwrap();
     let data = format!("lowerdir={}:{}", l2.display(), l1.display());
     nix::mount::mount(
@@ -537,314 +542,327 @@ impl Arena {
     }
 }
 
-type Build = Box<dyn Fn(&str) -> Vec<Entry>>;
-
-/// `(case, entries given the outside directory, expected entry, reason substring)`.
-fn hostile_cases() -> Vec<(&'static str, Build, &'static str, &'static str)> {
-    let long_escape = format!("{}{}escape", "a/".repeat(30), "../".repeat(40));
-    let long_escape_entry: &'static str = Box::leak(long_escape.clone().into_boxed_str());
-    vec![
-        (
-            "dotdot",
-            Box::new(|_| vec![file("../escape", 0o644, b"x")]),
-            "../escape",
-            "path escapes the layer (..)",
-        ),
-        (
-            "dotdot inside",
-            Box::new(|_| vec![file("a/../../x", 0o644, b"x")]),
-            "a/../../x",
-            "path escapes the layer (..)",
-        ),
-        (
-            "dotdot deep",
-            Box::new(|_| {
-                vec![
-                    dir("a/", 0o755),
-                    file("a/../../../../../outside/new", 0o644, b"x"),
-                ]
-            }),
-            "a/../../../../../outside/new",
-            "path escapes the layer (..)",
-        ),
-        (
-            "absolute",
-            Box::new(|o| vec![file(format!("{o}/abs"), 0o644, b"x")]),
-            "{outside}/abs",
-            "absolute path",
-        ),
-        (
-            "absolute dir",
-            Box::new(|o| vec![dir(format!("{o}/"), 0o777)]),
-            "{outside}/",
-            "absolute path",
-        ),
-        (
-            "dotdot in a GNU long name",
-            Box::new(move |_| vec![file(long_escape.as_bytes(), 0o644, b"x").long_name()]),
-            long_escape_entry,
-            "path escapes the layer (..)",
-        ),
-        (
-            "dotdot in a PAX path",
-            Box::new(|_| vec![file("benign", 0o644, b"x").pax("path", b"../../../../outside/pax")]),
-            "../../../../outside/pax",
-            "path escapes the layer (..)",
-        ),
-        (
-            "NUL in a PAX path",
-            Box::new(|_| vec![file("benign", 0o644, b"x").pax("path", b"a\0b")]),
-            "a\0b",
-            "NUL byte in path",
-        ),
-        (
-            "char device",
-            Box::new(|_| vec![device("mem", EntryType::Char, 1, 1)]),
-            "mem",
-            "device nodes are refused",
-        ),
-        (
-            "char device posing as a whiteout's target",
-            Box::new(|_| vec![device("null", EntryType::Char, 0, 0)]),
-            "null",
-            "device nodes are refused",
-        ),
-        (
-            "block device",
-            Box::new(|_| {
-                vec![
-                    dir("dev/", 0o755),
-                    device("dev/sda", EntryType::Block, 8, 0),
-                ]
-            }),
-            "dev/sda",
-            "device nodes are refused",
-        ),
-        (
-            "fifo",
-            Box::new(|_| vec![raw("fifo", EntryType::Fifo, 0o644, "", b"")]),
-            "fifo",
-            "FIFOs are refused",
-        ),
-        (
-            "unknown entry type",
-            Box::new(|_| vec![raw("odd", EntryType::new(b'Z'), 0o644, "", b"")]),
-            "odd",
-            "unsupported entry type",
-        ),
-        (
-            "file through a symlink to outside",
-            Box::new(|o| vec![symlink("link", o), file("link/pwned", 0o644, b"pwned")]),
-            "link/pwned",
-            "goes through the symlink link",
-        ),
-        (
-            "file replacing the victim through a symlinked dir",
-            Box::new(|o| vec![symlink("link", o), file("./link/victim", 0o644, b"pwned")]),
-            "./link/victim",
-            "goes through the symlink link",
-        ),
-        (
-            "dir through a symlink to outside",
-            Box::new(|o| vec![symlink("link", o), dir("link/sub/", 0o755)]),
-            "link/sub/",
-            "goes through the symlink link",
-        ),
-        (
-            "relative escaping symlink",
-            Box::new(|_| vec![symlink("up", "../../.."), file("up/x", 0o644, b"x")]),
-            "up/x",
-            "goes through the symlink up",
-        ),
-        (
-            "symlink nested in the path",
-            Box::new(|o| {
-                vec![
-                    dir("a/", 0o755),
-                    symlink("a/up", o),
-                    file("a/up/b/c", 0o644, b"x"),
-                ]
-            }),
-            "a/up/b/c",
-            "goes through the symlink a/up",
-        ),
-        (
-            "symlink pointing inside the layer",
-            Box::new(|_| {
-                vec![
-                    dir("real/", 0o755),
-                    symlink("in", "real"),
-                    file("in/f", 0o644, b"x"),
-                ]
-            }),
-            "in/f",
-            "goes through the symlink in",
-        ),
-        (
-            "whiteout through a symlink",
-            Box::new(|o| vec![symlink("wl", o), file("wl/.wh.victim", 0o644, b"")]),
-            "wl/.wh.victim",
-            "goes through the symlink wl",
-        ),
-        (
-            "opaque marker through a symlink",
-            Box::new(|o| vec![symlink("ol", o), file("ol/.wh..wh..opq", 0o644, b"")]),
-            "ol/.wh..wh..opq",
-            "goes through the symlink ol",
-        ),
-        (
-            "hard link through a symlink",
-            Box::new(|o| vec![symlink("sl", o), hardlink("sl/new", "etc")]),
-            "sl/new",
-            "goes through the symlink sl",
-        ),
-        (
-            "file below a file",
-            Box::new(|_| vec![file("f", 0o644, b"x"), file("f/x", 0o644, b"x")]),
-            "f/x",
-            "f is not a directory",
-        ),
-        (
-            "hard link to an absolute path",
-            Box::new(|o| vec![hardlink("hl", format!("{o}/victim"))]),
-            "hl",
-            "hard link target: absolute path",
-        ),
-        (
-            "hard link to /etc/shadow",
-            Box::new(|_| vec![hardlink("hl", "/etc/shadow")]),
-            "hl",
-            "hard link target: absolute path",
-        ),
-        (
-            "hard link with ..",
-            Box::new(|_| vec![hardlink("hl", "../../../../outside/victim")]),
-            "hl",
-            "hard link target: path escapes the layer (..)",
-        ),
-        (
-            "hard link with .. in a PAX linkpath",
-            Box::new(|_| {
-                vec![hardlink("hl", "benign").pax("linkpath", b"../../../../outside/victim")]
-            }),
-            "hl",
-            "hard link target: path escapes the layer (..)",
-        ),
-        (
-            "hard link to a file the layer does not hold",
-            Box::new(|_| vec![hardlink("hl", "etc/passwd")]),
-            "hl",
-            "hard link to etc/passwd, which this layer does not hold",
-        ),
-        (
-            "hard link to a file that comes later",
-            Box::new(|_| vec![hardlink("hl", "later"), file("later", 0o644, b"x")]),
-            "hl",
-            "hard link to later, which this layer does not hold",
-        ),
-        (
-            "hard link through a symlinked directory",
-            Box::new(|o| vec![symlink("sl", o), hardlink("hl", "sl/victim")]),
-            "hl",
-            "hard link to sl/victim, which this layer does not hold",
-        ),
-        (
-            "hard link to a symlink",
-            Box::new(|o| vec![symlink("s", format!("{o}/victim")), hardlink("hl", "s")]),
-            "hl",
-            "hard link to s, which is not a regular file",
-        ),
-        (
-            "hard link to a directory",
-            Box::new(|_| vec![dir("dd/", 0o755), hardlink("hl", "dd")]),
-            "hl",
-            "hard link to dd, which is not a regular file",
-        ),
-        (
-            "hard link to the root",
-            Box::new(|_| vec![hardlink("hl", "./")]),
-            "hl",
-            "hard link to the layer's root",
-        ),
-        (
-            "symlink without a target",
-            Box::new(|_| vec![symlink("s", "")]),
-            "s",
-            "symlink without a target",
-        ),
-        (
-            "proc as a symlink",
-            Box::new(|_| vec![symlink("proc", "/")]),
-            "proc",
-            "a runtime mount point must be a directory",
-        ),
-        (
-            "tmp as a regular file",
-            Box::new(|_| vec![file("./tmp", 0o644, b"x")]),
-            "./tmp",
-            "a runtime mount point must be a directory",
-        ),
-        (
-            "dev as a hard link",
-            Box::new(|_| vec![file("f", 0o644, b"x"), hardlink("dev", "f")]),
-            "dev",
-            "a runtime mount point must be a directory",
-        ),
-        (
-            "sys replacing a directory with a symlink",
-            Box::new(|_| vec![dir("sys/", 0o755), symlink("sys", "/")]),
-            "sys",
-            "a runtime mount point must be a directory",
-        ),
-        (
-            "workspace as a symlink to outside",
-            Box::new(|o| vec![symlink("workspace/", o)]),
-            "workspace/",
-            "a runtime mount point must be a directory",
-        ),
-        (
-            "sandbox as a FIFO",
-            Box::new(|_| vec![raw("sandbox", EntryType::Fifo, 0o644, "", b"")]),
-            "sandbox",
-            "a runtime mount point must be a directory",
-        ),
-        (
-            "whiteout .wh.",
-            Box::new(|_| vec![file(".wh.", 0o644, b"")]),
-            ".wh.",
-            "malformed whiteout",
-        ),
-        (
-            "whiteout .wh...",
-            Box::new(|_| vec![file(".wh...", 0o644, b"")]),
-            ".wh...",
-            "malformed whiteout",
-        ),
-        (
-            "whiteout d/.wh..",
-            Box::new(|_| vec![file("d/.wh..", 0o644, b"")]),
-            "d/.wh..",
-            "malformed whiteout",
-        ),
-        (
-            "whiteout of a whiteout",
-            Box::new(|_| vec![file(".wh..wh.x", 0o644, b"")]),
-            ".wh..wh.x",
-            "malformed whiteout",
-        ),
-    ]
+/// A hostile layer: its entries (given the outside directory) and the refusal expected: the entry named (with
+/// `{outside}` and `{long_escape}` standing for [`Arena::outside`] and [`long_escape`]) and a reason substring.
+struct Hostile {
+    case: &'static str,
+    build: fn(&str) -> Vec<Entry>,
+    entry: &'static str,
+    reason: &'static str,
 }
+
+/// A GNU long name that climbs out of the layer after 30 harmless levels.
+fn long_escape() -> String {
+    format!("{}{}escape", "a/".repeat(30), "../".repeat(40))
+}
+
+static HOSTILE: &[Hostile] = &[
+    Hostile {
+        case: "dotdot",
+        build: |_| vec![file("../escape", 0o644, b"x")],
+        entry: "../escape",
+        reason: "path escapes the layer (..)",
+    },
+    Hostile {
+        case: "dotdot inside",
+        build: |_| vec![file("a/../../x", 0o644, b"x")],
+        entry: "a/../../x",
+        reason: "path escapes the layer (..)",
+    },
+    Hostile {
+        case: "dotdot deep",
+        build: |_| {
+            vec![
+                dir("a/", 0o755),
+                file("a/../../../../../outside/new", 0o644, b"x"),
+            ]
+        },
+        entry: "a/../../../../../outside/new",
+        reason: "path escapes the layer (..)",
+    },
+    Hostile {
+        case: "absolute",
+        build: |o| vec![file(format!("{o}/abs"), 0o644, b"x")],
+        entry: "{outside}/abs",
+        reason: "absolute path",
+    },
+    Hostile {
+        case: "absolute dir",
+        build: |o| vec![dir(format!("{o}/"), 0o777)],
+        entry: "{outside}/",
+        reason: "absolute path",
+    },
+    Hostile {
+        case: "dotdot in a GNU long name",
+        build: |_| vec![file(long_escape().as_bytes(), 0o644, b"x").long_name()],
+        entry: "{long_escape}",
+        reason: "path escapes the layer (..)",
+    },
+    Hostile {
+        case: "dotdot in a PAX path",
+        build: |_| vec![file("benign", 0o644, b"x").pax("path", b"../../../../outside/pax")],
+        entry: "../../../../outside/pax",
+        reason: "path escapes the layer (..)",
+    },
+    Hostile {
+        case: "NUL in a PAX path",
+        build: |_| vec![file("benign", 0o644, b"x").pax("path", b"a\0b")],
+        entry: "a\0b",
+        reason: "NUL byte in path",
+    },
+    Hostile {
+        case: "char device",
+        build: |_| vec![device("mem", EntryType::Char, 1, 1)],
+        entry: "mem",
+        reason: "device nodes are refused",
+    },
+    Hostile {
+        case: "char device posing as a whiteout's target",
+        build: |_| vec![device("null", EntryType::Char, 0, 0)],
+        entry: "null",
+        reason: "device nodes are refused",
+    },
+    Hostile {
+        case: "block device",
+        build: |_| {
+            vec![
+                dir("dev/", 0o755),
+                device("dev/sda", EntryType::Block, 8, 0),
+            ]
+        },
+        entry: "dev/sda",
+        reason: "device nodes are refused",
+    },
+    Hostile {
+        case: "fifo",
+        build: |_| vec![raw("fifo", EntryType::Fifo, 0o644, "", b"")],
+        entry: "fifo",
+        reason: "FIFOs are refused",
+    },
+    Hostile {
+        case: "unknown entry type",
+        build: |_| vec![raw("odd", EntryType::new(b'Z'), 0o644, "", b"")],
+        entry: "odd",
+        reason: "unsupported entry type",
+    },
+    Hostile {
+        case: "file through a symlink to outside",
+        build: |o| vec![symlink("link", o), file("link/pwned", 0o644, b"pwned")],
+        entry: "link/pwned",
+        reason: "goes through the symlink link",
+    },
+    Hostile {
+        case: "file replacing the victim through a symlinked dir",
+        build: |o| vec![symlink("link", o), file("./link/victim", 0o644, b"pwned")],
+        entry: "./link/victim",
+        reason: "goes through the symlink link",
+    },
+    Hostile {
+        case: "dir through a symlink to outside",
+        build: |o| vec![symlink("link", o), dir("link/sub/", 0o755)],
+        entry: "link/sub/",
+        reason: "goes through the symlink link",
+    },
+    Hostile {
+        case: "relative escaping symlink",
+        build: |_| vec![symlink("up", "../../.."), file("up/x", 0o644, b"x")],
+        entry: "up/x",
+        reason: "goes through the symlink up",
+    },
+    Hostile {
+        case: "symlink nested in the path",
+        build: |o| {
+            vec![
+                dir("a/", 0o755),
+                symlink("a/up", o),
+                file("a/up/b/c", 0o644, b"x"),
+            ]
+        },
+        entry: "a/up/b/c",
+        reason: "goes through the symlink a/up",
+    },
+    Hostile {
+        case: "symlink pointing inside the layer",
+        build: |_| {
+            vec![
+                dir("real/", 0o755),
+                symlink("in", "real"),
+                file("in/f", 0o644, b"x"),
+            ]
+        },
+        entry: "in/f",
+        reason: "goes through the symlink in",
+    },
+    Hostile {
+        case: "whiteout through a symlink",
+        build: |o| vec![symlink("wl", o), file("wl/.wh.victim", 0o644, b"")],
+        entry: "wl/.wh.victim",
+        reason: "goes through the symlink wl",
+    },
+    Hostile {
+        case: "opaque marker through a symlink",
+        build: |o| vec![symlink("ol", o), file("ol/.wh..wh..opq", 0o644, b"")],
+        entry: "ol/.wh..wh..opq",
+        reason: "goes through the symlink ol",
+    },
+    Hostile {
+        case: "hard link through a symlink",
+        build: |o| vec![symlink("sl", o), hardlink("sl/new", "etc")],
+        entry: "sl/new",
+        reason: "goes through the symlink sl",
+    },
+    Hostile {
+        case: "file below a file",
+        build: |_| vec![file("f", 0o644, b"x"), file("f/x", 0o644, b"x")],
+        entry: "f/x",
+        reason: "f is not a directory",
+    },
+    Hostile {
+        case: "hard link to an absolute path",
+        build: |o| vec![hardlink("hl", format!("{o}/victim"))],
+        entry: "hl",
+        reason: "hard link target: absolute path",
+    },
+    Hostile {
+        case: "hard link to /etc/shadow",
+        build: |_| vec![hardlink("hl", "/etc/shadow")],
+        entry: "hl",
+        reason: "hard link target: absolute path",
+    },
+    Hostile {
+        case: "hard link with ..",
+        build: |_| vec![hardlink("hl", "../../../../outside/victim")],
+        entry: "hl",
+        reason: "hard link target: path escapes the layer (..)",
+    },
+    Hostile {
+        case: "hard link with .. in a PAX linkpath",
+        build: |_| vec![hardlink("hl", "benign").pax("linkpath", b"../../../../outside/victim")],
+        entry: "hl",
+        reason: "hard link target: path escapes the layer (..)",
+    },
+    Hostile {
+        case: "hard link to a file the layer does not hold",
+        build: |_| vec![hardlink("hl", "etc/passwd")],
+        entry: "hl",
+        reason: "hard link to etc/passwd, which this layer does not hold",
+    },
+    Hostile {
+        case: "hard link to a file that comes later",
+        build: |_| vec![hardlink("hl", "later"), file("later", 0o644, b"x")],
+        entry: "hl",
+        reason: "hard link to later, which this layer does not hold",
+    },
+    Hostile {
+        case: "hard link through a symlinked directory",
+        build: |o| vec![symlink("sl", o), hardlink("hl", "sl/victim")],
+        entry: "hl",
+        reason: "hard link to sl/victim, which this layer does not hold",
+    },
+    Hostile {
+        case: "hard link to a symlink",
+        build: |o| vec![symlink("s", format!("{o}/victim")), hardlink("hl", "s")],
+        entry: "hl",
+        reason: "hard link to s, which is not a regular file",
+    },
+    Hostile {
+        case: "hard link to a directory",
+        build: |_| vec![dir("dd/", 0o755), hardlink("hl", "dd")],
+        entry: "hl",
+        reason: "hard link to dd, which is not a regular file",
+    },
+    Hostile {
+        case: "hard link to the root",
+        build: |_| vec![hardlink("hl", "./")],
+        entry: "hl",
+        reason: "hard link to the layer's root",
+    },
+    Hostile {
+        case: "symlink without a target",
+        build: |_| vec![symlink("s", "")],
+        entry: "s",
+        reason: "symlink without a target",
+    },
+    Hostile {
+        case: "proc as a symlink",
+        build: |_| vec![symlink("proc", "/")],
+        entry: "proc",
+        reason: "a runtime mount point must be a directory",
+    },
+    Hostile {
+        case: "tmp as a regular file",
+        build: |_| vec![file("./tmp", 0o644, b"x")],
+        entry: "./tmp",
+        reason: "a runtime mount point must be a directory",
+    },
+    Hostile {
+        case: "dev as a hard link",
+        build: |_| vec![file("f", 0o644, b"x"), hardlink("dev", "f")],
+        entry: "dev",
+        reason: "a runtime mount point must be a directory",
+    },
+    Hostile {
+        case: "sys replacing a directory with a symlink",
+        build: |_| vec![dir("sys/", 0o755), symlink("sys", "/")],
+        entry: "sys",
+        reason: "a runtime mount point must be a directory",
+    },
+    Hostile {
+        case: "workspace as a symlink to outside",
+        build: |o| vec![symlink("workspace/", o)],
+        entry: "workspace/",
+        reason: "a runtime mount point must be a directory",
+    },
+    Hostile {
+        case: "sandbox as a FIFO",
+        build: |_| vec![raw("sandbox", EntryType::Fifo, 0o644, "", b"")],
+        entry: "sandbox",
+        reason: "a runtime mount point must be a directory",
+    },
+    Hostile {
+        case: "whiteout .wh.",
+        build: |_| vec![file(".wh.", 0o644, b"")],
+        entry: ".wh.",
+        reason: "malformed whiteout",
+    },
+    Hostile {
+        case: "whiteout .wh...",
+        build: |_| vec![file(".wh...", 0o644, b"")],
+        entry: ".wh...",
+        reason: "malformed whiteout",
+    },
+    Hostile {
+        case: "whiteout d/.wh..",
+        build: |_| vec![file("d/.wh..", 0o644, b"")],
+        entry: "d/.wh..",
+        reason: "malformed whiteout",
+    },
+    Hostile {
+        case: "whiteout of a whiteout",
+        build: |_| vec![file(".wh..wh.x", 0o644, b"")],
+        entry: ".wh..wh.x",
+        reason: "malformed whiteout",
+    },
+];
 
 #[test]
 fn hostile_entries_are_refused_and_touch_nothing_outside() {
     let mut failures = Vec::new();
-    for (case, build, entry, reason) in hostile_cases() {
+    for &Hostile {
+        case,
+        build,
+        entry,
+        reason,
+    } in HOSTILE
+    {
         let arena = Arena::new();
         let before = arena.outside_dest();
         let outside = arena.outside.display().to_string();
         let bytes = tar(&build(&outside));
         let result = layer_error(unpack_tar(&bytes, &arena.dest));
-        let expected_entry = entry.replace("{outside}", &outside);
+        let expected_entry = entry
+            .replace("{outside}", &outside)
+            .replace("{long_escape}", &long_escape());
         match result {
             Ok((e, r)) if e == expected_entry && r.contains(reason) => {}
             Ok((e, r)) => failures.push(format!(
@@ -886,12 +904,13 @@ fn entries_replace_symlinks_without_following_them() {
         symlink("s", format!("{o}/victim")),
         symlink("s", "elsewhere"),
     ];
-    let root = nix::unistd::geteuid().is_root();
+    let root = test_support::require_root(
+        "entries_replace_symlinks_without_following_them (whiteout part)",
+        "whiteouts are device nodes (mknod)",
+    );
     if root {
         entries.push(symlink("w", format!("{o}/victim")));
         entries.push(file(".wh.w", 0o644, b""));
-    } else {
-        eprintln!("SKIP entries_replace_symlinks_without_following_them (whiteout part): needs root (mknod)");
     }
     let before = arena.outside_dest();
     let stats = unpack_tar(&tar(&entries), &arena.dest).unwrap();
@@ -915,99 +934,133 @@ fn entries_replace_symlinks_without_following_them() {
     assert_eq!(tree(&arena.dest), expected);
 }
 
-#[test]
-fn damaged_and_mislabelled_archives_are_refused() {
-    let mut failures = Vec::new();
-    let good = tar(&[
+/// A damaged or mislabelled archive: the bytes, how they claim to be compressed, the diff_id the image config
+/// would give, and the reason substring of the refusal (the entry named is always `archive`).
+struct Damaged {
+    case: &'static str,
+    bytes: Vec<u8>,
+    compression: Compression,
+    diff_id: Option<Sha256>,
+    reason: String,
+}
+
+/// The archive [`damaged_cases`] damages: a directory, a 4 KiB file and a file after it.
+fn good_archive() -> Vec<u8> {
+    tar(&[
         dir("usr/", 0o755),
         file("usr/big", 0o644, &[7u8; 4096]),
         file("after", 0o644, b"x"),
-    ]);
-    let mut check =
-        |case: &str, r: Result<UnpackStats, ImageError>, reason: &str| match layer_error(r) {
-            Ok((e, r)) if e == "archive" && r.contains(reason) => {}
+    ])
+}
+
+/// `good` (from [`good_archive`]) gzipped: a good stream.
+fn gzipped(good: &[u8]) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(&mut gz, good).unwrap();
+    gz.finish().unwrap()
+}
+
+fn damaged_cases(good: &[u8]) -> Vec<Damaged> {
+    let damaged =
+        |case, bytes: &[u8], compression, diff_id: Option<Sha256>, reason: &str| Damaged {
+            case,
+            bytes: bytes.to_vec(),
+            compression,
+            diff_id,
+            reason: reason.to_owned(),
+        };
+    let right = Sha256::of(good);
+    let wrong = Sha256::of(b"something else");
+    // Cut in the middle of usr/big's data.
+    let cut = &good[..512 * 3 + 1000];
+    let mut garbage = good.to_vec();
+    garbage[10] ^= 0x55; // the first header's checksum no longer matches
+    vec![
+        damaged(
+            "truncated",
+            cut,
+            Compression::None,
+            Some(Sha256::of(cut)),
+            "damaged archive",
+        ),
+        damaged(
+            "truncated, no diff_id",
+            cut,
+            Compression::None,
+            None,
+            "damaged archive",
+        ),
+        damaged(
+            "wrong diff_id",
+            good,
+            Compression::None,
+            Some(wrong.clone()),
+            &format!("uncompressed content has digest {right}, the image config says {wrong}"),
+        ),
+        damaged(
+            "gzip that is not gzip",
+            good,
+            Compression::Gzip,
+            Some(right.clone()),
+            "damaged archive",
+        ),
+        damaged(
+            "zstd that is not zstd",
+            good,
+            Compression::Zstd,
+            Some(right),
+            "damaged archive",
+        ),
+        damaged(
+            "bad header checksum",
+            &garbage,
+            Compression::None,
+            None,
+            "damaged archive",
+        ),
+        // Compressed layers with a good stream and the wrong diff_id are refused too.
+        damaged(
+            "gzip with the wrong diff_id",
+            &gzipped(good),
+            Compression::Gzip,
+            Some(wrong),
+            "uncompressed content has digest",
+        ),
+    ]
+}
+
+#[test]
+fn damaged_and_mislabelled_archives_are_refused() {
+    let good = good_archive();
+    let d = digest_of_layer();
+    let mut failures = Vec::new();
+    for Damaged {
+        case,
+        bytes,
+        compression,
+        diff_id,
+        reason,
+    } in damaged_cases(&good)
+    {
+        let t = tempfile::tempdir().unwrap();
+        match layer_error(unpack(
+            bytes.as_slice(),
+            compression,
+            &d,
+            diff_id.as_ref(),
+            t.path(),
+        )) {
+            Ok((e, r)) if e == "archive" && r.contains(&reason) => {}
             Ok((e, r)) => failures.push(format!(
                 "{case}: entry {e:?}, reason {r:?}, expected archive / {reason:?}"
             )),
             Err(e) => failures.push(format!("{case}: {e}")),
-        };
-    let d = digest_of_layer();
-    let dest = || tempfile::tempdir().unwrap();
-
-    // Cut in the middle of usr/big's data.
-    let cut = &good[..512 * 3 + 1000];
-    let t = dest();
-    check(
-        "truncated",
-        unpack(cut, Compression::None, &d, Some(&Sha256::of(cut)), t.path()),
-        "damaged archive",
-    );
-    let t = dest();
-    check(
-        "truncated, no diff_id",
-        unpack(cut, Compression::None, &d, None, t.path()),
-        "damaged archive",
-    );
-
-    let t = dest();
-    let wrong = Sha256::of(b"something else");
-    check(
-        "wrong diff_id",
-        unpack(&good[..], Compression::None, &d, Some(&wrong), t.path()),
-        &format!(
-            "uncompressed content has digest {}, the image config says {wrong}",
-            Sha256::of(&good)
-        ),
-    );
-
-    let t = dest();
-    check(
-        "gzip that is not gzip",
-        unpack(
-            &good[..],
-            Compression::Gzip,
-            &d,
-            Some(&Sha256::of(&good)),
-            t.path(),
-        ),
-        "damaged archive",
-    );
-    let t = dest();
-    check(
-        "zstd that is not zstd",
-        unpack(
-            &good[..],
-            Compression::Zstd,
-            &d,
-            Some(&Sha256::of(&good)),
-            t.path(),
-        ),
-        "damaged archive",
-    );
-
-    let mut garbage = good.clone();
-    garbage[10] ^= 0x55; // the first header's checksum no longer matches
-    let t = dest();
-    check(
-        "bad header checksum",
-        unpack(&garbage[..], Compression::None, &d, None, t.path()),
-        "damaged archive",
-    );
-
-    // Compressed layers with a good stream and the wrong diff_id are refused too.
-    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    std::io::Write::write_all(&mut gz, &good).unwrap();
-    let gz = gz.finish().unwrap();
-    let t = dest();
-    check(
-        "gzip with the wrong diff_id",
-        unpack(&gz[..], Compression::Gzip, &d, Some(&wrong), t.path()),
-        "uncompressed content has digest",
-    );
-    // And the same stream with the right one unpacks.
-    let t = dest();
+        }
+    }
+    // And the gzip stream with the right diff_id unpacks.
+    let t = tempfile::tempdir().unwrap();
     let s = unpack(
-        &gz[..],
+        gzipped(&good).as_slice(),
         Compression::Gzip,
         &d,
         Some(&Sha256::of(&good)),
@@ -1166,15 +1219,22 @@ fn store_imports_lists_and_caches() {
     let listed: Vec<String> = store.list().unwrap().into_iter().map(|i| i.name).collect();
     assert_eq!(listed, ["py", "py2"]);
 
+    imports_reuse_cached_layers(&store, tmp.path());
+    names_are_checked(&store, &dir);
+}
+
+/// After [`store_imports_lists_and_caches`]'s imports into `store`: a cached layer is not unpacked again, and a
+/// layer listed twice in one image is unpacked and mounted once.
+fn imports_reuse_cached_layers(store: &ImageStore, tmp: &Path) {
     // A single-layer image whose layer is cached.
-    let (one, _) = make_layout(tmp.path(), "one", &[base_layer()], Compression::Gzip);
+    let (one, _) = make_layout(tmp, "one", &[base_layer()], Compression::Gzip);
     let r = store.import(&one, "one").unwrap();
     assert_eq!((r.layers_unpacked, r.layers_cached), (0, 1));
     assert_eq!(r.image.unpacked_bytes, 17);
 
     // A new layer listed twice in one image is unpacked once.
     let (twice, _) = make_layout(
-        tmp.path(),
+        tmp,
         "twice",
         &[extra_layer("t"), extra_layer("t")],
         Compression::Gzip,
@@ -1189,17 +1249,20 @@ fn store_imports_lists_and_caches() {
         vec![store.layer_dir(&r.image.layers[0].digest)]
     );
     assert_eq!(names(&store.root().join("tmp")), Vec::<String>::new());
-    assert_eq!(store_content(&store).1.len(), 3);
+    assert_eq!(store_content(store).1.len(), 3);
     assert!(matches!(store.remove("twice"), Ok(1)));
+}
 
+/// Unknown and invalid names are refused, and refused imports leave no reference behind.
+fn names_are_checked(store: &ImageStore, dir: &Path) {
     assert!(matches!(store.get("nope"), Err(ImageError::NotFound(n)) if n == "nope"));
     assert!(matches!(store.get("Bad"), Err(ImageError::InvalidName(_))));
     assert!(matches!(
-        store.import(&dir, "host"),
+        store.import(dir, "host"),
         Err(ImageError::InvalidName(_))
     ));
     assert!(matches!(
-        store.import(&dir, "../x"),
+        store.import(dir, "../x"),
         Err(ImageError::InvalidName(_))
     ));
     assert_eq!(
@@ -1651,7 +1714,7 @@ fn deep_or_long_paths_are_refused_and_aufs_metadata_is_skipped() {
 
 #[test]
 fn store_upkeep_survives_crash_leftovers_and_refuses_to_guess() {
-    if !is_root(
+    if !test_support::require_root(
         "store_upkeep_survives_crash_leftovers_and_refuses_to_guess",
         "whiteouts",
     ) {

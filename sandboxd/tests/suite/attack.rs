@@ -47,16 +47,15 @@ def errname(e):
 "#;
 
 /// Says `SKIPPED` loudly and returns false when not on x86_64: the syscall numbers (and the `int 0x80` machine code)
-/// of these attacks are x86_64's. Not a failure on CI: the other groups still run there.
+/// of these attacks are x86_64's. Not a failure on CI ([`test_support::not_applicable`]): the other groups still
+/// run there.
 pub fn x86_64_only(test: &str) -> bool {
     if cfg!(target_arch = "x86_64") {
         return true;
     }
-    // Straight to fd 2, like the harness's skips: the test harness captures `eprintln!` of passing tests.
-    use std::io::Write as _;
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIPPED (the syscall numbers of these attacks are x86_64's; add this architecture's): {test}"
+    test_support::not_applicable(
+        test,
+        "the syscall numbers of these attacks are x86_64's; add this architecture's",
     );
     false
 }

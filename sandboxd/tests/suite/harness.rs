@@ -54,30 +54,11 @@ pub struct Guard {
     _exclusive: Option<RwLockWriteGuard<'static, ()>>,
 }
 
-/// Whether this process runs as root.
-pub fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
-}
-
-/// Whether the suite runs on CI (where privileged tests must run).
-pub fn on_ci() -> bool {
-    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
-}
-
-/// A test that cannot run here: loud on a developer box, a failure on CI.
-pub fn cannot_run(test: &str, reason: &str) {
-    if on_ci() {
-        panic!("{test} cannot run ({reason}), and CI must run every privileged test");
-    }
-    // Straight to fd 2: the test harness captures `eprintln!` of passing tests, and a skip must be seen.
-    use std::io::Write as _;
-    let _ = writeln!(std::io::stderr(), "SKIPPED ({reason}): {test}");
-}
+pub use test_support::{cannot_run, on_ci};
 
 /// For a test that needs root: `None` (after saying so loudly) when not root; panics instead on CI.
 pub async fn privileged(test: &str) -> Option<Guard> {
-    if !is_root() {
-        cannot_run(test, "needs root");
+    if !test_support::require_root(test, "") {
         return None;
     }
     Some(Guard {
@@ -88,8 +69,7 @@ pub async fn privileged(test: &str) -> Option<Guard> {
 
 /// Like [`privileged`], but no other test of this binary runs at the same time.
 pub async fn privileged_alone(test: &str) -> Option<Guard> {
-    if !is_root() {
-        cannot_run(test, "needs root");
+    if !test_support::require_root(test, "") {
         return None;
     }
     Some(Guard {
@@ -143,46 +123,9 @@ static NEXT: AtomicU32 = AtomicU32::new(0);
 // Host probes
 // ---------------------------------------------------------------------------------------------------------------
 
-/// The cgroupfs root of the host.
-pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
-
-/// Every hierarchy directory under [`CGROUP_ROOT`] (symlinks such as `cpu -> cpu,cpuacct` skipped).
-pub fn cgroup_hierarchies() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(entries) = std::fs::read_dir(CGROUP_ROOT) {
-        for e in entries.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                out.push(e.path());
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
-/// The directories of cgroup parent `parent` that exist, one per hierarchy.
-pub fn cgroup_parent_dirs(parent: &str) -> Vec<PathBuf> {
-    cgroup_hierarchies()
-        .into_iter()
-        .map(|h| h.join(parent))
-        .filter(|p| p.is_dir())
-        .collect()
-}
-
-/// Every cgroup directory under `parent`, in every hierarchy (containers that still exist).
-pub fn cgroup_children(parent: &str) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for dir in cgroup_parent_dirs(parent) {
-        if let Ok(entries) = std::fs::read_dir(&dir) {
-            for e in entries.flatten() {
-                if e.file_type().is_ok_and(|t| t.is_dir()) {
-                    out.push(e.path());
-                }
-            }
-        }
-    }
-    out
-}
+pub use test_support::cgroups::{
+    cgroup_children, cgroup_parent_dirs, remove_cgroup_parent, CgroupParentGuard,
+};
 
 /// One host process, as `/proc` shows it.
 #[derive(Debug, Clone)]
@@ -750,66 +693,6 @@ impl Drop for Daemon {
         }
         // The tempdir removes itself (best effort).
     }
-}
-
-/// Best-effort removal of what is left of a test daemon's cgroup parent: kills the processes in it and removes
-/// the directories. Only ever called with a parent this test process created.
-pub fn remove_cgroup_parent(parent: &str) {
-    let dirs = cgroup_parent_dirs(parent);
-    if dirs.is_empty() {
-        return;
-    }
-    let leftovers = cgroup_children(parent);
-    if !leftovers.is_empty() {
-        eprintln!("harness: removing leftover cgroups of a stopped daemon: {leftovers:?}");
-    }
-    let start = Instant::now();
-    loop {
-        let mut all: Vec<PathBuf> = Vec::new();
-        for d in cgroup_parent_dirs(parent) {
-            collect_dirs(&d, &mut all);
-        }
-        if all.is_empty() {
-            return;
-        }
-        // Deepest first.
-        all.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-        for d in &all {
-            let _ = std::fs::write(d.join("freezer.state"), "THAWED");
-            if let Ok(procs) = std::fs::read_to_string(d.join("cgroup.procs")) {
-                for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                    let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
-                }
-            }
-            let _ = std::fs::remove_dir(d);
-        }
-        if start.elapsed() > Duration::from_secs(5) {
-            eprintln!("harness: could not remove cgroups {all:?}");
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Removes a cgroup parent of this test process when dropped (for a parent no live [`Daemon`] owns, e.g. after a
-/// simulated crash).
-pub struct CgroupParentGuard(pub String);
-
-impl Drop for CgroupParentGuard {
-    fn drop(&mut self) {
-        remove_cgroup_parent(&self.0);
-    }
-}
-
-fn collect_dirs(dir: &Path, out: &mut Vec<PathBuf>) {
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        for e in entries.flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                collect_dirs(&e.path(), out);
-            }
-        }
-    }
-    out.push(dir.to_owned());
 }
 
 // ---------------------------------------------------------------------------------------------------------------
