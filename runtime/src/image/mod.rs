@@ -130,10 +130,15 @@ impl std::fmt::Display for Sha256 {
     }
 }
 
+/// A string that is not `sha256:<64 lowercase hex>`.
+#[derive(Debug, thiserror::Error)]
+#[error("Not a sha256 digest: {0:?}")]
+pub struct InvalidDigest(pub String);
+
 impl TryFrom<String> for Sha256 {
-    type Error = String;
-    fn try_from(s: String) -> std::result::Result<Self, String> {
-        Self::parse(&s).ok_or_else(|| format!("not a sha256 digest: {s:?}"))
+    type Error = InvalidDigest;
+    fn try_from(s: String) -> std::result::Result<Self, InvalidDigest> {
+        Self::parse(&s).ok_or(InvalidDigest(s))
     }
 }
 
