@@ -506,9 +506,9 @@ impl Config {
             reason: e.to_string(),
         })?;
         if let Some(u) = &self.artifacts.upload {
-            u.validate().map_err(|reason| ConfigError::Value {
+            u.validate().map_err(|e| ConfigError::Value {
                 key: "artifacts.upload.url",
-                reason,
+                reason: runtime::error::Chain(&e).to_string(),
             })?;
         }
         if !self.state_dir.is_absolute() {

@@ -32,9 +32,9 @@ pub enum HelperError {
         /// What came back.
         event: Box<Event>,
     },
-    /// The helper could not create or start the container. `message` is the helper's error with its sources: it
-    /// crossed a process boundary, so it is text.
-    #[error("The helper could not create the container: {message}")]
+    /// The helper could not create or start the container. `message` is the helper's error with its sources
+    /// ([`crate::error::Chain`]): it crossed a process boundary, so it is text, shown as it is.
+    #[error("{message}")]
     CreateFailed {
         /// The helper's report.
         message: String,
