@@ -155,7 +155,11 @@ struct Walker<'a> {
 
 impl Walker<'_> {
     fn skip(&mut self, path: String, reason: &str) {
-        *self.out.skipped_counts.entry(reason.to_owned()).or_default() += 1;
+        *self
+            .out
+            .skipped_counts
+            .entry(reason.to_owned())
+            .or_default() += 1;
         if self.out.skipped.len() < self.limits.max_listed_skips {
             self.out.skipped.push(Skipped {
                 path,

@@ -367,12 +367,10 @@ impl Cgroups {
         let memory = self.existing_leaf("memory", id, "usage accounting")?;
         match self.version {
             CgroupVersion::V1 => {
-                let cpu = self
-                    .leaf("cpuacct", id)
-                    .ok_or(CgroupError::NoHierarchy {
-                        controller: "cpuacct",
-                        needed_for: "usage accounting",
-                    })?;
+                let cpu = self.leaf("cpuacct", id).ok_or(CgroupError::NoHierarchy {
+                    controller: "cpuacct",
+                    needed_for: "usage accounting",
+                })?;
                 Ok(Usage {
                     peak_memory_bytes: read_u64(&memory.join("memory.max_usage_in_bytes")),
                     cpu_time_ns: read_u64(&cpu.join("cpuacct.usage")),

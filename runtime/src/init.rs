@@ -237,7 +237,10 @@ fn run_program(
     for (target, fd) in stdio.iter().enumerate() {
         // SAFETY: dup2 onto 0..=2, which this process only uses as stdio; `fd` is open.
         if unsafe { libc::dup2(fd.as_raw_fd(), target as libc::c_int) } < 0 {
-            setup_failed(status, format_args!("dup2 of stdio: {}", nix::Error::last()));
+            setup_failed(
+                status,
+                format_args!("dup2 of stdio: {}", nix::Error::last()),
+            );
         }
     }
     drop(stdio);

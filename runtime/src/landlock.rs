@@ -24,7 +24,9 @@ pub enum LandlockError {
     #[error("Cannot apply the landlock ruleset")]
     Ruleset(#[from] ::landlock::RulesetError),
     /// The kernel applied the ruleset only partly, or without `no_new_privs`.
-    #[error("Landlock ruleset {status:?} (no_new_privs {no_new_privs}): refusing to run the program")]
+    #[error(
+        "Landlock ruleset {status:?} (no_new_privs {no_new_privs}): refusing to run the program"
+    )]
     NotEnforced {
         /// What the kernel reported.
         status: RulesetStatus,

@@ -87,9 +87,9 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
             Err(e) => return Err(Error::sys("receive launch", e)),
         }
     };
-    let [stdin, stdout, stderr, payload]: [OwnedFd; 4] =
-        fds.try_into()
-            .map_err(|v: Vec<OwnedFd>| LaunchError::Descriptors(v.len()))?;
+    let [stdin, stdout, stderr, payload]: [OwnedFd; 4] = fds
+        .try_into()
+        .map_err(|v: Vec<OwnedFd>| LaunchError::Descriptors(v.len()))?;
     if &buf[..n] != MESSAGE {
         return Err(LaunchError::Malformed.into());
     }

@@ -28,7 +28,9 @@ pub enum RootfsError {
     #[error("An image layer path holds a ',' or ':' or is not UTF-8")]
     LayerPath,
     /// The overlay options do not fit the kernel's page of mount options.
-    #[error("{layers} image layers make overlay options of {bytes} bytes, more than the kernel's 4 KiB")]
+    #[error(
+        "{layers} image layers make overlay options of {bytes} bytes, more than the kernel's 4 KiB"
+    )]
     TooManyLayers {
         /// Layers of the image.
         layers: usize,
@@ -373,9 +375,7 @@ impl Scratch {
             let p = root.join(m);
             match fs::symlink_metadata(&p) {
                 Ok(md) if md.is_dir() => {}
-                Ok(_) => {
-                    return Err(RootfsError::MountPoint(*m).into())
-                }
+                Ok(_) => return Err(RootfsError::MountPoint(m).into()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => mkdir(&p, 0o755)?,
                 Err(e) => return Err(Error::io(&p, e)),
             }

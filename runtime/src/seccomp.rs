@@ -65,8 +65,8 @@ pub fn native_profile() -> Result<(&'static str, TargetArch)> {
 
 /// Compiles a profile text for an architecture.
 pub fn compile(text: &str, arch: TargetArch) -> Result<Profile> {
-    let mut map = seccompiler::compile_from_json(text.as_bytes(), arch)
-        .map_err(SeccompError::Compile)?;
+    let mut map =
+        seccompiler::compile_from_json(text.as_bytes(), arch).map_err(SeccompError::Compile)?;
     let mut take = |name: &'static str| map.remove(name).ok_or(SeccompError::MissingFilter(name));
     let allow = take("allowlist")?;
     let deny = take("denylist")?;
@@ -86,8 +86,10 @@ impl Profile {
     /// lock round on every install and showed up in the profile of container creation.
     pub fn install(&self) -> Result<()> {
         for (name, prog) in [("allowlist", &self.allow), ("denylist", &self.deny)] {
-            seccompiler::apply_filter(prog)
-                .map_err(|source| SeccompError::Install { filter: name, source })?;
+            seccompiler::apply_filter(prog).map_err(|source| SeccompError::Install {
+                filter: name,
+                source,
+            })?;
         }
         Ok(())
     }

@@ -210,7 +210,10 @@ impl Factory {
             this.prepare(&cid2, host_id, &lang2, disk_mb, &limits2)
         })
         .await
-        .map_err(|source| runtime::Error::Task { task: "preparation", source });
+        .map_err(|source| runtime::Error::Task {
+            task: "preparation",
+            source,
+        });
         let scratch = match prepared.and_then(|r| r) {
             Ok(s) => s,
             Err(e) => {

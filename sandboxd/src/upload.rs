@@ -189,10 +189,12 @@ pub async fn upload(
     hex: &str,
     content_type: &str,
 ) -> Result<String, UploadError> {
-    let content = tokio::fs::read(blob).await.map_err(|source| UploadError::Blob {
-        path: blob.to_owned(),
-        source,
-    })?;
+    let content = tokio::fs::read(blob)
+        .await
+        .map_err(|source| UploadError::Blob {
+            path: blob.to_owned(),
+            source,
+        })?;
     let body = Bytes::from(content);
     let headers = [
         ("content-type", content_type.to_owned()),
@@ -310,7 +312,10 @@ mod tests {
             .await
             .unwrap_err();
         let text = runtime::error::Chain(&err).to_string();
-        assert!(text.starts_with("3 attempts failed: Request failed"), "{text}");
+        assert!(
+            text.starts_with("3 attempts failed: Request failed"),
+            "{text}"
+        );
         assert!(!err.is_unauthorized());
     }
 }

@@ -247,9 +247,7 @@ impl Helper {
             .build()
             .map_err(|e| Error::container(ContainerOp::Create, e))?;
         drop((status_w, launch_init));
-        let pid = container
-            .pid()
-            .ok_or(Error::NoPid)?;
+        let pid = container.pid().ok_or(Error::NoPid)?;
         // Registered first, so a failure below is cleaned up like any created container.
         let running = self
             .running

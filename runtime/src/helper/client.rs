@@ -124,9 +124,9 @@ impl HelperClient {
             .await?;
         match answer {
             Some((Event::Created { pid, .. }, fds)) => {
-                let [launch, status, pidfd]: [OwnedFd; 3] =
-                    fds.try_into()
-                        .map_err(|v: Vec<OwnedFd>| HelperError::Descriptors(v.len()))?;
+                let [launch, status, pidfd]: [OwnedFd; 3] = fds
+                    .try_into()
+                    .map_err(|v: Vec<OwnedFd>| HelperError::Descriptors(v.len()))?;
                 Ok(Created {
                     pid,
                     launch,

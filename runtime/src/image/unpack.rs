@@ -259,7 +259,13 @@ impl Unpacker<'_> {
     }
 
     /// A regular file: created exclusively (never through an existing name), filled, then mode and mtime set.
-    fn regular(&mut self, at: &At<'_>, content: &mut impl Read, perm: u32, mtime: i64) -> Result<()> {
+    fn regular(
+        &mut self,
+        at: &At<'_>,
+        content: &mut impl Read,
+        perm: u32,
+        mtime: i64,
+    ) -> Result<()> {
         self.clear(at.parent, at.name, false, at.shown)?;
         let fd = nix::fcntl::openat(
             Some(at.parent),

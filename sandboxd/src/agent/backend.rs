@@ -350,3 +350,52 @@ async fn store_from_workspace(
 fn renew_url(backend: &str) -> String {
     format!("{}/api/token/renew", backend.trim_end_matches('/'))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bootstrap() -> SandboxBootstrap {
+        serde_json::from_value(serde_json::json!({
+            "agentId": "a1",
+            "backendUrl": "http://127.0.0.1:9/",
+            "backendToken": "t",
+            "tokenExpiresAt": "2030-01-01T00:00:00Z",
+            "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_bootstrap_is_refused_naming_the_field_and_why() {
+        Backend::check(&bootstrap()).unwrap();
+        let mut b = bootstrap();
+        b.artifact_upload_endpoint = "https://x.invalid/a".into();
+        let e = Backend::check(&b).unwrap_err();
+        assert!(matches!(
+            e,
+            BootstrapError::UploadEndpoint(InvalidEndpoint::Https)
+        ));
+        assert!(runtime::error::Chain(&e)
+            .to_string()
+            .starts_with("bootstrap.artifactUploadEndpoint is unusable: https"));
+        let mut b = bootstrap();
+        b.token_expires_at = "tomorrow".into();
+        assert!(matches!(Backend::check(&b), Err(BootstrapError::Expiry(_))));
+        let mut b = bootstrap();
+        b.agent_id.clear();
+        assert!(matches!(Backend::check(&b), Err(BootstrapError::NoAgentId)));
+    }
+
+    #[test]
+    fn only_a_refused_token_counts_as_unauthorized() {
+        let status = |s: u16| HttpError::Status(hyper::StatusCode::from_u16(s).unwrap());
+        let exhausted = |last: UploadError| UploadError::Exhausted {
+            attempts: 2,
+            last: Box::new(last),
+        };
+        assert!(exhausted(status(401).into()).is_unauthorized());
+        assert!(!exhausted(status(403).into()).is_unauthorized());
+        assert!(!exhausted(UploadError::NoUri).is_unauthorized());
+    }
+}

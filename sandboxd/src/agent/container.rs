@@ -85,8 +85,7 @@ impl Container {
         landlock: runtime::landlock::Policy,
         stdio: [BorrowedFd<'_>; 3],
     ) -> Result<Self, ContainerError> {
-        let config =
-            std::fs::read(bundle.join("config.json")).map_err(ContainerError::Bundle)?;
+        let config = std::fs::read(bundle.join("config.json")).map_err(ContainerError::Bundle)?;
         let spec: serde_json::Value =
             serde_json::from_slice(&config).map_err(ContainerError::BundleJson)?;
         let strings = |key: &str| -> Vec<String> {

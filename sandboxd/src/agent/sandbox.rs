@@ -371,7 +371,11 @@ impl Sandbox {
         .await
         .map_err(|e| unavailable(Chain(&e).to_string(), true))?;
         drop((stdin, log));
-        let started = match self.engine.cgroups.set_cpu_quota(cid, self.limits.cpu_cores) {
+        let started = match self
+            .engine
+            .cgroups
+            .set_cpu_quota(cid, self.limits.cpu_cores)
+        {
             Err(e) => Err(ContainerError::CpuQuota(e)),
             Ok(()) => c.start().await,
         };
@@ -1093,5 +1097,43 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_is_a_crash_unless_killed_or_exited_zero() {
+        let why = |killed, crash: Option<&str>, helper_gone, exit| {
+            crash_reason(killed, crash.map(str::to_owned), helper_gone, exit)
+        };
+        // A kill on request is never a crash, whatever the exit or reason.
+        assert_eq!(why(true, Some("x"), true, Some(Exit::Signal(9))), None);
+        assert_eq!(why(false, None, false, Some(Exit::Code(0))), None);
+        // sandboxd's own reason wins over a dead helper and the exit.
+        assert_eq!(
+            why(
+                false,
+                Some("control line too long"),
+                true,
+                Some(Exit::Code(0))
+            )
+            .as_deref(),
+            Some("control line too long")
+        );
+        assert_eq!(
+            why(false, None, true, Some(Exit::Code(0))).as_deref(),
+            Some("the container helper died")
+        );
+        assert_eq!(
+            why(false, None, false, Some(Exit::Code(3))).as_deref(),
+            Some("the agent ended: exit status 3")
+        );
+        assert_eq!(
+            why(false, None, false, None).as_deref(),
+            Some("the agent's container ended")
+        );
     }
 }
