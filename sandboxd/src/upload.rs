@@ -5,6 +5,9 @@
 //! content stays in the local store and is never dropped.
 //!
 //! Plain `http://` only: a `https://` endpoint is refused at configuration time rather than sent in clear text.
+//!
+//! [`post_json`] is the one HTTP client of sandboxd's backend calls: the uploads here and the agents' token renewal
+//! ([`crate::agent::backend`]) both go through it.
 
 use std::path::Path;
 use std::time::Duration;

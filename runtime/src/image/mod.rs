@@ -61,7 +61,7 @@ pub enum ImageError {
     #[error("the image store {0} is in use (by a running sandboxd or an import); stop it first")]
     Busy(PathBuf),
     /// A filesystem operation failed.
-    #[error("I/O error on {path}: {source}")]
+    #[error("I/O error on {}", .path.display())]
     Io {
         /// The path it happened on.
         path: PathBuf,
