@@ -129,165 +129,167 @@ pub fn collect(root: &Path, patterns: &Patterns, limits: Limits) -> Result<Colle
     .map_err(|e| Error::sys(format!("open {}", root.display()), e))?;
     // SAFETY: open returned a new descriptor that nothing else owns.
     let root_fd = unsafe { OwnedFd::from_raw_fd(root_fd) };
-    let mut out = Collection::default();
-    let mut total = 0u64;
-    let mut entries = 0usize;
-    walk(
-        &root_fd,
-        "",
-        0,
+    let mut walker = Walker {
         patterns,
-        &limits,
-        &mut out,
-        &mut total,
-        &mut entries,
-    )?;
+        limits,
+        out: Collection::default(),
+        total: 0,
+        entries: 0,
+    };
+    walker.walk(&root_fd, "", 0)?;
+    let mut out = walker.out;
     out.found.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
 }
 
-fn skip(out: &mut Collection, limits: &Limits, path: String, reason: &str) {
-    *out.skipped_counts.entry(reason.to_owned()).or_default() += 1;
-    if out.skipped.len() < limits.max_listed_skips {
-        out.skipped.push(Skipped {
-            path,
-            reason: reason.to_owned(),
-        });
-    }
+/// One collection under way: what to match, the limits, and what was found so far.
+struct Walker<'a> {
+    patterns: &'a Patterns,
+    limits: Limits,
+    out: Collection,
+    /// Bytes accepted so far.
+    total: u64,
+    /// Directory entries examined so far.
+    entries: usize,
 }
 
-#[allow(clippy::too_many_arguments)] // a recursive walk threading its accumulators
-fn walk(
-    dir: &OwnedFd,
-    prefix: &str,
-    depth: usize,
-    patterns: &Patterns,
-    limits: &Limits,
-    out: &mut Collection,
-    total: &mut u64,
-    entries: &mut usize,
-) -> Result<()> {
-    if depth > MAX_DEPTH {
-        out.walk_truncated = true;
-        return Ok(());
-    }
-    // Dir::openat on "." gives an independent stream for this directory without resolving any path.
-    let mut listing = nix::dir::Dir::openat(
-        Some(dir.as_raw_fd()),
-        ".",
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )
-    .map_err(|e| Error::sys(format!("opendir {prefix:?}"), e))?;
-    let mut names: Vec<Vec<u8>> = Vec::new();
-    for entry in listing.iter() {
-        let entry = entry.map_err(|e| Error::sys(format!("readdir {prefix:?}"), e))?;
-        let name = entry.file_name().to_bytes();
-        if name == b"." || name == b".." {
-            continue;
+impl Walker<'_> {
+    fn skip(&mut self, path: String, reason: &str) {
+        *self
+            .out
+            .skipped_counts
+            .entry(reason.to_owned())
+            .or_default() += 1;
+        if self.out.skipped.len() < self.limits.max_listed_skips {
+            self.out.skipped.push(Skipped {
+                path,
+                reason: reason.to_owned(),
+            });
         }
-        *entries += 1;
-        if *entries > MAX_ENTRIES {
-            out.walk_truncated = true;
-            break;
-        }
-        names.push(name.to_vec());
     }
-    names.sort();
-    for name in names {
-        let os_name = OsStr::from_bytes(&name);
-        let Ok(name_str) = std::str::from_utf8(&name) else {
-            // A name that is not UTF-8 cannot be named in a JSON manifest; it is not collected.
-            continue;
-        };
-        let rel = if prefix.is_empty() {
-            name_str.to_owned()
-        } else {
-            format!("{prefix}/{name_str}")
-        };
-        let st = match nix::sys::stat::fstatat(
-            Some(dir.as_raw_fd()),
-            os_name,
-            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-        ) {
-            Ok(st) => st,
-            Err(_) => continue,
-        };
-        let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
-        if kind == SFlag::S_IFDIR {
-            match crate::sys::open_beneath(
-                dir.as_raw_fd(),
+
+    /// Walks one directory: subdirectories recursively (beneath `dir`, never through a symlink), matching entries
+    /// through [`Self::consider`].
+    fn walk(&mut self, dir: &OwnedFd, prefix: &str, depth: usize) -> Result<()> {
+        if depth > MAX_DEPTH {
+            self.out.walk_truncated = true;
+            return Ok(());
+        }
+        for name in self.list(dir, prefix)? {
+            let os_name = OsStr::from_bytes(&name);
+            let Ok(name_str) = std::str::from_utf8(&name) else {
+                // A name that is not UTF-8 cannot be named in a JSON manifest; it is not collected.
+                continue;
+            };
+            let rel = if prefix.is_empty() {
+                name_str.to_owned()
+            } else {
+                format!("{prefix}/{name_str}")
+            };
+            let st = match nix::sys::stat::fstatat(
+                Some(dir.as_raw_fd()),
                 os_name,
-                OFlag::O_RDONLY | OFlag::O_DIRECTORY,
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
             ) {
-                Ok(sub) => walk(&sub, &rel, depth + 1, patterns, limits, out, total, entries)?,
-                // Swapped for a symlink (ELOOP) or removed since listing: not ours to follow.
-                Err(_) => {
-                    if patterns.matches(&rel).is_some() {
-                        skip(out, limits, rel, "symlink");
+                Ok(st) => st,
+                Err(_) => continue,
+            };
+            let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
+            if kind == SFlag::S_IFDIR {
+                match crate::sys::open_beneath(
+                    dir.as_raw_fd(),
+                    os_name,
+                    OFlag::O_RDONLY | OFlag::O_DIRECTORY,
+                ) {
+                    Ok(sub) => self.walk(&sub, &rel, depth + 1)?,
+                    // Swapped for a symlink (ELOOP) or removed since listing: not ours to follow.
+                    Err(_) => {
+                        if self.patterns.matches(&rel).is_some() {
+                            self.skip(rel, "symlink");
+                        }
                     }
                 }
+                continue;
             }
-            continue;
+            let Some(artifact_type) = self.patterns.matches(&rel) else {
+                continue;
+            };
+            if kind != SFlag::S_IFREG {
+                self.skip(rel, kind_reason(kind));
+                continue;
+            }
+            self.consider(dir, os_name, rel, artifact_type.to_owned());
         }
-        let Some(artifact_type) = patterns.matches(&rel) else {
-            continue;
-        };
-        if kind != SFlag::S_IFREG {
-            skip(out, limits, rel, kind_reason(kind));
-            continue;
+        Ok(())
+    }
+
+    /// The names in `dir` (`.` and `..` excluded), sorted; stops early past [`MAX_ENTRIES`] in all.
+    fn list(&mut self, dir: &OwnedFd, prefix: &str) -> Result<Vec<Vec<u8>>> {
+        // Dir::openat on "." gives an independent stream for this directory without resolving any path.
+        let mut listing = nix::dir::Dir::openat(
+            Some(dir.as_raw_fd()),
+            ".",
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| Error::sys(format!("opendir {prefix:?}"), e))?;
+        let mut names: Vec<Vec<u8>> = Vec::new();
+        for entry in listing.iter() {
+            let entry = entry.map_err(|e| Error::sys(format!("readdir {prefix:?}"), e))?;
+            let name = entry.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            self.entries += 1;
+            if self.entries > MAX_ENTRIES {
+                self.out.walk_truncated = true;
+                break;
+            }
+            names.push(name.to_vec());
         }
+        names.sort();
+        Ok(names)
+    }
+
+    /// A matching entry that looked like a regular file: opened beneath `dir`, checked again on the descriptor
+    /// (type, size) and collected if it fits the limits, skipped with its reason otherwise.
+    fn consider(&mut self, dir: &OwnedFd, name: &OsStr, rel: String, artifact_type: String) {
         // O_NONBLOCK: if a fifo was swapped in since the stat, opening it must not hang.
         let fd = match crate::sys::open_beneath(
             dir.as_raw_fd(),
-            os_name,
+            name,
             OFlag::O_RDONLY | OFlag::O_NONBLOCK,
         ) {
             Ok(fd) => fd,
-            Err(nix::Error::ELOOP) => {
-                skip(out, limits, rel, "symlink");
-                continue;
-            }
-            Err(_) => {
-                skip(out, limits, rel, "unreadable");
-                continue;
-            }
+            Err(nix::Error::ELOOP) => return self.skip(rel, "symlink"),
+            Err(_) => return self.skip(rel, "unreadable"),
         };
         // The opened object decides, not the earlier stat.
-        let st = match fstat(fd.as_raw_fd()) {
-            Ok(st) => st,
-            Err(_) => {
-                skip(out, limits, rel, "unreadable");
-                continue;
-            }
+        let Ok(st) = fstat(fd.as_raw_fd()) else {
+            return self.skip(rel, "unreadable");
         };
         let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
         if kind != SFlag::S_IFREG {
-            skip(out, limits, rel, kind_reason(kind));
-            continue;
+            return self.skip(rel, kind_reason(kind));
         }
         let size = st.st_size as u64;
-        if size > limits.max_file_bytes {
-            skip(out, limits, rel, "too_large");
-            continue;
+        if size > self.limits.max_file_bytes {
+            return self.skip(rel, "too_large");
         }
-        if out.found.len() >= limits.max_files {
-            skip(out, limits, rel, "count_limit");
-            continue;
+        if self.out.found.len() >= self.limits.max_files {
+            return self.skip(rel, "count_limit");
         }
-        if *total + size > limits.max_total_bytes {
-            skip(out, limits, rel, "total_limit");
-            continue;
+        if self.total + size > self.limits.max_total_bytes {
+            return self.skip(rel, "total_limit");
         }
-        *total += size;
-        out.found.push(Found {
+        self.total += size;
+        self.out.found.push(Found {
             path: rel,
             file: std::fs::File::from(fd),
             size,
-            artifact_type: artifact_type.to_owned(),
+            artifact_type,
         });
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -4,7 +4,29 @@
 
 use caps::CapSet;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+
+/// Why the capability check failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CapsError {
+    /// A set could not be read.
+    #[error("Cannot read the {set:?} capability set")]
+    Read {
+        /// The set.
+        set: CapSet,
+        /// The caps crate's error.
+        #[source]
+        source: caps::errors::CapsError,
+    },
+    /// A set holds capabilities (named, sorted).
+    #[error("The {set:?} capability set is not empty: {}", .held.join(", "))]
+    Held {
+        /// The set.
+        set: CapSet,
+        /// What it holds.
+        held: Vec<String>,
+    },
+}
 
 /// The sets checked, in the order `/proc/self/status` lists them.
 pub const SETS: [CapSet; 5] = [
@@ -18,15 +40,11 @@ pub const SETS: [CapSet; 5] = [
 /// Fails unless every capability set of the calling thread is empty.
 pub fn ensure_none() -> Result<()> {
     for set in SETS {
-        let held = caps::read(None, set)
-            .map_err(|e| Error::Unsupported(format!("cannot read capabilities: {e}")))?;
+        let held = caps::read(None, set).map_err(|source| CapsError::Read { set, source })?;
         if !held.is_empty() {
-            let mut names: Vec<String> = held.iter().map(|c| c.to_string()).collect();
-            names.sort();
-            return Err(Error::Unsupported(format!(
-                "capability set {set:?} is not empty: {}",
-                names.join(", ")
-            )));
+            let mut held: Vec<String> = held.iter().map(|c| c.to_string()).collect();
+            held.sort();
+            return Err(CapsError::Held { set, held }.into());
         }
     }
     Ok(())

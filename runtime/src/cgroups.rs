@@ -12,6 +12,94 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
+/// Why a cgroup operation failed, or why the host's cgroups cannot enforce what sandboxd requires.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// libcgroups could not tell which hierarchy the host runs.
+    #[error("Cannot detect the cgroup setup under {root}")]
+    Detect {
+        /// The cgroupfs root.
+        root: PathBuf,
+        /// libcgroups' error.
+        #[source]
+        source: libcgroups::common::GetCgroupSetupError,
+    },
+    /// The configured parent is not a plain relative path.
+    #[error("Invalid cgroup parent {0:?}")]
+    InvalidParent(String),
+    /// v1 controllers sandboxd needs are not mounted.
+    #[error(
+        "The host does not mount cgroup v1 controller(s) {} under {}; mount them or boot with the unified hierarchy",
+        .missing.join(", "),
+        .root.display()
+    )]
+    V1ControllersMissing {
+        /// The controllers missing.
+        missing: Vec<&'static str>,
+        /// The cgroupfs root.
+        root: PathBuf,
+    },
+    /// v2 controllers sandboxd needs are not available.
+    #[error("The host does not offer cgroup v2 controller(s) {} in {}", .missing.join(", "), .file.display())]
+    V2ControllersMissing {
+        /// The controllers missing.
+        missing: Vec<&'static str>,
+        /// The `cgroup.controllers` file read.
+        file: PathBuf,
+    },
+    /// The host has swap but no memory+swap accounting, so a memory limit cannot forbid swap.
+    #[error(
+        "The host has swap but memory.memsw is missing (boot with swapaccount=1), so \"no swap\" cannot be enforced"
+    )]
+    NoSwapAccounting,
+    /// No hierarchy carries a controller an operation needs.
+    #[error("No {controller} cgroup hierarchy: {needed_for} cannot be enforced")]
+    NoHierarchy {
+        /// The controller.
+        controller: &'static str,
+        /// What needed it.
+        needed_for: &'static str,
+    },
+    /// A container's leaf in a hierarchy does not exist.
+    #[error("No {controller} cgroup for {id}")]
+    NoLeaf {
+        /// The controller whose leaf is missing.
+        controller: &'static str,
+        /// The container.
+        id: String,
+    },
+    /// A cgroup directory that must exist does not.
+    #[error("Cgroup {} does not exist", .0.display())]
+    Missing(PathBuf),
+    /// A cgroup file refused a value.
+    #[error("Cannot write {value} to {}", .path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The value refused.
+        value: String,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel did not report a freeze or thaw in time.
+    #[error("Cgroup of {id} not {} within {} ms", if *.frozen { "frozen" } else { "thawed" }, .timeout.as_millis())]
+    FreezeTimeout {
+        /// The container.
+        id: String,
+        /// The state asked for.
+        frozen: bool,
+        /// How long was waited.
+        timeout: Duration,
+    },
+    /// A cpu quota that is not a positive number of cores.
+    #[error("Invalid cpu quota {0}")]
+    InvalidQuota(f64),
+    /// Processes of a cgroup outlived the kill rounds.
+    #[error("Processes in {} survive SIGKILL", .0.display())]
+    Unkillable(PathBuf),
+}
+
 /// The default cgroupfs mount point.
 pub const DEFAULT_ROOT: &str = "/sys/fs/cgroup";
 
@@ -91,11 +179,11 @@ pub struct Cgroups {
 impl Cgroups {
     /// Detects the host's setup with libcgroups (hybrid counts as v1, as libcgroups treats it).
     pub fn detect(root: &Path, parent: &str) -> Result<Self> {
-        let setup = libcgroups::common::get_cgroup_setup_with_root(root).map_err(|e| {
-            Error::Cgroup(format!(
-                "Cannot detect the cgroup setup under {}: {e}",
-                root.display()
-            ))
+        let setup = libcgroups::common::get_cgroup_setup_with_root(root).map_err(|source| {
+            CgroupError::Detect {
+                root: root.to_owned(),
+                source,
+            }
         })?;
         let version = match setup {
             libcgroups::common::CgroupSetup::Unified => CgroupVersion::V2,
@@ -114,7 +202,7 @@ impl Cgroups {
                 .split('/')
                 .any(|c| c.is_empty() || c == "." || c == "..")
         {
-            return Err(Error::Cgroup(format!("Invalid cgroup parent {parent:?}")));
+            return Err(CgroupError::InvalidParent(parent).into());
         }
         Ok(Self {
             version,
@@ -183,19 +271,16 @@ impl Cgroups {
                     .copied()
                     .collect();
                 if !missing.is_empty() {
-                    return Err(Error::Unsupported(format!(
-                        "cgroup v1 controller(s) {} not mounted under {}; mount them or boot with the unified hierarchy",
-                        missing.join(", "),
-                        self.root.display()
-                    )));
+                    return Err(CgroupError::V1ControllersMissing {
+                        missing,
+                        root: self.root.clone(),
+                    }
+                    .into());
                 }
                 // Without memsw the memory limit cannot forbid swap; that only matters when the host has swap.
                 let memory = self.v1_hierarchy("memory").unwrap_or_default();
                 if host_has_swap() && !memory.join("memory.memsw.limit_in_bytes").exists() {
-                    return Err(Error::Unsupported(
-                        "the host has swap but memory.memsw is missing (boot with swapaccount=1), so \"no swap\" cannot be enforced"
-                            .into(),
-                    ));
+                    return Err(CgroupError::NoSwapAccounting.into());
                 }
                 Ok(())
             }
@@ -210,11 +295,11 @@ impl Cgroups {
                 if missing.is_empty() {
                     Ok(())
                 } else {
-                    Err(Error::Unsupported(format!(
-                        "cgroup v2 controller(s) {} not available in {}",
-                        missing.join(", "),
-                        path.display()
-                    )))
+                    Err(CgroupError::V2ControllersMissing {
+                        missing,
+                        file: path,
+                    }
+                    .into())
                 }
             }
         }
@@ -257,23 +342,35 @@ impl Cgroups {
         Some(h.join(&self.parent).join(id))
     }
 
+    /// The leaf of an execution in the hierarchy holding `controller`, which must exist; `needed_for` names what
+    /// cannot be enforced without the hierarchy.
+    fn existing_leaf(
+        &self,
+        controller: &'static str,
+        id: &str,
+        needed_for: &'static str,
+    ) -> Result<PathBuf, CgroupError> {
+        let leaf = self.leaf(controller, id).ok_or(CgroupError::NoHierarchy {
+            controller,
+            needed_for,
+        })?;
+        if leaf.is_dir() {
+            Ok(leaf)
+        } else {
+            Err(CgroupError::Missing(leaf))
+        }
+    }
+
     /// Reads an execution's usage. Missing files read as zero (a kernel without `memory.peak`, say) but a leaf that
     /// does not exist is an error: the usage would be made up.
     pub fn usage(&self, id: &str) -> Result<Usage> {
-        let memory = self
-            .leaf("memory", id)
-            .ok_or_else(|| Error::Cgroup("no memory hierarchy".into()))?;
-        if !memory.is_dir() {
-            return Err(Error::Cgroup(format!(
-                "cgroup {} does not exist",
-                memory.display()
-            )));
-        }
+        let memory = self.existing_leaf("memory", id, "usage accounting")?;
         match self.version {
             CgroupVersion::V1 => {
-                let cpu = self
-                    .leaf("cpuacct", id)
-                    .ok_or_else(|| Error::Cgroup("no cpuacct hierarchy".into()))?;
+                let cpu = self.leaf("cpuacct", id).ok_or(CgroupError::NoHierarchy {
+                    controller: "cpuacct",
+                    needed_for: "usage accounting",
+                })?;
                 Ok(Usage {
                     peak_memory_bytes: read_u64(&memory.join("memory.max_usage_in_bytes")),
                     cpu_time_ns: read_u64(&cpu.join("cpuacct.usage")),
@@ -297,15 +394,21 @@ impl Cgroups {
     /// that keeps `limit <= memsw` at every step. Fails (closed) when a file is missing or refuses the value, e.g.
     /// a memory limit below what the cgroup already uses.
     pub fn set_limits(&self, id: &str, limits: &CgroupLimits) -> Result<()> {
-        let leaf = |controller: &str| {
+        let leaf = |controller: &'static str| {
             self.leaf(controller, id)
                 .filter(|p| p.is_dir())
-                .ok_or_else(|| Error::Cgroup(format!("no {controller} cgroup for {id}")))
+                .ok_or_else(|| CgroupError::NoLeaf {
+                    controller,
+                    id: id.to_owned(),
+                })
         };
-        let write = |path: PathBuf, value: String| {
-            fs::write(&path, &value).map_err(|e| {
-                Error::Cgroup(format!("cannot write {value} to {}: {e}", path.display()))
-            })
+        let write = |path: PathBuf, value: String| match fs::write(&path, &value) {
+            Ok(()) => Ok(()),
+            Err(source) => Err(CgroupError::Write {
+                path,
+                value,
+                source,
+            }),
         };
         let memory = leaf("memory")?;
         match self.version {
@@ -401,20 +504,11 @@ impl Cgroups {
     }
 
     fn freezer_file(&self, id: &str, file: &str) -> Result<PathBuf> {
-        let leaf = match self.version {
-            CgroupVersion::V1 => self.leaf("freezer", id),
-            CgroupVersion::V2 => self.leaf("cgroup", id),
-        }
-        .ok_or_else(|| {
-            Error::Unsupported("no freezer hierarchy: pause cannot be enforced".into())
-        })?;
-        if !leaf.is_dir() {
-            return Err(Error::Cgroup(format!(
-                "cgroup {} does not exist",
-                leaf.display()
-            )));
-        }
-        Ok(leaf.join(file))
+        let controller = match self.version {
+            CgroupVersion::V1 => "freezer",
+            CgroupVersion::V2 => "cgroup",
+        };
+        Ok(self.existing_leaf(controller, id, "pause")?.join(file))
     }
 
     fn set_frozen(&self, id: &str, frozen: bool, timeout: Duration) -> Result<()> {
@@ -433,11 +527,12 @@ impl Cgroups {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                return Err(Error::Cgroup(format!(
-                    "cgroup of {id} not {} within {} ms",
-                    if frozen { "frozen" } else { "thawed" },
-                    timeout.as_millis()
-                )));
+                return Err(CgroupError::FreezeTimeout {
+                    id: id.to_owned(),
+                    frozen,
+                    timeout,
+                }
+                .into());
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -446,19 +541,11 @@ impl Cgroups {
     /// Sets a hard CPU quota of `cores` (v1 `cpu.cfs_quota_us` over a 100 ms period, v2 `cpu.max`).
     pub fn set_cpu_quota(&self, id: &str, cores: f64) -> Result<()> {
         if !(cores.is_finite() && cores > 0.0) {
-            return Err(Error::Cgroup(format!("invalid cpu quota {cores}")));
+            return Err(CgroupError::InvalidQuota(cores).into());
         }
         let period: u64 = 100_000;
         let quota = ((cores * period as f64) as u64).max(1000);
-        let leaf = self.leaf("cpu", id).ok_or_else(|| {
-            Error::Unsupported("no cpu hierarchy: cpu quota cannot be enforced".into())
-        })?;
-        if !leaf.is_dir() {
-            return Err(Error::Cgroup(format!(
-                "cgroup {} does not exist",
-                leaf.display()
-            )));
-        }
+        let leaf = self.existing_leaf("cpu", id, "a cpu quota")?;
         let writes: Vec<(PathBuf, String)> = match self.version {
             CgroupVersion::V1 => vec![
                 (leaf.join("cpu.cfs_period_us"), period.to_string()),
@@ -474,15 +561,7 @@ impl Cgroups {
 
     /// Memory charged to a container's cgroup now, bytes (v1 `memory.usage_in_bytes`, v2 `memory.current`).
     pub fn memory_current(&self, id: &str) -> Result<u64> {
-        let leaf = self
-            .leaf("memory", id)
-            .ok_or_else(|| Error::Cgroup("no memory hierarchy".into()))?;
-        if !leaf.is_dir() {
-            return Err(Error::Cgroup(format!(
-                "cgroup {} does not exist",
-                leaf.display()
-            )));
-        }
+        let leaf = self.existing_leaf("memory", id, "memory accounting")?;
         Ok(match self.version {
             CgroupVersion::V1 => read_u64(&leaf.join("memory.usage_in_bytes")),
             CgroupVersion::V2 => read_u64(&leaf.join("memory.current")),
@@ -542,10 +621,7 @@ fn remove_tree(dir: &Path) -> Result<Removed> {
             }
         }
         if Instant::now() > deadline {
-            return Err(Error::Cgroup(format!(
-                "processes in {} survive SIGKILL",
-                dir.display()
-            )));
+            return Err(CgroupError::Unkillable(dir.to_owned()).into());
         }
         std::thread::sleep(Duration::from_millis(5));
     }

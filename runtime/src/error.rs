@@ -1,4 +1,10 @@
-//! Errors of the runtime crate, one enum gathered from every module.
+//! Errors of the runtime crate: one enum per module ([`crate::cgroups::CgroupError`],
+//! [`crate::caps::CapsError`], [`crate::landlock::LandlockError`], [`crate::seccomp::SeccompError`],
+//! [`crate::rootfs::RootfsError`], [`crate::launch::LaunchError`], [`crate::helper::HelperError`]) gathered into
+//! [`Error`], the error every public function returns.
+//!
+//! Messages follow one rule: a message says what failed and does not repeat its `#[source]`; [`Chain`] prints an
+//! error with all its sources when the whole story has to fit on one line (a log field, a status pipe record).
 
 use std::path::PathBuf;
 
@@ -26,24 +32,63 @@ pub enum Error {
         #[source]
         source: nix::Error,
     },
-    /// The host cannot enforce something sandboxd requires; sandboxd refuses to run rather than run weaker.
-    #[error("Host does not support a required isolation feature: {0}")]
-    Unsupported(String),
-    /// The cgroup hierarchy is not usable.
-    #[error("Cgroup error: {0}")]
-    Cgroup(String),
+    /// The cgroup hierarchy is not usable, or lacks a controller sandboxd requires.
+    #[error(transparent)]
+    Cgroup(#[from] crate::cgroups::CgroupError),
+    /// The process holds capabilities it must not hold.
+    #[error(transparent)]
+    Caps(#[from] crate::caps::CapsError),
+    /// Landlock cannot be enforced.
+    #[error(transparent)]
+    Landlock(#[from] crate::landlock::LandlockError),
+    /// The seccomp profile cannot be compiled or installed.
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::SeccompError),
+    /// An image's root cannot be mounted safely.
+    #[error(transparent)]
+    Rootfs(#[from] crate::rootfs::RootfsError),
     /// Building the OCI spec failed.
     #[error("Invalid container spec")]
     Spec(#[from] oci_spec::OciSpecError),
-    /// libcontainer failed to create, start or delete a container.
-    #[error("Container runtime error: {0}")]
-    Container(String),
-    /// A message between the daemon and the helper could not be encoded or decoded.
-    #[error("Helper protocol error: {0}")]
-    Protocol(String),
+    /// The bundle's `config.json` could not be written.
+    #[error("Cannot write the container spec {path}")]
+    SaveSpec {
+        /// Where it was to be written.
+        path: PathBuf,
+        /// Why it was not.
+        #[source]
+        source: oci_spec::OciSpecError,
+    },
+    /// libcontainer failed to build or start a container (in the helper process).
+    #[error("Cannot {op} the container")]
+    Container {
+        /// The step that failed.
+        op: ContainerOp,
+        /// libcontainer's error.
+        #[source]
+        source: libcontainer::error::LibcontainerError,
+    },
+    /// libcontainer created a container but knows no pid for its init.
+    #[error("The created container has no pid")]
+    NoPid,
+    /// A message on the launch channel could not be encoded, decoded or trusted.
+    #[error(transparent)]
+    Launch(#[from] crate::launch::LaunchError),
+    /// The helper answered something unexpected, or could not create a container.
+    #[error(transparent)]
+    Helper(#[from] crate::helper::HelperError),
     /// The helper process is gone.
     #[error("The container helper process is gone")]
     HelperGone,
+    /// A blocking task the daemon ran for a container panicked or was cancelled.
+    #[error("The {task} task did not finish")]
+    Task {
+        /// What the task did.
+        task: &'static str,
+        /// Why it ended early.
+        #[source]
+        source: tokio::task::JoinError,
+    },
     /// Files given for the working directory do not fit or are malformed.
     #[error("Invalid input file {path}: {reason}")]
     InputFile {
@@ -52,6 +97,27 @@ pub enum Error {
         /// Why it was refused.
         reason: String,
     },
+}
+
+/// The libcontainer step of [`Error::Container`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContainerOp {
+    /// Configuring the builder (state directory, id).
+    Configure,
+    /// Creating the container (namespaces, cgroup, rootfs, init).
+    Create,
+    /// Starting the created container's init.
+    Start,
+}
+
+impl std::fmt::Display for ContainerOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Configure => "configure",
+            Self::Create => "create",
+            Self::Start => "start",
+        })
+    }
 }
 
 impl Error {
@@ -69,5 +135,51 @@ impl Error {
             call: call.into(),
             source,
         }
+    }
+
+    /// Wraps a failed `config.json` write.
+    pub fn save_spec(path: impl Into<PathBuf>, source: oci_spec::OciSpecError) -> Self {
+        Self::SaveSpec {
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// Wraps a libcontainer failure with the step it happened in.
+    pub fn container(op: ContainerOp, source: libcontainer::error::LibcontainerError) -> Self {
+        Self::Container { op, source }
+    }
+}
+
+/// Displays an error followed by each of its sources, `": "`-separated, on one line: `Cannot create the container:
+/// failed to ...: No such file or directory`.
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_prints_every_source_once() {
+        let e = Error::io(
+            "/x",
+            std::io::Error::new(std::io::ErrorKind::NotFound, "gone"),
+        );
+        assert_eq!(e.to_string(), "I/O error on /x");
+        assert_eq!(Chain(&e).to_string(), "I/O error on /x: gone");
+        let e = Error::from(crate::cgroups::CgroupError::InvalidParent("a/../b".into()));
+        assert_eq!(Chain(&e).to_string(), e.to_string());
     }
 }

@@ -21,6 +21,8 @@ use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{ForkResult, Pid};
 use oci_spec::runtime::Spec;
 
+use crate::error::Chain;
+use crate::launch::Launch;
 use crate::sys;
 
 /// Exit code of the child when `execve` of the program failed (as shells do).
@@ -135,9 +137,44 @@ impl Executor for InitExecutor {
     }
 
     fn exec(&self, _spec: &Spec) -> Result<(), ExecutorError> {
-        // Keep only stdio, the status pipe and the launch channel: libcontainer marks the helper's other
-        // descriptors close-on-exec, but this process never execs, and holding another container's pipe would keep
-        // that pipe from closing.
+        self.become_init()?;
+        // SAFETY: `status_fd` is inherited from the helper, kept open by `become_init` and owned by no Rust object
+        // in this process; it stays open until the process ends.
+        let status = unsafe { BorrowedFd::borrow_raw(self.status_fd) };
+        self.confine(status);
+        let (launch, stdio) = self.receive(status);
+        mark(status, "received");
+        let args = to_cstrings(&launch.args)?;
+        let env = to_cstrings(&launch.env)?;
+        let program = args.first().cloned().ok_or(ExecutorError::InvalidArg)?;
+
+        // SAFETY: this process is single-threaded (cloned by libcontainer from the single-threaded helper), so the
+        // child may run arbitrary code until it execs.
+        match unsafe { nix::unistd::fork() }.map_err(|e| other(e.to_string()))? {
+            ForkResult::Child => run_program(status, stdio, &program, &args, &env),
+            ForkResult::Parent { child } => {
+                // The program holds the only copies the container needs: the daemon sees end of file on the
+                // output pipes when the program (and whatever it started) is gone.
+                drop(stdio);
+                PROGRAM.store(child.as_raw(), Ordering::SeqCst);
+                let exit = reap_until(child);
+                PROGRAM.store(0, Ordering::SeqCst);
+                let record = exit.encode();
+                mark(status, "reaped");
+                let _ = nix::unistd::write(status, record.as_bytes());
+                // SAFETY: end the init without unwinding into libcontainer, which expects no return.
+                unsafe { libc::_exit(0) }
+            }
+        }
+    }
+}
+
+impl InitExecutor {
+    /// Keeps only stdio, the status pipe and the launch channel, dies with the helper, refuses ptrace, and forwards
+    /// polite stop signals to the program.
+    fn become_init(&self) -> Result<(), ExecutorError> {
+        // libcontainer marks the helper's other descriptors close-on-exec, but this process never execs, and
+        // holding another container's pipe would keep that pipe from closing.
         let (status_fd, launch_fd) = (self.status_fd, self.launch_fd);
         let (lo, hi) = (status_fd.min(launch_fd), status_fd.max(launch_fd));
         sys::close_range(3, lo - 1).map_err(other)?;
@@ -155,116 +192,90 @@ impl Executor for InitExecutor {
             // SAFETY: `forward` only reads its siginfo and an atomic and calls kill(2): async-signal-safe.
             unsafe { sigaction(sig, &handler) }.map_err(other)?;
         }
+        Ok(())
+    }
 
-        // Fail closed, and before anything is launched: no capabilities, then landlock, then seccomp (landlock needs
-        // syscalls the filter refuses). The init confines itself, so the program it forks inherits all three and
-        // the launch costs only a fork and an exec; the init needs nothing the program may not do (receive, fork,
-        // wait, write, kill its child, exit). A failure is reported on the status pipe and ends the init: the
-        // daemon finds the launch channel closed and reads why.
+    /// Fails closed, and before anything is launched: no capabilities, then landlock, then seccomp (landlock needs
+    /// syscalls the filter refuses). The init confines itself, so the program it forks inherits all three and the
+    /// launch costs only a fork and an exec; the init needs nothing the program may not do (receive, fork, wait,
+    /// write, kill its child, exit). A failure is reported on the status pipe and ends the init: the daemon finds
+    /// the launch channel closed and reads why.
+    fn confine(&self, status: BorrowedFd<'_>) {
         if let Err(e) = crate::caps::ensure_none()
             .and_then(|()| self.landlock.restrict_self())
             .and_then(|()| self.seccomp.install())
         {
-            let line = format!("setup {}\n", e.to_string().replace('\n', " "));
-            // SAFETY: `status_fd` is open (kept above) and owned by no Rust object here.
-            let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
-            let _ = nix::unistd::write(status, line.as_bytes());
-            // SAFETY: end the init without unwinding into libcontainer, which expects no return.
-            unsafe { libc::_exit(SETUP_FAILED) }
-        }
-        // SAFETY: `launch_fd` is inherited from the helper and owned by nothing else in this process.
-        let launch_sock = unsafe { OwnedFd::from_raw_fd(launch_fd) };
-        let (launch, stdio) = match crate::launch::recv(launch_sock.as_fd()) {
-            Ok(Some(l)) => l,
-            // The daemon dropped the container before using it: nothing ran, nothing to report.
-            // SAFETY: end the init without unwinding into libcontainer, which expects no return.
-            Ok(None) => unsafe { libc::_exit(0) },
-            Err(e) => {
-                let line = format!("setup {}\n", e.to_string().replace('\n', " "));
-                // SAFETY: `status_fd` is open (kept above) and owned by no Rust object here.
-                let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
-                let _ = nix::unistd::write(status, line.as_bytes());
-                // SAFETY: as above.
-                unsafe { libc::_exit(SETUP_FAILED) }
-            }
-        };
-        drop(launch_sock);
-        // SAFETY: `status_fd` is open (kept above) and owned by no Rust object here.
-        mark(unsafe { BorrowedFd::borrow_raw(status_fd) }, "received");
-        let args = to_cstrings(&launch.args)?;
-        let env = to_cstrings(&launch.env)?;
-        let program = args.first().cloned().ok_or(ExecutorError::InvalidArg)?;
-
-        // SAFETY: this process is single-threaded (cloned by libcontainer from the single-threaded helper), so the
-        // child may run arbitrary code until it execs.
-        match unsafe { nix::unistd::fork() }.map_err(|e| other(e.to_string()))? {
-            ForkResult::Child => {
-                // The status pipe stays open (close-on-exec) so a failed restriction can be reported on it.
-                // SAFETY: `status_fd` is a raw descriptor no Rust object owns in this process; it stays open while
-                // borrowed.
-                let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
-                let fail = |what: String| -> ! {
-                    let line = format!("setup {}\n", what.replace('\n', " "));
-                    let _ = nix::unistd::write(status, line.as_bytes());
-                    // SAFETY: _exit ends the forked child without running destructors.
-                    unsafe { libc::_exit(SETUP_FAILED) }
-                };
-                // The launch's descriptors become 0, 1 and 2 (dup2 clears close-on-exec on the copies).
-                for (target, fd) in stdio.iter().enumerate() {
-                    // SAFETY: dup2 onto 0..=2, which this process only uses as stdio; `fd` is open.
-                    if unsafe { libc::dup2(fd.as_raw_fd(), target as libc::c_int) } < 0 {
-                        fail(format!("dup2 of stdio: {}", nix::Error::last()));
-                    }
-                }
-                drop(stdio);
-                // The program starts with the default signal mask and dispositions, whatever the helper had: an
-                // ignored signal survives execve (the Rust runtime ignores SIGPIPE, a background shell SIGINT).
-                let _ = nix::sys::signal::sigprocmask(
-                    SigmaskHow::SIG_SETMASK,
-                    Some(&SigSet::empty()),
-                    None,
-                );
-                for sig in Signal::iterator() {
-                    if sig != Signal::SIGKILL && sig != Signal::SIGSTOP {
-                        // SAFETY: installing SIG_DFL runs no handler code; the process is single-threaded.
-                        let _ = unsafe {
-                            nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl)
-                        };
-                    }
-                }
-                // Inherited from the init, checked again where it matters: no capabilities at exec.
-                if let Err(e) = crate::caps::ensure_none() {
-                    fail(e.to_string());
-                }
-                mark(status, "exec");
-                let err = nix::unistd::execve(&program, &args, &env).err();
-                let msg = format!(
-                    "sandboxd: cannot execute {}: {}\n",
-                    program.to_string_lossy(),
-                    err.map(|e| e.desc()).unwrap_or("unknown error")
-                );
-                let _ = nix::unistd::write(std::io::stderr(), msg.as_bytes());
-                // SAFETY: _exit ends the forked child without running the parent's atexit handlers or destructors.
-                unsafe { libc::_exit(EXEC_FAILED) }
-            }
-            ForkResult::Parent { child } => {
-                // The program holds the only copies the container needs: the daemon sees end of file on the
-                // output pipes when the program (and whatever it started) is gone.
-                drop(stdio);
-                PROGRAM.store(child.as_raw(), Ordering::SeqCst);
-                let exit = reap_until(child);
-                PROGRAM.store(0, Ordering::SeqCst);
-                let record = exit.encode();
-                // SAFETY: `status_fd` is the status pipe's write end, kept open above; it is not owned by any Rust
-                // object in this process, so wrapping it for the duration of one write is sound.
-                let status = unsafe { BorrowedFd::borrow_raw(status_fd) };
-                mark(status, "reaped");
-                let _ = nix::unistd::write(status, record.as_bytes());
-                // SAFETY: as above, end the init without unwinding into libcontainer, which expects no return.
-                unsafe { libc::_exit(0) }
-            }
+            setup_failed(status, Chain(&e))
         }
     }
+
+    /// Waits for the launch message. The daemon dropping the container before using it ends the init quietly
+    /// (nothing ran, nothing to report); a malformed launch is reported as a setup failure.
+    fn receive(&self, status: BorrowedFd<'_>) -> (Launch, [OwnedFd; 3]) {
+        // SAFETY: `launch_fd` is inherited from the helper and owned by nothing else in this process.
+        let launch_sock = unsafe { OwnedFd::from_raw_fd(self.launch_fd) };
+        match crate::launch::recv(launch_sock.as_fd()) {
+            Ok(Some(l)) => l,
+            // SAFETY: end the init without unwinding into libcontainer, which expects no return.
+            Ok(None) => unsafe { libc::_exit(0) },
+            Err(e) => setup_failed(status, Chain(&e)),
+        }
+    }
+}
+
+/// The forked child: the launch's descriptors become its stdio, signal mask and dispositions go back to the
+/// defaults, the capability sets are checked empty once more, and the program is executed. Never returns.
+fn run_program(
+    status: BorrowedFd<'_>,
+    stdio: [OwnedFd; 3],
+    program: &CString,
+    args: &[CString],
+    env: &[CString],
+) -> ! {
+    // The status pipe stays open (close-on-exec) so a failed restriction can be reported on it.
+    // The launch's descriptors become 0, 1 and 2 (dup2 clears close-on-exec on the copies).
+    for (target, fd) in stdio.iter().enumerate() {
+        // SAFETY: dup2 onto 0..=2, which this process only uses as stdio; `fd` is open.
+        if unsafe { libc::dup2(fd.as_raw_fd(), target as libc::c_int) } < 0 {
+            setup_failed(
+                status,
+                format_args!("dup2 of stdio: {}", nix::Error::last()),
+            );
+        }
+    }
+    drop(stdio);
+    // The program starts with the default signal mask and dispositions, whatever the helper had: an ignored
+    // signal survives execve (the Rust runtime ignores SIGPIPE, a background shell SIGINT).
+    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+    for sig in Signal::iterator() {
+        if sig != Signal::SIGKILL && sig != Signal::SIGSTOP {
+            // SAFETY: installing SIG_DFL runs no handler code; the process is single-threaded.
+            let _ = unsafe { nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl) };
+        }
+    }
+    // Inherited from the init, checked again where it matters: no capabilities at exec.
+    if let Err(e) = crate::caps::ensure_none() {
+        setup_failed(status, Chain(&e));
+    }
+    mark(status, "exec");
+    let err = nix::unistd::execve(program, args, env).err();
+    let msg = format!(
+        "sandboxd: cannot execute {}: {}\n",
+        program.to_string_lossy(),
+        err.map(|e| e.desc()).unwrap_or("unknown error")
+    );
+    let _ = nix::unistd::write(std::io::stderr(), msg.as_bytes());
+    // SAFETY: _exit ends the forked child without running the parent's atexit handlers or destructors.
+    unsafe { libc::_exit(EXEC_FAILED) }
+}
+
+/// Reports a restriction that could not be applied (`setup <what>` on the status pipe) and ends the process with
+/// [`SETUP_FAILED`], without unwinding into libcontainer or running destructors.
+fn setup_failed(status: BorrowedFd<'_>, what: impl std::fmt::Display) -> ! {
+    let line = format!("setup {}\n", what.to_string().replace('\n', " "));
+    let _ = nix::unistd::write(status, line.as_bytes());
+    // SAFETY: _exit ends the process without running destructors; nothing here expects a return.
+    unsafe { libc::_exit(SETUP_FAILED) }
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds (the same clock in every pid namespace: sandboxd creates no time namespace).

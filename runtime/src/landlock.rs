@@ -12,7 +12,28 @@ use ::landlock::{
     RulesetCreatedAttr, RulesetStatus, ABI,
 };
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+
+/// Why landlock cannot confine the program.
+#[derive(Debug, thiserror::Error)]
+pub enum LandlockError {
+    /// The kernel's ABI is too old or landlock is disabled.
+    #[error("Landlock ABI {0} is not usable")]
+    Abi(i32),
+    /// Building or applying the ruleset failed.
+    #[error("Cannot apply the landlock ruleset")]
+    Ruleset(#[from] ::landlock::RulesetError),
+    /// The kernel applied the ruleset only partly, or without `no_new_privs`.
+    #[error(
+        "Landlock ruleset {status:?} (no_new_privs {no_new_privs}): refusing to run the program"
+    )]
+    NotEnforced {
+        /// What the kernel reported.
+        status: RulesetStatus,
+        /// Whether `no_new_privs` is set.
+        no_new_privs: bool,
+    },
+}
 
 /// The highest ABI this build knows how to use.
 pub const MAX_ABI: i32 = 7;
@@ -55,15 +76,12 @@ impl Policy {
     pub fn restrict_self(&self) -> Result<()> {
         let abi = ABI::from(self.abi.min(MAX_ABI));
         if abi == ABI::Unsupported {
-            return Err(Error::Unsupported(format!(
-                "landlock ABI {} is not usable",
-                self.abi
-            )));
+            return Err(LandlockError::Abi(self.abi).into());
         }
         let all = AccessFs::from_all(abi);
         let no_devices = all & !(AccessFs::MakeChar | AccessFs::MakeBlock);
         let devices = AccessFs::from_read(abi) | AccessFs::WriteFile | (all & AccessFs::IoctlDev);
-        let fail = |e: ::landlock::RulesetError| Error::Unsupported(format!("landlock: {e}"));
+        let fail = LandlockError::Ruleset;
         let status = Ruleset::default()
             .set_compatibility(CompatLevel::HardRequirement)
             .handle_access(all)
@@ -86,10 +104,11 @@ impl Policy {
             .map_err(fail)?;
         match status.ruleset {
             RulesetStatus::FullyEnforced if status.no_new_privs => Ok(()),
-            other => Err(Error::Unsupported(format!(
-                "landlock ruleset {other:?} (no_new_privs {}): refusing to run the program",
-                status.no_new_privs
-            ))),
+            other => Err(LandlockError::NotEnforced {
+                status: other,
+                no_new_privs: status.no_new_privs,
+            }
+            .into()),
         }
     }
 }

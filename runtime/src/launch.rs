@@ -17,6 +17,29 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ipc;
 
+/// Why a launch could not be sent or was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The launch could not be encoded.
+    #[error("Cannot encode the launch")]
+    Encode(#[source] serde_json::Error),
+    /// The launch is larger than [`MAX_LAUNCH`].
+    #[error("Launch over {MAX_LAUNCH} bytes")]
+    TooLarge,
+    /// The launch message carries the wrong number of descriptors.
+    #[error("Launch carries {0} descriptors, not 4")]
+    Descriptors(usize),
+    /// The datagram is not the launch message.
+    #[error("Malformed launch message")]
+    Malformed,
+    /// The payload is not a launch.
+    #[error("Cannot decode the launch")]
+    Decode(#[source] serde_json::Error),
+    /// The program is not an absolute path.
+    #[error("Launch args must start with an absolute program path")]
+    RelativeProgram,
+}
+
 /// The largest launch (arguments and environment; the code itself travels as a file). `execve` refuses more than
 /// a quarter of the stack limit anyway.
 pub const MAX_LAUNCH: usize = 64 << 20;
@@ -35,12 +58,9 @@ pub struct Launch {
 /// Sends `launch` with the program's stdin, stdout and stderr. Never blocks for long: the init is waiting and the
 /// datagram is tiny. A gone init is `Error::Sys` with `EPIPE`/`ECONNRESET`/`ECONNREFUSED`.
 pub fn send(sock: BorrowedFd<'_>, launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -> Result<()> {
-    let bytes = serde_json::to_vec(launch).map_err(|e| Error::Protocol(e.to_string()))?;
+    let bytes = serde_json::to_vec(launch).map_err(LaunchError::Encode)?;
     if bytes.len() > MAX_LAUNCH {
-        return Err(Error::Protocol(format!(
-            "launch of {} bytes is over {MAX_LAUNCH}",
-            bytes.len()
-        )));
+        return Err(LaunchError::TooLarge.into());
     }
     let payload = nix::sys::memfd::memfd_create(
         c"sandboxd-launch",
@@ -67,12 +87,11 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
             Err(e) => return Err(Error::sys("receive launch", e)),
         }
     };
-    let [stdin, stdout, stderr, payload]: [OwnedFd; 4] =
-        fds.try_into().map_err(|v: Vec<OwnedFd>| {
-            Error::Protocol(format!("launch carries {} descriptors, not 4", v.len()))
-        })?;
+    let [stdin, stdout, stderr, payload]: [OwnedFd; 4] = fds
+        .try_into()
+        .map_err(|v: Vec<OwnedFd>| LaunchError::Descriptors(v.len()))?;
     if &buf[..n] != MESSAGE {
-        return Err(Error::Protocol("malformed launch message".into()));
+        return Err(LaunchError::Malformed.into());
     }
     let mut bytes = Vec::new();
     let mut file = std::fs::File::from(payload);
@@ -80,14 +99,11 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
         .and_then(|_| file.take(MAX_LAUNCH as u64 + 1).read_to_end(&mut bytes))
         .map_err(|e| Error::io("launch payload", e))?;
     if bytes.len() > MAX_LAUNCH {
-        return Err(Error::Protocol(format!("launch over {MAX_LAUNCH} bytes")));
+        return Err(LaunchError::TooLarge.into());
     }
-    let launch: Launch =
-        serde_json::from_slice(&bytes).map_err(|e| Error::Protocol(e.to_string()))?;
+    let launch: Launch = serde_json::from_slice(&bytes).map_err(LaunchError::Decode)?;
     if launch.args.first().is_none_or(|a| !a.starts_with('/')) {
-        return Err(Error::Protocol(
-            "launch args must start with an absolute program path".into(),
-        ));
+        return Err(LaunchError::RelativeProgram.into());
     }
     Ok(Some((launch, [stdin, stdout, stderr])))
 }

@@ -21,6 +21,27 @@ use nix::mount::{MntFlags, MsFlags};
 use crate::error::{Error, Result};
 use crate::spec::BindMount;
 
+/// Why an image's overlay root cannot be mounted safely.
+#[derive(Debug, thiserror::Error)]
+pub enum RootfsError {
+    /// overlayfs options cannot carry the path of a layer.
+    #[error("An image layer path holds a ',' or ':' or is not UTF-8")]
+    LayerPath,
+    /// The overlay options do not fit the kernel's page of mount options.
+    #[error(
+        "{layers} image layers make overlay options of {bytes} bytes, more than the kernel's 4 KiB"
+    )]
+    TooManyLayers {
+        /// Layers of the image.
+        layers: usize,
+        /// Length of the options.
+        bytes: usize,
+    },
+    /// A runtime mount point in the image is a symlink or a file.
+    #[error("The image's /{0} is not a directory; refusing to mount over it")]
+    MountPoint(&'static str),
+}
+
 /// Where the working directory appears in the container.
 pub const WORKDIR: &str = "/workspace";
 /// Where the code file appears in the container (read-only).
@@ -322,9 +343,7 @@ impl Scratch {
         for (i, l) in lowers.iter().enumerate() {
             let l = l.to_str().filter(|l| !l.contains([',', ':']));
             let Some(l) = l else {
-                return Err(Error::Unsupported(
-                    "an image layer path holds a ',' or ':' or is not UTF-8".into(),
-                ));
+                return Err(RootfsError::LayerPath.into());
             };
             if i > 0 {
                 data.push(':');
@@ -338,11 +357,11 @@ impl Scratch {
         ));
         // The kernel takes one page of mount options.
         if data.len() >= 4000 {
-            return Err(Error::Unsupported(format!(
-                "{} image layers make overlay options of {} bytes, more than the kernel's 4 KiB",
-                lowers.len(),
-                data.len()
-            )));
+            return Err(RootfsError::TooManyLayers {
+                layers: lowers.len(),
+                bytes: data.len(),
+            }
+            .into());
         }
         nix::mount::mount(
             Some("sandboxd-root"),
@@ -356,11 +375,7 @@ impl Scratch {
             let p = root.join(m);
             match fs::symlink_metadata(&p) {
                 Ok(md) if md.is_dir() => {}
-                Ok(_) => {
-                    return Err(Error::Unsupported(format!(
-                        "the image's /{m} is not a directory; refusing to mount over it"
-                    )))
-                }
+                Ok(_) => return Err(RootfsError::MountPoint(m).into()),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => mkdir(&p, 0o755)?,
                 Err(e) => return Err(Error::io(&p, e)),
             }

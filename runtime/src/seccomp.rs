@@ -10,7 +10,33 @@
 use seccompiler::{BpfProgram, TargetArch};
 use sha2::{Digest, Sha256};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+
+/// Why the syscall profile cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    /// sandboxd has no profile for the architecture it was built for.
+    #[error("No seccomp profile for architecture {0}")]
+    Arch(&'static str),
+    /// The profile text does not compile.
+    #[error("The seccomp profile does not compile")]
+    Compile(#[source] seccompiler::Error),
+    /// A filter the profile must hold is missing.
+    #[error("The seccomp profile has no `{0}` filter")]
+    MissingFilter(&'static str),
+    /// The profile holds filters nothing would install.
+    #[error("The seccomp profile has filters other than allowlist and denylist")]
+    ExtraFilters,
+    /// The kernel refused a filter.
+    #[error("Cannot install the seccomp {filter}")]
+    Install {
+        /// `allowlist` or `denylist`.
+        filter: &'static str,
+        /// seccompiler's error.
+        #[source]
+        source: seccompiler::Error,
+    },
+}
 
 /// The x86_64 profile.
 pub const X86_64: &str = include_str!("../../seccomp-profiles/default.x86_64.json");
@@ -33,26 +59,19 @@ pub fn native_profile() -> Result<(&'static str, TargetArch)> {
     match std::env::consts::ARCH {
         "x86_64" => Ok((X86_64, TargetArch::x86_64)),
         "aarch64" => Ok((AARCH64, TargetArch::aarch64)),
-        other => Err(Error::Unsupported(format!(
-            "no seccomp profile for architecture {other}"
-        ))),
+        other => Err(SeccompError::Arch(other).into()),
     }
 }
 
 /// Compiles a profile text for an architecture.
 pub fn compile(text: &str, arch: TargetArch) -> Result<Profile> {
-    let mut map = seccompiler::compile_from_json(text.as_bytes(), arch)
-        .map_err(|e| Error::Unsupported(format!("seccomp profile does not compile: {e}")))?;
-    let mut take = |name: &str| {
-        map.remove(name)
-            .ok_or_else(|| Error::Unsupported(format!("seccomp profile has no `{name}` filter")))
-    };
+    let mut map =
+        seccompiler::compile_from_json(text.as_bytes(), arch).map_err(SeccompError::Compile)?;
+    let mut take = |name: &'static str| map.remove(name).ok_or(SeccompError::MissingFilter(name));
     let allow = take("allowlist")?;
     let deny = take("denylist")?;
     if !map.is_empty() {
-        return Err(Error::Unsupported(
-            "seccomp profile has filters other than allowlist and denylist".into(),
-        ));
+        return Err(SeccompError::ExtraFilters.into());
     }
     Ok(Profile {
         allow,
@@ -67,8 +86,9 @@ impl Profile {
     /// lock round on every install and showed up in the profile of container creation.
     pub fn install(&self) -> Result<()> {
         for (name, prog) in [("allowlist", &self.allow), ("denylist", &self.deny)] {
-            seccompiler::apply_filter(prog).map_err(|e| {
-                Error::Unsupported(format!("cannot install the seccomp {name}: {e}"))
+            seccompiler::apply_filter(prog).map_err(|source| SeccompError::Install {
+                filter: name,
+                source,
             })?;
         }
         Ok(())

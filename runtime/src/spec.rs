@@ -72,6 +72,23 @@ fn mount(dest: &str, typ: &str, source: &str, options: &[&str]) -> Result<Mount>
 /// no capabilities at all, `no_new_privs`, a read-only root, the OCI default masked and read-only paths, and
 /// cgroup limits for memory (no swap), pids and cpu.
 pub fn build(plan: &ContainerPlan) -> Result<Spec> {
+    Ok(SpecBuilder::default()
+        .version("1.0.2")
+        .root(
+            RootBuilder::default()
+                .path(&plan.rootfs)
+                .readonly(plan.readonly_root)
+                .build()?,
+        )
+        .hostname(&plan.hostname)
+        .mounts(mounts(plan)?)
+        .process(process(plan)?)
+        .linux(linux(plan)?)
+        .build()?)
+}
+
+/// `/proc`, a small `/dev` with `pts` and `shm`, then the plan's bind mounts in order.
+fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>> {
     let mut mounts = vec![
         mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])?,
         mount(
@@ -117,9 +134,13 @@ pub fn build(plan: &ContainerPlan) -> Result<Spec> {
                 .build()?,
         );
     }
+    Ok(mounts)
+}
 
+/// The program as root of the user namespace with no capabilities, `no_new_privs` and rlimits (no core dumps).
+fn process(plan: &ContainerPlan) -> Result<oci_spec::runtime::Process> {
     let no_caps = Capabilities::new();
-    let process = ProcessBuilder::default()
+    Ok(ProcessBuilder::default()
         .terminal(false)
         .user(UserBuilder::default().uid(0u32).gid(0u32).build()?)
         .args(plan.args.clone())
@@ -152,8 +173,11 @@ pub fn build(plan: &ContainerPlan) -> Result<Spec> {
                 .soft(plan.fsize_bytes)
                 .build()?,
         ])
-        .build()?;
+        .build()?)
+}
 
+/// Namespaces, the one-id user mapping, cgroup limits and the OCI default masked and read-only paths.
+fn linux(plan: &ContainerPlan) -> Result<oci_spec::runtime::Linux> {
     let namespaces = [
         LinuxNamespaceType::Pid,
         LinuxNamespaceType::Mount,
@@ -184,7 +208,7 @@ pub fn build(plan: &ContainerPlan) -> Result<Spec> {
         .cpu(LinuxCpuBuilder::default().shares(plan.cpu_shares).build()?)
         .build()?;
 
-    let linux = LinuxBuilder::default()
+    Ok(LinuxBuilder::default()
         .namespaces(namespaces)
         .uid_mappings(vec![id_map])
         .gid_mappings(vec![id_map])
@@ -192,20 +216,6 @@ pub fn build(plan: &ContainerPlan) -> Result<Spec> {
         .resources(resources)
         .masked_paths(get_default_maskedpaths())
         .readonly_paths(get_default_readonly_paths())
-        .build()?;
-
-    Ok(SpecBuilder::default()
-        .version("1.0.2")
-        .root(
-            RootBuilder::default()
-                .path(&plan.rootfs)
-                .readonly(plan.readonly_root)
-                .build()?,
-        )
-        .hostname(&plan.hostname)
-        .mounts(mounts)
-        .process(process)
-        .linux(linux)
         .build()?)
 }
 

@@ -415,17 +415,16 @@ impl Config {
         Ok(config)
     }
 
+    /// Checks what serde cannot: ranges, then identities and paths, then images and languages (in this order,
+    /// so the first problem reported is stable).
     fn validate(&self) -> Result<(), ConfigError> {
-        let positive = |key: &'static str, v: u64| {
-            if v == 0 {
-                Err(ConfigError::Value {
-                    key,
-                    reason: "must be at least 1".into(),
-                })
-            } else {
-                Ok(())
-            }
-        };
+        self.validate_numbers()?;
+        self.validate_host()?;
+        self.validate_images()
+    }
+
+    /// Counts, sizes and limits.
+    fn validate_numbers(&self) -> Result<(), ConfigError> {
         positive(
             "capacity.max_concurrent",
             self.capacity.max_concurrent as u64,
@@ -474,6 +473,11 @@ impl Config {
                 reason: "the kernel's minimum is 2".into(),
             });
         }
+        Ok(())
+    }
+
+    /// Tokens, the host uid range, the cgroup parent, the upload endpoint and the state directory.
+    fn validate_host(&self) -> Result<(), ConfigError> {
         for t in &self.auth.tokens {
             if t.len() < 16 {
                 return Err(ConfigError::Value {
@@ -503,12 +507,12 @@ impl Config {
         )
         .map_err(|e| ConfigError::Value {
             key: "sandbox.cgroup_parent",
-            reason: e.to_string(),
+            reason: runtime::error::Chain(&e).to_string(),
         })?;
         if let Some(u) = &self.artifacts.upload {
-            u.validate().map_err(|reason| ConfigError::Value {
+            u.validate().map_err(|e| ConfigError::Value {
                 key: "artifacts.upload.url",
-                reason,
+                reason: runtime::error::Chain(&e).to_string(),
             })?;
         }
         if !self.state_dir.is_absolute() {
@@ -517,6 +521,11 @@ impl Config {
                 reason: "must be an absolute path".into(),
             });
         }
+        Ok(())
+    }
+
+    /// Image names and digests, and the languages that run on them.
+    fn validate_images(&self) -> Result<(), ConfigError> {
         for (name, image) in &self.images {
             if !runtime::image::valid_name(name) {
                 return Err(ConfigError::Value {
@@ -558,6 +567,18 @@ impl Config {
                 reason: "lists no language; leave it out to use the host image's".into(),
             });
         }
+        Ok(())
+    }
+}
+
+/// `key` must be at least 1.
+fn positive(key: &'static str, v: u64) -> Result<(), ConfigError> {
+    if v == 0 {
+        Err(ConfigError::Value {
+            key,
+            reason: "must be at least 1".into(),
+        })
+    } else {
         Ok(())
     }
 }

@@ -4,6 +4,8 @@
 
 use std::path::Path;
 
+use runtime::error::Chain;
+
 use crate::config::Config;
 
 /// How a check came out.
@@ -45,6 +47,16 @@ fn check(name: &'static str, ok: bool, detail: String, fix: &'static str, requir
 
 /// Runs every check.
 pub fn run(config: &Config) -> Vec<Check> {
+    let mut out = process_checks();
+    out.push(cgroup_check(config));
+    out.extend(confinement_checks(config));
+    out.extend(filesystem_checks());
+    out.extend(language_checks());
+    out
+}
+
+/// Root and the kernel version.
+fn process_checks() -> Vec<Check> {
     let mut out = Vec::new();
     let root = nix::unistd::geteuid().is_root();
     out.push(check(
@@ -66,33 +78,41 @@ pub fn run(config: &Config) -> Vec<Check> {
         "use Linux 5.13 or newer (landlock, close_range with CLOEXEC, memory.peak on v2 needs 5.19)",
         true,
     ));
+    out
+}
 
+/// The hierarchy and the controllers executions need.
+fn cgroup_check(config: &Config) -> Check {
     match runtime::cgroups::Cgroups::detect(
         &config.sandbox.cgroup_root,
         &config.sandbox.cgroup_parent,
     ) {
         Ok(cg) => {
             let controllers = cg.check_controllers();
-            out.push(check(
+            check(
                 "cgroups",
                 controllers.is_ok(),
                 match &controllers {
                     Ok(()) => format!("cgroup {} with memory, pids, cpu", cg.version().as_str()),
-                    Err(e) => e.to_string(),
+                    Err(e) => Chain(e).to_string(),
                 },
                 "mount the memory, pids, cpu and cpuacct controllers (v1) or enable them in cgroup.subtree_control (v2)",
                 true,
-            ));
+            )
         }
-        Err(e) => out.push(check(
+        Err(e) => check(
             "cgroups",
             false,
-            e.to_string(),
+            Chain(&e).to_string(),
             "mount cgroupfs at /sys/fs/cgroup",
             true,
-        )),
+        ),
     }
+}
 
+/// User namespaces, landlock and seccomp (the profile must compile).
+fn confinement_checks(config: &Config) -> Vec<Check> {
+    let mut out = Vec::new();
     let userns = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
@@ -124,12 +144,17 @@ pub fn run(config: &Config) -> Vec<Check> {
         seccomp_field && profile.is_ok(),
         match &profile {
             Ok(p) => format!("filter mode available; profile {}", p.digest),
-            Err(e) => e.to_string(),
+            Err(e) => Chain(e).to_string(),
         },
         "enable CONFIG_SECCOMP_FILTER",
         true,
     ));
+    out
+}
 
+/// tmpfs (required) and overlayfs (OCI images only).
+fn filesystem_checks() -> Vec<Check> {
+    let mut out = Vec::new();
     let filesystems = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
     let has = |fs: &str| {
         filesystems
@@ -150,7 +175,12 @@ pub fn run(config: &Config) -> Vec<Check> {
         "modprobe overlay (needed for OCI images, not for the host image)",
         false,
     ));
+    out
+}
 
+/// The interpreters of the host image (warnings: a language without one is simply not offered).
+fn language_checks() -> Vec<Check> {
+    let mut out = Vec::new();
     for (name, path) in [
         ("python", "/usr/bin/python3"),
         ("javascript", "/usr/bin/node"),

@@ -79,16 +79,28 @@ pub fn file_name(lang: Language) -> &'static str {
     }
 }
 
+/// The languages the daemon offers, each with its image and interpreter.
+pub type Languages = BTreeMap<Language, LanguageRuntime>;
+
 /// Resolves every language. `run_dir` (the daemon's private tmpfs) is where OCI images are probed.
 pub fn resolve(
     config: &Config,
     host: HostImage,
     landlock_abi: i32,
     run_dir: &Path,
-) -> anyhow::Result<(
-    BTreeMap<Language, LanguageRuntime>,
-    Option<runtime::image::store::StoreLock>,
-)> {
+) -> anyhow::Result<(Languages, Option<runtime::image::store::StoreLock>)> {
+    let host_image = host_root_image(host, landlock_abi);
+    match &config.languages {
+        // No `languages:`: what the host image can run.
+        None => Ok((host_languages(&host_image)?, None)),
+        Some(languages) => {
+            configured_languages(config, languages, &host_image, landlock_abi, run_dir)
+        }
+    }
+}
+
+/// The host image: its read-only bind mounts, the code directory and `/proc` are what landlock lets a program read.
+fn host_root_image(host: HostImage, landlock_abi: i32) -> Arc<RootImage> {
     let mut read_only: Vec<PathBuf> = host
         .binds
         .iter()
@@ -97,52 +109,65 @@ pub fn resolve(
         .collect();
     read_only.push(runtime::rootfs::CODE_DIR.into());
     read_only.push("/proc".into());
-    let host_image = Arc::new(RootImage {
+    Arc::new(RootImage {
         name: "host".into(),
         digest: host_digest(),
         kind: RootKind::Host(host),
         landlock: Policy::for_execution(landlock_abi, read_only),
         env: Vec::new(),
-    });
-    let RootKind::Host(host) = &host_image.kind else {
-        unreachable!("just built as host")
-    };
+    })
+}
 
-    let Some(languages) = &config.languages else {
-        // No `languages:`: what the host image can run.
-        let table: [(Language, &[&str]); 4] = [
-            (Language::Python, &["/usr/bin/python3"]),
-            (Language::Javascript, &["node", "nodejs"]),
-            (Language::Shell, &["/bin/sh"]),
-            (Language::Elixir, &["elixir"]),
-        ];
-        let mut out = BTreeMap::new();
-        for (lang, candidates) in table {
-            match host.find_program(candidates) {
-                Some(program) => {
-                    info!(language = lang.as_str(), program, "language available");
-                    out.insert(
-                        lang,
-                        LanguageRuntime {
-                            image: host_image.clone(),
-                            command: vec![program],
-                            file_name: file_name(lang),
-                        },
-                    );
-                }
-                None => info!(
-                    language = lang.as_str(),
-                    "language not available in the host image"
-                ),
+fn host_of(image: &RootImage) -> &HostImage {
+    match &image.kind {
+        RootKind::Host(host) => host,
+        RootKind::Oci { .. } => unreachable!("built by host_root_image"),
+    }
+}
+
+/// Every language whose interpreter the host image holds.
+fn host_languages(host_image: &Arc<RootImage>) -> anyhow::Result<Languages> {
+    let table: [(Language, &[&str]); 4] = [
+        (Language::Python, &["/usr/bin/python3"]),
+        (Language::Javascript, &["node", "nodejs"]),
+        (Language::Shell, &["/bin/sh"]),
+        (Language::Elixir, &["elixir"]),
+    ];
+    let mut out = BTreeMap::new();
+    for (lang, candidates) in table {
+        match host_of(host_image).find_program(candidates) {
+            Some(program) => {
+                info!(language = lang.as_str(), program, "language available");
+                out.insert(
+                    lang,
+                    LanguageRuntime {
+                        image: host_image.clone(),
+                        command: vec![program],
+                        file_name: file_name(lang),
+                    },
+                );
             }
+            None => info!(
+                language = lang.as_str(),
+                "language not available in the host image"
+            ),
         }
-        if out.is_empty() {
-            bail!("the host image can run no language (no /usr/bin/python3, node, /bin/sh)");
-        }
-        return Ok((out, None));
-    };
+    }
+    if out.is_empty() {
+        bail!("the host image can run no language (no /usr/bin/python3, node, /bin/sh)");
+    }
+    Ok(out)
+}
 
-    // Each OCI image is opened once, with one probe mount that also checks every interpreter configured on it.
+/// The configured languages. Each OCI image is opened once, with one probe mount that also checks every
+/// interpreter configured on it; the store stays locked (shared) while the daemon runs.
+fn configured_languages(
+    config: &Config,
+    languages: &BTreeMap<Language, crate::config::LanguageConfig>,
+    host_image: &Arc<RootImage>,
+    landlock_abi: i32,
+    run_dir: &Path,
+) -> anyhow::Result<(Languages, Option<runtime::image::store::StoreLock>)> {
     let mut on_image: BTreeMap<&str, Vec<(Language, &str)>> = BTreeMap::new();
     for (lang, l) in languages {
         if l.image != "host" {
@@ -166,7 +191,7 @@ pub fn resolve(
     for (lang, l) in languages {
         let program = &l.command[0];
         let image = if l.image == "host" {
-            if host.find_program(&[program]).as_deref() != Some(program.as_str()) {
+            if host_of(host_image).find_program(&[program]).as_deref() != Some(program.as_str()) {
                 bail!("languages.{lang}: {program} is not an executable file in the host image");
             }
             host_image.clone()

@@ -223,10 +223,72 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     std::fs::create_dir_all(&config.state_dir)
         .with_context(|| format!("cannot create state_dir {}", config.state_dir.display()))?;
     ensure_token(&mut config, explicit)?;
+    let (cgroups, seccomp, landlock_abi) = isolation_layers(&config)?;
+    runtime::rootfs::unshare_mount_namespace()?;
+    let run_dir = config.state_dir.join("run");
+    remove_leftovers(&cgroups, &run_dir)?;
+    runtime::rootfs::mount_run_dir(&run_dir)?;
+    cgroups.ensure_parent()?;
+    // From here on, every way out of `start` (an early error included) removes the parent, empty by then.
+    let _parent = ParentGuard(cgroups.clone());
 
+    let host = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
+    // The store lock (if any OCI image is used) is held for the daemon's lifetime: `images rm` waits for us.
+    let (languages, _store_lock) =
+        images::resolve(&config, host, landlock_abi, &run_dir).context("languages")?;
+    let store = Arc::new(
+        store::Store::open(
+            &config.state_dir.join("artifacts"),
+            Duration::from_secs(config.artifacts.retention_s),
+            config.artifacts.max_store_bytes,
+        )
+        .context("cannot open the artifact store")?,
+    );
+    let seccomp_digest = seccomp.digest.clone();
+    let helper_config = HelperConfig {
+        state_root: run_dir.join("containers"),
+        cgroups: cgroups.clone(),
+        seccomp,
+    };
+    let mut helpers = Vec::new();
+    for _ in 0..config.helper_count() {
+        let (pid, sock) = runtime::helper::spawn_helper(helper_config.clone())?;
+        info!(pid = pid.as_raw(), "container helper started");
+        helpers.push((pid, sock));
+    }
+    let helper_pids: Vec<_> = helpers.iter().map(|(p, _)| *p).collect();
+    let daemon = Daemon {
+        isolation: isolation_report(&cgroups, landlock_abi),
+        config,
+        cgroups,
+        run_dir,
+        languages,
+        store,
+        seccomp_digest,
+        helpers,
+    };
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("sandboxd")
+        .build()
+        .context("cannot start the async runtime")?;
+    let result = rt.block_on(daemon.run());
+    // The helper exits on Shutdown (or when our socket closes); wait so nothing outlives us.
+    drop(rt);
+    for pid in helper_pids {
+        let _ = nix::sys::wait::waitpid(pid, None);
+    }
+    result?;
+    info!("stopped");
+    Ok(Exit::Ok)
+}
+
+/// Fails closed on every layer: a layer the host cannot provide stops the daemon here, not an execution later.
+/// Returns the cgroup setup, the compiled seccomp profile and the landlock ABI to use.
+fn isolation_layers(config: &Config) -> anyhow::Result<(Cgroups, runtime::seccomp::Profile, i32)> {
     let cgroups = Cgroups::detect(&config.sandbox.cgroup_root, &config.sandbox.cgroup_parent)?;
     cgroups.check_controllers()?;
-    // Fail closed on every layer: a layer the host cannot provide stops the daemon here, not an execution later.
     let (profile_text, arch) = runtime::seccomp::native_profile()?;
     let seccomp = runtime::seccomp::compile(profile_text, arch)?;
     let landlock_abi = runtime::sys::landlock_abi();
@@ -239,9 +301,11 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     }
     let landlock_abi = landlock_abi.min(runtime::landlock::MAX_ABI);
     info!(seccomp = %seccomp.digest, landlock_abi, "isolation layers ready");
-    runtime::rootfs::unshare_mount_namespace()?;
+    Ok((cgroups, seccomp, landlock_abi))
+}
 
-    // What a crashed instance left behind: cgroups under our parent, and per-execution state.
+/// What a crashed instance left behind: cgroups under our parent, and per-execution state.
+fn remove_leftovers(cgroups: &Cgroups, run_dir: &Path) -> anyhow::Result<()> {
     for r in cgroups.remove_leftovers() {
         match r {
             Ok(r) => {
@@ -251,19 +315,13 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
             Err(e) => bail!("cannot remove a leftover cgroup: {e}"),
         }
     }
-    let run_dir = config.state_dir.join("run");
-    metrics::count_leftover_mounts(&run_dir);
-    remove_leftover_dir(&run_dir)?;
-    runtime::rootfs::mount_run_dir(&run_dir)?;
-    cgroups.ensure_parent()?;
-    // From here on, every way out of `start` (an early error included) removes the parent, empty by then.
-    let _parent = ParentGuard(cgroups.clone());
+    metrics::count_leftover_mounts(run_dir);
+    remove_leftover_dir(run_dir)
+}
 
-    let host = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
-    // The store lock (if any OCI image is used) is held for the daemon's lifetime: `images rm` waits for us.
-    let (languages, _store_lock) =
-        images::resolve(&config, host, landlock_abi, &run_dir).context("languages")?;
-    let isolation = Isolation {
+/// The isolation every execution gets, as the protocol reports it.
+fn isolation_report(cgroups: &Cgroups, landlock_abi: i32) -> Isolation {
+    Isolation {
         namespaces: ["pid", "mount", "ipc", "uts", "net", "cgroup", "user"]
             .iter()
             .map(|s| s.to_string())
@@ -273,78 +331,58 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         landlock_abi: Some(landlock_abi as u32),
         user_namespace: true,
         network: "loopback-only".into(),
-    };
-    let containers_dir = run_dir.join("containers");
-    let store = Arc::new(
-        store::Store::open(
-            &config.state_dir.join("artifacts"),
-            Duration::from_secs(config.artifacts.retention_s),
-            config.artifacts.max_store_bytes,
-        )
-        .context("cannot open the artifact store")?,
-    );
-    let seccomp_digest = seccomp.digest.clone();
-    let helper_config = HelperConfig {
-        state_root: containers_dir,
-        cgroups: cgroups.clone(),
-        seccomp,
-    };
-    let mut forked = Vec::new();
-    for _ in 0..config.helper_count() {
-        let (pid, sock) = runtime::helper::spawn_helper(helper_config.clone())?;
-        info!(pid = pid.as_raw(), "container helper started");
-        forked.push((pid, sock));
     }
-    let helper_pids: Vec<_> = forked.iter().map(|(p, _)| *p).collect();
+}
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("sandboxd")
-        .build()
-        .context("cannot start the async runtime")?;
-    let result = rt.block_on(async move {
-        let mut clients = forked
+/// Everything `start` prepared while single-threaded, for the async part of the daemon.
+struct Daemon {
+    config: Config,
+    cgroups: Cgroups,
+    run_dir: PathBuf,
+    languages: images::Languages,
+    isolation: Isolation,
+    store: Arc<store::Store>,
+    seccomp_digest: String,
+    /// The forked helpers: pid and the daemon's end of the socket.
+    helpers: Vec<(nix::unistd::Pid, std::os::fd::OwnedFd)>,
+}
+
+impl Daemon {
+    /// Builds the pool and the engine, runs the self-test, serves until shutdown, then stops every container.
+    async fn run(self) -> anyhow::Result<()> {
+        let mut clients = self
+            .helpers
             .into_iter()
             .map(|(pid, sock)| HelperClient::new(sock, pid))
             .collect::<Result<std::collections::VecDeque<_>, _>>()?;
         let first = clients
             .pop_front()
             .context("no container helper was started (pool.helpers)")?;
+        let config = self.config;
         let factory = Arc::new(pool::Factory::new(
             pool::Helpers::new(first, clients.into()),
-            cgroups.clone(),
-            run_dir.clone(),
+            self.cgroups.clone(),
+            self.run_dir.clone(),
             config.sandbox.nofile,
             config.limits.max.to_limits(),
             pool::Uids::new(config.sandbox.uid_base, config.uid_count() as u32),
         ));
-        let pool = Arc::new(pool::Pool::new(factory, config.pool_size(), &languages));
-        pool.start(&languages);
+        let pool = Arc::new(pool::Pool::new(
+            factory,
+            config.pool_size(),
+            &self.languages,
+        ));
+        pool.start(&self.languages);
         let engine = Arc::new(Engine::new(
             config,
             pool.clone(),
-            cgroups.clone(),
-            languages,
-            isolation,
-            store.clone(),
-            seccomp_digest,
+            self.cgroups.clone(),
+            self.languages,
+            self.isolation,
+            self.store.clone(),
+            self.seccomp_digest,
         ));
-        // The collector: at start-up, then every ten minutes.
-        tokio::spawn(async move {
-            loop {
-                let s = store.clone();
-                match tokio::task::spawn_blocking(move || s.gc(std::time::SystemTime::now())).await
-                {
-                    Ok(Ok(r)) if r.blobs_removed + r.manifests_removed > 0 => {
-                        info!(?r, "artifact GC")
-                    }
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => warn!(error = %e, "artifact GC failed"),
-                    Err(e) => warn!(error = %e, "artifact GC panicked"),
-                }
-                tokio::time::sleep(Duration::from_secs(600)).await;
-            }
-        });
+        spawn_artifact_gc(self.store);
         if let Err(e) = server::self_test(engine.clone()).await {
             stop_containers(&engine).await;
             let hint = untraversable_ancestor(&engine.config.state_dir)
@@ -362,16 +400,26 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         info!("self-test execution passed");
         serve(engine.clone()).await?;
         stop_containers(&engine).await;
-        anyhow::Ok(())
-    });
-    // The helper exits on Shutdown (or when our socket closes); wait so nothing outlives us.
-    drop(rt);
-    for pid in helper_pids {
-        let _ = nix::sys::wait::waitpid(pid, None);
+        Ok(())
     }
-    result?;
-    info!("stopped");
-    Ok(Exit::Ok)
+}
+
+/// The artifact store's collector: at start-up, then every ten minutes.
+fn spawn_artifact_gc(store: Arc<store::Store>) {
+    tokio::spawn(async move {
+        loop {
+            let s = store.clone();
+            match tokio::task::spawn_blocking(move || s.gc(std::time::SystemTime::now())).await {
+                Ok(Ok(r)) if r.blobs_removed + r.manifests_removed > 0 => {
+                    info!(?r, "artifact GC")
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => warn!(error = %e, "artifact GC failed"),
+                Err(e) => warn!(error = %e, "artifact GC panicked"),
+            }
+            tokio::time::sleep(Duration::from_secs(600)).await;
+        }
+    });
 }
 
 /// Removes the daemon's cgroup parent when dropped: `start` holds one from the moment it creates the parent, so

@@ -210,7 +210,10 @@ impl Factory {
             this.prepare(&cid2, host_id, &lang2, disk_mb, &limits2)
         })
         .await
-        .map_err(|e| runtime::Error::Container(format!("preparation panicked: {e}")));
+        .map_err(|source| runtime::Error::Task {
+            task: "preparation",
+            source,
+        });
         let scratch = match prepared.and_then(|r| r) {
             Ok(s) => s,
             Err(e) => {
@@ -289,9 +292,8 @@ impl Factory {
         };
         let spec = runtime::spec::build(&plan)?;
         let config = scratch.dir().join("config.json");
-        spec.save(&config).map_err(|e| {
-            runtime::Error::Container(format!("cannot write {}: {e}", config.display()))
-        })?;
+        spec.save(&config)
+            .map_err(|e| runtime::Error::save_spec(&config, e))?;
         Ok(scratch)
     }
 

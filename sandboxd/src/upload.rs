@@ -5,6 +5,9 @@
 //! content stays in the local store and is never dropped.
 //!
 //! Plain `http://` only: a `https://` endpoint is refused at configuration time rather than sent in clear text.
+//!
+//! [`post_json`] is the one HTTP client of sandboxd's backend calls: the uploads here and the agents' token renewal
+//! ([`crate::agent::backend`]) both go through it.
 
 use std::path::Path;
 use std::time::Duration;
@@ -38,26 +41,147 @@ fn default_backoff_ms() -> u64 {
     100
 }
 
+/// Why an upload configuration (or a bootstrap endpoint) is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidEndpoint {
+    /// The URL does not parse.
+    #[error("Not a URL")]
+    Url(#[source] hyper::http::uri::InvalidUri),
+    /// TLS is not implemented: the token would travel in clear text.
+    #[error("https upload endpoints are not supported yet; use a local TLS proxy")]
+    Https,
+    /// Another scheme, or none.
+    #[error("The URL must start with http://")]
+    Scheme,
+    /// No host to connect to.
+    #[error("The URL has no host")]
+    NoHost,
+    /// Zero attempts would never upload.
+    #[error("Attempts must be at least 1")]
+    NoAttempts,
+}
+
 impl UploadConfig {
-    /// Checks the URL; returns why it is unusable.
-    pub fn validate(&self) -> Result<(), String> {
-        let uri: hyper::Uri = self.url.parse().map_err(|e| format!("not a URL: {e}"))?;
+    /// Checks the URL and the attempts.
+    pub fn validate(&self) -> Result<(), InvalidEndpoint> {
+        let uri: hyper::Uri = self.url.parse().map_err(InvalidEndpoint::Url)?;
         match uri.scheme_str() {
             Some("http") => {}
-            Some("https") => {
-                return Err(
-                    "https upload endpoints are not supported yet; use a local TLS proxy".into(),
-                )
-            }
-            _ => return Err("the URL must start with http://".into()),
+            Some("https") => return Err(InvalidEndpoint::Https),
+            _ => return Err(InvalidEndpoint::Scheme),
         }
         if uri.host().is_none() {
-            return Err("the URL has no host".into());
+            return Err(InvalidEndpoint::NoHost);
         }
         if self.attempts == 0 {
-            return Err("attempts must be at least 1".into());
+            return Err(InvalidEndpoint::NoAttempts);
         }
         Ok(())
+    }
+}
+
+/// How long one request to the backend may take, answer included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why one `POST` to the backend failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    /// The request could not be built (a header value the URL or token makes invalid).
+    #[error("Cannot build the request")]
+    Build(#[source] hyper::http::Error),
+    /// Connecting or sending failed.
+    #[error("Request failed")]
+    Send(#[source] hyper_util::client::legacy::Error),
+    /// The answer's body could not be read.
+    #[error("Reading the answer failed")]
+    Read(#[source] hyper::Error),
+    /// The backend answered with an error status.
+    #[error("HTTP {0}")]
+    Status(hyper::StatusCode),
+    /// The answer is not JSON.
+    #[error("The answer is not JSON")]
+    Json(#[source] serde_json::Error),
+    /// No complete answer within [`REQUEST_TIMEOUT`].
+    #[error("Timed out after {} s", REQUEST_TIMEOUT.as_secs())]
+    Timeout,
+}
+
+impl HttpError {
+    /// The backend refused the token.
+    pub fn is_unauthorized(&self) -> bool {
+        matches!(self, Self::Status(s) if *s == hyper::StatusCode::UNAUTHORIZED)
+    }
+}
+
+/// A `POST` with a bearer token: the JSON of a successful answer, or why there is none. Shared by the artifact
+/// upload and the agents' token renewal.
+pub async fn post_json(
+    url: &str,
+    token: &str,
+    headers: &[(&str, String)],
+    body: Bytes,
+) -> Result<serde_json::Value, HttpError> {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let mut req = hyper::Request::post(url).header("authorization", format!("Bearer {token}"));
+    for (name, value) in headers {
+        req = req.header(*name, value);
+    }
+    let req = req.body(Full::new(body)).map_err(HttpError::Build)?;
+    tokio::time::timeout(REQUEST_TIMEOUT, async {
+        let resp = client.request(req).await.map_err(HttpError::Send)?;
+        let status = resp.status();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(HttpError::Read)?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(HttpError::Status(status));
+        }
+        serde_json::from_slice(&bytes).map_err(HttpError::Json)
+    })
+    .await
+    .unwrap_or(Err(HttpError::Timeout))
+}
+
+/// Why an artifact was not uploaded.
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    /// The stored blob could not be read.
+    #[error("Cannot read the blob {}", .path.display())]
+    Blob {
+        /// The blob's path in the store.
+        path: std::path::PathBuf,
+        /// The read error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backend answered without a `backendUri`.
+    #[error("The answer has no backendUri")]
+    NoUri,
+    /// Every attempt failed; the last one's error is the source.
+    #[error("{attempts} attempts failed")]
+    Exhausted {
+        /// How many attempts were made.
+        attempts: u32,
+        /// What the last one ran into.
+        #[source]
+        last: Box<UploadError>,
+    },
+    /// The request failed.
+    #[error(transparent)]
+    Http(#[from] HttpError),
+}
+
+impl UploadError {
+    /// The backend refused the token (on the last attempt).
+    pub fn is_unauthorized(&self) -> bool {
+        match self {
+            Self::Http(e) => e.is_unauthorized(),
+            Self::Exhausted { last, .. } => last.is_unauthorized(),
+            Self::Blob { .. } | Self::NoUri => false,
+        }
     }
 }
 
@@ -67,50 +191,37 @@ pub async fn upload(
     blob: &Path,
     hex: &str,
     content_type: &str,
-) -> Result<String, String> {
+) -> Result<String, UploadError> {
     let content = tokio::fs::read(blob)
         .await
-        .map_err(|e| format!("cannot read the blob: {e}"))?;
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+        .map_err(|source| UploadError::Blob {
+            path: blob.to_owned(),
+            source,
+        })?;
     let body = Bytes::from(content);
+    let headers = [
+        ("content-type", content_type.to_owned()),
+        ("content-hash", format!("sha256:{hex}")),
+        ("x-size-bytes", body.len().to_string()),
+    ];
     let mut delay = Duration::from_millis(cfg.backoff_ms);
-    let mut last = String::new();
+    let mut last = UploadError::NoUri;
     for attempt in 1..=cfg.attempts {
-        let req = hyper::Request::post(&cfg.url)
-            .header("authorization", format!("Bearer {}", cfg.token))
-            .header("content-type", content_type)
-            .header("content-hash", format!("sha256:{hex}"))
-            .header("x-size-bytes", body.len().to_string())
-            .body(Full::new(body.clone()))
-            .map_err(|e| e.to_string())?;
-        let outcome = tokio::time::timeout(Duration::from_secs(30), async {
-            let resp = client
-                .request(req)
-                .await
-                .map_err(|e| format!("request failed: {e}"))?;
-            let status = resp.status();
-            let bytes = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| format!("reading the answer failed: {e}"))?
-                .to_bytes();
-            if !status.is_success() {
-                return Err(format!("HTTP {status}"));
-            }
-            let v: serde_json::Value =
-                serde_json::from_slice(&bytes).map_err(|e| format!("answer is not JSON: {e}"))?;
-            v["backendUri"]
-                .as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| "answer has no backendUri".to_owned())
-        })
-        .await
-        .unwrap_or_else(|_| Err("timed out after 30 s".into()));
+        let outcome = post_json(&cfg.url, &cfg.token, &headers, body.clone())
+            .await
+            .map_err(UploadError::from)
+            .and_then(|v| {
+                v["backendUri"]
+                    .as_str()
+                    .map(str::to_owned)
+                    .ok_or(UploadError::NoUri)
+            });
         match outcome {
             Ok(uri) => return Ok(uri),
+            // The same request would be as malformed next time.
+            Err(e @ UploadError::Http(HttpError::Build(_))) => return Err(e),
             Err(e) => {
-                tracing::warn!(attempt, error = %e, hex, "artifact upload failed");
+                tracing::warn!(attempt, error = %runtime::error::Chain(&e), hex, "artifact upload failed");
                 last = e;
             }
         }
@@ -119,7 +230,10 @@ pub async fn upload(
             delay *= 2;
         }
     }
-    Err(format!("{} attempts failed, last: {last}", cfg.attempts))
+    Err(UploadError::Exhausted {
+        attempts: cfg.attempts,
+        last: Box::new(last),
+    })
 }
 
 #[cfg(test)]
@@ -141,6 +255,7 @@ mod tests {
         assert!(cfg("https://example.invalid/u")
             .validate()
             .unwrap_err()
+            .to_string()
             .contains("https"));
         assert!(cfg("ftp://x/y").validate().is_err());
         assert!(cfg("not a url").validate().is_err());
@@ -199,6 +314,11 @@ mod tests {
         let err = upload(&cfg(&dead), &blob, "abc", "text/plain")
             .await
             .unwrap_err();
-        assert!(err.starts_with("3 attempts failed"), "{err}");
+        let text = runtime::error::Chain(&err).to_string();
+        assert!(
+            text.starts_with("3 attempts failed: Request failed"),
+            "{text}"
+        );
+        assert!(!err.is_unauthorized());
     }
 }

@@ -17,7 +17,7 @@ use nix::unistd::{ForkResult, Pid};
 
 use super::proto::{Event, Request};
 use crate::cgroups::Cgroups;
-use crate::error::{Error, Result};
+use crate::error::{Chain, ContainerOp, Error, Result};
 use crate::init::InitExecutor;
 use crate::ipc;
 
@@ -53,7 +53,7 @@ pub fn spawn_helper(config: HelperConfig) -> Result<(Pid, OwnedFd)> {
                 {
                     Ok(mut h) => h.run(),
                     Err(e) => {
-                        tracing::error!(error = %e, "helper failed to start");
+                        tracing::error!(error = %Chain(&e), "helper failed to start");
                         1
                     }
                 },
@@ -176,7 +176,7 @@ impl Helper {
                     self.send(
                         &Event::Failed {
                             id,
-                            message: e.to_string(),
+                            message: Chain(&e).to_string(),
                         },
                         &[],
                     );
@@ -234,22 +234,20 @@ impl Helper {
         };
         let container = ContainerBuilder::new(id.to_owned(), SyscallType::default())
             .with_root_path(&self.config.state_root)
-            .map_err(|e| Error::Container(e.to_string()))?
+            .map_err(|e| Error::container(ContainerOp::Configure, e))?
             .with_executor(executor)
             .with_stdin(null()?)
             .with_stdout(null()?)
             .with_stderr(null()?)
             .validate_id()
-            .map_err(|e| Error::Container(e.to_string()))?
+            .map_err(|e| Error::container(ContainerOp::Configure, e))?
             .as_init(bundle)
             .with_systemd(false)
             .with_detach(true)
             .build()
-            .map_err(|e| Error::Container(format!("create failed: {e}")))?;
+            .map_err(|e| Error::container(ContainerOp::Create, e))?;
         drop((status_w, launch_init));
-        let pid = container
-            .pid()
-            .ok_or_else(|| Error::Container("created container has no pid".into()))?;
+        let pid = container.pid().ok_or(Error::NoPid)?;
         // Registered first, so a failure below is cleaned up like any created container.
         let running = self
             .running
@@ -260,7 +258,7 @@ impl Helper {
         crate::sys::bring_up_loopback(pid)?;
         container
             .start()
-            .map_err(|e| Error::Container(format!("start failed: {e}")))?;
+            .map_err(|e| Error::container(ContainerOp::Start, e))?;
         Ok((pid, [launch_daemon, status_r, pidfd]))
     }
 
@@ -286,7 +284,7 @@ impl Helper {
             error.get_or_insert_with(|| format!("reaping the init failed: {e}"));
         }
         if let Err(e) = self.config.cgroups.remove_leaf(id) {
-            error.get_or_insert_with(|| e.to_string());
+            error.get_or_insert_with(|| Chain(&e).to_string());
         }
         let dir = self.config.state_root.join(id);
         if let Err(e) = std::fs::remove_dir_all(&dir) {
@@ -325,7 +323,7 @@ impl Helper {
             let _ = waitpid(p, None);
         }
         if let Err(e) = self.config.cgroups.remove_leaf(id) {
-            tracing::error!(%id, error = %e, "cgroup of a failed container not removed");
+            tracing::error!(%id, error = %Chain(&e), "cgroup of a failed container not removed");
         }
         if dir.exists() {
             let _ = std::fs::remove_dir_all(&dir);

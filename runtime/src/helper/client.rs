@@ -15,6 +15,32 @@ use super::proto::{Event, Request};
 use crate::error::{Error, Result};
 use crate::ipc;
 
+/// What went wrong between the daemon and the helper.
+#[derive(Debug, thiserror::Error)]
+pub enum HelperError {
+    /// A request could not be encoded.
+    #[error("Cannot encode a request to the helper")]
+    Encode(#[source] serde_json::Error),
+    /// The helper answered a create with the wrong number of descriptors.
+    #[error("The helper's created event carries {0} descriptors, not 3")]
+    Descriptors(usize),
+    /// The helper answered a request with an event of another kind.
+    #[error("Unexpected answer from the helper to {request}: {event:?}")]
+    Unexpected {
+        /// The request (`create`, `remove`).
+        request: &'static str,
+        /// What came back.
+        event: Box<Event>,
+    },
+    /// The helper could not create or start the container. `message` is the helper's error with its sources
+    /// ([`crate::error::Chain`]): it crossed a process boundary, so it is text, shown as it is.
+    #[error("{message}")]
+    CreateFailed {
+        /// The helper's report.
+        message: String,
+    },
+}
+
 /// A container whose init waits for the launch message, with the daemon's descriptors.
 #[derive(Debug)]
 pub struct Created {
@@ -98,10 +124,9 @@ impl HelperClient {
             .await?;
         match answer {
             Some((Event::Created { pid, .. }, fds)) => {
-                let [launch, status, pidfd]: [OwnedFd; 3] =
-                    fds.try_into().map_err(|v: Vec<OwnedFd>| {
-                        Error::Protocol(format!("created carries {} descriptors, not 3", v.len()))
-                    })?;
+                let [launch, status, pidfd]: [OwnedFd; 3] = fds
+                    .try_into()
+                    .map_err(|v: Vec<OwnedFd>| HelperError::Descriptors(v.len()))?;
                 Ok(Created {
                     pid,
                     launch,
@@ -109,10 +134,14 @@ impl HelperClient {
                     pidfd,
                 })
             }
-            Some((Event::Failed { message, .. }, _)) => Err(Error::Container(message)),
-            Some((other, _)) => Err(Error::Protocol(format!(
-                "unexpected answer to create: {other:?}"
-            ))),
+            Some((Event::Failed { message, .. }, _)) => {
+                Err(HelperError::CreateFailed { message }.into())
+            }
+            Some((other, _)) => Err(HelperError::Unexpected {
+                request: "create",
+                event: Box::new(other),
+            }
+            .into()),
             None => Err(Error::HelperGone),
         }
     }
@@ -123,9 +152,11 @@ impl HelperClient {
         let answer = self.ask(id, &Request::Remove { id: id.to_owned() }).await?;
         match answer {
             Some((Event::Removed { error, .. }, _)) => Ok(error),
-            Some((other, _)) => Err(Error::Protocol(format!(
-                "unexpected answer to remove: {other:?}"
-            ))),
+            Some((other, _)) => Err(HelperError::Unexpected {
+                request: "remove",
+                event: Box::new(other),
+            }
+            .into()),
             None => Err(Error::HelperGone),
         }
     }
@@ -173,7 +204,7 @@ impl HelperClient {
         if !self.is_alive() {
             return Err(Error::HelperGone);
         }
-        let bytes = serde_json::to_vec(req).map_err(|e| Error::Protocol(e.to_string()))?;
+        let bytes = serde_json::to_vec(req).map_err(HelperError::Encode)?;
         loop {
             let mut guard = self
                 .inner

@@ -19,5 +19,5 @@ pub mod client;
 pub mod proto;
 
 pub use child::{spawn_helper, HelperConfig};
-pub use client::{Created, HelperClient};
+pub use client::{Created, HelperClient, HelperError};
 pub use proto::{Event, Request};

@@ -167,10 +167,8 @@ fn descriptor_digest(d: &Descriptor) -> Result<Sha256> {
     })
 }
 
-/// Reads and verifies the layout at `dir`: `oci-layout`, `index.json`, the manifest for linux on this machine's
-/// architecture (through at most one nested index), its config; checks every layer's descriptor against the
-/// config. Layer blobs themselves are not read here.
-pub fn open(dir: &Path) -> Result<Layout> {
+/// Checks `oci-layout` and finds the manifest's descriptor in `index.json` (through at most one nested index).
+fn manifest_descriptor(dir: &Path) -> Result<Descriptor> {
     let header_path = dir.join("oci-layout");
     let header = read_small_file(&header_path)?;
     let header: serde_json::Value = serde_json::from_slice(&header)
@@ -199,6 +197,14 @@ pub fn open(dir: &Path) -> Result<Layout> {
             ));
         }
     }
+    Ok(manifest_desc)
+}
+
+/// Reads and verifies the layout at `dir`: `oci-layout`, `index.json`, the manifest for linux on this machine's
+/// architecture (through at most one nested index), its config; checks every layer's descriptor against the
+/// config. Layer blobs themselves are not read here.
+pub fn open(dir: &Path) -> Result<Layout> {
+    let manifest_desc = manifest_descriptor(dir)?;
     let manifest_digest = descriptor_digest(&manifest_desc)?;
     let bytes = read_json_blob(dir, &manifest_digest, manifest_desc.size())?;
     let manifest = ImageManifest::from_reader(&bytes[..]).map_err(|e| ImageError::Blob {

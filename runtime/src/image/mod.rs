@@ -61,7 +61,7 @@ pub enum ImageError {
     #[error("the image store {0} is in use (by a running sandboxd or an import); stop it first")]
     Busy(PathBuf),
     /// A filesystem operation failed.
-    #[error("I/O error on {path}: {source}")]
+    #[error("I/O error on {}", .path.display())]
     Io {
         /// The path it happened on.
         path: PathBuf,
@@ -130,10 +130,15 @@ impl std::fmt::Display for Sha256 {
     }
 }
 
+/// A string that is not `sha256:<64 lowercase hex>`.
+#[derive(Debug, thiserror::Error)]
+#[error("Not a sha256 digest: {0:?}")]
+pub struct InvalidDigest(pub String);
+
 impl TryFrom<String> for Sha256 {
-    type Error = String;
-    fn try_from(s: String) -> std::result::Result<Self, String> {
-        Self::parse(&s).ok_or_else(|| format!("not a sha256 digest: {s:?}"))
+    type Error = InvalidDigest;
+    fn try_from(s: String) -> std::result::Result<Self, InvalidDigest> {
+        Self::parse(&s).ok_or(InvalidDigest(s))
     }
 }
 

@@ -33,6 +33,7 @@ use tar::EntryType;
 
 use super::layout::HashingReader;
 use super::{Compression, ImageError, Result, Sha256, MOUNT_POINTS};
+use crate::error::Chain;
 
 /// Longest entry path accepted (Linux's `PATH_MAX`).
 const MAX_PATH_BYTES: usize = 4096;
@@ -109,6 +110,39 @@ pub fn unpack(
     Ok(unpacker.stats)
 }
 
+/// Why the parent directories of an entry could not be opened; becomes the reason of an
+/// [`ImageError::Layer`] (lower case, as the other reasons: it follows the entry's name).
+#[derive(Debug, thiserror::Error)]
+enum WalkError {
+    #[error("cannot duplicate the layer's root descriptor")]
+    Dup(#[source] nix::Error),
+    #[error("mkdir {path}")]
+    Mkdir {
+        path: String,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("{path}")]
+    Open {
+        path: String,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("the path goes through the symlink {0} (writing through links is refused)")]
+    Symlink(String),
+    #[error("{0} is not a directory")]
+    NotDir(String),
+}
+
+/// Where an entry goes: its parent directory (opened), the parent's components, its name, and its path as the
+/// archive wrote it (for errors).
+struct At<'a> {
+    parent: RawFd,
+    parents: &'a [&'a OsStr],
+    name: &'a OsStr,
+    shown: &'a str,
+}
+
 struct Unpacker<'a> {
     root: OwnedFd,
     digest: &'a Sha256,
@@ -128,6 +162,8 @@ impl Unpacker<'_> {
         }
     }
 
+    /// Applies one archive entry below the root; bookkeeping entries (pax headers, aufs' hard-link directories) are
+    /// skipped.
     fn apply<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<()> {
         let raw_path = entry.path_bytes().into_owned();
         let shown = String::from_utf8_lossy(&raw_path).into_owned();
@@ -139,7 +175,7 @@ impl Unpacker<'_> {
         ) {
             return Ok(());
         }
-        let comps = components(&raw_path).map_err(|r| self.refuse(&shown, r))?;
+        let comps = components(&raw_path).map_err(|r| self.refuse(&shown, r.to_string()))?;
         // aufs bookkeeping (`.wh..wh.plnk/…`, `.wh..wh.aufs`, `.wh..wh.orph/…`): not content, skipped as
         // containerd does.
         if comps.iter().any(|c| {
@@ -155,9 +191,8 @@ impl Unpacker<'_> {
             .mode()
             .map_err(|e| self.refuse(&shown, e.to_string()))?;
         let mtime = header.mtime().unwrap_or(0).min(i64::MAX as u64) as i64;
-        let name_bytes = name.as_bytes();
         if parents.is_empty()
-            && MOUNT_POINTS.iter().any(|m| m.as_bytes() == name_bytes)
+            && MOUNT_POINTS.iter().any(|m| m.as_bytes() == name.as_bytes())
             && kind != EntryType::Directory
         {
             return Err(self.refuse(
@@ -165,148 +200,33 @@ impl Unpacker<'_> {
                 "a runtime mount point must be a directory (the runtime mounts over it)",
             ));
         }
-        let parent = self.parent(parents, true, &shown)?;
-
-        // Whiteouts.
-        if let Some(hidden) = name_bytes.strip_prefix(b".wh.") {
-            if hidden == b".wh..opq" {
-                set_opaque(parent)
-                    .map_err(|e| self.refuse(&shown, format!("opaque marker: {e}")))?;
-            } else {
-                if hidden.is_empty()
-                    || hidden == b"."
-                    || hidden == b".."
-                    || hidden.starts_with(b".wh.")
-                {
-                    return Err(self.refuse(&shown, "malformed whiteout"));
-                }
-                let hidden = OsStr::from_bytes(hidden);
-                self.clear(parent, hidden, false, &shown)?;
-                nix::sys::stat::mknodat(
-                    Some(parent),
-                    hidden,
-                    SFlag::S_IFCHR,
-                    Mode::empty(),
-                    nix::sys::stat::makedev(0, 0),
-                )
-                .map_err(|e| self.refuse(&shown, format!("whiteout: {e}")))?;
-            }
+        let at = At {
+            parent: self.parent(parents, true, &shown)?,
+            parents,
+            name,
+            shown: &shown,
+        };
+        if let Some(hidden) = name.as_bytes().strip_prefix(b".wh.") {
+            self.whiteout(&at, hidden)?;
             self.stats.whiteouts += 1;
             self.stats.entries += 1;
             return Ok(());
         }
-
         let perm = mode & 0o1777;
         if mode & 0o6000 != 0 {
             self.stats.setid_dropped += 1;
         }
         match kind {
             EntryType::Regular | EntryType::Continuous => {
-                self.clear(parent, name, false, &shown)?;
-                let fd = nix::fcntl::openat(
-                    Some(parent),
-                    *name,
-                    OFlag::O_WRONLY
-                        | OFlag::O_CREAT
-                        | OFlag::O_EXCL
-                        | OFlag::O_NOFOLLOW
-                        | OFlag::O_CLOEXEC,
-                    Mode::from_bits_truncate(0o600),
-                )
-                .map_err(|e| self.refuse(&shown, format!("create: {e}")))?;
-                // SAFETY: openat returned a new descriptor that nothing else owns.
-                let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-                let n = io::copy(&mut entry, &mut file)
-                    .map_err(|e| self.refuse(&shown, format!("write: {e}")))?;
-                self.stats.bytes += n;
-                nix::sys::stat::fchmod(file.as_raw_fd(), Mode::from_bits_truncate(perm))
-                    .map_err(|e| self.refuse(&shown, format!("chmod: {e}")))?;
-                let t = TimeSpec::new(mtime, 0);
-                nix::sys::stat::futimens(file.as_raw_fd(), &t, &t)
-                    .map_err(|e| self.refuse(&shown, format!("set mtime: {e}")))?;
+                self.regular(&at, &mut entry, perm, mtime)?
             }
             EntryType::Directory => {
-                self.clear(parent, name, true, &shown)?;
-                match nix::sys::stat::mkdirat(Some(parent), *name, Mode::from_bits_truncate(0o700))
-                {
-                    Ok(()) | Err(nix::Error::EEXIST) => {}
-                    Err(e) => return Err(self.refuse(&shown, format!("mkdir: {e}"))),
-                }
-                nix::sys::stat::fchmodat(
-                    Some(parent),
-                    *name,
-                    Mode::from_bits_truncate(perm),
-                    nix::sys::stat::FchmodatFlags::FollowSymlink,
-                )
-                .map_err(|e| self.refuse(&shown, format!("chmod: {e}")))?;
+                self.directory(&at, perm)?;
                 self.dirs
                     .push((comps.iter().map(|c| c.to_os_string()).collect(), mtime));
             }
-            EntryType::Symlink => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| self.refuse(&shown, "symlink without a target"))?
-                    .into_owned();
-                if target.is_empty() || target.contains(&0) {
-                    return Err(self.refuse(&shown, "symlink with an empty or invalid target"));
-                }
-                self.clear(parent, name, false, &shown)?;
-                nix::unistd::symlinkat(OsStr::from_bytes(&target), Some(parent), *name)
-                    .map_err(|e| self.refuse(&shown, format!("symlink: {e}")))?;
-                let t = TimeSpec::new(mtime, 0);
-                let _ = nix::sys::stat::utimensat(
-                    Some(parent),
-                    *name,
-                    &t,
-                    &t,
-                    nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-                );
-            }
-            EntryType::Link => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| self.refuse(&shown, "hard link without a target"))?
-                    .into_owned();
-                let tcomps = components(&target)
-                    .map_err(|r| self.refuse(&shown, format!("hard link target: {r}")))?;
-                let Some((tname, tparents)) = tcomps.split_last() else {
-                    return Err(self.refuse(&shown, "hard link to the layer's root"));
-                };
-                let tshown = String::from_utf8_lossy(&target).into_owned();
-                let outside = || {
-                    self.refuse(
-                        &shown,
-                        format!("hard link to {tshown}, which this layer does not hold (links outside the layer are refused)"),
-                    )
-                };
-                let tparent = match self.walk(tparents, false) {
-                    Ok(fd) => fd,
-                    Err(_) => return Err(outside()),
-                };
-                let st = nix::sys::stat::fstatat(
-                    Some(tparent.as_raw_fd()),
-                    *tname,
-                    nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-                )
-                .map_err(|_| outside())?;
-                if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
-                    return Err(self.refuse(
-                        &shown,
-                        format!("hard link to {tshown}, which is not a regular file"),
-                    ));
-                }
-                // The parent may have been the cached one; reopen it (walk() above replaced nothing in the cache).
-                let parent = self.parent(parents, true, &shown)?;
-                self.clear(parent, name, false, &shown)?;
-                nix::unistd::linkat(
-                    Some(tparent.as_raw_fd()),
-                    *tname,
-                    Some(parent),
-                    *name,
-                    nix::fcntl::AtFlags::empty(),
-                )
-                .map_err(|e| self.refuse(&shown, format!("link: {e}")))?;
-            }
+            EntryType::Symlink => self.symlink(&at, &entry, mtime)?,
+            EntryType::Link => self.hard_link(&at, &entry)?,
             EntryType::Char | EntryType::Block => {
                 return Err(self.refuse(&shown, "device nodes are refused"))
             }
@@ -317,6 +237,142 @@ impl Unpacker<'_> {
         Ok(())
     }
 
+    /// `.wh..wh..opq` marks the parent opaque; `.wh.NAME` replaces `NAME` with a 0/0 character device.
+    fn whiteout(&mut self, at: &At<'_>, hidden: &[u8]) -> Result<()> {
+        if hidden == b".wh..opq" {
+            return set_opaque(at.parent)
+                .map_err(|e| self.refuse(at.shown, format!("opaque marker: {e}")));
+        }
+        if hidden.is_empty() || hidden == b"." || hidden == b".." || hidden.starts_with(b".wh.") {
+            return Err(self.refuse(at.shown, "malformed whiteout"));
+        }
+        let hidden = OsStr::from_bytes(hidden);
+        self.clear(at.parent, hidden, false, at.shown)?;
+        nix::sys::stat::mknodat(
+            Some(at.parent),
+            hidden,
+            SFlag::S_IFCHR,
+            Mode::empty(),
+            nix::sys::stat::makedev(0, 0),
+        )
+        .map_err(|e| self.refuse(at.shown, format!("whiteout: {e}")))
+    }
+
+    /// A regular file: created exclusively (never through an existing name), filled, then mode and mtime set.
+    fn regular(
+        &mut self,
+        at: &At<'_>,
+        content: &mut impl Read,
+        perm: u32,
+        mtime: i64,
+    ) -> Result<()> {
+        self.clear(at.parent, at.name, false, at.shown)?;
+        let fd = nix::fcntl::openat(
+            Some(at.parent),
+            at.name,
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(0o600),
+        )
+        .map_err(|e| self.refuse(at.shown, format!("create: {e}")))?;
+        // SAFETY: openat returned a new descriptor that nothing else owns.
+        let mut file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        let n = io::copy(content, &mut file)
+            .map_err(|e| self.refuse(at.shown, format!("write: {e}")))?;
+        self.stats.bytes += n;
+        nix::sys::stat::fchmod(file.as_raw_fd(), Mode::from_bits_truncate(perm))
+            .map_err(|e| self.refuse(at.shown, format!("chmod: {e}")))?;
+        let t = TimeSpec::new(mtime, 0);
+        nix::sys::stat::futimens(file.as_raw_fd(), &t, &t)
+            .map_err(|e| self.refuse(at.shown, format!("set mtime: {e}")))
+    }
+
+    /// A directory: an existing one is kept (its mode replaced); its mtime is set by [`Self::finish_dirs`].
+    fn directory(&self, at: &At<'_>, perm: u32) -> Result<()> {
+        self.clear(at.parent, at.name, true, at.shown)?;
+        match nix::sys::stat::mkdirat(Some(at.parent), at.name, Mode::from_bits_truncate(0o700)) {
+            Ok(()) | Err(nix::Error::EEXIST) => {}
+            Err(e) => return Err(self.refuse(at.shown, format!("mkdir: {e}"))),
+        }
+        nix::sys::stat::fchmodat(
+            Some(at.parent),
+            at.name,
+            Mode::from_bits_truncate(perm),
+            nix::sys::stat::FchmodatFlags::FollowSymlink,
+        )
+        .map_err(|e| self.refuse(at.shown, format!("chmod: {e}")))
+    }
+
+    /// A symlink, created as it is (never followed here).
+    fn symlink<R: Read>(&self, at: &At<'_>, entry: &tar::Entry<'_, R>, mtime: i64) -> Result<()> {
+        let target = entry
+            .link_name_bytes()
+            .ok_or_else(|| self.refuse(at.shown, "symlink without a target"))?
+            .into_owned();
+        if target.is_empty() || target.contains(&0) {
+            return Err(self.refuse(at.shown, "symlink with an empty or invalid target"));
+        }
+        self.clear(at.parent, at.name, false, at.shown)?;
+        nix::unistd::symlinkat(OsStr::from_bytes(&target), Some(at.parent), at.name)
+            .map_err(|e| self.refuse(at.shown, format!("symlink: {e}")))?;
+        let t = TimeSpec::new(mtime, 0);
+        let _ = nix::sys::stat::utimensat(
+            Some(at.parent),
+            at.name,
+            &t,
+            &t,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        );
+        Ok(())
+    }
+
+    /// A hard link, only to a regular file this layer already holds.
+    fn hard_link<R: Read>(&mut self, at: &At<'_>, entry: &tar::Entry<'_, R>) -> Result<()> {
+        let shown = at.shown;
+        let target = entry
+            .link_name_bytes()
+            .ok_or_else(|| self.refuse(shown, "hard link without a target"))?
+            .into_owned();
+        let tcomps = components(&target)
+            .map_err(|r| self.refuse(shown, format!("hard link target: {r}")))?;
+        let Some((tname, tparents)) = tcomps.split_last() else {
+            return Err(self.refuse(shown, "hard link to the layer's root"));
+        };
+        let tshown = String::from_utf8_lossy(&target).into_owned();
+        let outside = || {
+            self.refuse(
+                shown,
+                format!("hard link to {tshown}, which this layer does not hold (links outside the layer are refused)"),
+            )
+        };
+        let tparent = match self.walk(tparents, false) {
+            Ok(fd) => fd,
+            Err(_) => return Err(outside()),
+        };
+        let st = nix::sys::stat::fstatat(
+            Some(tparent.as_raw_fd()),
+            *tname,
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .map_err(|_| outside())?;
+        if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
+            return Err(self.refuse(
+                shown,
+                format!("hard link to {tshown}, which is not a regular file"),
+            ));
+        }
+        // The parent may have been the cached one; reopen it (walk() above replaced nothing in the cache).
+        let parent = self.parent(at.parents, true, shown)?;
+        self.clear(parent, at.name, false, shown)?;
+        nix::unistd::linkat(
+            Some(tparent.as_raw_fd()),
+            *tname,
+            Some(parent),
+            at.name,
+            nix::fcntl::AtFlags::empty(),
+        )
+        .map_err(|e| self.refuse(shown, format!("link: {e}")))
+    }
+
     /// The directory holding an entry, opened beneath the root without following symlinks; missing directories are
     /// created (0755) when `create`.
     fn parent(&mut self, parents: &[&OsStr], create: bool, shown: &str) -> Result<RawFd> {
@@ -324,7 +380,7 @@ impl Unpacker<'_> {
         if !hit {
             let fd = self
                 .walk(parents, create)
-                .map_err(|r| self.refuse(shown, r))?;
+                .map_err(|e| self.refuse(shown, Chain(&e).to_string()))?;
             self.cached = Some((parents.iter().map(|c| c.to_os_string()).collect(), fd));
         }
         match &self.cached {
@@ -333,8 +389,8 @@ impl Unpacker<'_> {
         }
     }
 
-    fn walk(&self, parents: &[&OsStr], create: bool) -> std::result::Result<OwnedFd, String> {
-        let mut cur = nix::unistd::dup(self.root.as_raw_fd()).map_err(|e| e.to_string())?;
+    fn walk(&self, parents: &[&OsStr], create: bool) -> std::result::Result<OwnedFd, WalkError> {
+        let mut cur = nix::unistd::dup(self.root.as_raw_fd()).map_err(WalkError::Dup)?;
         // SAFETY: dup returned a new descriptor that nothing else owns.
         let mut cur_fd = unsafe { OwnedFd::from_raw_fd(cur) };
         for (i, comp) in parents.iter().enumerate() {
@@ -349,21 +405,29 @@ impl Unpacker<'_> {
                 Ok(fd) => fd,
                 Err(nix::Error::ENOENT) if create => {
                     nix::sys::stat::mkdirat(Some(cur), *comp, Mode::from_bits_truncate(0o755))
-                        .map_err(|e| format!("mkdir {}: {e}", so_far()))?;
-                    open_beneath(cur, comp).map_err(|e| format!("{}: {e}", so_far()))?
+                        .map_err(|source| WalkError::Mkdir {
+                            path: so_far(),
+                            source,
+                        })?;
+                    open_beneath(cur, comp).map_err(|source| WalkError::Open {
+                        path: so_far(),
+                        source,
+                    })?
                 }
                 // O_DIRECTORY | O_NOFOLLOW on a symlink fails with ENOTDIR: say which it was.
                 Err(e)
                     if matches!(e, nix::Error::ELOOP | nix::Error::EXDEV)
                         || (e == nix::Error::ENOTDIR && is_symlink(cur, comp)) =>
                 {
-                    return Err(format!(
-                        "the path goes through the symlink {} (writing through links is refused)",
-                        so_far()
-                    ))
+                    return Err(WalkError::Symlink(so_far()))
                 }
-                Err(nix::Error::ENOTDIR) => return Err(format!("{} is not a directory", so_far())),
-                Err(e) => return Err(format!("{}: {e}", so_far())),
+                Err(nix::Error::ENOTDIR) => return Err(WalkError::NotDir(so_far())),
+                Err(source) => {
+                    return Err(WalkError::Open {
+                        path: so_far(),
+                        source,
+                    })
+                }
             };
             cur = next.as_raw_fd();
             cur_fd = next;
@@ -413,27 +477,42 @@ impl Unpacker<'_> {
     }
 }
 
+/// Why an archive path is refused; becomes the reason of an [`ImageError::Layer`].
+#[derive(Debug, thiserror::Error)]
+enum PathError {
+    #[error("path longer than {MAX_PATH_BYTES} bytes")]
+    TooLong,
+    #[error("absolute path (layer paths are relative to the root)")]
+    Absolute,
+    #[error("NUL byte in path")]
+    Nul,
+    #[error("path escapes the layer (..)")]
+    DotDot,
+    #[error("path deeper than {MAX_DEPTH} directories")]
+    TooDeep,
+}
+
 /// The components of an archive path: `.` and empty ones dropped; `..` and absolute paths refused.
-fn components(raw: &[u8]) -> std::result::Result<Vec<&OsStr>, String> {
+fn components(raw: &[u8]) -> std::result::Result<Vec<&OsStr>, PathError> {
     if raw.len() > MAX_PATH_BYTES {
-        return Err(format!("path longer than {MAX_PATH_BYTES} bytes"));
+        return Err(PathError::TooLong);
     }
     if raw.first() == Some(&b'/') {
-        return Err("absolute path (layer paths are relative to the root)".into());
+        return Err(PathError::Absolute);
     }
     if raw.contains(&0) {
-        return Err("NUL byte in path".into());
+        return Err(PathError::Nul);
     }
     let mut out = Vec::new();
     for c in raw.split(|b| *b == b'/') {
         match c {
             b"" | b"." => {}
-            b".." => return Err("path escapes the layer (..)".into()),
+            b".." => return Err(PathError::DotDot),
             c => out.push(OsStr::from_bytes(c)),
         }
     }
     if out.len() > MAX_DEPTH {
-        return Err(format!("path deeper than {MAX_DEPTH} directories"));
+        return Err(PathError::TooDeep);
     }
     Ok(out)
 }

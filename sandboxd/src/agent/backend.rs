@@ -8,18 +8,98 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use nix::fcntl::OFlag;
 use protocol::agent::SandboxBootstrap;
 use serde_json::{Map, Value};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
-use crate::store::Store;
-use crate::upload::UploadConfig;
+use crate::store::{Store, Stored};
+use crate::upload::{HttpError, InvalidEndpoint, UploadConfig, UploadError};
+
+/// Why a sandbox's bootstrap is refused at creation.
+#[derive(Debug, thiserror::Error)]
+pub enum BootstrapError {
+    /// The artifact upload endpoint is unusable.
+    #[error("bootstrap.artifactUploadEndpoint is unusable")]
+    UploadEndpoint(#[source] InvalidEndpoint),
+    /// The backend URL (token renewal) is unusable.
+    #[error("bootstrap.backendUrl is unusable")]
+    BackendUrl(#[source] InvalidEndpoint),
+    /// The token's expiry does not parse.
+    #[error("bootstrap.tokenExpiresAt is not RFC 3339")]
+    Expiry(#[source] time::error::Parse),
+    /// No agent id.
+    #[error("bootstrap.agentId is empty")]
+    NoAgentId,
+}
+
+/// Why the token was not renewed.
+#[derive(Debug, thiserror::Error)]
+pub enum RenewError {
+    /// The request failed.
+    #[error(transparent)]
+    Http(#[from] HttpError),
+    /// The answer lacks a field.
+    #[error("The answer lacks backendToken or tokenExpiresAt")]
+    Incomplete,
+    /// The new expiry does not parse.
+    #[error("tokenExpiresAt is not RFC 3339")]
+    Expiry(#[source] time::error::Parse),
+}
+
+/// Why an artifact event's file was not uploaded. In every case the event's sandbox path is removed.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    /// The event names a path outside the workspace.
+    #[error("{0} is not under /workspace")]
+    OutsideWorkspace(String),
+    /// The workspace could not be opened.
+    #[error("Cannot open the workspace")]
+    Workspace(#[source] std::io::Error),
+    /// The file could not be opened beneath the workspace (missing, or through a symlink).
+    #[error("Cannot open /workspace/{path}")]
+    Open {
+        /// Path relative to the workspace.
+        path: String,
+        /// The errno.
+        #[source]
+        source: nix::Error,
+    },
+    /// The file's metadata could not be read.
+    #[error("Cannot stat /workspace/{path}")]
+    Stat {
+        /// Path relative to the workspace.
+        path: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not a regular file.
+    #[error("/workspace/{0} is not a regular file")]
+    NotRegular(String),
+    /// Over the size limit.
+    #[error("/workspace/{path} is larger than {max} bytes")]
+    TooLarge {
+        /// Path relative to the workspace.
+        path: String,
+        /// The limit.
+        max: u64,
+    },
+    /// The local store refused the content.
+    #[error("Cannot store the artifact")]
+    Store(#[source] std::io::Error),
+    /// The store task panicked or was cancelled.
+    #[error("The store task failed")]
+    Task(#[source] tokio::task::JoinError),
+    /// The store committed nothing, or the content was gone before the upload.
+    #[error("The stored content vanished")]
+    Vanished,
+    /// The upload failed; the event keeps `contentHash` and `sizeBytes`.
+    #[error("Upload failed")]
+    Upload(#[source] UploadError),
+}
 
 /// The bootstrap of a sandbox, with a token that renewal replaces.
 pub struct Backend {
@@ -57,27 +137,22 @@ impl Backend {
     }
 
     /// Checks a bootstrap at sandbox creation: plain-http endpoints and an RFC 3339 expiry.
-    pub fn check(b: &SandboxBootstrap) -> Result<(), String> {
+    pub fn check(b: &SandboxBootstrap) -> Result<(), BootstrapError> {
         let upload = UploadConfig {
             url: b.artifact_upload_endpoint.clone(),
             token: String::new(),
             attempts: 1,
             backoff_ms: 1,
         };
-        upload
-            .validate()
-            .map_err(|e| format!("bootstrap.artifactUploadEndpoint: {e}"))?;
+        upload.validate().map_err(BootstrapError::UploadEndpoint)?;
         let renew = UploadConfig {
             url: renew_url(&b.backend_url),
             ..upload
         };
-        renew
-            .validate()
-            .map_err(|e| format!("bootstrap.backendUrl: {e}"))?;
-        OffsetDateTime::parse(&b.token_expires_at, &Rfc3339)
-            .map_err(|e| format!("bootstrap.tokenExpiresAt: not RFC 3339: {e}"))?;
+        renew.validate().map_err(BootstrapError::BackendUrl)?;
+        OffsetDateTime::parse(&b.token_expires_at, &Rfc3339).map_err(BootstrapError::Expiry)?;
         if b.agent_id.is_empty() {
-            return Err("bootstrap.agentId is empty".into());
+            return Err(BootstrapError::NoAgentId);
         }
         Ok(())
     }
@@ -109,7 +184,7 @@ impl Backend {
                     tracing::info!("backend token renewed");
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "backend token renewal failed; retrying");
+                    tracing::warn!(error = %runtime::error::Chain(&e), "backend token renewal failed; retrying");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(60));
                 }
@@ -117,38 +192,22 @@ impl Backend {
         }
     }
 
-    async fn renew_once(&self) -> Result<(), String> {
+    async fn renew_once(&self) -> Result<(), RenewError> {
         let b = self.get();
         let body = serde_json::json!({"agentId": b.agent_id, "currentToken": b.backend_token});
-        let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-        let req = hyper::Request::post(renew_url(&b.backend_url))
-            .header("authorization", format!("Bearer {}", b.backend_token))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| e.to_string())?;
-        let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
-            .await
-            .map_err(|_| "timed out".to_owned())?
-            .map_err(|e| format!("request failed: {e}"))?;
-        let status = resp.status();
-        let bytes = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| format!("reading the answer failed: {e}"))?
-            .to_bytes();
-        if !status.is_success() {
-            return Err(format!("HTTP {status}"));
-        }
-        let v: Value =
-            serde_json::from_slice(&bytes).map_err(|e| format!("answer is not JSON: {e}"))?;
+        let v = crate::upload::post_json(
+            &renew_url(&b.backend_url),
+            &b.backend_token,
+            &[("content-type", "application/json".to_owned())],
+            Bytes::from(body.to_string()),
+        )
+        .await?;
         let (Some(token), Some(expires)) =
             (v["backendToken"].as_str(), v["tokenExpiresAt"].as_str())
         else {
-            return Err("answer lacks backendToken or tokenExpiresAt".into());
+            return Err(RenewError::Incomplete);
         };
-        OffsetDateTime::parse(expires, &Rfc3339)
-            .map_err(|e| format!("tokenExpiresAt is not RFC 3339: {e}"))?;
+        OffsetDateTime::parse(expires, &Rfc3339).map_err(RenewError::Expiry)?;
         {
             let mut g = self.bootstrap.lock().unwrap_or_else(|p| p.into_inner());
             g.backend_token = token.to_owned();
@@ -167,7 +226,7 @@ impl Backend {
         workspace: &Path,
         max_bytes: u64,
         event: &mut Map<String, Value>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ArtifactError> {
         let Some(uri) = event.get("uri").and_then(Value::as_str).map(str::to_owned) else {
             return Ok(());
         };
@@ -179,7 +238,7 @@ impl Backend {
         else {
             if uri.starts_with('/') {
                 event.remove("uri");
-                return Err(format!("{uri} is not under /workspace"));
+                return Err(ArtifactError::OutsideWorkspace(uri));
             }
             // Already a backend or content URI: nothing to upload.
             return Ok(());
@@ -194,69 +253,38 @@ impl Backend {
                     .map(|m| m.essence_str().to_owned())
                     .unwrap_or_else(|| "application/octet-stream".into())
             });
-        let (store2, ws, rel2, mime2) = (
-            store.clone(),
-            workspace.to_owned(),
-            rel.clone(),
-            mime.clone(),
-        );
-        let stored =
-            tokio::task::spawn_blocking(move || -> Result<crate::store::Stored, String> {
-                let dir = std::fs::File::open(&ws).map_err(|e| format!("workspace: {e}"))?;
-                let fd =
-                    runtime::sys::open_beneath(dir.as_raw_fd(), rel2.as_ref(), OFlag::O_RDONLY)
-                        .map_err(|e| format!("cannot open /workspace/{rel2}: {e}"))?;
-                let mut file = std::fs::File::from(fd);
-                let md = file.metadata().map_err(|e| e.to_string())?;
-                if !md.is_file() {
-                    return Err(format!("/workspace/{rel2} is not a regular file"));
-                }
-                if md.len() > max_bytes {
-                    return Err(format!(
-                        "/workspace/{rel2} is larger than {max_bytes} bytes"
-                    ));
-                }
-                let _w = store2.writing();
-                let staged = store2
-                    .stage(&mut file, max_bytes, |_| mime2)
-                    .map_err(|e| format!("cannot store: {e}"))?;
-                let mut v = store2
-                    .commit(vec![staged])
-                    .map_err(|e| format!("cannot store: {e}"))?;
-                v.pop().ok_or_else(|| "nothing stored".to_owned())
-            })
-            .await
-            .map_err(|e| format!("store task failed: {e}"))
-            .and_then(|r| r);
-        let stored = match stored {
+        let stored = store_from_workspace(store, workspace, &rel, &mime, max_bytes).await;
+        let (stored, blob) = match stored.and_then(|s| match store.blob(&s.hex) {
+            Some(blob) => Ok((s, blob)),
+            None => Err(ArtifactError::Vanished),
+        }) {
             Ok(s) => s,
             Err(e) => {
                 event.remove("uri");
                 return Err(e);
             }
         };
-        let Some(blob) = store.blob(&stored.hex) else {
-            event.remove("uri");
-            return Err("stored content vanished".into());
-        };
         let mut outcome =
             crate::upload::upload(&self.upload_config(), &blob, &stored.hex, &mime).await;
         // A refused token (expired before its renewal): renew now and try once more.
-        if outcome.as_ref().is_err_and(|e| e.contains("HTTP 401")) {
+        if outcome.as_ref().is_err_and(UploadError::is_unauthorized) {
             match self.renew_once().await {
                 Ok(()) => {
                     outcome =
                         crate::upload::upload(&self.upload_config(), &blob, &stored.hex, &mime)
                             .await;
                 }
-                Err(e) => tracing::warn!(error = %e, "token renewal after a refused upload failed"),
+                Err(e) => tracing::warn!(
+                    error = %runtime::error::Chain(&e),
+                    "token renewal after a refused upload failed"
+                ),
             }
         }
+        event.insert("contentHash".into(), stored.hex.clone().into());
+        event.insert("sizeBytes".into(), stored.size.into());
         match outcome {
             Ok(backend_uri) => {
                 event.insert("uri".into(), backend_uri.into());
-                event.insert("contentHash".into(), stored.hex.clone().into());
-                event.insert("sizeBytes".into(), stored.size.into());
                 event.entry("mimeType").or_insert_with(|| mime.into());
                 if let Some(Value::Object(p)) = event.get_mut("provenance") {
                     p.entry("sourcePath").or_insert_with(|| uri.clone().into());
@@ -265,15 +293,109 @@ impl Backend {
             }
             Err(e) => {
                 event.remove("uri");
-                event.insert("contentHash".into(), stored.hex.into());
-                event.insert("sizeBytes".into(), stored.size.into());
-                Err(format!("upload failed: {e}"))
+                Err(ArtifactError::Upload(e))
             }
         }
     }
 }
 
+/// Reads `/workspace/<rel>` beneath the workspace (never through a symlink), checks it is a regular file within
+/// `max_bytes`, and stores it in the local content store.
+async fn store_from_workspace(
+    store: &Arc<Store>,
+    workspace: &Path,
+    rel: &str,
+    mime: &str,
+    max_bytes: u64,
+) -> Result<Stored, ArtifactError> {
+    let (store, ws, rel, mime) = (
+        store.clone(),
+        workspace.to_owned(),
+        rel.to_owned(),
+        mime.to_owned(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let dir = std::fs::File::open(&ws).map_err(ArtifactError::Workspace)?;
+        let fd = runtime::sys::open_beneath(dir.as_raw_fd(), rel.as_ref(), OFlag::O_RDONLY)
+            .map_err(|source| ArtifactError::Open {
+                path: rel.clone(),
+                source,
+            })?;
+        let mut file = std::fs::File::from(fd);
+        let md = file.metadata().map_err(|source| ArtifactError::Stat {
+            path: rel.clone(),
+            source,
+        })?;
+        if !md.is_file() {
+            return Err(ArtifactError::NotRegular(rel));
+        }
+        if md.len() > max_bytes {
+            return Err(ArtifactError::TooLarge {
+                path: rel,
+                max: max_bytes,
+            });
+        }
+        let _w = store.writing();
+        let staged = store
+            .stage(&mut file, max_bytes, |_| mime)
+            .map_err(ArtifactError::Store)?;
+        let mut v = store.commit(vec![staged]).map_err(ArtifactError::Store)?;
+        v.pop().ok_or(ArtifactError::Vanished)
+    })
+    .await
+    .map_err(ArtifactError::Task)?
+}
+
 /// `{backendUrl}/api/token/renew`.
 fn renew_url(backend: &str) -> String {
     format!("{}/api/token/renew", backend.trim_end_matches('/'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bootstrap() -> SandboxBootstrap {
+        serde_json::from_value(serde_json::json!({
+            "agentId": "a1",
+            "backendUrl": "http://127.0.0.1:9/",
+            "backendToken": "t",
+            "tokenExpiresAt": "2030-01-01T00:00:00Z",
+            "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_bootstrap_is_refused_naming_the_field_and_why() {
+        Backend::check(&bootstrap()).unwrap();
+        let mut b = bootstrap();
+        b.artifact_upload_endpoint = "https://x.invalid/a".into();
+        let e = Backend::check(&b).unwrap_err();
+        assert!(matches!(
+            e,
+            BootstrapError::UploadEndpoint(InvalidEndpoint::Https)
+        ));
+        assert!(runtime::error::Chain(&e)
+            .to_string()
+            .starts_with("bootstrap.artifactUploadEndpoint is unusable: https"));
+        let mut b = bootstrap();
+        b.token_expires_at = "tomorrow".into();
+        assert!(matches!(Backend::check(&b), Err(BootstrapError::Expiry(_))));
+        let mut b = bootstrap();
+        b.agent_id.clear();
+        assert!(matches!(Backend::check(&b), Err(BootstrapError::NoAgentId)));
+    }
+
+    #[test]
+    fn only_a_refused_token_counts_as_unauthorized() {
+        let status = |s: u16| HttpError::Status(hyper::StatusCode::from_u16(s).unwrap());
+        let exhausted = |last: UploadError| UploadError::Exhausted {
+            attempts: 2,
+            last: Box::new(last),
+        };
+        assert!(exhausted(status(401).into()).is_unauthorized());
+        assert!(!exhausted(status(403).into()).is_unauthorized());
+        assert!(!exhausted(UploadError::NoUri).is_unauthorized());
+    }
 }

@@ -11,6 +11,41 @@ use runtime::init::{ProgramExit, Report};
 use runtime::launch::Launch;
 use tokio::io::unix::AsyncFd;
 
+/// Why an agent's container could not be created, launched or signalled.
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerError {
+    /// The bundle's `config.json` could not be read.
+    #[error("Cannot read the bundle")]
+    Bundle(#[source] std::io::Error),
+    /// The bundle's `config.json` is not JSON.
+    #[error("Cannot parse the bundle")]
+    BundleJson(#[source] serde_json::Error),
+    /// The agent's stdio could not be duplicated.
+    #[error("Cannot duplicate the agent's stdio")]
+    Stdio(#[source] std::io::Error),
+    /// The helper could not create the container.
+    #[error("Cannot create the agent's container")]
+    Create(#[source] runtime::Error),
+    /// The container's pidfd could not be registered.
+    #[error("Cannot watch the container")]
+    Watch(#[source] std::io::Error),
+    /// The cgroup refused the sandbox's cpu quota.
+    #[error("Cannot enforce the cpu quota")]
+    CpuQuota(#[source] runtime::Error),
+    /// [`Container::start`] was called twice.
+    #[error("The agent was launched already")]
+    Launched,
+    /// The init could not confine itself; the text is what it reported on the status pipe.
+    #[error("Sandbox setup failed: {0}")]
+    Setup(String),
+    /// The launch message could not be sent.
+    #[error("Cannot launch the agent")]
+    Launch(#[source] runtime::Error),
+    /// The helper could not be asked to signal the container.
+    #[error("Cannot reach the container helper")]
+    Signal(#[source] runtime::Error),
+}
+
 /// How an agent's container ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
@@ -49,11 +84,10 @@ impl Container {
         bundle: &Path,
         landlock: runtime::landlock::Policy,
         stdio: [BorrowedFd<'_>; 3],
-    ) -> Result<Self, String> {
-        let config = std::fs::read(bundle.join("config.json"))
-            .map_err(|e| format!("cannot read the bundle: {e}"))?;
+    ) -> Result<Self, ContainerError> {
+        let config = std::fs::read(bundle.join("config.json")).map_err(ContainerError::Bundle)?;
         let spec: serde_json::Value =
-            serde_json::from_slice(&config).map_err(|e| format!("cannot read the bundle: {e}"))?;
+            serde_json::from_slice(&config).map_err(ContainerError::BundleJson)?;
         let strings = |key: &str| -> Vec<String> {
             spec["process"][key]
                 .as_array()
@@ -68,15 +102,12 @@ impl Container {
             args: strings("args"),
             env: strings("env"),
         };
-        let dup = |fd: BorrowedFd<'_>| {
-            fd.try_clone_to_owned()
-                .map_err(|e| format!("cannot duplicate the agent's stdio: {e}"))
-        };
+        let dup = |fd: BorrowedFd<'_>| fd.try_clone_to_owned().map_err(ContainerError::Stdio);
         let stdio = [dup(stdio[0])?, dup(stdio[1])?, dup(stdio[2])?];
         let created = helper
             .create(cid, bundle.to_owned(), landlock)
             .await
-            .map_err(|e| format!("cannot create the container: {e}"))?;
+            .map_err(ContainerError::Create)?;
         let pidfd = created.pidfd.try_clone().and_then(|fd| {
             // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its lifetime.
             unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
@@ -86,7 +117,7 @@ impl Container {
             Ok(p) => p,
             Err(e) => {
                 let _ = helper.remove(cid).await;
-                return Err(format!("cannot watch the container: {e}"));
+                return Err(ContainerError::Watch(e));
             }
         };
         Ok(Self {
@@ -100,9 +131,9 @@ impl Container {
     }
 
     /// Launches the agent. On error the caller removes the container ([`Self::removed`]).
-    pub async fn start(&mut self) -> Result<(), String> {
+    pub async fn start(&mut self) -> Result<(), ContainerError> {
         let Some([stdin, stdout, stderr]) = self.stdio.take() else {
-            return Err("the agent was launched already".into());
+            return Err(ContainerError::Launched);
         };
         runtime::launch::send(
             self.created.launch.as_fd(),
@@ -110,8 +141,8 @@ impl Container {
             [stdin.as_fd(), stdout.as_fd(), stderr.as_fd()],
         )
         .map_err(|e| match self.report().setup_error {
-            Some(setup) => format!("sandbox setup failed: {setup}"),
-            None => format!("cannot launch the agent: {e}"),
+            Some(setup) => ContainerError::Setup(setup),
+            None => ContainerError::Launch(e),
         })
     }
 
@@ -161,7 +192,7 @@ impl Container {
                 tracing::error!(container = %self.cid, error = %e, "container removal reported an error")
             }
             Ok(Err(e)) => {
-                tracing::error!(container = %self.cid, error = %e, "container not removed")
+                tracing::error!(container = %self.cid, error = %runtime::error::Chain(&e), "container not removed")
             }
             Err(_) => tracing::error!(container = %self.cid, "container not removed within 30 s"),
         }
@@ -170,9 +201,9 @@ impl Container {
 
 /// Sends `signal` to container `cid`'s init (SIGKILL ends the whole container; SIGTERM, SIGINT and SIGHUP are
 /// passed on to the agent).
-pub async fn signal(helper: &HelperClient, cid: &str, signal: i32) -> Result<(), String> {
+pub async fn signal(helper: &HelperClient, cid: &str, signal: i32) -> Result<(), ContainerError> {
     helper
         .kill(cid, signal)
         .await
-        .map_err(|e| format!("cannot reach the container helper: {e}"))
+        .map_err(ContainerError::Signal)
 }

@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use protocol::agent::{CreateSandboxRequest, PluginError, SandboxCapability};
+use protocol::agent::{AgentTemplate, CreateSandboxRequest, PluginError, SandboxCapability};
+use runtime::error::Chain;
 use runtime::rootfs::{InputFile, RootSource, Scratch};
 use tracing::{info, warn};
 
@@ -130,64 +131,9 @@ impl Agents {
 
     /// `POST /sandboxes`.
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, PluginError> {
-        Backend::check(&req.bootstrap).map_err(PluginError::invalid)?;
-        let wr = &req.workspace_requirements;
-        if let Some(c) = wr.capabilities.iter().find(|c| !SUPPORTED.contains(c)) {
-            return Err(PluginError::CapabilityUnsupported {
-                capability: c.as_str().into(),
-            });
-        }
-        if !wr.mounts.is_empty() {
-            return Err(PluginError::CapabilityUnsupported {
-                capability: "mounts".into(),
-            });
-        }
-        let limits = self.resolve_limits(&req)?;
-        let image = self.image(wr.base_image.as_deref()).ok_or_else(|| {
-            PluginError::invalid(format!(
-                "workspaceRequirements.baseImage {:?} is not an image of this daemon (host or one a language runs on)",
-                wr.base_image.as_deref().unwrap_or("host")
-            ))
-        })?;
-        let template = req.template.clone().unwrap_or_default();
-        let mut files = Vec::with_capacity(template.files.len());
-        for f in &template.files {
-            protocol::validate_relative_path(&f.path)
-                .map_err(|e| PluginError::invalid(format!("template.files: {}: {e}", f.path)))?;
-            let content = f
-                .decoded()
-                .map_err(|e| PluginError::invalid(format!("template.files: {}: {e}", f.path)))?;
-            files.push(InputFile {
-                path: f.path.clone(),
-                content,
-            });
-        }
-
+        let (limits, image, template, files) = self.admit(&req)?;
         // A host uid of its own; beyond max_sandboxes the caller retries later.
-        let index = {
-            let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(i) = uids.iter().position(|used| !used) else {
-                return Err(PluginError::ProviderUnavailable {
-                    message: format!(
-                        "{} agent sandboxes exist, the maximum (agents.max_sandboxes)",
-                        uids.len()
-                    ),
-                    retryable: true,
-                });
-            };
-            uids[i] = true;
-            i
-        };
-        let release = |i: usize| {
-            if let Some(u) = self
-                .uids
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_mut(i)
-            {
-                *u = false;
-            }
-        };
+        let index = self.take_uid()?;
         let cfg = &self.engine.config;
         let host_id = cfg.sandbox.uid_base + cfg.uid_count() as u32 + index as u32;
         let id = format!(
@@ -201,43 +147,15 @@ impl Agents {
             "controlSocket": format!("{}/{}", runtime::rootfs::CODE_DIR, sandbox::CONTROL_SOCKET),
         })
         .to_string();
-        let (dir, id2, image2) = (self.dir.clone(), id.clone(), image.clone());
         let disk_bytes = limits.disk_mb << 20;
-        let made = tokio::task::spawn_blocking(move || -> runtime::Result<(Scratch, Arc<Hub>)> {
-            let root = match &image2.kind {
-                RootKind::Host(_) => RootSource::Shared,
-                RootKind::Oci { lowers } => RootSource::Overlay(lowers),
-            };
-            let scratch = Scratch::create(&dir, &id2, disk_bytes, host_id, root)?;
-            scratch
-                .inputs()
-                .write("agent.json", manifest.as_bytes(), &files)?;
-            let hub = Hub::new(scratch.dir().join("events"), &id2)
-                .map_err(|e| runtime::Error::io(scratch.dir(), e))?;
-            Ok((scratch, hub))
-        })
-        .await;
-        let (scratch, hub) = match made {
-            Ok(Ok(x)) => x,
-            Ok(Err(runtime::Error::InputFile { path, reason })) => {
-                release(index);
-                return Err(PluginError::invalid(format!(
-                    "template.files: {path}: {reason}"
-                )));
-            }
-            Ok(Err(e)) => {
-                release(index);
-                return Err(PluginError::ProviderUnavailable {
-                    message: format!("Cannot prepare the sandbox: {e}"),
-                    retryable: false,
-                });
-            }
+        let (scratch, hub) = match self
+            .prepare(&id, &image, disk_bytes, host_id, manifest, files)
+            .await
+        {
+            Ok(x) => x,
             Err(e) => {
-                release(index);
-                return Err(PluginError::ProviderUnavailable {
-                    message: format!("Preparation failed: {e}"),
-                    retryable: false,
-                });
+                self.release_uid(index);
+                return Err(e);
             }
         };
         let agent_id = req.bootstrap.agent_id.clone();
@@ -261,20 +179,122 @@ impl Agents {
         Ok(sb)
     }
 
+    /// Checks a creation request: bootstrap, capabilities, limits, image and template files (decoded).
+    #[allow(clippy::type_complexity)]
+    fn admit(
+        &self,
+        req: &CreateSandboxRequest,
+    ) -> Result<(Limits, Arc<RootImage>, AgentTemplate, Vec<InputFile>), PluginError> {
+        Backend::check(&req.bootstrap).map_err(|e| PluginError::invalid(Chain(&e).to_string()))?;
+        let wr = &req.workspace_requirements;
+        if let Some(c) = wr.capabilities.iter().find(|c| !SUPPORTED.contains(c)) {
+            return Err(PluginError::CapabilityUnsupported {
+                capability: c.as_str().into(),
+            });
+        }
+        if !wr.mounts.is_empty() {
+            return Err(PluginError::CapabilityUnsupported {
+                capability: "mounts".into(),
+            });
+        }
+        let limits = self.resolve_limits(req)?;
+        let image = self.image(wr.base_image.as_deref()).ok_or_else(|| {
+            PluginError::invalid(format!(
+                "workspaceRequirements.baseImage {:?} is not an image of this daemon (host or one a language runs on)",
+                wr.base_image.as_deref().unwrap_or("host")
+            ))
+        })?;
+        let template = req.template.clone().unwrap_or_default();
+        let mut files = Vec::with_capacity(template.files.len());
+        for f in &template.files {
+            protocol::validate_relative_path(&f.path)
+                .map_err(|e| PluginError::invalid(format!("template.files: {}: {e}", f.path)))?;
+            let content = f
+                .decoded()
+                .map_err(|e| PluginError::invalid(format!("template.files: {}: {e}", f.path)))?;
+            files.push(InputFile {
+                path: f.path.clone(),
+                content,
+            });
+        }
+        Ok((limits, image, template, files))
+    }
+
+    /// Takes a free host uid index, or refuses (retryably) at `agents.max_sandboxes`.
+    fn take_uid(&self) -> Result<usize, PluginError> {
+        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(i) = uids.iter().position(|used| !used) else {
+            return Err(PluginError::ProviderUnavailable {
+                message: format!(
+                    "{} agent sandboxes exist, the maximum (agents.max_sandboxes)",
+                    uids.len()
+                ),
+                retryable: true,
+            });
+        };
+        uids[i] = true;
+        Ok(i)
+    }
+
+    fn release_uid(&self, i: usize) {
+        if let Some(u) = self
+            .uids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(i)
+        {
+            *u = false;
+        }
+    }
+
+    /// The sandbox's scratch space (workspace tmpfs, root), its input files with `agent.json`, and its event hub.
+    async fn prepare(
+        &self,
+        id: &str,
+        image: &Arc<RootImage>,
+        disk_bytes: u64,
+        host_id: u32,
+        manifest: String,
+        files: Vec<InputFile>,
+    ) -> Result<(Scratch, Arc<Hub>), PluginError> {
+        let (dir, id2, image2) = (self.dir.clone(), id.to_owned(), image.clone());
+        let made = tokio::task::spawn_blocking(move || -> runtime::Result<(Scratch, Arc<Hub>)> {
+            let root = match &image2.kind {
+                RootKind::Host(_) => RootSource::Shared,
+                RootKind::Oci { lowers } => RootSource::Overlay(lowers),
+            };
+            let scratch = Scratch::create(&dir, &id2, disk_bytes, host_id, root)?;
+            scratch
+                .inputs()
+                .write("agent.json", manifest.as_bytes(), &files)?;
+            let hub = Hub::new(scratch.dir().join("events"), &id2)
+                .map_err(|e| runtime::Error::io(scratch.dir(), e))?;
+            Ok((scratch, hub))
+        })
+        .await;
+        match made {
+            Ok(Ok(x)) => Ok(x),
+            Ok(Err(runtime::Error::InputFile { path, reason })) => Err(PluginError::invalid(
+                format!("template.files: {path}: {reason}"),
+            )),
+            Ok(Err(e)) => Err(PluginError::ProviderUnavailable {
+                message: format!("Cannot prepare the sandbox: {}", Chain(&e)),
+                retryable: false,
+            }),
+            Err(e) => Err(PluginError::ProviderUnavailable {
+                message: format!("Preparation failed: {e}"),
+                retryable: false,
+            }),
+        }
+    }
+
     /// `DELETE /sandboxes/<id>`: `false` if there is no such sandbox.
     pub async fn delete(&self, id: &str) -> bool {
         let Some(sb) = self.map().remove(id) else {
             return false;
         };
         sb.destroy().await;
-        if let Some(u) = self
-            .uids
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(sb.uid_index)
-        {
-            *u = false;
-        }
+        self.release_uid(sb.uid_index);
         info!(sandbox = %id, "agent sandbox removed");
         true
     }

@@ -20,6 +20,7 @@ use protocol::agent::{
     KillResponse, PluginError, ResolveRequest, SandboxHealthResponse, SandboxResourceUsage,
     SerializedAgentState, SerializedBy, DEFAULT_GRACE_TIMEOUT_MS,
 };
+use runtime::error::Chain;
 use runtime::rootfs::{Scratch, CODE_DIR, WORKDIR};
 use runtime::spec::ContainerPlan;
 use serde_json::{Map, Value};
@@ -28,7 +29,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn, Instrument};
 
 use super::backend::Backend;
-use super::container::{self, Container, Exit};
+use super::container::{self, Container, ContainerError, Exit};
 use super::events::Hub;
 use crate::engine::Engine;
 use crate::images::{RootImage, RootKind};
@@ -241,81 +242,12 @@ impl Sandbox {
         brief: AgentBrief,
         resume: Option<Value>,
     ) -> Result<AgentHandle, PluginError> {
-        if self.shared().expired {
-            return Err(self.invalid("The sandbox's lifetime (resourceLimits.timeoutMs) is over"));
-        }
-        // A run that has ended (its exit is processed and its last events are out) may still be removing its
-        // container: wait for that rather than refuse.
-        let ending = self.shared().last_exit.is_some();
-        if let Some(run) = Self::live(ops).filter(|_| ending) {
-            let mut done = run.done.clone();
-            let _ = tokio::time::timeout(Duration::from_secs(30), done.wait_for(|d| *d)).await;
-        }
-        if Self::live(ops).is_some() {
-            return Err(self.invalid("An agent is already running in this sandbox"));
-        }
-        let command = brief
-            .command()
-            .or_else(|| (!self.template.command.is_empty()).then(|| self.template.command.clone()))
-            .ok_or_else(|| {
-                PluginError::invalid(
-                    "No agent command: set providerConfig.command in the brief or template.command at creation",
-                )
-            })?;
-        if command.first().is_none_or(|p| !p.starts_with('/')) {
-            return Err(PluginError::invalid(
-                "The agent command's program must be an absolute path",
-            ));
-        }
+        let command = self.spawnable(ops, &brief).await?;
         let n = self.runs.fetch_add(1, Ordering::Relaxed) + 1;
         let cid = format!("{}-{n}", self.id);
         let run_id = uuid::Uuid::now_v7().to_string();
-
-        // The control socket, connectable only by the sandbox's uid.
-        let sock_path = self.dir.join("code").join(CONTROL_SOCKET);
-        let _ = std::fs::remove_file(&sock_path);
-        let listener = tokio::net::UnixListener::bind(&sock_path)
-            .map_err(|e| unavailable(format!("Cannot create the control socket: {e}"), false))?;
-        let uid = Some(nix::unistd::Uid::from_raw(self.host_id));
-        let gid = Some(nix::unistd::Gid::from_raw(self.host_id));
-        nix::unistd::chown(&sock_path, uid, gid)
-            .map_err(|e| unavailable(format!("Cannot chown the control socket: {e}"), false))?;
-        std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| unavailable(format!("Cannot chmod the control socket: {e}"), false))?;
-
-        self.write_bundle(&cid, command)
-            .map_err(|e| unavailable(format!("Cannot prepare the container: {e}"), false))?;
-        let stdin = std::fs::File::open("/dev/null")
-            .map_err(|e| unavailable(format!("/dev/null: {e}"), false))?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("scratch/agent.log"))
-            .map_err(|e| unavailable(format!("Cannot open the agent log: {e}"), false))?;
-        let helper = self.engine.pool.factory().helpers.primary();
-        let mut c = Container::create(
-            helper,
-            &cid,
-            &self.dir,
-            self.image.landlock.clone(),
-            [stdin.as_fd(), log.as_fd(), log.as_fd()],
-        )
-        .await
-        .map_err(|e| unavailable(e, true))?;
-        drop((stdin, log));
-        let started = match self
-            .engine
-            .cgroups
-            .set_cpu_quota(&cid, self.limits.cpu_cores)
-        {
-            Err(e) => Err(format!("Cannot enforce the cpu quota: {e}")),
-            Ok(()) => c.start().await,
-        };
-        if let Err(e) = started {
-            let _ = container::signal(helper, &cid, libc::SIGKILL).await;
-            c.removed().await;
-            return Err(unavailable(e, true));
-        }
+        let listener = self.control_socket()?;
+        let c = self.start_container(&cid, command).await?;
         info!(sandbox = %self.id, container = %cid, run = %run_id, "agent started");
 
         ops.brief = match serde_json::to_value(&brief) {
@@ -367,11 +299,107 @@ impl Sandbox {
         Ok(self.handle())
     }
 
-    fn write_bundle(&self, cid: &str, args: Vec<String>) -> runtime::Result<()> {
+    /// Whether a run may start now, and the agent's command (the brief's, else the template's).
+    async fn spawnable(&self, ops: &Ops, brief: &AgentBrief) -> Result<Vec<String>, PluginError> {
+        if self.shared().expired {
+            return Err(self.invalid("The sandbox's lifetime (resourceLimits.timeoutMs) is over"));
+        }
+        // A run that has ended (its exit is processed and its last events are out) may still be removing its
+        // container: wait for that rather than refuse.
+        let ending = self.shared().last_exit.is_some();
+        if let Some(run) = Self::live(ops).filter(|_| ending) {
+            let mut done = run.done.clone();
+            let _ = tokio::time::timeout(Duration::from_secs(30), done.wait_for(|d| *d)).await;
+        }
+        if Self::live(ops).is_some() {
+            return Err(self.invalid("An agent is already running in this sandbox"));
+        }
+        let command = brief
+            .command()
+            .or_else(|| (!self.template.command.is_empty()).then(|| self.template.command.clone()))
+            .ok_or_else(|| {
+                PluginError::invalid(
+                    "No agent command: set providerConfig.command in the brief or template.command at creation",
+                )
+            })?;
+        if command.first().is_none_or(|p| !p.starts_with('/')) {
+            return Err(PluginError::invalid(
+                "The agent command's program must be an absolute path",
+            ));
+        }
+        Ok(command)
+    }
+
+    /// The control socket, connectable only by the sandbox's uid.
+    fn control_socket(&self) -> Result<tokio::net::UnixListener, PluginError> {
+        let sock_path = self.dir.join("code").join(CONTROL_SOCKET);
+        let _ = std::fs::remove_file(&sock_path);
+        let listener = tokio::net::UnixListener::bind(&sock_path)
+            .map_err(|e| unavailable(format!("Cannot create the control socket: {e}"), false))?;
+        let uid = Some(nix::unistd::Uid::from_raw(self.host_id));
+        let gid = Some(nix::unistd::Gid::from_raw(self.host_id));
+        nix::unistd::chown(&sock_path, uid, gid)
+            .map_err(|e| unavailable(format!("Cannot chown the control socket: {e}"), false))?;
+        std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| unavailable(format!("Cannot chmod the control socket: {e}"), false))?;
+        Ok(listener)
+    }
+
+    /// Writes the bundle, creates the container (stdin `/dev/null`, output to the agent log), sets its cpu quota
+    /// and launches the agent. On error nothing of the container is left.
+    async fn start_container(
+        &self,
+        cid: &str,
+        command: Vec<String>,
+    ) -> Result<Container, PluginError> {
+        self.write_bundle(cid, command)?;
+        let stdin = std::fs::File::open("/dev/null")
+            .map_err(|e| unavailable(format!("/dev/null: {e}"), false))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("scratch/agent.log"))
+            .map_err(|e| unavailable(format!("Cannot open the agent log: {e}"), false))?;
+        let helper = self.engine.pool.factory().helpers.primary();
+        let mut c = Container::create(
+            helper,
+            cid,
+            &self.dir,
+            self.image.landlock.clone(),
+            [stdin.as_fd(), log.as_fd(), log.as_fd()],
+        )
+        .await
+        .map_err(|e| unavailable(Chain(&e).to_string(), true))?;
+        drop((stdin, log));
+        let started = match self
+            .engine
+            .cgroups
+            .set_cpu_quota(cid, self.limits.cpu_cores)
+        {
+            Err(e) => Err(ContainerError::CpuQuota(e)),
+            Ok(()) => c.start().await,
+        };
+        if let Err(e) = started {
+            let _ = container::signal(helper, cid, libc::SIGKILL).await;
+            c.removed().await;
+            return Err(unavailable(Chain(&e).to_string(), true));
+        }
+        Ok(c)
+    }
+
+    /// The bundle's `config.json`: the agent's command and environment in the sandbox's scratch space.
+    fn write_bundle(&self, cid: &str, args: Vec<String>) -> Result<(), PluginError> {
+        let cannot = |e: runtime::Error| {
+            unavailable(
+                format!("Cannot prepare the container: {}", Chain(&e)),
+                false,
+            )
+        };
         let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let Some(scratch) = scratch.as_ref() else {
-            return Err(runtime::Error::Container(
-                "the sandbox is being removed".into(),
+            return Err(unavailable(
+                "Cannot prepare the container: the sandbox is being removed",
+                false,
             ));
         };
         let mut env = crate::engine::base_environment(&self.image);
@@ -405,11 +433,10 @@ impl Sandbox {
             fsize_bytes: disk_bytes,
             shm_bytes: disk_bytes.min(64 << 20),
         };
-        let spec = runtime::spec::build(&plan)?;
+        let spec = runtime::spec::build(&plan).map_err(cannot)?;
         let config = scratch.dir().join("config.json");
-        spec.save(&config).map_err(|e| {
-            runtime::Error::Container(format!("cannot write {}: {e}", config.display()))
-        })
+        spec.save(&config)
+            .map_err(|e| cannot(runtime::Error::save_spec(config, e)))
     }
 
     /// The run's supervisor: accepts the agent's control connection, sends it the brief and the commands, turns its
@@ -425,85 +452,12 @@ impl Sandbox {
         killing: Arc<AtomicBool>,
         done_tx: watch::Sender<bool>,
     ) {
-        let (line_tx, mut line_rx) = mpsc::channel::<Incoming>(64);
-        let mut commands_rx = Some(commands_rx);
-        let mut connected = false;
-        let mut helpers: Vec<tokio::task::JoinHandle<()>> = Vec::new();
-        let mut exit: Option<Option<Exit>> = None;
-        let mut eof = false;
-        let mut eof_deadline: Option<tokio::time::Instant> = None;
-        let mut drain_deadline: Option<tokio::time::Instant> = None;
-        let mut crash: Option<String> = None;
-        let mut helper_gone = false;
-        loop {
-            if exit.is_some() && (eof || !connected) {
-                break;
-            }
-            tokio::select! {
-                ex = c.exited(), if exit.is_none() => {
-                    match ex {
-                        Some(ex) => exit = Some(ex),
-                        None => { helper_gone = true; exit = Some(None); }
-                    }
-                    drain_deadline = Some(tokio::time::Instant::now() + Duration::from_secs(1));
-                }
-                acc = listener.accept(), if !connected => match acc {
-                    Ok((stream, _)) => {
-                        connected = true;
-                        let (r, w) = stream.into_split();
-                        helpers.push(tokio::spawn(read_lines(r, line_tx.clone())));
-                        if let Some(rx) = commands_rx.take() {
-                            helpers.push(tokio::spawn(write_lines(w, brief_line.clone(), rx)));
-                        }
-                    }
-                    Err(e) => warn!(error = %e, "control socket accept failed"),
-                },
-                msg = line_rx.recv(), if connected && !eof => match msg {
-                    Some(Incoming::Line(bytes)) => self.handle_line(&run_id, &bytes).await,
-                    Some(Incoming::TooLong) => {
-                        self.hub.emit(&run_id, error_event(&self.agent_id, "high",
-                            &format!("The agent wrote a control line over {MAX_LINE} bytes; the run is stopped"),
-                            false, Some("control_line_too_long"), "internal"));
-                        crash.get_or_insert_with(|| "control line too long".into());
-                        let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(&self), libc::SIGKILL).await;
-                        eof = true;
-                    }
-                    Some(Incoming::Eof) | None => {
-                        eof = true;
-                        if exit.is_none() && !killing.load(Ordering::SeqCst) {
-                            eof_deadline = Some(tokio::time::Instant::now() + EOF_GRACE);
-                        }
-                    }
-                },
-                _ = sleep_until(eof_deadline), if eof_deadline.is_some() && exit.is_none() => {
-                    eof_deadline = None;
-                    crash.get_or_insert_with(|| "the control connection dropped while the agent kept running".into());
-                    let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(&self), libc::SIGKILL).await;
-                }
-                _ = sleep_until(drain_deadline), if drain_deadline.is_some() => {
-                    // The container is gone but the connection never closed (a leaked descriptor): stop reading.
-                    break;
-                }
-            }
-        }
-        for h in helpers {
-            h.abort();
-        }
-        let exit = exit.flatten();
+        let end = self
+            .watch_run(&mut c, listener, brief_line, commands_rx, &run_id, &killing)
+            .await;
+        let exit = end.exit.flatten();
         let killed = killing.load(Ordering::SeqCst);
-        let crashed = if killed {
-            None
-        } else if let Some(why) = crash {
-            Some(why)
-        } else if helper_gone {
-            Some("the container helper died".to_owned())
-        } else {
-            match exit {
-                Some(Exit::Code(0)) => None,
-                Some(e) => Some(format!("the agent ended: {}", e.describe())),
-                None => Some("the agent's container ended".to_owned()),
-            }
-        };
+        let crashed = crash_reason(killed, end.crash, end.helper_gone, exit);
         {
             let mut sh = self.shared();
             sh.last_exit = Some(exit);
@@ -544,6 +498,83 @@ impl Sandbox {
         let _ = std::fs::remove_file(self.dir.join("code").join(CONTROL_SOCKET));
         self.shared().cid = None;
         let _ = done_tx.send(true);
+    }
+
+    /// Serves the run until the container has exited and the control connection is closed (or never opened, or
+    /// left open a second past the exit by a leaked descriptor). A control line that is too long, or a connection
+    /// that drops while the agent keeps running, kills the container and is the crash reason.
+    async fn watch_run(
+        &self,
+        c: &mut Container,
+        listener: tokio::net::UnixListener,
+        brief_line: String,
+        commands_rx: mpsc::Receiver<String>,
+        run_id: &str,
+        killing: &AtomicBool,
+    ) -> RunEnd {
+        let (line_tx, mut line_rx) = mpsc::channel::<Incoming>(64);
+        let mut commands_rx = Some(commands_rx);
+        let mut connected = false;
+        let mut helpers: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+        let mut end = RunEnd::default();
+        let mut eof = false;
+        let mut eof_deadline: Option<tokio::time::Instant> = None;
+        let mut drain_deadline: Option<tokio::time::Instant> = None;
+        loop {
+            if end.exit.is_some() && (eof || !connected) {
+                break;
+            }
+            tokio::select! {
+                ex = c.exited(), if end.exit.is_none() => {
+                    match ex {
+                        Some(ex) => end.exit = Some(ex),
+                        None => { end.helper_gone = true; end.exit = Some(None); }
+                    }
+                    drain_deadline = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                }
+                acc = listener.accept(), if !connected => match acc {
+                    Ok((stream, _)) => {
+                        connected = true;
+                        let (r, w) = stream.into_split();
+                        helpers.push(tokio::spawn(read_lines(r, line_tx.clone())));
+                        if let Some(rx) = commands_rx.take() {
+                            helpers.push(tokio::spawn(write_lines(w, brief_line.clone(), rx)));
+                        }
+                    }
+                    Err(e) => warn!(error = %e, "control socket accept failed"),
+                },
+                msg = line_rx.recv(), if connected && !eof => match msg {
+                    Some(Incoming::Line(bytes)) => self.handle_line(run_id, &bytes).await,
+                    Some(Incoming::TooLong) => {
+                        self.hub.emit(run_id, error_event(&self.agent_id, "high",
+                            &format!("The agent wrote a control line over {MAX_LINE} bytes; the run is stopped"),
+                            false, Some("control_line_too_long"), "internal"));
+                        end.crash.get_or_insert_with(|| "control line too long".into());
+                        let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(self), libc::SIGKILL).await;
+                        eof = true;
+                    }
+                    Some(Incoming::Eof) | None => {
+                        eof = true;
+                        if end.exit.is_none() && !killing.load(Ordering::SeqCst) {
+                            eof_deadline = Some(tokio::time::Instant::now() + EOF_GRACE);
+                        }
+                    }
+                },
+                _ = sleep_until(eof_deadline), if eof_deadline.is_some() && end.exit.is_none() => {
+                    eof_deadline = None;
+                    end.crash.get_or_insert_with(|| "the control connection dropped while the agent kept running".into());
+                    let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(self), libc::SIGKILL).await;
+                }
+                _ = sleep_until(drain_deadline), if drain_deadline.is_some() => {
+                    // The container is gone but the connection never closed (a leaked descriptor): stop reading.
+                    break;
+                }
+            }
+        }
+        for h in helpers {
+            h.abort();
+        }
+        end
     }
 
     async fn handle_line(&self, run_id: &str, bytes: &[u8]) {
@@ -610,7 +641,7 @@ impl Sandbox {
                         error_event(
                             &self.agent_id,
                             "medium",
-                            &format!("Artifact not uploaded: {e}"),
+                            &format!("Artifact not uploaded: {}", Chain(&e)),
                             true,
                             Some("artifact_upload_failed"),
                             "tool",
@@ -968,6 +999,40 @@ impl Sandbox {
     }
 }
 
+/// How a run's watch ended.
+#[derive(Default)]
+struct RunEnd {
+    /// `Some` once the container has exited (`Some(None)`: it ended without a known status).
+    exit: Option<Option<Exit>>,
+    /// Why sandboxd stopped the run, if it did.
+    crash: Option<String>,
+    /// The container helper died under the run.
+    helper_gone: bool,
+}
+
+/// Why a run counts as crashed, if it does: not when it was killed on request; otherwise sandboxd's own reason,
+/// a dead helper, or any end but exit status 0.
+fn crash_reason(
+    killed: bool,
+    crash: Option<String>,
+    helper_gone: bool,
+    exit: Option<Exit>,
+) -> Option<String> {
+    if killed {
+        None
+    } else if let Some(why) = crash {
+        Some(why)
+    } else if helper_gone {
+        Some("the container helper died".to_owned())
+    } else {
+        match exit {
+            Some(Exit::Code(0)) => None,
+            Some(e) => Some(format!("the agent ended: {}", e.describe())),
+            None => Some("the agent's container ended".to_owned()),
+        }
+    }
+}
+
 fn c_cid(sb: &Sandbox) -> String {
     sb.shared().cid.clone().unwrap_or_default()
 }
@@ -1032,5 +1097,43 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_is_a_crash_unless_killed_or_exited_zero() {
+        let why = |killed, crash: Option<&str>, helper_gone, exit| {
+            crash_reason(killed, crash.map(str::to_owned), helper_gone, exit)
+        };
+        // A kill on request is never a crash, whatever the exit or reason.
+        assert_eq!(why(true, Some("x"), true, Some(Exit::Signal(9))), None);
+        assert_eq!(why(false, None, false, Some(Exit::Code(0))), None);
+        // sandboxd's own reason wins over a dead helper and the exit.
+        assert_eq!(
+            why(
+                false,
+                Some("control line too long"),
+                true,
+                Some(Exit::Code(0))
+            )
+            .as_deref(),
+            Some("control line too long")
+        );
+        assert_eq!(
+            why(false, None, true, Some(Exit::Code(0))).as_deref(),
+            Some("the container helper died")
+        );
+        assert_eq!(
+            why(false, None, false, Some(Exit::Code(3))).as_deref(),
+            Some("the agent ended: exit status 3")
+        );
+        assert_eq!(
+            why(false, None, false, None).as_deref(),
+            Some("the agent's container ended")
+        );
     }
 }

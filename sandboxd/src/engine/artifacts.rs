@@ -159,7 +159,7 @@ impl Engine {
                 }
                 Err(e) => {
                     failures += 1;
-                    a["upload_error"] = e.into();
+                    a["upload_error"] = runtime::error::Chain(&e).to_string().into();
                 }
             }
         }
