@@ -13,7 +13,7 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::{self, Message};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use crate::framework::Stop;
+use crate::stop::Stop;
 use crate::wire::{short, Exec, Msg};
 
 type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;

@@ -10,11 +10,10 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::OnceCell;
 
-use crate::cases::capacity::CapacityObs;
-use crate::cases::isolation::Posture;
 use crate::client::{upgrade, Conn, Upgrade};
-use crate::framework::Stop;
 use crate::msgs;
+use crate::observed::{CapacityObs, Posture};
+use crate::stop::Stop;
 use crate::wire::{short, Exec, LIMIT_NAMES};
 
 /// How the suite is run.

@@ -16,7 +16,7 @@ use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, 
 use tokio_tungstenite::tungstenite::http::StatusCode;
 use tokio_tungstenite::tungstenite::Message;
 
-use crate::fixture::Fault;
+use crate::fault::Fault;
 
 /// Largest request body.
 const MAX_BODY: usize = 1 << 20;

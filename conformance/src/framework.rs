@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::ctx::Ctx;
+pub use crate::stop::Stop;
 
 /// How strongly the spec asks for what a case checks (RFC 2119), or `Info` for a case that only reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -88,26 +89,6 @@ impl Verdict {
 impl fmt::Display for Verdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
-    }
-}
-
-/// Why a case stopped without passing.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Stop {
-    /// The implementation does not do what the case checks.
-    Fail(String),
-    /// The case does not apply to this implementation.
-    Skip(String),
-    /// The suite could not carry out the case.
-    Harness(String),
-}
-
-impl Stop {
-    /// The explanation.
-    pub fn message(&self) -> &str {
-        match self {
-            Stop::Fail(m) | Stop::Skip(m) | Stop::Harness(m) => m,
-        }
     }
 }
 

@@ -9,18 +9,23 @@
 //!   crate's lenient parser); [`client`]: a WebSocket client for the cases; [`msgs`]: client messages as JSON.
 //! - [`probe`]: the programs isolation cases run inside the sandbox.
 //! - [`report`]: human summary, JSON and JUnit reports.
-//! - [`fixture`]: a deliberately faulty FSP/1 server, with switchable faults, that shows the suite can fail.
+//! - [`ctx`]: what a run shares (configuration, connections, memoised [`observed`] scenarios); [`stop`]: why a
+//!   case stopped without passing.
+//! - [`fixture`]: a deliberately faulty FSP/1 server, with switchable [`fault`]s, that shows the suite can fail.
 
 pub mod cases;
 pub mod client;
 pub mod ctx;
+pub mod fault;
 pub mod fixture;
 pub mod fixture_agents;
 mod fixture_tools;
 pub mod framework;
 pub mod msgs;
+pub mod observed;
 pub mod probe;
 pub mod report;
+pub mod stop;
 pub mod wire;
 
 use std::sync::Arc;

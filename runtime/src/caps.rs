@@ -6,27 +6,7 @@ use caps::CapSet;
 
 use crate::error::Result;
 
-/// Why the capability check failed.
-#[derive(Debug, thiserror::Error)]
-pub enum CapsError {
-    /// A set could not be read.
-    #[error("Cannot read the {set:?} capability set")]
-    Read {
-        /// The set.
-        set: CapSet,
-        /// The caps crate's error.
-        #[source]
-        source: caps::errors::CapsError,
-    },
-    /// A set holds capabilities (named, sorted).
-    #[error("The {set:?} capability set is not empty: {}", .held.join(", "))]
-    Held {
-        /// The set.
-        set: CapSet,
-        /// What it holds.
-        held: Vec<String>,
-    },
-}
+pub use crate::error::CapsError;
 
 /// The sets checked, in the order `/proc/self/status` lists them.
 pub const SETS: [CapSet; 5] = [

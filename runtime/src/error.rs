@@ -1,7 +1,8 @@
-//! Errors of the runtime crate: one enum per module ([`crate::cgroups::CgroupError`],
-//! [`crate::caps::CapsError`], [`crate::landlock::LandlockError`], [`crate::seccomp::SeccompError`],
-//! [`crate::rootfs::RootfsError`], [`crate::launch::LaunchError`], [`crate::helper::HelperError`]) gathered into
-//! [`Error`], the error every public function returns.
+//! Errors of the runtime crate: one enum per module (cgroups: [`CgroupError`], caps: [`CapsError`], landlock:
+//! [`LandlockError`], seccomp: [`SeccompError`], rootfs: [`RootfsError`], launch: [`LaunchError`], helper client:
+//! [`HelperError`]; each module re-exports its own), gathered into [`Error`], the error every public function
+//! returns. They are defined here rather than in their modules so that this module depends on no other: every
+//! module uses `crate::error`, and nothing here uses a module back (no module cycle).
 //!
 //! Messages follow one rule: a message says what failed and does not repeat its `#[source]`; [`Chain`] prints an
 //! error with all its sources when the whole story has to fit on one line (a log field, a status pipe record).
@@ -34,19 +35,19 @@ pub enum Error {
     },
     /// The cgroup hierarchy is not usable, or lacks a controller sandboxd requires.
     #[error(transparent)]
-    Cgroup(#[from] crate::cgroups::CgroupError),
+    Cgroup(#[from] CgroupError),
     /// The process holds capabilities it must not hold.
     #[error(transparent)]
-    Caps(#[from] crate::caps::CapsError),
+    Caps(#[from] CapsError),
     /// Landlock cannot be enforced.
     #[error(transparent)]
-    Landlock(#[from] crate::landlock::LandlockError),
+    Landlock(#[from] LandlockError),
     /// The seccomp profile cannot be compiled or installed.
     #[error(transparent)]
-    Seccomp(#[from] crate::seccomp::SeccompError),
+    Seccomp(#[from] SeccompError),
     /// An image's root cannot be mounted safely.
     #[error(transparent)]
-    Rootfs(#[from] crate::rootfs::RootfsError),
+    Rootfs(#[from] RootfsError),
     /// Building the OCI spec failed.
     #[error("Invalid container spec")]
     Spec(#[from] oci_spec::OciSpecError),
@@ -73,10 +74,10 @@ pub enum Error {
     NoPid,
     /// A message on the launch channel could not be encoded, decoded or trusted.
     #[error(transparent)]
-    Launch(#[from] crate::launch::LaunchError),
+    Launch(#[from] LaunchError),
     /// The helper answered something unexpected, or could not create a container.
     #[error(transparent)]
-    Helper(#[from] crate::helper::HelperError),
+    Helper(#[from] HelperError),
     /// The helper process is gone.
     #[error("The container helper process is gone")]
     HelperGone,
@@ -118,6 +119,250 @@ impl std::fmt::Display for ContainerOp {
             Self::Start => "start",
         })
     }
+}
+
+// Errors of cgroups (`crate::cgroups`).
+
+/// Why a cgroup operation failed, or why the host's cgroups cannot enforce what sandboxd requires.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// libcgroups could not tell which hierarchy the host runs.
+    #[error("Cannot detect the cgroup setup under {root}")]
+    Detect {
+        /// The cgroupfs root.
+        root: PathBuf,
+        /// libcgroups' error.
+        #[source]
+        source: libcgroups::common::GetCgroupSetupError,
+    },
+    /// The configured parent is not a plain relative path.
+    #[error("Invalid cgroup parent {0:?}")]
+    InvalidParent(String),
+    /// v1 controllers sandboxd needs are not mounted.
+    #[error(
+        "The host does not mount cgroup v1 controller(s) {} under {}; mount them or boot with the unified hierarchy",
+        .missing.join(", "),
+        .root.display()
+    )]
+    V1ControllersMissing {
+        /// The controllers missing.
+        missing: Vec<&'static str>,
+        /// The cgroupfs root.
+        root: PathBuf,
+    },
+    /// v2 controllers sandboxd needs are not available.
+    #[error("The host does not offer cgroup v2 controller(s) {} in {}", .missing.join(", "), .file.display())]
+    V2ControllersMissing {
+        /// The controllers missing.
+        missing: Vec<&'static str>,
+        /// The `cgroup.controllers` file read.
+        file: PathBuf,
+    },
+    /// The host has swap but no memory+swap accounting, so a memory limit cannot forbid swap.
+    #[error(
+        "The host has swap but memory.memsw is missing (boot with swapaccount=1), so \"no swap\" cannot be enforced"
+    )]
+    NoSwapAccounting,
+    /// No hierarchy carries a controller an operation needs.
+    #[error("No {controller} cgroup hierarchy: {needed_for} cannot be enforced")]
+    NoHierarchy {
+        /// The controller.
+        controller: &'static str,
+        /// What needed it.
+        needed_for: &'static str,
+    },
+    /// A container's leaf in a hierarchy does not exist.
+    #[error("No {controller} cgroup for {id}")]
+    NoLeaf {
+        /// The controller whose leaf is missing.
+        controller: &'static str,
+        /// The container.
+        id: String,
+    },
+    /// A cgroup directory that must exist does not.
+    #[error("Cgroup {} does not exist", .0.display())]
+    Missing(PathBuf),
+    /// A cgroup file refused a value.
+    #[error("Cannot write {value} to {}", .path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The value refused.
+        value: String,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel did not report a freeze or thaw in time.
+    #[error("Cgroup of {id} not {} within {} ms", if *.frozen { "frozen" } else { "thawed" }, .timeout.as_millis())]
+    FreezeTimeout {
+        /// The container.
+        id: String,
+        /// The state asked for.
+        frozen: bool,
+        /// How long was waited.
+        timeout: std::time::Duration,
+    },
+    /// A cpu quota that is not a positive number of cores.
+    #[error("Invalid cpu quota {0}")]
+    InvalidQuota(f64),
+    /// Processes of a cgroup outlived the kill rounds.
+    #[error("Processes in {} survive SIGKILL", .0.display())]
+    Unkillable(PathBuf),
+}
+
+// Errors of caps (`crate::caps`).
+
+/// Why the capability check failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CapsError {
+    /// A set could not be read.
+    #[error("Cannot read the {set:?} capability set")]
+    Read {
+        /// The set.
+        set: ::caps::CapSet,
+        /// The caps crate's error.
+        #[source]
+        source: caps::errors::CapsError,
+    },
+    /// A set holds capabilities (named, sorted).
+    #[error("The {set:?} capability set is not empty: {}", .held.join(", "))]
+    Held {
+        /// The set.
+        set: ::caps::CapSet,
+        /// What it holds.
+        held: Vec<String>,
+    },
+}
+
+// Errors of landlock (`crate::landlock`).
+
+/// Why landlock cannot confine the program.
+#[derive(Debug, thiserror::Error)]
+pub enum LandlockError {
+    /// The kernel's ABI is too old or landlock is disabled.
+    #[error("Landlock ABI {0} is not usable")]
+    Abi(i32),
+    /// Building or applying the ruleset failed.
+    #[error("Cannot apply the landlock ruleset")]
+    Ruleset(#[from] ::landlock::RulesetError),
+    /// The kernel applied the ruleset only partly, or without `no_new_privs`.
+    #[error(
+        "Landlock ruleset {status:?} (no_new_privs {no_new_privs}): refusing to run the program"
+    )]
+    NotEnforced {
+        /// What the kernel reported.
+        status: ::landlock::RulesetStatus,
+        /// Whether `no_new_privs` is set.
+        no_new_privs: bool,
+    },
+}
+
+// Errors of seccomp (`crate::seccomp`).
+
+/// Why the syscall profile cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    /// sandboxd has no profile for the architecture it was built for.
+    #[error("No seccomp profile for architecture {0}")]
+    Arch(&'static str),
+    /// The profile text does not compile.
+    #[error("The seccomp profile does not compile")]
+    Compile(#[source] seccompiler::Error),
+    /// A filter the profile must hold is missing.
+    #[error("The seccomp profile has no `{0}` filter")]
+    MissingFilter(&'static str),
+    /// The profile holds filters nothing would install.
+    #[error("The seccomp profile has filters other than allowlist and denylist")]
+    ExtraFilters,
+    /// The kernel refused a filter.
+    #[error("Cannot install the seccomp {filter}")]
+    Install {
+        /// `allowlist` or `denylist`.
+        filter: &'static str,
+        /// seccompiler's error.
+        #[source]
+        source: seccompiler::Error,
+    },
+}
+
+// Errors of rootfs (`crate::rootfs`).
+
+/// Why an image's overlay root cannot be mounted safely.
+#[derive(Debug, thiserror::Error)]
+pub enum RootfsError {
+    /// overlayfs options cannot carry the path of a layer.
+    #[error("An image layer path holds a ',' or ':' or is not UTF-8")]
+    LayerPath,
+    /// The overlay options do not fit the kernel's page of mount options.
+    #[error(
+        "{layers} image layers make overlay options of {bytes} bytes, more than the kernel's 4 KiB"
+    )]
+    TooManyLayers {
+        /// Layers of the image.
+        layers: usize,
+        /// Length of the options.
+        bytes: usize,
+    },
+    /// A runtime mount point in the image is a symlink or a file.
+    #[error("The image's /{0} is not a directory; refusing to mount over it")]
+    MountPoint(&'static str),
+}
+
+// Errors of launch (`crate::launch`).
+
+/// Why a launch could not be sent or was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The launch could not be encoded.
+    #[error("Cannot encode the launch")]
+    Encode(#[source] serde_json::Error),
+    /// The launch is larger than [`crate::launch::MAX_LAUNCH`].
+    #[error("Launch over {max} bytes")]
+    TooLarge {
+        /// The largest launch accepted.
+        max: usize,
+    },
+    /// The launch message carries the wrong number of descriptors.
+    #[error("Launch carries {0} descriptors, not 4")]
+    Descriptors(usize),
+    /// The datagram is not the launch message.
+    #[error("Malformed launch message")]
+    Malformed,
+    /// The payload is not a launch.
+    #[error("Cannot decode the launch")]
+    Decode(#[source] serde_json::Error),
+    /// The program is not an absolute path.
+    #[error("Launch args must start with an absolute program path")]
+    RelativeProgram,
+}
+
+// Errors of the helper client (`crate::helper`).
+
+/// What went wrong between the daemon and the helper.
+#[derive(Debug, thiserror::Error)]
+pub enum HelperError {
+    /// A request could not be encoded.
+    #[error("Cannot encode a request to the helper")]
+    Encode(#[source] serde_json::Error),
+    /// The helper answered a create with the wrong number of descriptors.
+    #[error("The helper's created event carries {0} descriptors, not 3")]
+    Descriptors(usize),
+    /// The helper answered a request with an event of another kind.
+    #[error("Unexpected answer from the helper to {request}: {event:?}")]
+    Unexpected {
+        /// The request (`create`, `remove`).
+        request: &'static str,
+        /// What came back.
+        event: String,
+    },
+    /// The helper could not create or start the container. `message` is the helper's error with its sources
+    /// ([`crate::error::Chain`]): it crossed a process boundary, so it is text, shown as it is.
+    #[error("{message}")]
+    CreateFailed {
+        /// The helper's report.
+        message: String,
+    },
 }
 
 impl Error {
@@ -179,7 +424,7 @@ mod tests {
         );
         assert_eq!(e.to_string(), "I/O error on /x");
         assert_eq!(Chain(&e).to_string(), "I/O error on /x: gone");
-        let e = Error::from(crate::cgroups::CgroupError::InvalidParent("a/../b".into()));
+        let e = Error::from(CgroupError::InvalidParent("a/../b".into()));
         assert_eq!(Chain(&e).to_string(), e.to_string());
     }
 }

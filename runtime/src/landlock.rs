@@ -14,26 +14,7 @@ use ::landlock::{
 
 use crate::error::Result;
 
-/// Why landlock cannot confine the program.
-#[derive(Debug, thiserror::Error)]
-pub enum LandlockError {
-    /// The kernel's ABI is too old or landlock is disabled.
-    #[error("Landlock ABI {0} is not usable")]
-    Abi(i32),
-    /// Building or applying the ruleset failed.
-    #[error("Cannot apply the landlock ruleset")]
-    Ruleset(#[from] ::landlock::RulesetError),
-    /// The kernel applied the ruleset only partly, or without `no_new_privs`.
-    #[error(
-        "Landlock ruleset {status:?} (no_new_privs {no_new_privs}): refusing to run the program"
-    )]
-    NotEnforced {
-        /// What the kernel reported.
-        status: RulesetStatus,
-        /// Whether `no_new_privs` is set.
-        no_new_privs: bool,
-    },
-}
+pub use crate::error::LandlockError;
 
 /// The highest ABI this build knows how to use.
 pub const MAX_ABI: i32 = 7;

@@ -17,28 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ipc;
 
-/// Why a launch could not be sent or was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum LaunchError {
-    /// The launch could not be encoded.
-    #[error("Cannot encode the launch")]
-    Encode(#[source] serde_json::Error),
-    /// The launch is larger than [`MAX_LAUNCH`].
-    #[error("Launch over {MAX_LAUNCH} bytes")]
-    TooLarge,
-    /// The launch message carries the wrong number of descriptors.
-    #[error("Launch carries {0} descriptors, not 4")]
-    Descriptors(usize),
-    /// The datagram is not the launch message.
-    #[error("Malformed launch message")]
-    Malformed,
-    /// The payload is not a launch.
-    #[error("Cannot decode the launch")]
-    Decode(#[source] serde_json::Error),
-    /// The program is not an absolute path.
-    #[error("Launch args must start with an absolute program path")]
-    RelativeProgram,
-}
+pub use crate::error::LaunchError;
 
 /// The largest launch (arguments and environment; the code itself travels as a file). `execve` refuses more than
 /// a quarter of the stack limit anyway.
@@ -60,7 +39,7 @@ pub struct Launch {
 pub fn send(sock: BorrowedFd<'_>, launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -> Result<()> {
     let bytes = serde_json::to_vec(launch).map_err(LaunchError::Encode)?;
     if bytes.len() > MAX_LAUNCH {
-        return Err(LaunchError::TooLarge.into());
+        return Err(LaunchError::TooLarge { max: MAX_LAUNCH }.into());
     }
     let payload = nix::sys::memfd::memfd_create(
         c"sandboxd-launch",
@@ -99,7 +78,7 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
         .and_then(|_| file.take(MAX_LAUNCH as u64 + 1).read_to_end(&mut bytes))
         .map_err(|e| Error::io("launch payload", e))?;
     if bytes.len() > MAX_LAUNCH {
-        return Err(LaunchError::TooLarge.into());
+        return Err(LaunchError::TooLarge { max: MAX_LAUNCH }.into());
     }
     let launch: Launch = serde_json::from_slice(&bytes).map_err(LaunchError::Decode)?;
     if launch.args.first().is_none_or(|a| !a.starts_with('/')) {

@@ -21,26 +21,7 @@ use nix::mount::{MntFlags, MsFlags};
 use crate::error::{Error, Result};
 use crate::spec::BindMount;
 
-/// Why an image's overlay root cannot be mounted safely.
-#[derive(Debug, thiserror::Error)]
-pub enum RootfsError {
-    /// overlayfs options cannot carry the path of a layer.
-    #[error("An image layer path holds a ',' or ':' or is not UTF-8")]
-    LayerPath,
-    /// The overlay options do not fit the kernel's page of mount options.
-    #[error(
-        "{layers} image layers make overlay options of {bytes} bytes, more than the kernel's 4 KiB"
-    )]
-    TooManyLayers {
-        /// Layers of the image.
-        layers: usize,
-        /// Length of the options.
-        bytes: usize,
-    },
-    /// A runtime mount point in the image is a symlink or a file.
-    #[error("The image's /{0} is not a directory; refusing to mount over it")]
-    MountPoint(&'static str),
-}
+pub use crate::error::RootfsError;
 
 /// Where the working directory appears in the container.
 pub const WORKDIR: &str = "/workspace";

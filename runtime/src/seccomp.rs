@@ -12,31 +12,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::Result;
 
-/// Why the syscall profile cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum SeccompError {
-    /// sandboxd has no profile for the architecture it was built for.
-    #[error("No seccomp profile for architecture {0}")]
-    Arch(&'static str),
-    /// The profile text does not compile.
-    #[error("The seccomp profile does not compile")]
-    Compile(#[source] seccompiler::Error),
-    /// A filter the profile must hold is missing.
-    #[error("The seccomp profile has no `{0}` filter")]
-    MissingFilter(&'static str),
-    /// The profile holds filters nothing would install.
-    #[error("The seccomp profile has filters other than allowlist and denylist")]
-    ExtraFilters,
-    /// The kernel refused a filter.
-    #[error("Cannot install the seccomp {filter}")]
-    Install {
-        /// `allowlist` or `denylist`.
-        filter: &'static str,
-        /// seccompiler's error.
-        #[source]
-        source: seccompiler::Error,
-    },
-}
+pub use crate::error::SeccompError;
 
 /// The x86_64 profile.
 pub const X86_64: &str = include_str!("../../seccomp-profiles/default.x86_64.json");

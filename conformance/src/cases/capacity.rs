@@ -13,6 +13,7 @@ use super::{case, ended, sequence, C};
 use crate::ctx::{load_of, Ctx};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::msgs::cancel;
+pub use crate::observed::CapacityObs;
 use crate::wire::{check_error, short};
 use crate::{check, fail, skip};
 
@@ -109,31 +110,6 @@ pub static CASES: &[Case] = &[
         queue_order
     ),
 ];
-
-/// What the capacity scenario observed.
-#[derive(Debug, Clone)]
-pub struct CapacityObs {
-    /// Executions that ran at once.
-    pub max_concurrent: u64,
-    /// Executions acknowledged beyond those.
-    pub max_queue: u64,
-    /// The `SANDBOX_OVERLOADED` error (or whatever refused the saturating execute), with its execute's id.
-    pub refusal: Option<(String, Value)>,
-    /// Time from sending the refused execute to its refusal.
-    pub refusal_latency: Duration,
-    /// P.6.4: whether pong.load matched what was observed.
-    pub load_truthful: Result<String, String>,
-    /// P.6.5.
-    pub queued_started: Result<String, Stop>,
-    /// P.6.8.
-    pub retry_accepted: Result<String, Stop>,
-    /// P.6.6.
-    pub queued_cancel: Result<String, Stop>,
-    /// P.6.7.
-    pub load_back: Result<String, String>,
-    /// P.6.10: which queued execution started first.
-    pub queue_order: Option<String>,
-}
 
 /// Runs the capacity scenario once per run.
 pub async fn observe(ctx: &Ctx) -> Result<CapacityObs, Stop> {

@@ -11,6 +11,7 @@ use super::resources::COUNT_MARKED_FILES;
 use super::{case, C, COUNT_MARKED_PROCESSES};
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};
+pub use crate::observed::Posture;
 use crate::wire::short;
 use crate::{check, fail, skip};
 
@@ -43,37 +44,6 @@ pub static CASES: &[Case] = &[
     case!("I.fs.4", Should, "1, 3", "Another execution's files are invisible",
         "Suite posture check: files placed in an execution's working directory are its own.", files_invisible),
 ];
-
-/// What the probes reported.
-#[derive(Debug, Clone, Default)]
-pub struct Posture {
-    /// The shell probe's report, or why there is none.
-    pub shell: Option<Result<Value, String>>,
-    /// The python probe's report, or why there is none.
-    pub python: Option<Result<Value, String>>,
-    /// Two reports of the same probe from executions that ran at the same time (for namespace freshness).
-    pub pair: Option<(Value, Value)>,
-}
-
-impl Posture {
-    /// The first report available (python first: it reports more).
-    pub fn any(&self) -> Result<&Value, Stop> {
-        if let Some(v) = [&self.python, &self.shell]
-            .into_iter()
-            .flatten()
-            .flatten()
-            .next()
-        {
-            return Ok(v);
-        }
-        let why: Vec<String> = [&self.python, &self.shell]
-            .into_iter()
-            .flatten()
-            .filter_map(|r| r.as_ref().err().cloned())
-            .collect();
-        Err(Stop::Harness(format!("no probe reported: {why:?}")))
-    }
-}
 
 fn announced_ns(ctx: &Ctx) -> Vec<String> {
     ctx.isolation()

@@ -15,31 +15,7 @@ use super::proto::{Event, Request};
 use crate::error::{Error, Result};
 use crate::ipc;
 
-/// What went wrong between the daemon and the helper.
-#[derive(Debug, thiserror::Error)]
-pub enum HelperError {
-    /// A request could not be encoded.
-    #[error("Cannot encode a request to the helper")]
-    Encode(#[source] serde_json::Error),
-    /// The helper answered a create with the wrong number of descriptors.
-    #[error("The helper's created event carries {0} descriptors, not 3")]
-    Descriptors(usize),
-    /// The helper answered a request with an event of another kind.
-    #[error("Unexpected answer from the helper to {request}: {event:?}")]
-    Unexpected {
-        /// The request (`create`, `remove`).
-        request: &'static str,
-        /// What came back.
-        event: Box<Event>,
-    },
-    /// The helper could not create or start the container. `message` is the helper's error with its sources
-    /// ([`crate::error::Chain`]): it crossed a process boundary, so it is text, shown as it is.
-    #[error("{message}")]
-    CreateFailed {
-        /// The helper's report.
-        message: String,
-    },
-}
+pub use crate::error::HelperError;
 
 /// A container whose init waits for the launch message, with the daemon's descriptors.
 #[derive(Debug)]
@@ -139,7 +115,7 @@ impl HelperClient {
             }
             Some((other, _)) => Err(HelperError::Unexpected {
                 request: "create",
-                event: Box::new(other),
+                event: format!("{other:?}"),
             }
             .into()),
             None => Err(Error::HelperGone),
@@ -154,7 +130,7 @@ impl HelperClient {
             Some((Event::Removed { error, .. }, _)) => Ok(error),
             Some((other, _)) => Err(HelperError::Unexpected {
                 request: "remove",
-                event: Box::new(other),
+                event: format!("{other:?}"),
             }
             .into()),
             None => Err(Error::HelperGone),
