@@ -533,8 +533,10 @@ const CASES: [Case; 4] = [
 ];
 
 fn main() {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED: the sandboxd benchmark needs root (it starts the daemons, which create containers)");
+    if !test_support::require_root(
+        "latency bench",
+        "it starts daemons, which create containers",
+    ) {
         return;
     }
     // `cargo bench` passes --bench; a filter argument is accepted and ignored.
