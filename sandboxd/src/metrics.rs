@@ -371,11 +371,14 @@ async fn metrics(State(state): State<MetricsState>, headers: HeaderMap) -> Respo
     }
     match get().encode(state.source.gauges()) {
         Ok(text) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "cannot encode the metrics\n",
-        )
-            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot encode the metrics");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "cannot encode the metrics\n",
+            )
+                .into_response()
+        }
     }
 }
 

@@ -427,8 +427,7 @@ mod tests {
     use protocol::{Language, Limits};
 
     use super::{Factory, Pool, Uids, POOL_DISK_MB};
-    use crate::containers::fake::{shell, Call, FakeBackend, Recorder};
-    use crate::containers::helper::Helpers;
+    use crate::containers::fake::{placeholder_helpers, shell, Call, FakeBackend, Recorder};
 
     /// Takes many containers from a pool kept full by its refill task: every container is handed out once, and at
     /// the end every container ever created (taken, pooled or being created at close) is removed exactly once.
@@ -436,17 +435,9 @@ mod tests {
     async fn a_container_is_never_handed_out_twice_and_every_one_is_removed_once() {
         let dir = tempfile::tempdir().unwrap();
         let recorder = Arc::new(Recorder::default());
-        let (ours, _peer) = nix::sys::socket::socketpair(
-            nix::sys::socket::AddressFamily::Unix,
-            nix::sys::socket::SockType::SeqPacket,
-            None,
-            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap();
-        let placeholder =
-            runtime::helper::HelperClient::new(ours, nix::unistd::Pid::from_raw(0)).unwrap();
+        let (helpers, _peer) = placeholder_helpers();
         let factory = Arc::new(Factory::with_backend(
-            Arc::new(Helpers::new(placeholder, Vec::new())),
+            helpers,
             Box::new(FakeBackend::new(dir.path(), recorder.clone())),
             crate::config::Config::default().limits.max.to_limits(),
             Uids::new(900_000, 8),

@@ -163,36 +163,10 @@ enum Outgoing {
 
 async fn connection(engine: Arc<Engine>, socket: WebSocket) {
     info!("connected");
-    let (mut sink, mut stream) = socket.split();
-    let (exec_tx, mut exec_rx) = mpsc::channel::<ServerMessage>(EXEC_QUEUE);
-    let (prio_tx, mut prio_rx) = mpsc::channel::<Outgoing>(PRIORITY_QUEUE);
-    let writer = tokio::spawn(
-        async move {
-            loop {
-                let out = tokio::select! {
-                    biased;
-                    m = prio_rx.recv() => match m { Some(m) => m, None => break },
-                    m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
-                };
-                let frame = match out {
-                    Outgoing::Message(m) => Message::Text(protocol::encode(&m).into()),
-                    Outgoing::Close(code, reason) => {
-                        let _ = sink
-                            .send(Message::Close(Some(CloseFrame {
-                                code,
-                                reason: reason.into(),
-                            })))
-                            .await;
-                        break;
-                    }
-                };
-                if sink.send(frame).await.is_err() {
-                    break;
-                }
-            }
-        }
-        .in_current_span(),
-    );
+    let (sink, mut stream) = socket.split();
+    let (exec_tx, exec_rx) = mpsc::channel::<ServerMessage>(EXEC_QUEUE);
+    let (prio_tx, prio_rx) = mpsc::channel::<Outgoing>(PRIORITY_QUEUE);
+    let writer = tokio::spawn(write(sink, prio_rx, exec_rx).in_current_span());
 
     let registry = Registry::default();
     let reply = |m: ServerMessage| {
@@ -239,35 +213,10 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
                 Some(_) => true,
                 None => reply(RequestError::unknown_execution(&c.id).into()),
             },
-            Ok(ClientMessage::Execute(req)) => {
-                let refusal = refuse(&engine, &req);
-                match refusal {
-                    Some(e) => reply(ServerMessage::Error(e)),
-                    None => match req.resolve_limits(&engine.max_limits()) {
-                        Err(e) => reply(e.into()),
-                        Ok(limits) => match registry.register(&req.id) {
-                            None => reply(RequestError::duplicate_execution(&req.id).into()),
-                            Some((registration, control)) => match engine.admit() {
-                                Admission::Overloaded => {
-                                    drop(registration);
-                                    reply(ServerMessage::Error(ErrorMessage::overloaded(&req.id)))
-                                }
-                                admission => {
-                                    let span = tracing::info_span!("execution", id = %req.id);
-                                    let engine = engine.clone();
-                                    let out = exec_tx.clone();
-                                    tokio::spawn(
-                                        engine
-                                            .run(req, limits, admission, out, control, registration)
-                                            .instrument(span),
-                                    );
-                                    true
-                                }
-                            },
-                        },
-                    },
-                }
-            }
+            Ok(ClientMessage::Execute(req)) => match execute(&engine, &registry, &exec_tx, req) {
+                None => true,
+                Some(refusal) => reply(refusal),
+            },
         };
         if !keep {
             break;
@@ -279,6 +228,78 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
     drop(prio_tx);
     let _ = writer.await;
     info!("disconnected");
+}
+
+/// The connection's writer: priority frames (pong, refusals, close) first, then the executions' messages.
+async fn write(
+    mut sink: futures_util::stream::SplitSink<WebSocket, Message>,
+    mut prio_rx: mpsc::Receiver<Outgoing>,
+    mut exec_rx: mpsc::Receiver<ServerMessage>,
+) {
+    loop {
+        let out = tokio::select! {
+            biased;
+            m = prio_rx.recv() => match m { Some(m) => m, None => break },
+            m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
+        };
+        let frame = match out {
+            Outgoing::Message(m) => Message::Text(protocol::encode(&m).into()),
+            Outgoing::Close(code, reason) => {
+                let _ = sink
+                    .send(Message::Close(Some(CloseFrame {
+                        code,
+                        reason: reason.into(),
+                    })))
+                    .await;
+                break;
+            }
+        };
+        if sink.send(frame).await.is_err() {
+            break;
+        }
+    }
+}
+
+/// An `execute`: refused at once (`Some`: the message to reply with), or admitted and started in a task of its own.
+fn execute(
+    engine: &Arc<Engine>,
+    registry: &Registry,
+    exec_tx: &mpsc::Sender<ServerMessage>,
+    req: protocol::ExecuteRequest,
+) -> Option<ServerMessage> {
+    if let Some(e) = refuse(engine, &req) {
+        return Some(ServerMessage::Error(e));
+    }
+    let limits = match req.resolve_limits(&engine.max_limits()) {
+        Ok(l) => l,
+        Err(e) => return Some(e.into()),
+    };
+    let Some((registration, control)) = registry.register(&req.id) else {
+        return Some(RequestError::duplicate_execution(&req.id).into());
+    };
+    match engine.admit() {
+        Admission::Overloaded => {
+            drop(registration);
+            Some(ServerMessage::Error(ErrorMessage::overloaded(&req.id)))
+        }
+        admission => {
+            let span = tracing::info_span!("execution", id = %req.id);
+            tokio::spawn(
+                engine
+                    .clone()
+                    .run(
+                        req,
+                        limits,
+                        admission,
+                        exec_tx.clone(),
+                        control,
+                        registration,
+                    )
+                    .instrument(span),
+            );
+            None
+        }
+    }
 }
 
 /// Refusals that need the engine: language availability, unsupported extensions, files bigger than the scratch.

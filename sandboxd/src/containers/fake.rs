@@ -4,7 +4,6 @@
 //! assertions, and usage is scripted ([`Script`]): a scripted OOM kills the program with `SIGKILL` and then reports
 //! an OOM kill, as the kernel's OOM killer and the cgroup's counter would.
 
-use std::collections::BTreeMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -14,8 +13,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-use protocol::{Isolation, Language, Limits};
-use runtime::cgroups::{CgroupLimits, CgroupVersion, Cgroups, Usage};
+use runtime::cgroups::{CgroupLimits, Usage};
 use runtime::init::ProgramExit;
 use runtime::launch::Launch;
 use runtime::rootfs::InputFile;
@@ -25,11 +23,7 @@ use super::helper::Helpers;
 use super::{
     BoxFuture, ContainerBackend, ContainerHandle, EndRecord, LaunchError, Plan, PrepareError,
 };
-use crate::config::Config;
-use crate::engine::Engine;
 use crate::images::{LanguageRuntime, RootImage, RootKind};
-use crate::pool::{Factory, Pool, Uids};
-use crate::store::Store;
 
 /// One call into the backend, by container id.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -321,69 +315,17 @@ pub fn shell() -> LanguageRuntime {
     }
 }
 
-/// An engine (and its pool of `pool_size`) over the fake backend, with its files under `root`.
-pub struct Harness {
-    /// The engine.
-    pub engine: Arc<Engine>,
-    /// What the backend was asked to do.
-    pub recorder: Arc<Recorder>,
-    /// The helper socket's other end: the placeholder helper stays "alive" while the harness lives.
-    _helper_peer: OwnedFd,
-}
-
-impl Harness {
-    /// Builds the engine; must be called inside a tokio runtime (the placeholder helper client spawns a reader).
-    pub fn new(root: &Path, pool_size: usize) -> Self {
-        let recorder = Arc::new(Recorder::default());
-        let (ours, peer) = nix::sys::socket::socketpair(
-            nix::sys::socket::AddressFamily::Unix,
-            nix::sys::socket::SockType::SeqPacket,
-            None,
-            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-        )
-        .unwrap();
-        // The engine never talks to it: the fake backend does not use the helpers.
-        let placeholder = runtime::helper::HelperClient::new(ours, Pid::from_raw(0)).unwrap();
-        let config = Config::default();
-        let max = config.limits.max.to_limits();
-        let languages: BTreeMap<Language, LanguageRuntime> =
-            [(Language::Shell, shell())].into_iter().collect();
-        let factory = Arc::new(Factory::with_backend(
-            Arc::new(Helpers::new(placeholder, Vec::new())),
-            Box::new(FakeBackend::new(&root.join("containers"), recorder.clone())),
-            max,
-            Uids::new(900_000, 64),
-        ));
-        let pool = Arc::new(Pool::new(factory, pool_size, &languages));
-        pool.start(&languages);
-        let store = Store::open(&root.join("store"), Duration::from_secs(3600), 1 << 30).unwrap();
-        let cgroups = Cgroups::with_version(CgroupVersion::V2, root, "fake").unwrap();
-        let isolation = Isolation {
-            namespaces: Vec::new(),
-            cgroup_version: "v2".into(),
-            seccomp: false,
-            landlock_abi: None,
-            user_namespace: false,
-            network: "none".into(),
-        };
-        let engine = Engine::new(
-            config,
-            pool,
-            cgroups,
-            languages,
-            isolation,
-            Arc::new(store),
-            "fake".into(),
-        );
-        Self {
-            engine: Arc::new(engine),
-            recorder,
-            _helper_peer: peer,
-        }
-    }
-
-    /// The largest limits, for requests that pick their own.
-    pub fn max_limits(&self) -> Limits {
-        self.engine.max_limits()
-    }
+/// Helpers for a factory whose backend is the fake: one placeholder client the fake never uses, and the other end
+/// of its socket, which keeps the placeholder "alive" while the caller holds it. Must be called inside a tokio
+/// runtime (the client spawns its reader).
+pub fn placeholder_helpers() -> (Arc<Helpers>, OwnedFd) {
+    let (ours, peer) = nix::sys::socket::socketpair(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::SeqPacket,
+        None,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+    )
+    .unwrap();
+    let placeholder = runtime::helper::HelperClient::new(ours, Pid::from_raw(0)).unwrap();
+    (Arc::new(Helpers::new(placeholder, Vec::new())), peer)
 }
