@@ -25,7 +25,8 @@ use tokio::sync::Notify;
 use tracing::{debug, error, info, warn, Instrument};
 
 use crate::containers::helper::{HelperBackend, Helpers};
-use crate::containers::{ContainerBackend, ContainerHandle, Plan};
+use crate::containers::{ContainerBackend, ContainerHandle, CreateError, Plan};
+use crate::errors::Chain;
 use crate::images::LanguageRuntime;
 
 /// The `disk_mb` class pooled containers are created with: the protocol's default.
@@ -150,7 +151,7 @@ impl Factory {
         lang: &LanguageRuntime,
         disk_mb: u64,
         limits: &Limits,
-    ) -> Result<Container, runtime::Error> {
+    ) -> Result<Container, CreateError> {
         let host_id = self.uids.take().await;
         let cid = format!(
             "sbx-{}-{}",
@@ -347,7 +348,7 @@ impl Pool {
                         }
                     }
                     Some(Ok(Err(e))) => {
-                        warn!(language = lang.as_str(), error = %e, "cannot create a pooled container; retrying in 1 s");
+                        warn!(language = lang.as_str(), error = %Chain(&e), "cannot create a pooled container; retrying in 1 s");
                         tokio::time::sleep(REFILL_BACKOFF).await;
                     }
                     Some(Err(e)) => error!(language = lang.as_str(), error = %e, "a pooled container's creation panicked"),
@@ -364,7 +365,7 @@ impl Pool {
         lang: Language,
         rt: &LanguageRuntime,
         limits: &Limits,
-    ) -> Result<Container, runtime::Error> {
+    ) -> Result<Container, CreateError> {
         if self.size > 0 && limits.disk_mb == POOL_DISK_MB {
             let taken = self.lock().get_mut(&lang).and_then(VecDeque::pop_front);
             if let Some(c) = taken {

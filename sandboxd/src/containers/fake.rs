@@ -21,7 +21,8 @@ use tokio::sync::oneshot;
 
 use super::helper::Helpers;
 use super::{
-    BoxFuture, ContainerBackend, ContainerHandle, EndRecord, LaunchError, Plan, PrepareError,
+    BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
+    PrepareError,
 };
 use crate::images::{LanguageRuntime, RootImage, RootKind};
 
@@ -123,12 +124,13 @@ impl ContainerBackend for FakeBackend {
     fn create<'a>(
         &'a self,
         plan: Plan<'a>,
-    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, runtime::Error>> {
+    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, CreateError>> {
         Box::pin(async move {
             let dir = self.root.join(plan.cid);
             for sub in ["code", "workspace"] {
-                std::fs::create_dir_all(dir.join(sub))
-                    .map_err(|e| runtime::Error::Container(e.to_string()))?;
+                let sub = dir.join(sub);
+                std::fs::create_dir_all(&sub)
+                    .map_err(|e| CreateError::Prepare(runtime::Error::io(sub, e)))?;
             }
             self.recorder.record(Call::Create(plan.cid.to_owned()));
             Ok(Box::new(FakeContainer {
@@ -252,19 +254,18 @@ impl ContainerHandle for FakeContainer {
         let written = files.iter().try_for_each(|f| {
             let path = self.workspace().join(&f.path);
             if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent)?;
+                std::fs::create_dir_all(parent).map_err(|e| runtime::Error::io(parent, e))?;
             }
-            std::fs::write(path, &f.content)
+            std::fs::write(&path, &f.content).map_err(|e| runtime::Error::io(path, e))
         });
-        let written =
-            written.map_err(|e| PrepareError::Failed(runtime::Error::Container(e.to_string())));
+        let written = written.map_err(PrepareError::Failed);
         Box::pin(std::future::ready(written))
     }
 
     fn launch(&self, _launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -> Result<(), LaunchError> {
         self.recorder.record(Call::Launch(self.cid.clone()));
         self.spawn(stdio)
-            .map_err(|e| LaunchError::Send(runtime::Error::Container(e.to_string())))
+            .map_err(|e| LaunchError::Send(runtime::Error::io("sh", e)))
     }
 
     fn watch_end(&self) -> std::io::Result<oneshot::Receiver<EndRecord>> {

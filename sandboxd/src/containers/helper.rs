@@ -19,7 +19,8 @@ use tokio::sync::oneshot;
 use tracing::{debug, error, warn};
 
 use super::{
-    BoxFuture, ContainerBackend, ContainerHandle, EndRecord, LaunchError, Plan, PrepareError,
+    BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
+    PrepareError,
 };
 use crate::errors::Chain;
 use crate::images::RootKind;
@@ -90,7 +91,7 @@ pub struct HelperBackend {
 
 impl HelperBackend {
     /// Scratch space and the bundle's `config.json` (the program itself comes with the launch message).
-    fn prepare(&self, plan: &Plan<'_>) -> runtime::Result<Scratch> {
+    fn prepare(&self, plan: &Plan<'_>) -> Result<Scratch, CreateError> {
         let Plan {
             cid,
             host_id,
@@ -108,7 +109,8 @@ impl HelperBackend {
                 RootKind::Host(_) => RootSource::Shared,
                 RootKind::Oci { lowers } => RootSource::Overlay(lowers),
             },
-        )?;
+        )
+        .map_err(CreateError::Prepare)?;
         let (rootfs, readonly_root, mut binds) = match &lang.image.kind {
             RootKind::Host(host) => (host.rootfs.clone(), true, host.binds.clone()),
             RootKind::Oci { .. } => (scratch.rootfs(), false, Vec::new()),
@@ -133,11 +135,14 @@ impl HelperBackend {
             fsize_bytes: disk_bytes,
             shm_bytes: disk_bytes,
         };
-        let spec = runtime::spec::build(&plan)?;
-        let config = scratch.dir().join("config.json");
-        spec.save(&config).map_err(|e| {
-            runtime::Error::Container(format!("cannot write {}: {e}", config.display()))
-        })?;
+        let spec = runtime::spec::build(&plan).map_err(CreateError::Prepare)?;
+        let path = scratch.dir().join("config.json");
+        if let Err(e) = spec.save(&path) {
+            return Err(CreateError::Bundle {
+                path,
+                source: Box::new(e),
+            });
+        }
         Ok(scratch)
     }
 }
@@ -146,7 +151,7 @@ impl ContainerBackend for Arc<HelperBackend> {
     fn create<'a>(
         &'a self,
         plan: Plan<'a>,
-    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, runtime::Error>> {
+    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, CreateError>> {
         Box::pin(async move {
             let this = self.clone();
             let owned = (plan.cid.to_owned(), plan.lang.clone(), *plan.limits);
@@ -162,11 +167,11 @@ impl ContainerBackend for Arc<HelperBackend> {
                 })
             })
             .await
-            .map_err(|e| runtime::Error::Container(format!("preparation panicked: {e}")));
+            .map_err(CreateError::Panicked);
             let scratch = prepared.and_then(|r| r)?;
             let Some(client) = self.helpers.get(self.helpers.pick()).cloned() else {
                 remove_scratch(scratch).await;
-                return Err(runtime::Error::HelperGone);
+                return Err(CreateError::NoHelper);
             };
             match client
                 .create(
@@ -186,7 +191,7 @@ impl ContainerBackend for Arc<HelperBackend> {
                 Err(e) => {
                     // The helper removed whatever it created; the scratch space is ours.
                     remove_scratch(scratch).await;
-                    Err(e)
+                    Err(CreateError::Helper(e))
                 }
             }
         })

@@ -53,6 +53,32 @@ pub struct Plan<'a> {
 /// `CLOCK_MONOTONIC` time the end was seen.
 pub type EndRecord = (String, u64);
 
+/// A container could not be created. Nothing of it is left.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// The scratch space or the bundle could not be made.
+    #[error(transparent)]
+    Prepare(runtime::Error),
+    /// The bundle's `config.json` could not be written.
+    #[error("Cannot write {}", path.display())]
+    Bundle {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The blocking preparation task did not finish.
+    #[error("Preparation panicked")]
+    Panicked(#[source] tokio::task::JoinError),
+    /// The helper failed to create or start the container.
+    #[error(transparent)]
+    Helper(runtime::Error),
+    /// No helper process is there to create it.
+    #[error("No container helper is running")]
+    NoHelper,
+}
+
 /// Writing the request's limits and inputs failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
@@ -81,7 +107,7 @@ pub trait ContainerBackend: Send + Sync + 'static {
     fn create<'a>(
         &'a self,
         plan: Plan<'a>,
-    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, runtime::Error>>;
+    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, CreateError>>;
 
     /// How many creations are worth running at once.
     fn parallelism(&self) -> usize;

@@ -4,7 +4,7 @@
 
 use super::artifacts::ArtifactError;
 use super::outcome::Unexplained;
-use crate::containers::LaunchError;
+use crate::containers::{CreateError, LaunchError};
 
 /// An execution the daemon could not carry out.
 #[derive(Debug, thiserror::Error)]
@@ -14,7 +14,7 @@ pub enum ExecError {
     ShuttingDown,
     /// No container: the backend could not create one.
     #[error("Cannot create the container")]
-    Create(#[source] runtime::Error),
+    Create(#[source] CreateError),
     /// The tool broker could not be set up.
     #[error(transparent)]
     Tools(crate::tools::ToolsError),
