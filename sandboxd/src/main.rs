@@ -5,15 +5,20 @@
 //! forks (the helper) happens while the process is still single-threaded, before the tokio runtime exists.
 
 mod agent;
+mod auth;
 mod capacity;
 mod config;
+mod containers;
 mod doctor;
 mod engine;
+mod errors;
 mod images;
 mod images_cli;
 mod metrics;
 mod notify;
 mod pool;
+mod registry;
+mod selftest;
 mod server;
 mod store;
 mod tools;
@@ -360,7 +365,7 @@ impl Daemon {
             .context("no container helper was started (pool.helpers)")?;
         let config = self.config;
         let factory = Arc::new(pool::Factory::new(
-            pool::Helpers::new(first, clients.into()),
+            containers::helper::Helpers::new(first, clients.into()),
             self.cgroups.clone(),
             self.run_dir.clone(),
             config.sandbox.nofile,
@@ -383,7 +388,7 @@ impl Daemon {
             self.seccomp_digest,
         ));
         spawn_artifact_gc(self.store);
-        if let Err(e) = server::self_test(engine.clone()).await {
+        if let Err(e) = selftest::self_test(engine.clone()).await {
             stop_containers(&engine).await;
             let hint = untraversable_ancestor(&engine.config.state_dir)
                 .map(|d| {
@@ -393,7 +398,7 @@ impl Daemon {
                     )
                 })
                 .unwrap_or_default();
-            bail!("{e}{hint}");
+            bail!("{}{hint}", errors::Chain(&e));
         }
         // Serve only once the self-test's containers are removed: a ready daemon has nothing but its pool.
         engine.pool.factory().removals_done().await;

@@ -42,10 +42,30 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use protocol::{Language, Reason};
 
-use crate::engine::Engine;
-
 /// The content type of the OpenMetrics text format (Prometheus scrapes it natively).
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// What a scrape reads from the daemon at that moment (admission control and the pool), so it is never stale.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Gauges {
+    /// Executions waiting for a slot.
+    pub queue_depth: usize,
+    /// Executions holding a slot.
+    pub slots_in_use: usize,
+    /// `capacity.max_concurrent`.
+    pub slots: usize,
+    /// Ready containers in the warm pool.
+    pub pool_size: usize,
+}
+
+/// The daemon as `/metrics` sees it: the gauges read at scrape time and the bearer tokens it accepts. The engine
+/// implements it; this module does not depend on the engine (which reports into this one).
+pub trait Source: Send + Sync + 'static {
+    /// The gauges, read now.
+    fn gauges(&self) -> Gauges;
+    /// Accepted bearer tokens.
+    fn tokens(&self) -> &[String];
+}
 
 /// `language` and `reason` of an ended execution.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -236,13 +256,13 @@ impl Metrics {
             .inc();
     }
 
-    /// The exposition text, with the admission gauges read from `engine` now.
-    pub fn encode(&self, engine: &Engine) -> Result<String, std::fmt::Error> {
+    /// The exposition text, with the admission and pool gauges as given (read at scrape time).
+    pub fn encode(&self, now: Gauges) -> Result<String, std::fmt::Error> {
         let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        self.queue_depth.set(gauge(engine.capacity.queued()));
-        self.slots_in_use.set(gauge(engine.capacity.active()));
-        self.slots.set(gauge(engine.config.capacity.max_concurrent));
-        self.pool_size.set(gauge(engine.pool.ready()));
+        self.queue_depth.set(gauge(now.queue_depth));
+        self.slots_in_use.set(gauge(now.slots_in_use));
+        self.slots.set(gauge(now.slots));
+        self.pool_size.set(gauge(now.pool_size));
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
         Ok(out)
@@ -335,39 +355,42 @@ pub fn count_leftover_mounts(dir: &Path) {
 /// What the `/metrics` handler needs.
 #[derive(Clone)]
 struct MetricsState {
-    engine: Arc<Engine>,
+    source: Arc<dyn Source>,
 }
 
 /// `GET /metrics`, bearer-authenticated like every other endpoint.
-pub fn router(engine: Arc<Engine>) -> Router {
+pub fn router(source: Arc<dyn Source>) -> Router {
     Router::new()
         .route("/metrics", routing::get(metrics))
-        .with_state(MetricsState { engine })
+        .with_state(MetricsState { source })
 }
 
 async fn metrics(State(state): State<MetricsState>, headers: HeaderMap) -> Response {
-    if !crate::server::authorized(&headers, &state.engine.config.auth.tokens) {
+    if !crate::auth::authorized(&headers, state.source.tokens()) {
         return (StatusCode::UNAUTHORIZED, "unauthorized\n").into_response();
     }
-    match get().encode(&state.engine) {
+    match get().encode(state.source.gauges()) {
         Ok(text) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "cannot encode the metrics\n",
-        )
-            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot encode the metrics");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "cannot encode the metrics\n",
+            )
+                .into_response()
+        }
     }
 }
 
 /// Serves `/metrics` alone on `addr` until `stop` resolves.
 pub async fn serve_separately(
-    engine: Arc<Engine>,
+    source: Arc<dyn Source>,
     addr: std::net::SocketAddr,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<tokio::task::JoinHandle<std::io::Result<()>>> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "metrics listening");
-    let app = router(engine);
+    let app = router(source);
     Ok(tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(stop)

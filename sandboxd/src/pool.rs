@@ -21,13 +21,13 @@ use std::time::Duration;
 
 use protocol::{Language, Limits};
 use runtime::cgroups::Cgroups;
-use runtime::helper::{Created, HelperClient};
-use runtime::rootfs::{RootSource, Scratch, CODE_DIR, WORKDIR};
-use runtime::spec::ContainerPlan;
 use tokio::sync::Notify;
 use tracing::{debug, error, info, warn, Instrument};
 
-use crate::images::{LanguageRuntime, RootKind};
+use crate::containers::helper::{HelperBackend, Helpers};
+use crate::containers::{ContainerBackend, ContainerHandle, CreateError, Plan};
+use crate::errors::Chain;
+use crate::images::LanguageRuntime;
 
 /// The `disk_mb` class pooled containers are created with: the protocol's default.
 pub const POOL_DISK_MB: u64 = Limits::DEFAULTS.disk_mb;
@@ -78,88 +78,27 @@ impl Uids {
     }
 }
 
-/// The helper processes. Containers are spread over them round-robin, so creations and removals run in parallel
-/// (each helper is single-threaded, and a creation is mostly CPU work in it); a container is removed by the helper
-/// that created it (its init is that helper's child).
-pub struct Helpers {
-    all: Vec<HelperClient>,
-    primary: HelperClient,
-    next: AtomicUsize,
-}
-
-impl Helpers {
-    /// Over `first` and `rest`.
-    pub fn new(first: HelperClient, rest: Vec<HelperClient>) -> Self {
-        let mut all = vec![first.clone()];
-        all.extend(rest);
-        Self {
-            all,
-            primary: first,
-            next: AtomicUsize::new(0),
-        }
-    }
-
-    /// The first helper: agent sandboxes' containers live there (they are few and long-lived).
-    pub fn primary(&self) -> &HelperClient {
-        &self.primary
-    }
-
-    fn pick(&self) -> usize {
-        self.next.fetch_add(1, Ordering::Relaxed) % self.all.len().max(1)
-    }
-
-    fn get(&self, i: usize) -> Option<&HelperClient> {
-        self.all.get(i)
-    }
-
-    /// How many there are.
-    pub fn len(&self) -> usize {
-        self.all.len()
-    }
-
-    /// True while every helper runs (one gone means its containers are gone: the daemon is unhealthy).
-    pub fn all_alive(&self) -> bool {
-        !self.all.is_empty() && self.all.iter().all(HelperClient::is_alive)
-    }
-
-    /// Asks every helper to remove its containers and exit.
-    pub async fn shutdown(&self) {
-        for h in &self.all {
-            let _ = h.shutdown().await;
-        }
-    }
-}
-
 /// A created container whose init waits for its program.
 pub struct Container {
     /// Container id (libcontainer's, the cgroup leaf's, the scratch directory's name).
     pub cid: String,
     /// Host uid of container root.
     pub host_id: u32,
-    /// The helper that created it (index into [`Helpers`]).
-    helper: usize,
-    /// The scratch space (working directory, `/tmp`, code directory, overlay root).
-    pub scratch: Scratch,
-    /// The daemon's descriptors: launch channel, status pipe, pidfd.
-    pub created: Created,
     /// Taken from the pool (false: created for the execution).
     pub warm: bool,
+    /// The container itself, behind the backend's seam.
+    pub handle: Box<dyn ContainerHandle>,
 }
 
-/// What the pool needs to create containers.
+/// What the pool needs to create containers: the backend, host uids, ids, and the count of removals under way.
 pub struct Factory {
-    /// The helper processes.
-    pub helpers: Helpers,
-    /// Cgroup setup.
-    pub cgroups: Cgroups,
-    /// Per-execution state directory.
-    pub run_dir: PathBuf,
-    /// `RLIMIT_NOFILE` of programs.
-    pub nofile: u64,
+    /// The helper processes (agent sandboxes use the primary one directly; `/healthz` and the watchdog check them).
+    pub helpers: Arc<Helpers>,
     /// The limits a pooled container is created with, lowered to the request's at launch.
     pub max_limits: Limits,
     /// Host uids.
     pub uids: Uids,
+    backend: Box<dyn ContainerBackend>,
     /// Removals under way, and a wake-up when one ends.
     removing: AtomicUsize,
     removed: Notify,
@@ -168,7 +107,7 @@ pub struct Factory {
 }
 
 impl Factory {
-    /// A factory over `uids`.
+    /// A factory creating containers through the helpers.
     pub fn new(
         helpers: Helpers,
         cgroups: Cgroups,
@@ -177,13 +116,28 @@ impl Factory {
         max_limits: Limits,
         uids: Uids,
     ) -> Self {
-        Self {
-            helpers,
+        let helpers = Arc::new(helpers);
+        let backend = Arc::new(HelperBackend {
+            helpers: helpers.clone(),
             cgroups,
             run_dir,
             nofile,
+        });
+        Self::with_backend(helpers, Box::new(backend), max_limits, uids)
+    }
+
+    /// A factory over any backend (tests use a fake one).
+    pub fn with_backend(
+        helpers: Arc<Helpers>,
+        backend: Box<dyn ContainerBackend>,
+        max_limits: Limits,
+        uids: Uids,
+    ) -> Self {
+        Self {
+            helpers,
             max_limits,
             uids,
+            backend,
             removing: AtomicUsize::new(0),
             removed: Notify::new(),
             nonce: format!("{:08x}", rand::random::<u32>()),
@@ -193,111 +147,39 @@ impl Factory {
 
     /// Creates a container for `lang` with `disk_mb` of scratch space and `limits` in its cgroup.
     pub async fn create(
-        self: &Arc<Self>,
+        &self,
         lang: &LanguageRuntime,
         disk_mb: u64,
         limits: &Limits,
-    ) -> Result<Container, runtime::Error> {
+    ) -> Result<Container, CreateError> {
         let host_id = self.uids.take().await;
         let cid = format!(
             "sbx-{}-{}",
             self.nonce,
             self.seq.fetch_add(1, Ordering::Relaxed)
         );
-        let this = self.clone();
-        let (lang2, limits2, cid2) = (lang.clone(), *limits, cid.clone());
-        let prepared = tokio::task::spawn_blocking(move || {
-            this.prepare(&cid2, host_id, &lang2, disk_mb, &limits2)
-        })
-        .await
-        .map_err(|source| runtime::Error::Task {
-            task: "preparation",
-            source,
-        });
-        let scratch = match prepared.and_then(|r| r) {
-            Ok(s) => s,
-            Err(e) => {
-                self.uids.give_back(host_id);
-                return Err(e);
-            }
+        let plan = Plan {
+            cid: &cid,
+            host_id,
+            lang,
+            disk_mb,
+            limits,
         };
-        let helper = self.helpers.pick();
-        let Some(client) = self.helpers.get(helper) else {
-            self.remove_scratch(scratch, host_id).await;
-            return Err(runtime::Error::HelperGone);
-        };
-        match client
-            .create(&cid, scratch.dir().to_owned(), lang.image.landlock.clone())
-            .await
-        {
-            Ok(created) => Ok(Container {
+        match self.backend.create(plan).await {
+            Ok(handle) => Ok(Container {
                 cid,
                 host_id,
-                helper,
-                scratch,
-                created,
                 warm: false,
+                handle,
             }),
             Err(e) => {
-                // The helper removed whatever it created; the scratch space is ours.
-                self.remove_scratch(scratch, host_id).await;
+                self.uids.give_back(host_id);
                 Err(e)
             }
         }
     }
 
-    /// Scratch space and the bundle's `config.json` (the program itself comes with the launch message).
-    fn prepare(
-        &self,
-        cid: &str,
-        host_id: u32,
-        lang: &LanguageRuntime,
-        disk_mb: u64,
-        limits: &Limits,
-    ) -> runtime::Result<Scratch> {
-        let disk_bytes = disk_mb << 20;
-        let scratch = Scratch::create(
-            &self.run_dir,
-            cid,
-            disk_bytes,
-            host_id,
-            match &lang.image.kind {
-                RootKind::Host(_) => RootSource::Shared,
-                RootKind::Oci { lowers } => RootSource::Overlay(lowers),
-            },
-        )?;
-        let (rootfs, readonly_root, mut binds) = match &lang.image.kind {
-            RootKind::Host(host) => (host.rootfs.clone(), true, host.binds.clone()),
-            RootKind::Oci { .. } => (scratch.rootfs(), false, Vec::new()),
-        };
-        binds.extend(scratch.binds());
-        let mut args = lang.command.clone();
-        args.push(format!("{CODE_DIR}/{}", lang.file_name));
-        let plan = ContainerPlan {
-            rootfs,
-            readonly_root,
-            hostname: "sandbox".into(),
-            args,
-            env: Vec::new(),
-            cwd: WORKDIR.into(),
-            binds,
-            host_id,
-            cgroups_path: self.cgroups.cgroups_path(cid),
-            memory_bytes: (limits.memory_mb << 20) as i64,
-            pids_max: limits.pids_max as i64,
-            cpu_shares: limits.cpu_shares,
-            nofile: self.nofile,
-            fsize_bytes: disk_bytes,
-            shm_bytes: disk_bytes,
-        };
-        let spec = runtime::spec::build(&plan)?;
-        let config = scratch.dir().join("config.json");
-        spec.save(&config)
-            .map_err(|e| runtime::Error::save_spec(&config, e))?;
-        Ok(scratch)
-    }
-
-    /// Removes a container: the helper kills, deletes and reaps it, then the scratch space goes and the uid is
+    /// Removes a container: the backend kills, deletes and reaps it and removes its scratch space, then the uid is
     /// free again. Errors are logged: there is nobody left to tell.
     pub async fn remove(&self, c: Container) {
         self.removing.fetch_add(1, Ordering::SeqCst);
@@ -335,35 +217,12 @@ impl Factory {
         let Container {
             cid,
             host_id,
-            helper,
-            scratch,
-            created,
+            handle,
             ..
         } = c;
-        // Closing the launch channel ends an init that never got a program.
-        drop(created);
-        let removed = match self.helpers.get(helper) {
-            Some(h) => h.remove(&cid).await,
-            None => Err(runtime::Error::HelperGone),
-        };
-        match removed {
-            Ok(None) => {}
-            Ok(Some(step)) => {
-                error!(container = %cid, error = %step, "container removal reported an error")
-            }
-            Err(e) => error!(container = %cid, error = %e, "container not removed"),
-        }
-        self.remove_scratch(scratch, host_id).await;
-        debug!(container = %cid, "container removed");
-    }
-
-    async fn remove_scratch(&self, mut scratch: Scratch, host_id: u32) {
-        match tokio::task::spawn_blocking(move || scratch.remove()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => error!(error = %e, "scratch cleanup failed"),
-            Err(e) => error!(error = %e, "scratch cleanup panicked"),
-        }
+        handle.remove().await;
         self.uids.give_back(host_id);
+        debug!(container = %cid, "container removed");
     }
 }
 
@@ -456,7 +315,7 @@ impl Pool {
             ..self.factory.max_limits
         };
         // As many creations at once as there are helpers: each helper is single-threaded.
-        let parallel = self.factory.helpers.len().max(1);
+        let parallel = self.factory.backend.parallelism();
         let mut creating = tokio::task::JoinSet::new();
         loop {
             let notified = wake.notified();
@@ -489,7 +348,7 @@ impl Pool {
                         }
                     }
                     Some(Ok(Err(e))) => {
-                        warn!(language = lang.as_str(), error = %e, "cannot create a pooled container; retrying in 1 s");
+                        warn!(language = lang.as_str(), error = %Chain(&e), "cannot create a pooled container; retrying in 1 s");
                         tokio::time::sleep(REFILL_BACKOFF).await;
                     }
                     Some(Err(e)) => error!(language = lang.as_str(), error = %e, "a pooled container's creation panicked"),
@@ -506,7 +365,7 @@ impl Pool {
         lang: Language,
         rt: &LanguageRuntime,
         limits: &Limits,
-    ) -> Result<Container, runtime::Error> {
+    ) -> Result<Container, CreateError> {
         if self.size > 0 && limits.disk_mb == POOL_DISK_MB {
             let taken = self.lock().get_mut(&lang).and_then(VecDeque::pop_front);
             if let Some(c) = taken {
@@ -557,5 +416,71 @@ impl Pool {
         if stopped.is_err() {
             warn!("the pool's refill tasks did not stop within 10 s");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashSet};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use protocol::{Language, Limits};
+
+    use super::{Factory, Pool, Uids, POOL_DISK_MB};
+    use crate::containers::fake::{placeholder_helpers, shell, Call, FakeBackend, Recorder};
+
+    /// Takes many containers from a pool kept full by its refill task: every container is handed out once, and at
+    /// the end every container ever created (taken, pooled or being created at close) is removed exactly once.
+    #[tokio::test]
+    async fn a_container_is_never_handed_out_twice_and_every_one_is_removed_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let recorder = Arc::new(Recorder::default());
+        let (helpers, _peer) = placeholder_helpers();
+        let factory = Arc::new(Factory::with_backend(
+            helpers,
+            Box::new(FakeBackend::new(dir.path(), recorder.clone())),
+            crate::config::Config::default().limits.max.to_limits(),
+            Uids::new(900_000, 8),
+        ));
+        let languages: BTreeMap<Language, _> = [(Language::Shell, shell())].into_iter().collect();
+        let pool = Arc::new(Pool::new(factory.clone(), 3, &languages));
+        pool.start(&languages);
+        let limits = Limits {
+            disk_mb: POOL_DISK_MB,
+            ..factory.max_limits
+        };
+        let mut seen = HashSet::new();
+        let mut warm = 0;
+        for i in 0..20 {
+            if i % 2 == 0 {
+                // Half the takes find the pool full, the others race its refill.
+                tokio::time::timeout(Duration::from_secs(20), async {
+                    while pool.ready() < 3 {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                })
+                .await
+                .unwrap();
+            }
+            let c = pool.take(Language::Shell, &shell(), &limits).await.unwrap();
+            assert!(seen.insert(c.cid.clone()), "{} handed out twice", c.cid);
+            warm += usize::from(c.warm);
+            factory.remove(c).await;
+            pool.replenish(Language::Shell);
+        }
+        assert!(warm >= 10, "only {warm} warm");
+        pool.close().await;
+        factory.removals_done().await;
+        assert_eq!(pool.ready(), 0);
+        let calls = recorder.calls();
+        for cid in recorder.created() {
+            let removed = calls
+                .iter()
+                .filter(|c| **c == Call::Remove(cid.clone()))
+                .count();
+            assert_eq!(removed, 1, "{cid}: {calls:?}");
+        }
+        assert_eq!(factory.uids.available(), 8, "every uid is free again");
     }
 }

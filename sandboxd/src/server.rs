@@ -5,9 +5,8 @@
 //! daemon's memory; `pong` and refusals go through a separate queue the writer prefers, so a `ping` is answered
 //! while executions flood output.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
@@ -19,11 +18,13 @@ use futures_util::{SinkExt, StreamExt};
 use protocol::{
     ClientMessage, ErrorCode, ErrorMessage, RequestError, ServerMessage, SUPPORTED_VERSIONS,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tracing::{debug, info, warn, Instrument};
 
+use crate::auth::authorized;
 use crate::capacity::Admission;
-use crate::engine::{Control, Engine};
+use crate::engine::Engine;
+use crate::registry::Registry;
 
 /// Messages of executions a connection buffers before executions wait (backpressure).
 const EXEC_QUEUE: usize = 64;
@@ -117,21 +118,6 @@ async fn artifact(
         .into_response()
 }
 
-/// Constant-time check of `Authorization: Bearer <token>` against every configured token.
-pub(crate) fn authorized(headers: &HeaderMap, tokens: &[String]) -> bool {
-    let Some(given) = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    else {
-        return false;
-    };
-    // Compare against all tokens without stopping early, so timing says nothing about which one was close.
-    tokens.iter().fold(false, |ok, t| {
-        constant_time_eq::constant_time_eq(given.as_bytes(), t.as_bytes()) | ok
-    })
-}
-
 async fn ws(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -175,133 +161,12 @@ enum Outgoing {
     Close(u16, &'static str),
 }
 
-/// The executions in flight on one connection, by id. An execution removes itself right before it sends its
-/// terminal message, so a client that saw the result may reuse the id at once.
-type Entries = HashMap<String, (u64, watch::Sender<Control>, crate::tools::Inbox)>;
-
-#[derive(Clone, Default)]
-pub struct Registry {
-    inner: Arc<Mutex<Entries>>,
-    next: Arc<AtomicU64>,
-}
-
-impl Registry {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Registers `id`; `None` if it is already in flight.
-    fn register(&self, id: &str) -> Option<(Registration, watch::Receiver<Control>)> {
-        let mut map = self.lock();
-        if map.contains_key(id) {
-            return None;
-        }
-        let token = self.next.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = watch::channel(Control::Run);
-        let inbox = crate::tools::Inbox::default();
-        map.insert(id.to_owned(), (token, tx, inbox.clone()));
-        Some((
-            Registration {
-                registry: self.clone(),
-                id: id.to_owned(),
-                token,
-                inbox,
-            },
-            rx,
-        ))
-    }
-
-    /// Cancels `id`: `Some(true)` if it was running, `Some(false)` if already cancelling, `None` if unknown.
-    fn cancel(&self, id: &str) -> Option<bool> {
-        let map = self.lock();
-        let (_, tx, _) = map.get(id)?;
-        Some(tx.send_if_modified(|c| {
-            let first = *c != Control::Cancel;
-            *c = Control::Cancel;
-            first
-        }))
-    }
-
-    /// Hands a `tool_result` to its execution's broker. One for an execution or call no longer waiting is dropped:
-    /// it races with the execution's end, and an `error` with that id would be a second terminal message.
-    fn tool_result(&self, result: protocol::ToolResult) {
-        let inbox = self
-            .lock()
-            .get(&result.id)
-            .map(|(_, _, inbox)| inbox.clone());
-        let (id, call_id) = (result.id.clone(), result.call_id.clone());
-        if !inbox.is_some_and(|inbox| inbox.deliver(result)) {
-            debug!(%id, %call_id, "tool_result for no waiting call; dropped");
-        }
-    }
-
-    /// Drops every control sender: each execution sees its client gone.
-    fn disconnect(&self) {
-        self.lock().clear();
-    }
-}
-
-/// An execution's entry in its connection's registry.
-pub struct Registration {
-    registry: Registry,
-    id: String,
-    token: u64,
-    inbox: crate::tools::Inbox,
-}
-
-impl Registration {
-    /// Where the connection delivers this execution's `tool_result`s.
-    pub fn tool_inbox(&self) -> crate::tools::Inbox {
-        self.inbox.clone()
-    }
-
-    /// Leaves the registry (idempotent; a newer execution with the same id is left alone).
-    pub fn release(&self) {
-        let mut map = self.registry.lock();
-        if map.get(&self.id).is_some_and(|(t, _, _)| *t == self.token) {
-            map.remove(&self.id);
-        }
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
 async fn connection(engine: Arc<Engine>, socket: WebSocket) {
     info!("connected");
-    let (mut sink, mut stream) = socket.split();
-    let (exec_tx, mut exec_rx) = mpsc::channel::<ServerMessage>(EXEC_QUEUE);
-    let (prio_tx, mut prio_rx) = mpsc::channel::<Outgoing>(PRIORITY_QUEUE);
-    let writer = tokio::spawn(
-        async move {
-            loop {
-                let out = tokio::select! {
-                    biased;
-                    m = prio_rx.recv() => match m { Some(m) => m, None => break },
-                    m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
-                };
-                let frame = match out {
-                    Outgoing::Message(m) => Message::Text(protocol::encode(&m).into()),
-                    Outgoing::Close(code, reason) => {
-                        let _ = sink
-                            .send(Message::Close(Some(CloseFrame {
-                                code,
-                                reason: reason.into(),
-                            })))
-                            .await;
-                        break;
-                    }
-                };
-                if sink.send(frame).await.is_err() {
-                    break;
-                }
-            }
-        }
-        .in_current_span(),
-    );
+    let (sink, mut stream) = socket.split();
+    let (exec_tx, exec_rx) = mpsc::channel::<ServerMessage>(EXEC_QUEUE);
+    let (prio_tx, prio_rx) = mpsc::channel::<Outgoing>(PRIORITY_QUEUE);
+    let writer = tokio::spawn(write(sink, prio_rx, exec_rx).in_current_span());
 
     let registry = Registry::default();
     let reply = |m: ServerMessage| {
@@ -348,35 +213,10 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
                 Some(_) => true,
                 None => reply(RequestError::unknown_execution(&c.id).into()),
             },
-            Ok(ClientMessage::Execute(req)) => {
-                let refusal = refuse(&engine, &req);
-                match refusal {
-                    Some(e) => reply(ServerMessage::Error(e)),
-                    None => match req.resolve_limits(&engine.max_limits()) {
-                        Err(e) => reply(e.into()),
-                        Ok(limits) => match registry.register(&req.id) {
-                            None => reply(RequestError::duplicate_execution(&req.id).into()),
-                            Some((registration, control)) => match engine.admit() {
-                                Admission::Overloaded => {
-                                    drop(registration);
-                                    reply(ServerMessage::Error(ErrorMessage::overloaded(&req.id)))
-                                }
-                                admission => {
-                                    let span = tracing::info_span!("execution", id = %req.id);
-                                    let engine = engine.clone();
-                                    let out = exec_tx.clone();
-                                    tokio::spawn(
-                                        engine
-                                            .run(req, limits, admission, out, control, registration)
-                                            .instrument(span),
-                                    );
-                                    true
-                                }
-                            },
-                        },
-                    },
-                }
-            }
+            Ok(ClientMessage::Execute(req)) => match execute(&engine, &registry, &exec_tx, req) {
+                None => true,
+                Some(refusal) => reply(refusal),
+            },
         };
         if !keep {
             break;
@@ -390,111 +230,76 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
     info!("disconnected");
 }
 
-/// The self-test program per language: from inside the container, check that the seccomp filter is installed, no
-/// capability is held and `no_new_privs` is set, then print `self-test-ok`. Only the language's own interpreter is
-/// used (an image may have no grep).
-fn self_test_program(lang: protocol::Language) -> &'static str {
-    match lang {
-        protocol::Language::Shell => {
-            r#"ok=0
-while IFS=: read -r k v; do
-  v=$(echo $v)
-  case "$k" in
-    Seccomp) [ "$v" = 2 ] && ok=$((ok+1)) ;;
-    CapEff|CapBnd) [ "$v" = 0000000000000000 ] && ok=$((ok+1)) ;;
-    NoNewPrivs) [ "$v" = 1 ] && ok=$((ok+1)) ;;
-  esac
-done < /proc/self/status
-[ "$ok" = 4 ] && echo self-test-ok"#
-        }
-        protocol::Language::Python => {
-            r#"s = {k: v.strip() for k, v in (l.split(":", 1) for l in open("/proc/self/status"))}
-z = "0" * 16
-ok = s["Seccomp"] == "2" and s["CapEff"] == z and s["CapBnd"] == z and s["NoNewPrivs"] == "1"
-print("self-test-ok" if ok else s)"#
-        }
-        protocol::Language::Javascript => {
-            r#"const s = Object.fromEntries(require("fs").readFileSync("/proc/self/status", "utf8").trim().split("\n")
-  .map((l) => { const i = l.indexOf(":"); return [l.slice(0, i), l.slice(i + 1).trim()]; }));
-const z = "0".repeat(16);
-const ok = s.Seccomp === "2" && s.CapEff === z && s.CapBnd === z && s.NoNewPrivs === "1";
-console.log(ok ? "self-test-ok" : JSON.stringify(s));"#
-        }
-        protocol::Language::Elixir => {
-            r#"s = File.read!("/proc/self/status") |> String.split("\n", trim: true) |> Map.new(fn l -> [k, v] = String.split(l, ":", parts: 2); {k, String.trim(v)} end)
-z = String.duplicate("0", 16)
-IO.puts(if s["Seccomp"] == "2" and s["CapEff"] == z and s["CapBnd"] == z and s["NoNewPrivs"] == "1", do: "self-test-ok", else: inspect(s))"#
+/// The connection's writer: priority frames (pong, refusals, close) first, then the executions' messages.
+async fn write(
+    mut sink: futures_util::stream::SplitSink<WebSocket, Message>,
+    mut prio_rx: mpsc::Receiver<Outgoing>,
+    mut exec_rx: mpsc::Receiver<ServerMessage>,
+) {
+    loop {
+        let out = tokio::select! {
+            biased;
+            m = prio_rx.recv() => match m { Some(m) => m, None => break },
+            m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
+        };
+        let frame = match out {
+            Outgoing::Message(m) => Message::Text(protocol::encode(&m).into()),
+            Outgoing::Close(code, reason) => {
+                let _ = sink
+                    .send(Message::Close(Some(CloseFrame {
+                        code,
+                        reason: reason.into(),
+                    })))
+                    .await;
+                break;
+            }
+        };
+        if sink.send(frame).await.is_err() {
+            break;
         }
     }
 }
 
-/// Runs one real execution per configured language before the daemon serves (see [`self_test_program`]). A daemon
-/// that cannot run them (a state directory the container user cannot traverse, a broken image, an interpreter that
-/// does not start) refuses to start instead of reporting healthy and failing every execution.
-pub async fn self_test(engine: Arc<Engine>) -> Result<(), String> {
-    let languages: Vec<protocol::Language> = engine.languages.keys().copied().collect();
-    for lang in languages {
-        self_test_one(engine.clone(), lang)
-            .await
-            .map_err(|e| format!("{lang}: {e}"))?;
+/// An `execute`: refused at once (`Some`: the message to reply with), or admitted and started in a task of its own.
+fn execute(
+    engine: &Arc<Engine>,
+    registry: &Registry,
+    exec_tx: &mpsc::Sender<ServerMessage>,
+    req: protocol::ExecuteRequest,
+) -> Option<ServerMessage> {
+    if let Some(e) = refuse(engine, &req) {
+        return Some(ServerMessage::Error(e));
     }
-    Ok(())
-}
-
-async fn self_test_one(engine: Arc<Engine>, lang: protocol::Language) -> Result<(), String> {
-    let registry = Registry::default();
-    let id = format!("sandboxd-self-test-{lang}");
-    let (registration, control) = registry.register(&id).ok_or("self-test id in use")?;
-    let max = engine.max_limits();
-    // Interpreters like the BEAM need more than the default 64 MiB to start.
-    let req = protocol::ExecuteRequest::new(
-        &id,
-        lang,
-        self_test_program(lang),
-        protocol::RequestedLimits::new(max.timeout_ms.min(60_000), max.memory_mb.min(512)),
-    );
-    let limits = req.resolve_limits(&max).map_err(|e| e.message)?;
-    let admission = engine.admit();
-    let (tx, mut rx) = mpsc::channel(16);
-    let task = tokio::spawn(
-        engine
-            .clone()
-            .run(req, limits, admission, tx, control, registration),
-    );
-    let (mut stdout, mut stderr) = (String::new(), String::new());
-    let mut outcome = Err("the self-test execution ended without a result".to_owned());
-    while let Some(m) = rx.recv().await {
-        match m {
-            ServerMessage::Stdout(c) => stdout.push_str(&c.data),
-            ServerMessage::Stderr(c) => stderr.push_str(&c.data),
-            ServerMessage::Result(r)
-                if r.exit_code == Some(0) && stdout.contains("self-test-ok") =>
-            {
-                outcome = Ok(());
-                break;
-            }
-            ServerMessage::Result(r) => {
-                let tail: String = format!("{stdout}{stderr}").chars().take(400).collect();
-                outcome = Err(format!(
-                    "the self-test execution ended {:?} (exit {:?}): an isolation layer is not in effect or the interpreter does not run; output: {tail:?}",
-                    r.reason, r.exit_code
-                ));
-                break;
-            }
-            ServerMessage::Error(e) => {
-                outcome = Err(format!("the self-test execution failed: {}", e.message));
-                break;
-            }
-            _ => {}
+    let limits = match req.resolve_limits(&engine.max_limits()) {
+        Ok(l) => l,
+        Err(e) => return Some(e.into()),
+    };
+    let Some((registration, control)) = registry.register(&req.id) else {
+        return Some(RequestError::duplicate_execution(&req.id).into());
+    };
+    match engine.admit() {
+        Admission::Overloaded => {
+            drop(registration);
+            Some(ServerMessage::Error(ErrorMessage::overloaded(&req.id)))
+        }
+        admission => {
+            let span = tracing::info_span!("execution", id = %req.id);
+            tokio::spawn(
+                engine
+                    .clone()
+                    .run(
+                        req,
+                        limits,
+                        admission,
+                        exec_tx.clone(),
+                        control,
+                        registration,
+                    )
+                    .instrument(span),
+            );
+            None
         }
     }
-    // The execution frees its slot only after its container is removed: wait for that, so the next self-test
-    // finds a free slot even with `max_concurrent: 1` and no queue. The control sender (the registry) stays alive
-    // until then so the execution is not seen as disconnected.
-    drop(rx);
-    let _ = task.await;
-    drop(registry);
-    outcome
 }
 
 /// Refusals that need the engine: language availability, unsupported extensions, files bigger than the scratch.

@@ -85,15 +85,6 @@ pub enum ToolsError {
     },
 }
 
-impl ToolsError {
-    /// The message with its cause, for the execution's `INTERNAL_ERROR`.
-    pub fn describe(&self) -> String {
-        match self {
-            ToolsError::Io { source, .. } => format!("{self}: {source}"),
-        }
-    }
-}
-
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ToolsError + '_ {
     move |source| ToolsError::Io {
         path: path.to_owned(),

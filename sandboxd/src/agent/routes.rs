@@ -56,7 +56,7 @@ fn unauthorized() -> Response {
 
 /// Auth, then the sandbox.
 fn lookup(st: &AppState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
-    if !crate::server::authorized(headers, &st.tokens) {
+    if !crate::auth::authorized(headers, &st.tokens) {
         return Err(Box::new(unauthorized()));
     }
     st.agents.get(id).ok_or_else(|| {
@@ -99,7 +99,7 @@ async fn body<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, Box<R
 }
 
 async fn create(State(st): State<AppState>, headers: HeaderMap, b: Body) -> Response {
-    if !crate::server::authorized(&headers, &st.tokens) {
+    if !crate::auth::authorized(&headers, &st.tokens) {
         return unauthorized();
     }
     let req: CreateSandboxRequest = match body(&st, b).await {

@@ -5,10 +5,26 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use protocol::ErrorMessage;
 use tracing::{debug, warn};
 
-use super::Engine;
+use super::{Engine, ExecError};
+
+/// Why the requested artifacts could not be collected.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    /// The patterns are invalid (the server refuses them before the execution, so this is a bug).
+    #[error(transparent)]
+    Patterns(runtime::Error),
+    /// Walking the working directory failed.
+    #[error(transparent)]
+    Collect(runtime::Error),
+    /// The collected files could not be committed to the store.
+    #[error("cannot store artifacts")]
+    Store(#[source] std::io::Error),
+    /// The manifest could not be saved.
+    #[error("cannot save the manifest")]
+    Manifest(#[source] std::io::Error),
+}
 
 impl Engine {
     /// Collects the requested artifacts (blocking work on a blocking thread), uploads them when an endpoint is
@@ -19,8 +35,7 @@ impl Engine {
         workspace: PathBuf,
         exec_id: &str,
         fingerprint: &str,
-    ) -> Result<serde_json::Value, ErrorMessage> {
-        let internal = |m: String| ErrorMessage::internal(exec_id, m);
+    ) -> Result<serde_json::Value, ExecError> {
         let engine = self.clone();
         let wanted = wanted.clone();
         let (id, fp) = (exec_id.to_owned(), fingerprint.to_owned());
@@ -29,8 +44,8 @@ impl Engine {
             engine.collect_artifacts(&wanted, &workspace, &id, &fp)
         })
         .await
-        .map_err(|e| internal(format!("Artifact collection panicked: {e}")))?
-        .map_err(|e| internal(format!("Artifact collection failed: {e}")))?;
+        .map_err(ExecError::ArtifactsPanicked)?
+        .map_err(ExecError::Artifacts)?;
         debug!(ms = t0.elapsed().as_millis() as u64, "artifacts collected");
         if let Some(cfg) = &self.config.artifacts.upload {
             self.upload_artifacts(cfg, &mut manifest).await;
@@ -45,21 +60,21 @@ impl Engine {
         workspace: &std::path::Path,
         exec_id: &str,
         fingerprint: &str,
-    ) -> Result<serde_json::Value, String> {
+    ) -> Result<serde_json::Value, ArtifactError> {
         let cfg = &self.config.artifacts;
         let patterns = runtime::artifacts::Patterns::new(
             &wanted.paths,
             &wanted.types.clone().unwrap_or_default(),
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(ArtifactError::Patterns)?;
         let limits = runtime::artifacts::Limits {
             max_files: cfg.max_files,
             max_file_bytes: cfg.max_file_bytes,
             max_total_bytes: cfg.max_total_bytes,
             max_listed_skips: 256,
         };
-        let collection =
-            runtime::artifacts::collect(workspace, &patterns, limits).map_err(|e| e.to_string())?;
+        let collection = runtime::artifacts::collect(workspace, &patterns, limits)
+            .map_err(ArtifactError::Collect)?;
         let _writing = self.store.writing();
         let mut artifacts = Vec::new();
         let mut skipped: Vec<serde_json::Value> = collection
@@ -83,10 +98,7 @@ impl Engine {
         }
         let (meta, blobs): (Vec<_>, Vec<_>) =
             staged.into_iter().map(|(p, t, s)| ((p, t), s)).unzip();
-        let stored = self
-            .store
-            .commit(blobs)
-            .map_err(|e| format!("cannot store artifacts: {e}"))?;
+        let stored = self.store.commit(blobs).map_err(ArtifactError::Store)?;
         for ((path, artifact_type), st) in meta.into_iter().zip(stored) {
             let mime = content_type(&path, &st.head);
             let mut entry = serde_json::json!({
@@ -125,7 +137,7 @@ impl Engine {
         }
         self.store
             .save_manifest(&manifest_id, &manifest)
-            .map_err(|e| format!("cannot save the manifest: {e}"))?;
+            .map_err(ArtifactError::Manifest)?;
         Ok(manifest)
     }
 

@@ -11,15 +11,17 @@
 //! manifest, upload).
 
 mod artifacts;
+mod error;
 pub mod outcome;
 mod streams;
 
 use std::collections::{BTreeMap, VecDeque};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
 use protocol::{
     Capabilities, ErrorCode, ErrorMessage, ExecStatus, ExecuteRequest, Isolation, Language, Limits,
     Load, Pong, Reason, ResourceUsage, ResultMessage, ServerMessage,
@@ -28,17 +30,20 @@ use runtime::cgroups::{CgroupLimits, Cgroups};
 use runtime::init::Report;
 use runtime::launch::Launch;
 use runtime::rootfs::{InputFile, CODE_DIR, WORKDIR};
-use tokio::io::AsyncReadExt;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::mpsc::error::SendError;
+use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn, Instrument};
 
+pub use self::error::ExecError;
 use self::outcome::{Exit, KillReason};
 use self::streams::{make_stdio, Stdio, Streams};
 use crate::capacity::{Admission, Capacity, Slot};
 use crate::config::Config;
+use crate::containers::{ContainerHandle, EndRecord, PrepareError};
+use crate::errors::Chain;
 use crate::images::LanguageRuntime;
 use crate::pool::{Container, Pool};
-use crate::server::Registration;
+use crate::registry::{Control, Registration};
 use crate::store::Store;
 
 /// Executions so far (keys of their metrics).
@@ -47,15 +52,6 @@ static EXECUTIONS: AtomicU64 = AtomicU64::new(0);
 const DRAIN_AFTER_EXIT: Duration = Duration::from_secs(2);
 /// Messages an execution buffers while the connection is slow before it stops reading the program's output.
 const MAX_PENDING: usize = 4;
-
-/// Sent by the connection to a running execution.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Control {
-    /// Keep going.
-    Run,
-    /// The client asked to cancel.
-    Cancel,
-}
 
 /// Everything executions share.
 pub struct Engine {
@@ -82,7 +78,7 @@ pub struct Engine {
 }
 
 /// What an execution's body hands back: the messages to send (or the error), and the container to remove.
-type Finished = (Option<Container>, Result<Vec<ServerMessage>, ErrorMessage>);
+type Finished = (Option<Container>, Result<Vec<ServerMessage>, Failure>);
 
 impl Engine {
     /// Assembles the engine.
@@ -183,7 +179,7 @@ impl Engine {
                         None => {
                             registration.release();
                             timer.ended_without_slot("error");
-                            let _ = out.send(ServerMessage::Error(ErrorMessage::internal(&id, "The daemon is shutting down"))).await;
+                            let _ = out.send(ServerMessage::Error(internal_error(&id, &ExecError::ShuttingDown))).await;
                             return;
                         }
                     },
@@ -242,8 +238,13 @@ impl Engine {
                     let _ = out.send(m).await;
                 }
             }
-            Err(message) => {
+            Err(Failure::Refused(message)) => {
                 let _ = out.send(ServerMessage::Error(message)).await;
+            }
+            Err(Failure::Internal(e)) => {
+                let _ = out
+                    .send(ServerMessage::Error(internal_error(&req.id, &e)))
+                    .await;
             }
         }
         crate::metrics::finished(&key);
@@ -264,32 +265,23 @@ impl Engine {
         tool_inbox: crate::tools::Inbox,
     ) -> Finished {
         let id = req.id.as_str();
-        let internal = |m: String| ErrorMessage::internal(id, m);
         let Some(lang) = self.languages.get(&req.language).cloned() else {
-            return (
-                None,
-                Err(ErrorMessage::new(
-                    Some(id.into()),
-                    ErrorCode::LanguageNotSupported,
-                    "Language not available",
-                )),
+            let refusal = ErrorMessage::new(
+                Some(id.into()),
+                ErrorCode::LanguageNotSupported,
+                "Language not available",
             );
+            return (None, Err(Failure::Refused(refusal)));
         };
         let t0 = Instant::now();
         let files = match decode_files(req) {
             Ok(f) => f,
-            Err(e) => return (None, Err(e)),
+            Err(e) => return (None, Err(Failure::Refused(e))),
         };
         // Never abandoned half-way: a container being created would be left behind.
         let container = match self.pool.take(req.language, &lang, limits).await {
             Ok(c) => c,
-            Err(e) => {
-                error!(error = %e, "cannot create a container");
-                return (
-                    None,
-                    Err(internal(format!("Cannot create the container: {e}"))),
-                );
-            }
+            Err(e) => return (None, Err(ExecError::Create(e).into())),
         };
         let taken = t0.elapsed();
         crate::metrics::created(key);
@@ -300,7 +292,7 @@ impl Engine {
         // The tool broker (tool_calls extension) serves /sandbox/tools.sock until the execution is over (Drop).
         let tools = match crate::tools::Broker::start(
             req,
-            &container.scratch.dir().join("code"),
+            &container.handle.dir().join("code"),
             container.host_id,
             req.resolve_tool_timeout(self.config.tools.max_call_timeout_ms)
                 .unwrap_or(protocol::DEFAULT_TOOL_TIMEOUT_MS),
@@ -309,36 +301,32 @@ impl Engine {
             tool_inbox,
         ) {
             Ok(b) => b,
-            Err(e) => return (Some(container), Err(internal(e.describe()))),
+            Err(e) => return (Some(container), Err(ExecError::Tools(e).into())),
         };
-        match self.launch(req, limits, &lang, files, &container).await {
-            Ok(launched) => {
-                let launch_us = (t0.elapsed() - taken).as_micros() as u64;
-                let finished = self
-                    .supervise(
-                        req,
-                        limits,
-                        &lang,
-                        &container,
-                        launched,
-                        tools.as_ref(),
-                        key,
-                        out,
-                        control,
-                    )
-                    .await;
-                debug!(
-                    container = %container.cid,
-                    warm = container.warm,
-                    take_us = taken.as_micros() as u64,
-                    launch_us,
-                    total_us = t0.elapsed().as_micros() as u64,
-                    "execution timings"
-                );
-                (Some(container), finished)
-            }
-            Err(e) => (Some(container), Err(e)),
-        }
+        let launched = match self.launch(req, limits, &lang, files, &container).await {
+            Ok(launched) => launched,
+            Err(e) => return (Some(container), Err(e)),
+        };
+        let launch_us = (t0.elapsed() - taken).as_micros() as u64;
+        let run = Run {
+            req,
+            limits,
+            lang: &lang,
+            container: &container,
+            tools: tools.as_ref(),
+            key,
+            out,
+        };
+        let finished = self.supervise(&run, launched, control).await;
+        debug!(
+            container = %container.cid,
+            warm = container.warm,
+            take_us = taken.as_micros() as u64,
+            launch_us,
+            total_us = t0.elapsed().as_micros() as u64,
+            "execution timings"
+        );
+        (Some(container), finished)
     }
 
     /// Writes the inputs and the limits into the container and launches the program. Returns its output pipes.
@@ -349,36 +337,31 @@ impl Engine {
         lang: &LanguageRuntime,
         files: Vec<InputFile>,
         container: &Container,
-    ) -> Result<(OwnedFd, OwnedFd, u64), ErrorMessage> {
+    ) -> Result<Launched, Failure> {
         let id = req.id.as_str();
-        let internal = |m: String| ErrorMessage::internal(id, m);
         let cgroup_limits = CgroupLimits {
             memory_bytes: limits.memory_mb << 20,
             pids_max: limits.pids_max,
             cpu_shares: limits.cpu_shares,
         };
         let code = req.code.clone().into_bytes();
-        let file_name = lang.file_name;
-        let inputs = container.scratch.inputs();
-        let (cgroups, cid) = (self.cgroups.clone(), container.cid.clone());
         let t0 = Instant::now();
-        let written = tokio::task::spawn_blocking(move || {
-            cgroups.set_limits(&cid, &cgroup_limits)?;
-            inputs.write(file_name, &code, &files)
-        })
-        .await
-        .map_err(|e| internal(format!("Preparation panicked: {e}")))?;
+        let written = container
+            .handle
+            .prepare(cgroup_limits, lang.file_name, code, files)
+            .await;
         let inputs_done = t0.elapsed();
         match written {
             Ok(()) => {}
-            Err(runtime::Error::InputFile { path, reason }) => {
-                return Err(ErrorMessage::new(
+            Err(PrepareError::Failed(runtime::Error::InputFile { path, reason })) => {
+                return Err(Failure::Refused(ErrorMessage::new(
                     Some(id.into()),
                     ErrorCode::InvalidRequest,
                     format!("Field files: {path}: {reason}"),
-                ))
+                )))
             }
-            Err(e) => return Err(internal(format!("Cannot prepare the sandbox: {e}"))),
+            Err(PrepareError::Panicked(e)) => return Err(ExecError::PreparePanicked(e).into()),
+            Err(PrepareError::Failed(e)) => return Err(ExecError::Prepare(e).into()),
         }
         // Stdio: stdin is a memfd holding the whole input (read to EOF, never blocks the daemon); stdout and
         // stderr are pipes the daemon reads.
@@ -388,8 +371,7 @@ impl Engine {
             stderr_r,
             stdout_w,
             stderr_w,
-        } = make_stdio(req.stdin.as_deref().unwrap_or("").as_bytes())
-            .map_err(|e| internal(format!("Cannot create pipes: {e}")))?;
+        } = make_stdio(req.stdin.as_deref().unwrap_or("").as_bytes()).map_err(ExecError::Pipes)?;
         let mut args = command(lang);
         let mut env = environment(lang, req);
         // With tools, the code runs inside the SDK's runner, which finds the SDK on its path.
@@ -399,19 +381,10 @@ impl Engine {
             env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
         };
         let sent_ns = runtime::init::monotonic_ns();
-        runtime::launch::send(
-            container.created.launch.as_fd(),
-            &launch,
-            [stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()],
-        )
-        .map_err(|e| match setup_error(&container.created.status) {
-            // The init refused to run anything: a restriction could not be applied (fail closed).
-            Some(setup) => {
-                error!(error = %setup, "sandbox setup failed; the program did not run");
-                internal(format!("Sandbox setup failed: {setup}"))
-            }
-            None => internal(format!("Cannot launch the program: {e}")),
-        })?;
+        container
+            .handle
+            .launch(&launch, [stdin.as_fd(), stdout_w.as_fd(), stderr_w.as_fd()])
+            .map_err(ExecError::Launch)?;
         // The init holds its own copies now; ours would keep the pipes from ever closing.
         drop((stdin, stdout_w, stderr_w));
         debug!(
@@ -419,118 +392,89 @@ impl Engine {
             sent_us = t0.elapsed().as_micros() as u64,
             "launch timings"
         );
-        Ok((stdout_r, stderr_r, sent_ns))
+        Ok(Launched {
+            stdout: stdout_r,
+            stderr: stderr_r,
+            sent_ns,
+        })
     }
 
     /// From launch to the end: output, timeout, cancel, disconnect, shutdown; then the outcome and the result.
-    #[allow(clippy::too_many_arguments)] // one call site; every argument is a distinct part of the execution
     async fn supervise(
         self: &Arc<Self>,
-        req: &ExecuteRequest,
-        limits: &Limits,
-        lang: &LanguageRuntime,
-        container: &Container,
-        (stdout_r, stderr_r, sent_ns): (OwnedFd, OwnedFd, u64),
-        tools: Option<&crate::tools::Broker>,
-        key: &str,
-        out: &mpsc::Sender<ServerMessage>,
+        run: &Run<'_>,
+        launched: Launched,
         mut control: watch::Receiver<Control>,
-    ) -> Result<Vec<ServerMessage>, ErrorMessage> {
-        let id = req.id.as_str();
-        let internal = |m: String| ErrorMessage::internal(id, m);
+    ) -> Result<Vec<ServerMessage>, Failure> {
+        let (id, out) = (run.req.id.as_str(), run.out);
         let started = Instant::now();
-        info!(language = req.language.as_str(), container = %container.cid, "program started");
+        info!(language = run.req.language.as_str(), container = %run.container.cid, "program started");
         let _ = out
             .send(ServerMessage::Status {
                 id: id.into(),
                 status: ExecStatus::Running,
             })
             .await;
-        if let Some(b) = tools {
+        if let Some(b) = run.tools {
             // Calls are forwarded only after `status: running`.
             b.started();
         }
-        let mut status_rx = watch_end(&container.created.pidfd, &container.created.status)
-            .map_err(|e| internal(format!("Cannot watch the container: {e}")))?;
-        let pidfd = container.created.pidfd.as_fd();
-        let kill = || {
-            if let Err(e) =
-                runtime::sys::pidfd_send_signal(pidfd, nix::sys::signal::Signal::SIGKILL)
-            {
-                debug!(error = %e, "kill of the container's init failed (already gone?)");
-            }
-        };
-
-        let mut stream = Streams::new(id, stdout_r, stderr_r, limits.max_output_bytes);
-        let deadline = tokio::time::sleep(Duration::from_millis(limits.timeout_ms));
+        let mut status_rx = run.container.handle.watch_end().map_err(ExecError::Watch)?;
+        let mut s = Supervision::new(
+            &*run.container.handle,
+            Streams::new(
+                id,
+                launched.stdout,
+                launched.stderr,
+                run.limits.max_output_bytes,
+            ),
+            started,
+        );
+        let deadline = tokio::time::sleep(Duration::from_millis(run.limits.timeout_ms));
         tokio::pin!(deadline);
-        let mut kill_reason: Option<KillReason> = None;
-        let mut exited: Option<(String, Duration, u64)> = None;
-        let mut drain_deadline: Option<tokio::time::Instant> = None;
-        let mut pending: VecDeque<ServerMessage> = VecDeque::new();
-        let mut client_gone = false;
         let mut kill_all = self.kill_all.subscribe();
-        let mut shut_down = false;
-
-        loop {
-            if exited.is_some() && stream.done() && pending.is_empty() {
-                break;
-            }
-            let want_output = pending.len() < MAX_PENDING && !stream.done();
+        while !s.finished() {
+            let want_output = s.pending.len() < MAX_PENDING && !s.stream.done();
+            let running = s.kill_reason.is_none() && s.exited.is_none();
             tokio::select! {
                 biased;
-                record = &mut status_rx, if exited.is_none() => {
-                    let (record, eof_ns) = record.unwrap_or_default();
-                    exited = Some((record, started.elapsed(), eof_ns));
-                    drain_deadline = Some(tokio::time::Instant::now() + DRAIN_AFTER_EXIT);
-                },
-                permit = out.reserve(), if !pending.is_empty() && !client_gone => match permit {
-                    Ok(p) => { if let Some(m) = pending.pop_front() { p.send(m) } }
-                    Err(_) => { client_gone = true; pending.clear(); }
-                },
-                _ = &mut deadline, if kill_reason.is_none() && exited.is_none() => {
-                    kill_reason = Some(KillReason::Timeout);
-                    kill();
-                },
-                _ = cancelled(&mut control), if kill_reason.is_none() && exited.is_none() => {
-                    kill_reason = Some(KillReason::Cancelled);
-                    kill();
-                },
-                _ = killed(&mut kill_all), if !shut_down && exited.is_none() => {
-                    shut_down = true;
-                    kill_reason.get_or_insert(KillReason::Cancelled);
-                    kill();
-                },
-                _ = sleep_until(drain_deadline), if drain_deadline.is_some() && !stream.done() => {
+                record = &mut status_rx, if s.exited.is_none() => s.ended(record.unwrap_or_default()),
+                permit = out.reserve(), if !s.pending.is_empty() && !s.client_gone => s.forward(permit),
+                _ = &mut deadline, if running => s.kill_for(KillReason::Timeout),
+                _ = cancelled(&mut control), if running => s.kill_for(KillReason::Cancelled),
+                _ = killed(&mut kill_all), if !s.shut_down && s.exited.is_none() => s.shut_down(),
+                _ = sleep_until(s.drain_deadline), if s.drain_deadline.is_some() && !s.stream.done() => {
                     warn!("output pipes still open after the container exited; closing them");
-                    pending.extend(stream.close());
+                    let rest = s.stream.close();
+                    s.pending.extend(rest);
                 },
-                msgs = stream.read(), if want_output => {
-                    let (msgs, over) = msgs;
-                    pending.extend(msgs);
-                    if over && kill_reason.is_none() && exited.is_none() {
-                        kill_reason = Some(KillReason::OutputLimit);
-                        kill();
-                    }
-                },
+                msgs = s.stream.read(), if want_output => s.output(msgs),
             }
-            if client_gone {
-                // Nobody will read it: keep draining the pipes (so the program is not blocked) but drop the output.
-                pending.clear();
-            }
-            if client_gone && kill_reason.is_none() && exited.is_none() {
-                kill_reason = Some(KillReason::Cancelled);
-                kill();
-            }
+            s.after_event();
         }
         let drained = started.elapsed();
-        if shut_down {
-            return Err(internal(
-                "The daemon shut down before the execution finished".into(),
-            ));
+        let messages = self.conclude(run, s, launched.sent_ns).await?;
+        debug!(
+            drained_us = drained.as_micros() as u64,
+            result_us = started.elapsed().as_micros() as u64,
+            "supervision timings"
+        );
+        Ok(messages)
+    }
+
+    /// After the end: the init's report, the usage, the outcome, the artifacts; the last messages to send.
+    async fn conclude(
+        self: &Arc<Self>,
+        run: &Run<'_>,
+        s: Supervision<'_>,
+        sent_ns: u64,
+    ) -> Result<Vec<ServerMessage>, Failure> {
+        let (id, limits) = (run.req.id.as_str(), run.limits);
+        if s.shut_down {
+            return Err(ExecError::ShutDown.into());
         }
-        let Some((record, wall, eof_ns)) = exited else {
-            return Err(internal("No exit record".into()));
+        let Some((record, wall, eof_ns)) = s.exited else {
+            return Err(ExecError::NoExitRecord.into());
         };
         let report = Report::decode(&record);
         let since_launch: Vec<String> = report
@@ -539,15 +483,14 @@ impl Engine {
             .chain(std::iter::once(&("ended".to_owned(), eof_ns)))
             .map(|(name, ns)| format!("{name}={}", ns.saturating_sub(sent_ns) / 1000))
             .collect();
-        debug!(marks_us = %since_launch.join(","), "container timing marks");
+        debug!(marks_us = %since_launch.join(","), exit_us = wall.as_micros() as u64, "container timing marks");
         if let Some(e) = report.setup_error {
-            error!(error = %e, "sandbox setup failed; the program did not run");
-            return Err(internal(format!("Sandbox setup failed: {e}")));
+            return Err(ExecError::Setup(e).into());
         }
-        let usage = match self.cgroups.usage(&container.cid) {
+        let usage = match run.container.handle.usage() {
             Ok(u) => u,
             Err(e) => {
-                error!(error = %e, "cgroup usage unreadable; reporting zeros");
+                error!(error = %Chain(&e), "cgroup usage unreadable; reporting zeros");
                 Default::default()
             }
         };
@@ -556,12 +499,9 @@ impl Engine {
             cpu_time_ms: usage.cpu_time_ns / 1_000_000,
         };
         let duration_ms = wall.as_millis() as u64;
-        let reason_known = |r| crate::metrics::exited(key, r, wall);
-        let o = outcome::classify(kill_reason, report.exit, usage.oom_kills).map_err(|e| {
-            error!(error = %e, "unexplained end of an execution");
-            internal(e)
-        })?;
-        reason_known(o.reason);
+        let o = outcome::classify(s.kill_reason, report.exit, usage.oom_kills)
+            .map_err(ExecError::Unexplained)?;
+        crate::metrics::exited(run.key, o.reason, wall);
         info!(
             reason = o.reason.as_str(),
             exit = ?o.exit,
@@ -569,20 +509,21 @@ impl Engine {
             peak_memory_mb = resource_usage.peak_memory_mb,
             "program ended"
         );
-        let environment = lang.environment(&self.seccomp_digest);
+        let environment = run.lang.environment(&self.seccomp_digest);
         let fingerprint = environment.fingerprint(limits);
-        let artifacts = match (&req.artifacts, o.reason) {
+        let artifacts = match (&run.req.artifacts, o.reason) {
             // A cancelled execution's files are not collected (artifact-manifest.md).
             (Some(_), Reason::Cancelled) | (None, _) => None,
             (Some(wanted), _) => Some(
-                self.artifacts(wanted, container.scratch.workspace(), id, &fingerprint)
+                self.artifacts(wanted, run.container.handle.workspace(), id, &fingerprint)
                     .await?,
             ),
         };
-        let mut messages: Vec<ServerMessage> = pending.into_iter().collect();
-        if client_gone {
-            messages.clear();
-        }
+        let mut messages: Vec<ServerMessage> = if s.client_gone {
+            Vec::new()
+        } else {
+            s.pending.into_iter().collect()
+        };
         messages.push(ServerMessage::Status {
             id: id.into(),
             status: o.status,
@@ -593,25 +534,169 @@ impl Engine {
             o.reason,
             duration_ms,
             resource_usage,
-            [stream.sent[0], stream.sent[1]],
-            stream.truncated,
+            [s.stream.sent[0], s.stream.sent[1]],
+            s.stream.truncated,
         );
         res.artifacts = artifacts;
         res.environment_fingerprint = Some(fingerprint);
         res.environment = Some(Box::new(environment));
-        if let Some(b) = tools {
+        if let Some(b) = run.tools {
             res.tool_calls = Some(b.calls());
             res.return_value = b.return_value().map(Box::new);
         }
         messages.push(ServerMessage::Result(res));
-        debug!(
-            exit_us = wall.as_micros() as u64,
-            drained_us = drained.as_micros() as u64,
-            result_us = started.elapsed().as_micros() as u64,
-            "supervision timings"
-        );
         Ok(messages)
     }
+}
+
+impl crate::metrics::Source for Engine {
+    fn gauges(&self) -> crate::metrics::Gauges {
+        crate::metrics::Gauges {
+            queue_depth: self.capacity.queued(),
+            slots_in_use: self.capacity.active(),
+            slots: self.config.capacity.max_concurrent,
+            pool_size: self.pool.ready(),
+        }
+    }
+
+    fn tokens(&self) -> &[String] {
+        &self.config.auth.tokens
+    }
+}
+
+/// What a launched execution's supervision works on.
+struct Run<'a> {
+    req: &'a ExecuteRequest,
+    limits: &'a Limits,
+    lang: &'a LanguageRuntime,
+    container: &'a Container,
+    tools: Option<&'a crate::tools::Broker>,
+    /// The execution's metrics key.
+    key: &'a str,
+    out: &'a mpsc::Sender<ServerMessage>,
+}
+
+/// A launched program's output pipes, and when the launch was sent (`CLOCK_MONOTONIC`).
+struct Launched {
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+    sent_ns: u64,
+}
+
+/// The state of one execution's supervision loop; each event of the loop is one method.
+struct Supervision<'a> {
+    handle: &'a dyn ContainerHandle,
+    stream: Streams,
+    started: Instant,
+    /// Why the daemon killed the program (the first reason wins).
+    kill_reason: Option<KillReason>,
+    /// The init's record, the wall time and the `CLOCK_MONOTONIC` time of the end.
+    exited: Option<(String, Duration, u64)>,
+    /// After the end, output may keep flowing this long.
+    drain_deadline: Option<tokio::time::Instant>,
+    /// Messages read but not yet accepted by the connection.
+    pending: VecDeque<ServerMessage>,
+    client_gone: bool,
+    shut_down: bool,
+}
+
+impl<'a> Supervision<'a> {
+    fn new(handle: &'a dyn ContainerHandle, stream: Streams, started: Instant) -> Self {
+        Self {
+            handle,
+            stream,
+            started,
+            kill_reason: None,
+            exited: None,
+            drain_deadline: None,
+            pending: VecDeque::new(),
+            client_gone: false,
+            shut_down: false,
+        }
+    }
+
+    /// The program ended, its output is read and everything read is handed to the connection.
+    fn finished(&self) -> bool {
+        self.exited.is_some() && self.stream.done() && self.pending.is_empty()
+    }
+
+    fn kill(&self) {
+        self.handle.kill(Signal::SIGKILL);
+    }
+
+    /// Kills the program for `reason` (the caller checked that it still runs and no kill was decided yet).
+    fn kill_for(&mut self, reason: KillReason) {
+        self.kill_reason = Some(reason);
+        self.kill();
+    }
+
+    /// The container ended: output may still drain for a while.
+    fn ended(&mut self, (record, eof_ns): EndRecord) {
+        self.exited = Some((record, self.started.elapsed(), eof_ns));
+        self.drain_deadline = Some(tokio::time::Instant::now() + DRAIN_AFTER_EXIT);
+    }
+
+    /// The connection has room for the next pending message (or is gone).
+    fn forward(&mut self, permit: Result<mpsc::Permit<'_, ServerMessage>, SendError<()>>) {
+        match permit {
+            Ok(p) => {
+                if let Some(m) = self.pending.pop_front() {
+                    p.send(m)
+                }
+            }
+            Err(_) => {
+                self.client_gone = true;
+                self.pending.clear();
+            }
+        }
+    }
+
+    /// The end of the shutdown grace period: the program is killed whatever else happened.
+    fn shut_down(&mut self) {
+        self.shut_down = true;
+        self.kill_reason.get_or_insert(KillReason::Cancelled);
+        self.kill();
+    }
+
+    /// Output read; over the limit, the program is killed.
+    fn output(&mut self, (msgs, over): (Vec<ServerMessage>, bool)) {
+        self.pending.extend(msgs);
+        if over && self.kill_reason.is_none() && self.exited.is_none() {
+            self.kill_for(KillReason::OutputLimit);
+        }
+    }
+
+    /// After every event: a gone client's output is dropped and its program killed.
+    fn after_event(&mut self) {
+        if self.client_gone {
+            // Nobody will read it: keep draining the pipes (so the program is not blocked) but drop the output.
+            self.pending.clear();
+            if self.kill_reason.is_none() && self.exited.is_none() {
+                self.kill_for(KillReason::Cancelled);
+            }
+        }
+    }
+}
+
+/// Why an execution failed.
+enum Failure {
+    /// The request cannot run as given (sent as is).
+    Refused(ErrorMessage),
+    /// The daemon failed: `INTERNAL_ERROR`, logged with its chain.
+    Internal(ExecError),
+}
+
+impl From<ExecError> for Failure {
+    fn from(e: ExecError) -> Self {
+        Failure::Internal(e)
+    }
+}
+
+/// The `INTERNAL_ERROR` for `e`, logged with its whole chain; the message carries the chain too.
+fn internal_error(id: &str, e: &ExecError) -> ErrorMessage {
+    let chain = Chain(e).to_string();
+    error!(error = %chain, "execution failed: INTERNAL_ERROR");
+    ErrorMessage::internal(id, chain)
 }
 
 /// The program and its arguments: the language's command and the code file.
@@ -665,52 +750,6 @@ fn decode_files(req: &ExecuteRequest) -> Result<Vec<InputFile>, ErrorMessage> {
                 })
         })
         .collect()
-}
-
-/// Waits in a task of its own until the container's init has ended, then reads its status pipe. The end is the
-/// pidfd turning readable, which the kernel signals only once the init is a zombie, that is after every other
-/// process of its pid namespace is gone too: when the result is computed (usage, artifacts), nothing of the
-/// program can still run or write. The receiver gets the record (empty when the init died without writing) and
-/// the `CLOCK_MONOTONIC` time of the end.
-fn watch_end(
-    pidfd: &OwnedFd,
-    status: &OwnedFd,
-) -> std::io::Result<oneshot::Receiver<(String, u64)>> {
-    let pidfd = pidfd.try_clone()?;
-    // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its whole lifetime.
-    let pidfd = unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
-    }?;
-    let mut pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(status.try_clone()?)?;
-    let (tx, rx) = oneshot::channel();
-    tokio::spawn(async move {
-        let ended = match pidfd.readable().await {
-            Ok(_) => runtime::init::monotonic_ns(),
-            Err(e) => {
-                warn!(error = %e, "waiting on the container's pidfd failed");
-                runtime::init::monotonic_ns()
-            }
-        };
-        let mut record = Vec::new();
-        if let Err(e) = pipe.read_to_end(&mut record).await {
-            warn!(error = %e, "reading the container's status pipe failed");
-        }
-        let _ = tx.send((String::from_utf8_lossy(&record).into_owned(), ended));
-    });
-    Ok(rx)
-}
-
-/// What an init that is gone before its launch wrote on its status pipe, if it failed to set up (read without
-/// blocking: a live init has written nothing).
-fn setup_error(status: &OwnedFd) -> Option<String> {
-    use std::io::Read;
-    let fd = status.try_clone().ok()?;
-    let flags = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL).ok()?;
-    let flags = nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
-    nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(flags)).ok()?;
-    let mut record = String::new();
-    let _ = std::fs::File::from(fd).read_to_string(&mut record);
-    Report::decode(&record).setup_error
 }
 
 /// The terminal status and result of an execution cancelled before its program started.
@@ -794,3 +833,6 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests;

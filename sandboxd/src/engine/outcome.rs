@@ -35,13 +35,18 @@ pub struct Outcome {
     pub status: ExecStatus,
 }
 
+/// An end no kill and no OOM kill explains: the init died without reporting the program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the container's init ended without reporting the program")]
+pub struct Unexplained;
+
 /// Classifies an execution's end. `program` is `None` when the init died without reporting, which only `SIGKILL`
 /// (ours, or the OOM killer's) can cause; with no kill of ours and no OOM kill that is unexplained: `Err`.
 pub fn classify(
     kill: Option<KillReason>,
     program: Option<ProgramExit>,
     oom_kills: u64,
-) -> Result<Outcome, String> {
+) -> Result<Outcome, Unexplained> {
     let killed_by_kernel = matches!(program, Some(ProgramExit::Signal(9)) | None);
     let reason = match kill {
         Some(KillReason::Timeout) => Reason::Timeout,
@@ -51,7 +56,7 @@ pub fn classify(
         None => match program {
             Some(ProgramExit::Code(_)) => Reason::Exited,
             Some(ProgramExit::Signal(_)) => Reason::Signaled,
-            None => return Err("the container's init ended without reporting the program".into()),
+            None => return Err(Unexplained),
         },
     };
     let exit = match (reason, program) {
@@ -154,6 +159,6 @@ mod tests {
 
     #[test]
     fn a_silent_init_without_any_kill_is_unexplained() {
-        assert!(classify(None, None, 0).is_err());
+        assert_eq!(classify(None, None, 0), Err(Unexplained));
     }
 }

@@ -1,0 +1,332 @@
+//! A recording fake backend for unit tests: each "container" is a directory under a temporary root and its program
+//! a plain child process (`sh -c <code>` in its own process group, with the stdio the engine hands over), so the
+//! engine's paths run without root, namespaces or cgroups. Every call is recorded ([`Call`]) for the tests'
+//! assertions, and usage is scripted ([`Script`]): a scripted OOM kills the program with `SIGKILL` and then reports
+//! an OOM kill, as the kernel's OOM killer and the cgroup's counter would.
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use runtime::cgroups::{CgroupLimits, Usage};
+use runtime::init::ProgramExit;
+use runtime::launch::Launch;
+use runtime::rootfs::InputFile;
+use tokio::sync::oneshot;
+
+use super::helper::Helpers;
+use super::{
+    BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
+    PrepareError,
+};
+use crate::images::{LanguageRuntime, RootImage, RootKind};
+
+/// One call into the backend, by container id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// A container was created.
+    Create(String),
+    /// The request's cgroup limits were written (with the inputs).
+    SetLimits(String, CgroupLimits),
+    /// The program was launched.
+    Launch(String),
+    /// A signal was sent to the container.
+    Kill(String, Signal),
+    /// The container was removed.
+    Remove(String),
+}
+
+/// What the fake containers created from now on report.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Script {
+    /// The "kernel" OOM-kills the program this long after its launch.
+    pub oom_after: Option<Duration>,
+    /// Reported peak memory.
+    pub peak_memory_bytes: u64,
+    /// Reported CPU time.
+    pub cpu_time_ns: u64,
+}
+
+/// The calls made so far and the script; shared by the backend, its containers and the test.
+#[derive(Debug, Default)]
+pub struct Recorder {
+    calls: Mutex<Vec<Call>>,
+    script: Mutex<Script>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Recorder {
+    fn record(&self, call: Call) {
+        lock(&self.calls).push(call);
+    }
+
+    /// Every call so far, in order.
+    pub fn calls(&self) -> Vec<Call> {
+        lock(&self.calls).clone()
+    }
+
+    /// The calls about container `cid`.
+    pub fn calls_of(&self, cid: &str) -> Vec<Call> {
+        self.calls()
+            .into_iter()
+            .filter(|c| match c {
+                Call::Create(id)
+                | Call::SetLimits(id, _)
+                | Call::Launch(id)
+                | Call::Kill(id, _)
+                | Call::Remove(id) => id == cid,
+            })
+            .collect()
+    }
+
+    /// Ids of the containers created so far.
+    pub fn created(&self) -> Vec<String> {
+        self.calls()
+            .into_iter()
+            .filter_map(|c| match c {
+                Call::Create(id) => Some(id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Sets the script of containers created from now on.
+    pub fn script(&self, script: Script) {
+        *lock(&self.script) = script;
+    }
+}
+
+/// The fake backend: containers are directories under `root`.
+pub struct FakeBackend {
+    root: PathBuf,
+    recorder: Arc<Recorder>,
+}
+
+impl FakeBackend {
+    /// A backend creating its containers under `root`.
+    pub fn new(root: &Path, recorder: Arc<Recorder>) -> Self {
+        Self {
+            root: root.to_owned(),
+            recorder,
+        }
+    }
+}
+
+impl ContainerBackend for FakeBackend {
+    fn create<'a>(
+        &'a self,
+        plan: Plan<'a>,
+    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, CreateError>> {
+        Box::pin(async move {
+            let dir = self.root.join(plan.cid);
+            for sub in ["code", "workspace"] {
+                let sub = dir.join(sub);
+                std::fs::create_dir_all(&sub)
+                    .map_err(|e| CreateError::Prepare(runtime::Error::io(sub, e)))?;
+            }
+            self.recorder.record(Call::Create(plan.cid.to_owned()));
+            Ok(Box::new(FakeContainer {
+                cid: plan.cid.to_owned(),
+                dir,
+                recorder: self.recorder.clone(),
+                script: *lock(&self.recorder.script),
+                code: Mutex::new(String::new()),
+                program: Arc::new(Mutex::new(Program::default())),
+                end: Mutex::new(None),
+                oom_killed: Arc::new(AtomicBool::new(false)),
+            }) as Box<dyn ContainerHandle>)
+        })
+    }
+
+    fn parallelism(&self) -> usize {
+        2
+    }
+}
+
+/// The program's process group while it runs.
+#[derive(Debug, Default)]
+struct Program {
+    /// Its process group (the child's pid); `None` before the launch and once it is reaped.
+    group: Option<Pid>,
+}
+
+impl Program {
+    /// Signals the whole group, if it still runs: the lock is held from the check to the signal, and the reaper
+    /// clears `group` under the same lock, so a reused pid is never signalled.
+    fn signal(&self, signal: Signal) {
+        if let Some(group) = self.group {
+            let _ = nix::sys::signal::killpg(group, signal);
+        }
+    }
+}
+
+struct FakeContainer {
+    cid: String,
+    dir: PathBuf,
+    recorder: Arc<Recorder>,
+    script: Script,
+    code: Mutex<String>,
+    program: Arc<Mutex<Program>>,
+    end: Mutex<Option<oneshot::Receiver<EndRecord>>>,
+    oom_killed: Arc<AtomicBool>,
+}
+
+impl FakeContainer {
+    fn spawn(&self, stdio: [BorrowedFd<'_>; 3]) -> std::io::Result<()> {
+        let [stdin, stdout, stderr]: [OwnedFd; 3] = [
+            stdio[0].try_clone_to_owned()?,
+            stdio[1].try_clone_to_owned()?,
+            stdio[2].try_clone_to_owned()?,
+        ];
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&*lock(&self.code))
+            .current_dir(self.dir.join("workspace"))
+            .stdin(stdin)
+            .stdout(stdout)
+            .stderr(stderr)
+            .process_group(0)
+            .spawn()?;
+        let group = Pid::from_raw(child.id() as i32);
+        lock(&self.program).group = Some(group);
+        let (tx, rx) = oneshot::channel();
+        *lock(&self.end) = Some(rx);
+        let program = self.program.clone();
+        std::thread::spawn(move || {
+            // Like the init's report: `exit N` or `signal N`.
+            let record = match child.wait() {
+                Ok(status) => match (status.code(), status.signal()) {
+                    (Some(code), _) => ProgramExit::Code(code).encode(),
+                    (None, Some(sig)) => ProgramExit::Signal(sig).encode(),
+                    (None, None) => String::new(),
+                },
+                Err(_) => String::new(),
+            };
+            // What is left of the group goes with it, as a pid namespace's processes go with its init.
+            let mut p = lock(&program);
+            p.signal(Signal::SIGKILL);
+            p.group = None;
+            drop(p);
+            let _ = tx.send((record, runtime::init::monotonic_ns()));
+        });
+        if let Some(after) = self.script.oom_after {
+            let (program, oom) = (self.program.clone(), self.oom_killed.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(after);
+                let p = lock(&program);
+                if p.group.is_some() {
+                    oom.store(true, Ordering::SeqCst);
+                    p.signal(Signal::SIGKILL);
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+impl ContainerHandle for FakeContainer {
+    fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn workspace(&self) -> PathBuf {
+        self.dir.join("workspace")
+    }
+
+    fn prepare(
+        &self,
+        limits: CgroupLimits,
+        _code_name: &'static str,
+        code: Vec<u8>,
+        files: Vec<InputFile>,
+    ) -> BoxFuture<'static, Result<(), PrepareError>> {
+        self.recorder
+            .record(Call::SetLimits(self.cid.clone(), limits));
+        *lock(&self.code) = String::from_utf8_lossy(&code).into_owned();
+        let written = files.iter().try_for_each(|f| {
+            let path = self.workspace().join(&f.path);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| runtime::Error::io(parent, e))?;
+            }
+            std::fs::write(&path, &f.content).map_err(|e| runtime::Error::io(path, e))
+        });
+        let written = written.map_err(PrepareError::Failed);
+        Box::pin(std::future::ready(written))
+    }
+
+    fn launch(&self, _launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -> Result<(), LaunchError> {
+        self.recorder.record(Call::Launch(self.cid.clone()));
+        self.spawn(stdio)
+            .map_err(|e| LaunchError::Send(runtime::Error::io("sh", e)))
+    }
+
+    fn watch_end(&self) -> std::io::Result<oneshot::Receiver<EndRecord>> {
+        lock(&self.end)
+            .take()
+            .ok_or_else(|| std::io::Error::other("not launched"))
+    }
+
+    fn kill(&self, signal: Signal) {
+        self.recorder.record(Call::Kill(self.cid.clone(), signal));
+        lock(&self.program).signal(signal);
+    }
+
+    fn usage(&self) -> runtime::Result<Usage> {
+        Ok(Usage {
+            peak_memory_bytes: self.script.peak_memory_bytes,
+            cpu_time_ns: self.script.cpu_time_ns,
+            oom_kills: u64::from(self.oom_killed.load(Ordering::SeqCst)),
+        })
+    }
+
+    fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {
+        self.recorder.record(Call::Remove(self.cid.clone()));
+        // The helper kills whatever still runs before it deletes a container.
+        lock(&self.program).signal(Signal::SIGKILL);
+        let _ = std::fs::remove_dir_all(&self.dir);
+        Box::pin(std::future::ready(()))
+    }
+}
+
+/// A language runtime for the fake: `shell`, on an image nothing reads.
+pub fn shell() -> LanguageRuntime {
+    LanguageRuntime {
+        image: Arc::new(RootImage {
+            name: "fake".into(),
+            digest: "sha256:fake".into(),
+            kind: RootKind::Oci { lowers: Vec::new() },
+            landlock: runtime::landlock::Policy {
+                abi: 0,
+                read_only: Vec::new(),
+                read_write: Vec::new(),
+                devices: Vec::new(),
+            },
+            env: Vec::new(),
+        }),
+        command: vec!["/bin/sh".into()],
+        file_name: "main.sh",
+    }
+}
+
+/// Helpers for a factory whose backend is the fake: one placeholder client the fake never uses, and the other end
+/// of its socket, which keeps the placeholder "alive" while the caller holds it. Must be called inside a tokio
+/// runtime (the client spawns its reader).
+pub fn placeholder_helpers() -> (Arc<Helpers>, OwnedFd) {
+    let (ours, peer) = nix::sys::socket::socketpair(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::SeqPacket,
+        None,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+    )
+    .unwrap();
+    let placeholder = runtime::helper::HelperClient::new(ours, Pid::from_raw(0)).unwrap();
+    (Arc::new(Helpers::new(placeholder, Vec::new())), peer)
+}

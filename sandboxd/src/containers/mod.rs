@@ -1,0 +1,149 @@
+//! The seam between the daemon's logic (the [`crate::engine`] and the [`crate::pool`]) and the container layer.
+//!
+//! [`ContainerBackend`] creates containers; a [`ContainerHandle`] is one created container whose init waits for its
+//! program: the engine writes the request's limits and inputs into it, launches the program with its stdio, learns
+//! of the end, kills it, reads its usage, and hands it back for removal. The daemon runs on [`helper`], which wraps
+//! the helper processes ([`runtime::helper`]), the launch channel ([`runtime::launch`]), the init's pidfd and status
+//! pipe and the cgroups ([`runtime::cgroups`]). Unit tests run on a fake (`fake`, tests only) that runs programs as
+//! plain child processes and records every call, so the engine's timeout, cancel, output-limit, OOM and client-gone
+//! paths are tested without root.
+//!
+//! Creation and removal are boxed futures (trait objects, one allocation per container, next to milliseconds of
+//! work); the per-execution calls are plain methods, except [`ContainerHandle::prepare`], whose boxed future
+//! replaces the clones the blocking task needed before.
+
+pub mod helper;
+
+#[cfg(test)]
+pub mod fake;
+
+use std::future::Future;
+use std::os::fd::BorrowedFd;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+
+use nix::sys::signal::Signal;
+use protocol::Limits;
+use runtime::cgroups::{CgroupLimits, Usage};
+use runtime::launch::Launch;
+use runtime::rootfs::InputFile;
+use tokio::sync::oneshot;
+
+use crate::images::LanguageRuntime;
+
+/// A boxed, sendable future (what the backend's asynchronous calls return).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a container is created for.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan<'a> {
+    /// Its id (libcontainer's, the cgroup leaf's, the scratch directory's name).
+    pub cid: &'a str,
+    /// Host uid of container root.
+    pub host_id: u32,
+    /// Language: image and interpreter.
+    pub lang: &'a LanguageRuntime,
+    /// Scratch space (tmpfs, `/dev/shm`, `RLIMIT_FSIZE`).
+    pub disk_mb: u64,
+    /// Limits written into its cgroup at creation (lowered to the request's at launch).
+    pub limits: &'a Limits,
+}
+
+/// How the init reported the end: its status record (empty when it died without writing) and the
+/// `CLOCK_MONOTONIC` time the end was seen.
+pub type EndRecord = (String, u64);
+
+/// A container could not be created. Nothing of it is left.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// The scratch space or the bundle could not be made.
+    #[error(transparent)]
+    Prepare(runtime::Error),
+    /// The bundle's `config.json` could not be written.
+    #[error("Cannot write {}", path.display())]
+    Bundle {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The blocking preparation task did not finish.
+    #[error("Preparation panicked")]
+    Panicked(#[source] tokio::task::JoinError),
+    /// The helper failed to create or start the container.
+    #[error(transparent)]
+    Helper(runtime::Error),
+    /// No helper process is there to create it.
+    #[error("No container helper is running")]
+    NoHelper,
+}
+
+/// Writing the request's limits and inputs failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// The blocking task did not finish.
+    #[error("Preparation panicked")]
+    Panicked(#[source] tokio::task::JoinError),
+    /// A write failed (an input file the request got wrong is [`runtime::Error::InputFile`]).
+    #[error(transparent)]
+    Failed(runtime::Error),
+}
+
+/// Sending the program to the init failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The init refused to run anything: a restriction could not be applied (fail closed). Its report's text.
+    #[error("Sandbox setup failed: {0}")]
+    Setup(String),
+    /// The launch message could not be sent.
+    #[error("Cannot launch the program")]
+    Send(#[source] runtime::Error),
+}
+
+/// Creates containers.
+pub trait ContainerBackend: Send + Sync + 'static {
+    /// Creates a container whose init waits for its launch. On failure nothing of it is left.
+    fn create<'a>(
+        &'a self,
+        plan: Plan<'a>,
+    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, CreateError>>;
+
+    /// How many creations are worth running at once.
+    fn parallelism(&self) -> usize;
+}
+
+/// One created container, used for one execution.
+pub trait ContainerHandle: Send + Sync + 'static {
+    /// The scratch directory on the host (the tool broker's socket goes in its `code/`).
+    fn dir(&self) -> &Path;
+
+    /// The program's working directory as the host sees it (artifacts are collected from it).
+    fn workspace(&self) -> PathBuf;
+
+    /// Writes the request's cgroup limits, then the code file and the input files (blocking work, off the async
+    /// threads).
+    fn prepare(
+        &self,
+        limits: CgroupLimits,
+        code_name: &'static str,
+        code: Vec<u8>,
+        files: Vec<InputFile>,
+    ) -> BoxFuture<'static, Result<(), PrepareError>>;
+
+    /// Sends the program to the init with its stdin, stdout and stderr (the init holds its own copies after).
+    fn launch(&self, launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -> Result<(), LaunchError>;
+
+    /// Resolves once the container has ended: nothing of the program can still run or write then.
+    fn watch_end(&self) -> std::io::Result<oneshot::Receiver<EndRecord>>;
+
+    /// Sends `signal` to the container's init (errors are logged: it may be gone already).
+    fn kill(&self, signal: Signal);
+
+    /// Peak memory, CPU time and OOM kills so far.
+    fn usage(&self) -> runtime::Result<Usage>;
+
+    /// Kills, deletes and reaps the container and removes its scratch space. Errors are logged: there is nobody
+    /// left to tell.
+    fn remove(self: Box<Self>) -> BoxFuture<'static, ()>;
+}

@@ -1,0 +1,54 @@
+//! Why an execution ended in `INTERNAL_ERROR`. The wire message and the log line both carry the whole chain
+//! ([`crate::errors::Chain`]); refusals of the request itself (`INVALID_REQUEST`, `LANGUAGE_NOT_SUPPORTED`) are not
+//! errors of the daemon and do not come through here.
+
+use super::artifacts::ArtifactError;
+use super::outcome::Unexplained;
+use crate::containers::{CreateError, LaunchError};
+
+/// An execution the daemon could not carry out.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The daemon closed admission while the execution waited in the queue.
+    #[error("The daemon is shutting down")]
+    ShuttingDown,
+    /// No container: the backend could not create one.
+    #[error("Cannot create the container")]
+    Create(#[source] CreateError),
+    /// The tool broker could not be set up.
+    #[error(transparent)]
+    Tools(crate::tools::ToolsError),
+    /// The blocking task writing the limits and inputs did not finish.
+    #[error("Preparation panicked")]
+    PreparePanicked(#[source] tokio::task::JoinError),
+    /// The limits or the inputs could not be written.
+    #[error("Cannot prepare the sandbox")]
+    Prepare(#[source] runtime::Error),
+    /// The program's stdio could not be created.
+    #[error("Cannot create pipes")]
+    Pipes(#[source] nix::Error),
+    /// The program could not be handed to the init.
+    #[error(transparent)]
+    Launch(LaunchError),
+    /// The container's end cannot be watched.
+    #[error("Cannot watch the container")]
+    Watch(#[source] std::io::Error),
+    /// The init reported that it could not apply a restriction: the program did not run (fail closed).
+    #[error("Sandbox setup failed: {0}")]
+    Setup(String),
+    /// The end of the shutdown grace period killed the execution.
+    #[error("The daemon shut down before the execution finished")]
+    ShutDown,
+    /// The supervision ended without the container's end (cannot happen: the loop waits for it).
+    #[error("No exit record")]
+    NoExitRecord,
+    /// The end cannot be classified.
+    #[error(transparent)]
+    Unexplained(Unexplained),
+    /// The blocking collection task did not finish.
+    #[error("Artifact collection panicked")]
+    ArtifactsPanicked(#[source] tokio::task::JoinError),
+    /// The requested artifacts could not be collected.
+    #[error("Artifact collection failed")]
+    Artifacts(#[source] ArtifactError),
+}

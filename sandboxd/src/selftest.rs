@@ -1,0 +1,156 @@
+//! The start-up self-test: one real execution per configured language before the daemon serves, checked from
+//! inside the container (seccomp filter installed, no capability held, `no_new_privs` set). A daemon that cannot
+//! run them (a state directory the container user cannot traverse, a broken image, an interpreter that does not
+//! start) refuses to start instead of reporting healthy and failing every execution.
+
+use std::sync::Arc;
+
+use protocol::{Language, Reason, ServerMessage};
+use tokio::sync::mpsc;
+
+use crate::engine::Engine;
+use crate::registry::Registry;
+
+/// Why the self-test failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SelfTestError {
+    /// One language's execution failed.
+    #[error("{language}")]
+    Language {
+        /// The language.
+        language: Language,
+        /// What went wrong.
+        #[source]
+        source: Box<SelfTestError>,
+    },
+    /// The execution id is already registered (cannot happen with a fresh registry).
+    #[error("self-test id in use")]
+    IdInUse,
+    /// The self-test's limits are refused by the configured maxima.
+    #[error("the self-test's limits are refused")]
+    Limits(#[source] protocol::RequestError),
+    /// The execution's messages ended without a `result` or an `error`.
+    #[error("the self-test execution ended without a result")]
+    NoResult,
+    /// The program ran but did not confirm the isolation layers.
+    #[error("the self-test execution ended {reason:?} (exit {exit_code:?}): an isolation layer is not in effect or the interpreter does not run; output: {output:?}")]
+    Unconfirmed {
+        /// The result's reason.
+        reason: Reason,
+        /// The result's exit code.
+        exit_code: Option<i32>,
+        /// The first 400 characters of stdout and stderr.
+        output: String,
+    },
+    /// The execution ended with an `error` message.
+    #[error("the self-test execution failed: {0}")]
+    Failed(String),
+}
+
+/// The self-test program per language: from inside the container, check that the seccomp filter is installed, no
+/// capability is held and `no_new_privs` is set, then print `self-test-ok`. Only the language's own interpreter is
+/// used (an image may have no grep).
+fn self_test_program(lang: Language) -> &'static str {
+    match lang {
+        Language::Shell => {
+            r#"ok=0
+while IFS=: read -r k v; do
+  v=$(echo $v)
+  case "$k" in
+    Seccomp) [ "$v" = 2 ] && ok=$((ok+1)) ;;
+    CapEff|CapBnd) [ "$v" = 0000000000000000 ] && ok=$((ok+1)) ;;
+    NoNewPrivs) [ "$v" = 1 ] && ok=$((ok+1)) ;;
+  esac
+done < /proc/self/status
+[ "$ok" = 4 ] && echo self-test-ok"#
+        }
+        Language::Python => {
+            r#"s = {k: v.strip() for k, v in (l.split(":", 1) for l in open("/proc/self/status"))}
+z = "0" * 16
+ok = s["Seccomp"] == "2" and s["CapEff"] == z and s["CapBnd"] == z and s["NoNewPrivs"] == "1"
+print("self-test-ok" if ok else s)"#
+        }
+        Language::Javascript => {
+            r#"const s = Object.fromEntries(require("fs").readFileSync("/proc/self/status", "utf8").trim().split("\n")
+  .map((l) => { const i = l.indexOf(":"); return [l.slice(0, i), l.slice(i + 1).trim()]; }));
+const z = "0".repeat(16);
+const ok = s.Seccomp === "2" && s.CapEff === z && s.CapBnd === z && s.NoNewPrivs === "1";
+console.log(ok ? "self-test-ok" : JSON.stringify(s));"#
+        }
+        Language::Elixir => {
+            r#"s = File.read!("/proc/self/status") |> String.split("\n", trim: true) |> Map.new(fn l -> [k, v] = String.split(l, ":", parts: 2); {k, String.trim(v)} end)
+z = String.duplicate("0", 16)
+IO.puts(if s["Seccomp"] == "2" and s["CapEff"] == z and s["CapBnd"] == z and s["NoNewPrivs"] == "1", do: "self-test-ok", else: inspect(s))"#
+        }
+    }
+}
+
+/// Runs one real execution per configured language before the daemon serves (see [`self_test_program`]).
+pub async fn self_test(engine: Arc<Engine>) -> Result<(), SelfTestError> {
+    let languages: Vec<Language> = engine.languages.keys().copied().collect();
+    for language in languages {
+        self_test_one(engine.clone(), language)
+            .await
+            .map_err(|e| SelfTestError::Language {
+                language,
+                source: Box::new(e),
+            })?;
+    }
+    Ok(())
+}
+
+async fn self_test_one(engine: Arc<Engine>, lang: Language) -> Result<(), SelfTestError> {
+    let registry = Registry::default();
+    let id = format!("sandboxd-self-test-{lang}");
+    let (registration, control) = registry.register(&id).ok_or(SelfTestError::IdInUse)?;
+    let max = engine.max_limits();
+    // Interpreters like the BEAM need more than the default 64 MiB to start.
+    let req = protocol::ExecuteRequest::new(
+        &id,
+        lang,
+        self_test_program(lang),
+        protocol::RequestedLimits::new(max.timeout_ms.min(60_000), max.memory_mb.min(512)),
+    );
+    let limits = req.resolve_limits(&max).map_err(SelfTestError::Limits)?;
+    let admission = engine.admit();
+    let (tx, mut rx) = mpsc::channel(16);
+    let task = tokio::spawn(
+        engine
+            .clone()
+            .run(req, limits, admission, tx, control, registration),
+    );
+    let (mut stdout, mut stderr) = (String::new(), String::new());
+    let mut outcome = Err(SelfTestError::NoResult);
+    while let Some(m) = rx.recv().await {
+        match m {
+            ServerMessage::Stdout(c) => stdout.push_str(&c.data),
+            ServerMessage::Stderr(c) => stderr.push_str(&c.data),
+            ServerMessage::Result(r)
+                if r.exit_code == Some(0) && stdout.contains("self-test-ok") =>
+            {
+                outcome = Ok(());
+                break;
+            }
+            ServerMessage::Result(r) => {
+                outcome = Err(SelfTestError::Unconfirmed {
+                    reason: r.reason,
+                    exit_code: r.exit_code,
+                    output: format!("{stdout}{stderr}").chars().take(400).collect(),
+                });
+                break;
+            }
+            ServerMessage::Error(e) => {
+                outcome = Err(SelfTestError::Failed(e.message));
+                break;
+            }
+            _ => {}
+        }
+    }
+    // The execution frees its slot only after its container is removed: wait for that, so the next self-test
+    // finds a free slot even with `max_concurrent: 1` and no queue. The control sender (the registry) stays alive
+    // until then so the execution is not seen as disconnected.
+    drop(rx);
+    let _ = task.await;
+    drop(registry);
+    outcome
+}
