@@ -48,11 +48,17 @@ pub struct AppState {
 
 /// The router.
 pub fn router(state: AppState) -> Router {
+    // Agent sandboxes (issue 12): their routes with their own state.
+    let agents = crate::agent::router().with_state(crate::agent::AgentState {
+        engine: state.engine.clone(),
+        tokens: state.tokens.clone(),
+        agents: state.agents.clone(),
+    });
     Router::new()
         .route("/healthz", get(healthz))
         .route("/ws", get(ws))
         .route("/artifacts/sha256/{hex}", get(artifact))
-        .merge(crate::agent::router()) // agent sandboxes (issue 12)
+        .merge(agents)
         .with_state(state)
 }
 

@@ -33,7 +33,7 @@ use self::sandbox::{Limits, Sandbox};
 use crate::engine::Engine;
 use crate::images::{RootImage, RootKind};
 
-pub use routes::router;
+pub use routes::{router, AgentState};
 
 /// Capabilities a sandbox may ask for: a shell and git come with the image; the network is loopback-only, and
 /// sandbox-to-backend traffic (uploads, renewal) is made by sandboxd itself.

@@ -19,10 +19,23 @@ use protocol::agent::{
 use serde::de::DeserializeOwned;
 
 use super::sandbox::Sandbox;
-use crate::server::AppState;
+use super::Agents;
+use crate::engine::Engine;
 
-/// The agent routes, merged into the daemon's router.
-pub fn router() -> Router<AppState> {
+/// What the agent routes need; the server builds it from its own state (the agent module does not know the
+/// server).
+#[derive(Clone)]
+pub struct AgentState {
+    /// The engine (configuration, containers).
+    pub engine: Arc<Engine>,
+    /// Accepted tokens.
+    pub tokens: Arc<Vec<String>>,
+    /// Agent sandboxes.
+    pub agents: Arc<Agents>,
+}
+
+/// The agent routes, merged into the daemon's router once given their state.
+pub fn router() -> Router<AgentState> {
     Router::new()
         .route("/sandboxes", post(create))
         .route("/sandboxes/{id}", delete(remove))
@@ -55,7 +68,7 @@ fn unauthorized() -> Response {
 }
 
 /// Auth, then the sandbox.
-fn lookup(st: &AppState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
+fn lookup(st: &AgentState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
     if !crate::auth::authorized(headers, &st.tokens) {
         return Err(Box::new(unauthorized()));
     }
@@ -69,7 +82,7 @@ fn lookup(st: &AppState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, 
 }
 
 /// Reads a bounded body and parses it; an empty body reads as `{}`.
-async fn body<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, Box<Response>> {
+async fn body<T: DeserializeOwned>(st: &AgentState, body: Body) -> Result<T, Box<Response>> {
     let limit = st.engine.config.agents.max_body_bytes;
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
         Box::new(refuse(
@@ -98,7 +111,7 @@ async fn body<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, Box<R
     })
 }
 
-async fn create(State(st): State<AppState>, headers: HeaderMap, b: Body) -> Response {
+async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Response {
     if !crate::auth::authorized(&headers, &st.tokens) {
         return unauthorized();
     }
@@ -132,7 +145,7 @@ async fn create(State(st): State<AppState>, headers: HeaderMap, b: Body) -> Resp
 }
 
 async fn remove(
-    State(st): State<AppState>,
+    State(st): State<AgentState>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
@@ -153,7 +166,7 @@ async fn remove(
 macro_rules! command {
     ($name:ident, $req:ty, |$sb:ident, $r:ident| $call:expr) => {
         async fn $name(
-            State(st): State<AppState>,
+            State(st): State<AgentState>,
             headers: HeaderMap,
             Path(id): Path<String>,
             b: Body,
@@ -212,7 +225,7 @@ command!(replay, ReplayRequest, |sb, r| async {
 });
 
 async fn health(
-    State(st): State<AppState>,
+    State(st): State<AgentState>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
@@ -232,7 +245,7 @@ async fn health(
 }
 
 async fn events(
-    State(st): State<AppState>,
+    State(st): State<AgentState>,
     headers: HeaderMap,
     Path(id): Path<String>,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
