@@ -283,11 +283,13 @@ signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
 os.kill(1, signal.SIGTERM)
 # Standard signals do not queue: give the init time to take this one before the host's arrives.
 time.sleep(1)
-print("after own", len(got), flush=True)
+# One write per line (PYTHONUNBUFFERED makes print write each piece on its own, and the test looks for the
+# whole line in one stdout chunk).
+sys.stdout.write(f"after own {{len(got)}}\n"); sys.stdout.flush()
 deadline = time.time() + 10
 while not got and time.time() < deadline:
     time.sleep(0.05)
-print("after host", got, flush=True)
+sys.stdout.write(f"after host {{got}}\n"); sys.stdout.flush()
 "#
     );
     let exec = with(
