@@ -398,7 +398,7 @@ impl Error {
 
 /// Displays an error followed by each of its sources, `": "`-separated, on one line: `Cannot create the container:
 /// failed to ...: No such file or directory`.
-pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'a));
 
 impl std::fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -11,7 +11,6 @@ mod config;
 mod containers;
 mod doctor;
 mod engine;
-mod errors;
 mod images;
 mod images_cli;
 mod metrics;
@@ -398,7 +397,7 @@ impl Daemon {
                     )
                 })
                 .unwrap_or_default();
-            bail!("{}{hint}", errors::Chain(&e));
+            bail!("{}{hint}", runtime::error::Chain(&e));
         }
         // Serve only once the self-test's containers are removed: a ready daemon has nothing but its pool.
         engine.pool.factory().removals_done().await;

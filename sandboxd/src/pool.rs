@@ -26,8 +26,8 @@ use tracing::{debug, error, info, warn, Instrument};
 
 use crate::containers::helper::{HelperBackend, Helpers};
 use crate::containers::{ContainerBackend, ContainerHandle, CreateError, Plan};
-use crate::errors::Chain;
 use crate::images::LanguageRuntime;
+use runtime::error::Chain;
 
 /// The `disk_mb` class pooled containers are created with: the protocol's default.
 pub const POOL_DISK_MB: u64 = Limits::DEFAULTS.disk_mb;

@@ -22,8 +22,8 @@ use super::{
     BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
     PrepareError,
 };
-use crate::errors::Chain;
 use crate::images::RootKind;
+use runtime::error::Chain;
 
 /// The helper processes. Containers are spread over them round-robin, so creations and removals run in parallel
 /// (each helper is single-threaded, and a creation is mostly CPU work in it); a container is removed by the helper

@@ -1,5 +1,5 @@
 //! Why an execution ended in `INTERNAL_ERROR`. The wire message and the log line both carry the whole chain
-//! ([`crate::errors::Chain`]); refusals of the request itself (`INVALID_REQUEST`, `LANGUAGE_NOT_SUPPORTED`) are not
+//! ([`runtime::error::Chain`]); refusals of the request itself (`INVALID_REQUEST`, `LANGUAGE_NOT_SUPPORTED`) are not
 //! errors of the daemon and do not come through here.
 
 use super::artifacts::ArtifactError;

@@ -40,11 +40,11 @@ use self::streams::{make_stdio, Stdio, Streams};
 use crate::capacity::{Admission, Capacity, Slot};
 use crate::config::Config;
 use crate::containers::{ContainerHandle, EndRecord, PrepareError};
-use crate::errors::Chain;
 use crate::images::LanguageRuntime;
 use crate::pool::{Container, Pool};
 use crate::registry::{Control, Registration};
 use crate::store::Store;
+use runtime::error::Chain;
 
 /// Executions so far (keys of their metrics).
 static EXECUTIONS: AtomicU64 = AtomicU64::new(0);
