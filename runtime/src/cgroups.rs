@@ -88,6 +88,9 @@ pub struct Cgroups {
     version: CgroupVersion,
     root: PathBuf,
     parent: String,
+    /// The hierarchy directories, found once: the mounts under the cgroupfs root do not change while sandboxd
+    /// runs, and every execution asks for them several times (limits, usage, removal).
+    hierarchies: std::sync::Arc<[PathBuf]>,
 }
 
 impl Cgroups {
@@ -122,6 +125,7 @@ impl Cgroups {
             version,
             root: root.to_owned(),
             parent,
+            hierarchies: scan_hierarchies(version, root).into(),
         })
     }
 
@@ -141,38 +145,21 @@ impl Cgroups {
     }
 
     /// Every hierarchy directory: v1 one per mounted controller set (real directories holding `cgroup.procs`,
-    /// the hybrid `unified` mount excluded), v2 the root.
-    pub fn hierarchies(&self) -> Vec<PathBuf> {
-        match self.version {
-            CgroupVersion::V2 => vec![self.root.clone()],
-            CgroupVersion::V1 => {
-                let mut out = Vec::new();
-                let Ok(entries) = fs::read_dir(&self.root) else {
-                    return out;
-                };
-                for entry in entries.flatten() {
-                    let name = entry.file_name();
-                    if name == "unified" {
-                        continue;
-                    }
-                    let Ok(ft) = entry.file_type() else { continue };
-                    if ft.is_dir() && entry.path().join("cgroup.procs").exists() {
-                        out.push(entry.path());
-                    }
-                }
-                out.sort();
-                out
-            }
-        }
+    /// the hybrid `unified` mount excluded), v2 the root. Found when this was made.
+    pub fn hierarchies(&self) -> &[PathBuf] {
+        &self.hierarchies
     }
 
     /// The v1 hierarchy that carries a controller (`cpu,cpuacct` counts for both).
     fn v1_hierarchy(&self, controller: &str) -> Option<PathBuf> {
-        self.hierarchies().into_iter().find(|h| {
-            h.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.split(',').any(|c| c == controller))
-        })
+        self.hierarchies()
+            .iter()
+            .find(|h| {
+                h.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.split(',').any(|c| c == controller))
+            })
+            .cloned()
     }
 
     /// Fails closed when a controller sandboxd needs is missing, naming it and what to do.
@@ -502,6 +489,31 @@ impl Cgroups {
             }
         }
         Ok(())
+    }
+}
+
+/// The hierarchy directories under `root` (see [`Cgroups::hierarchies`]).
+fn scan_hierarchies(version: CgroupVersion, root: &Path) -> Vec<PathBuf> {
+    match version {
+        CgroupVersion::V2 => vec![root.to_owned()],
+        CgroupVersion::V1 => {
+            let mut out = Vec::new();
+            let Ok(entries) = fs::read_dir(root) else {
+                return out;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                if name == "unified" {
+                    continue;
+                }
+                let Ok(ft) = entry.file_type() else { continue };
+                if ft.is_dir() && entry.path().join("cgroup.procs").exists() {
+                    out.push(entry.path());
+                }
+            }
+            out.sort();
+            out
+        }
     }
 }
 

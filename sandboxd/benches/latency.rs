@@ -773,7 +773,7 @@ fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &
          2 cores give at most 2000 / (CPU ms/exec) exec/s)"
     );
     println!(
-        "{:<12} {:>12} {:>12} {:>12} {:>14} {:>12} {:>14} {:>14}",
+        "{:<12} {:>12} {:>12} {:>12} {:>14} {:>12} {:>14} {:>14} {:>10}",
         "in flight",
         "warm exec/s",
         "cold exec/s",
@@ -781,7 +781,8 @@ fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &
         "warm / bare",
         "hits/misses",
         "warm CPU ms",
-        "cold CPU ms"
+        "cold CPU ms",
+        "warm idle"
     );
     let per_exec = |ns: Option<u64>| {
         ns.map_or("n/a".to_owned(), |ns| {
@@ -792,7 +793,9 @@ fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &
         warm.wait_refilled();
         let (_, h0, m0) = warm.pool();
         let wcpu0 = warm.cpu_used();
+        let idle0 = HostCpu::now();
         let w = run_throughput(rt, warm.port, conc, "w");
+        let widle = HostCpu::now().idle_since(&idle0);
         let (_, h1, m1) = warm.pool();
         warm.wait_refilled();
         warm.wait_removed();
@@ -817,7 +820,7 @@ fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &
         });
         let b = THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64();
         println!(
-            "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>14} {:>14}",
+            "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>14} {:>14} {:>9.0}%",
             conc,
             w,
             c,
@@ -825,8 +828,41 @@ fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &
             w / b,
             format!("{}/{}", h1 - h0, m1 - m0),
             per_exec(wcpu),
-            per_exec(ccpu)
+            per_exec(ccpu),
+            widle * 100.0
         );
+    }
+}
+
+/// The host's CPU time counters (`/proc/stat`, all CPUs), to tell whether a run was bound by CPU.
+struct HostCpu {
+    idle: u64,
+    total: u64,
+}
+
+impl HostCpu {
+    fn now() -> Self {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let fields: Vec<u64> = stat
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|f| f.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal ...
+        let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+        Self {
+            idle,
+            total: fields.iter().take(8).sum(),
+        }
+    }
+
+    /// The fraction of CPU time spent idle since `before`.
+    fn idle_since(&self, before: &HostCpu) -> f64 {
+        let total = self.total.saturating_sub(before.total).max(1);
+        self.idle.saturating_sub(before.idle) as f64 / total as f64
     }
 }
 
