@@ -216,25 +216,19 @@ impl Shared {
         result: protocol::ToolResult,
         generation: u64,
     ) -> Result<(), ClientError> {
-        let out = {
-            let st = self.lock();
-            match &st.link {
-                Some(link) if st.generation == generation => link.out.clone(),
-                _ => {
-                    return Err(ClientError::disconnected(
-                        "the connection the execution was sent on is gone",
-                    ))
-                }
-            }
-        };
-        let frame = encode(&ClientMessage::ToolResult(result))?;
-        out.send(frame).await.map_err(|_| {
-            ClientError::disconnected("the connection closed before the tool_result was sent")
-        })
+        self.send_on(generation, &ClientMessage::ToolResult(result))
+            .await
     }
 
     /// Sends `cancel` for `id` on link `generation` and waits until it is queued.
     pub(crate) async fn cancel(&self, id: &str, generation: u64) -> Result<(), ClientError> {
+        self.send_on(generation, &ClientMessage::Cancel(CancelRequest::new(id)))
+            .await
+    }
+
+    /// Sends `message` on link `generation` (only that one: a message about an execution means nothing on a later
+    /// link) and waits until it is queued.
+    async fn send_on(&self, generation: u64, message: &ClientMessage) -> Result<(), ClientError> {
         let out = {
             let st = self.lock();
             match &st.link {
@@ -246,9 +240,12 @@ impl Shared {
                 }
             }
         };
-        let frame = encode(&ClientMessage::Cancel(CancelRequest::new(id)))?;
+        let frame = encode(message)?;
         out.send(frame).await.map_err(|_| {
-            ClientError::disconnected("the connection closed before the cancel was sent")
+            ClientError::disconnected(format!(
+                "the connection closed before the {} was sent",
+                message.type_name()
+            ))
         })
     }
 }
