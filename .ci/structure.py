@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Structure checks run by .ci/run (issue 15): no module cycle inside any crate, and no function longer than
+MAX_LINES in the daemon and the runtime.
+
+Module graph: a node per top-level module of a crate's src/ (a directory counts as one module, the crate root and
+src/bin are left out); an edge M -> X for every `crate::X` path in M's code (use lines, grouped uses and inline
+paths; comments and string literals ignored). A cycle is a strongly connected component with more than one node.
+
+Function length: from the line of `fn` to its closing brace, braces counted outside comments, strings and chars.
+
+Prints what it found; exits 1 on a cycle or an over-long function. Usage: .ci/structure.py [--verbose]
+"""
+
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CRATES = ["protocol", "runtime", "sandboxd", "client", "sandboxctl", "conformance", "test-support"]
+LONG_FUNCTION_DIRS = ["sandboxd", "runtime"]
+MAX_LINES = 120
+
+FN = re.compile(r'^\s*(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?(extern\s+"C"\s+)?fn\s+(\w+)')
+
+
+def strip_code(text):
+    """The text with comments, string and char literals blanked (newlines kept), so braces and paths count."""
+    out = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            i = j
+            continue
+        if text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append(re.sub(r"[^\n]", " ", text[i:j]))
+            i = j
+            continue
+        m = re.match(r'b?r(#*)"', text[i:i + 300])
+        if m and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+            end = '"' + m.group(1)
+            j = text.find(end, i + m.end())
+            j = n if j < 0 else j + len(end)
+            out.append(re.sub(r"[^\n]", " ", text[i:j]))
+            i = j
+            continue
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(re.sub(r"[^\n]", " ", text[i:j + 1]))
+            i = j + 1
+            continue
+        if c == "'":
+            m = re.match(r"'(\\.[^']*|[^'\\])'", text[i:i + 12])
+            if m:
+                out.append(" " * len(m.group(0)))
+                i += len(m.group(0))
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def rust_files(top):
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if d != "target"]
+        for f in sorted(filenames):
+            if f.endswith(".rs"):
+                yield os.path.join(dirpath, f)
+
+
+def module_graph(src):
+    graph = {}
+    for path in rust_files(src):
+        rel = os.path.relpath(path, src).split(os.sep)
+        if rel[0] in ("lib.rs", "main.rs", "bin"):
+            continue
+        node = rel[0][:-3] if rel[0].endswith(".rs") else rel[0]
+        code = strip_code(open(path, encoding="utf-8").read())
+        deps = set()
+        for m in re.finditer(r"\bcrate::\{([^;]*)\}", code, re.S):
+            for part in m.group(1).split(","):
+                name = part.strip().split("::")[0].strip()
+                if name:
+                    deps.add(name)
+        deps.update(re.findall(r"\bcrate::(\w+)", code))
+        graph.setdefault(node, set()).update(deps)
+    for node in graph:
+        graph[node] = {d for d in graph[node] if d in graph and d != node}
+    return graph
+
+
+def cycles(graph):
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def long_functions(top):
+    for path in rust_files(top):
+        lines = strip_code(open(path, encoding="utf-8").read()).split("\n")
+        for i, line in enumerate(lines):
+            m = FN.match(line)
+            if not m:
+                continue
+            depth, opened = 0, False
+            for j in range(i, len(lines)):
+                for ch in lines[j]:
+                    if ch == "{":
+                        depth += 1
+                        opened = True
+                    elif ch == "}":
+                        depth -= 1
+                if opened and depth <= 0:
+                    break
+                if not opened and lines[j].rstrip().endswith(";"):
+                    break
+            if opened:
+                yield j - i + 1, os.path.relpath(path, ROOT), i + 1, m.group(7)
+
+
+def main():
+    verbose = "--verbose" in sys.argv
+    failed = False
+    for crate in CRATES:
+        graph = module_graph(os.path.join(ROOT, crate, "src"))
+        found = cycles(graph)
+        if verbose:
+            for node in sorted(graph):
+                print(f"  {crate}: {node} -> {', '.join(sorted(graph[node])) or '-'}")
+        print(f"{crate}: {len(graph)} modules, " + (f"CYCLES {found}" if found else "no module cycle"))
+        failed |= bool(found)
+    longest = []
+    for top in LONG_FUNCTION_DIRS:
+        longest.extend(long_functions(os.path.join(ROOT, top)))
+    longest.sort(reverse=True)
+    over = [f for f in longest if f[0] > MAX_LINES]
+    for n, path, line, name in over:
+        print(f"function over {MAX_LINES} lines: {path}:{line} {name} ({n} lines)")
+    if longest:
+        n, path, line, name = longest[0]
+        print(f"{'/'.join(LONG_FUNCTION_DIRS)}: longest function {name} ({path}:{line}), {n} lines")
+    failed |= bool(over)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
