@@ -272,6 +272,10 @@ pub enum SeccompError {
     /// A filter the profile must hold is missing.
     #[error("The seccomp profile has no `{0}` filter")]
     MissingFilter(&'static str),
+    /// The allowlist laid out as a search tree does not answer like seccompiler's program (a bug: nothing is
+    /// installed).
+    #[error("The seccomp allowlist's search tree differs from the compiled filter: {0}")]
+    Relayout(String),
     /// The profile holds filters nothing would install.
     #[error("The seccomp profile has filters other than allowlist and denylist")]
     ExtraFilters,

@@ -4,8 +4,11 @@
 //! `allowlist` (listed syscalls allowed, everything else `ENOSYS`, so `clone3` falls back to `clone` in glibc) and
 //! `denylist` (known-dangerous syscalls and argument patterns: `EPERM`). Both are installed, the allowlist first:
 //! for the same action class the kernel returns the most recently installed filter's value, so a dangerous call
-//! answers `EPERM` whether or not the allowlist lists it. The profiles are compiled at daemon start-up and
-//! installed with TSYNC by the container's init right before `execve`; a failure stops the execution.
+//! answers `EPERM` whether or not the allowlist lists it. The profiles are compiled at daemon start-up (the
+//! allowlist then laid out as a search tree, [`search`]) and installed by the container's init on itself before it
+//! waits for its program; a failure stops the execution.
+
+mod search;
 
 use seccompiler::{BpfProgram, TargetArch};
 use sha2::{Digest, Sha256};
@@ -15,9 +18,9 @@ use crate::error::Result;
 pub use crate::error::SeccompError;
 
 /// The x86_64 profile.
-pub const X86_64: &str = include_str!("../../seccomp-profiles/default.x86_64.json");
+pub const X86_64: &str = include_str!("../../../seccomp-profiles/default.x86_64.json");
 /// The aarch64 profile.
-pub const AARCH64: &str = include_str!("../../seccomp-profiles/default.aarch64.json");
+pub const AARCH64: &str = include_str!("../../../seccomp-profiles/default.aarch64.json");
 
 /// A compiled profile.
 #[derive(Debug, Clone)]
@@ -45,6 +48,10 @@ pub fn compile(text: &str, arch: TargetArch) -> Result<Profile> {
         seccompiler::compile_from_json(text.as_bytes(), arch).map_err(SeccompError::Compile)?;
     let mut take = |name: &'static str| map.remove(name).ok_or(SeccompError::MissingFilter(name));
     let allow = take("allowlist")?;
+    // The same allowlist as a search tree: much cheaper for the kernel to install (see `search`).
+    let allow = search::relayout(&allow)
+        .map_err(SeccompError::Relayout)?
+        .unwrap_or(allow);
     let deny = take("denylist")?;
     if !map.is_empty() {
         return Err(SeccompError::ExtraFilters.into());
