@@ -100,6 +100,16 @@ fn blob_count(state_dir: &std::path::Path) -> usize {
         .count()
 }
 
+/// Four files under out/ (markdown, binary, the same text twice) and one outside it.
+const PYTHON_ARTIFACTS: &str = "import os\nos.makedirs('out/sub', exist_ok=True)\n\
+                                open('out/report.md','w').write('# Report\\n\\nall good\\n')\n\
+                                open('out/sub/data.bin','wb').write(bytes(range(256))*40)\n\
+                                open('out/same-a.txt','w').write('twice\\n')\nopen('out/same-b.txt','w').write('twice\\n')\n\
+                                open('ignored.txt','w').write('not matched')\n";
+/// One text file, and its sha256 as computed inside the sandbox.
+const SHELL_ARTIFACT: &str =
+    "mkdir -p out && seq 1 5000 > out/numbers.txt && sha256sum out/numbers.txt";
+
 #[tokio::test]
 async fn python_and_shell_files_come_back_with_their_sha256_and_download_identically() {
     let Some(_g) =
@@ -110,14 +120,9 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
     };
     let d = Daemon::start(DaemonOpts::default()).await;
     let mut c = Client::connect(&d).await;
-    let py = "import os\nos.makedirs('out/sub', exist_ok=True)\n\
-              open('out/report.md','w').write('# Report\\n\\nall good\\n')\n\
-              open('out/sub/data.bin','wb').write(bytes(range(256))*40)\n\
-              open('out/same-a.txt','w').write('twice\\n')\nopen('out/same-b.txt','w').write('twice\\n')\n\
-              open('ignored.txt','w').write('not matched')\n";
     let run = c
         .run(with(
-            exec_json("py", "python", py, 30_000, 128),
+            exec_json("py", "python", PYTHON_ARTIFACTS, 30_000, 128),
             json!({"artifacts": {"paths": ["out/**"]}}),
         ))
         .await;
@@ -128,6 +133,17 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
         run.dump()
     );
     let m = manifest(&run);
+    assert_manifest_names_the_execution(&m, &run);
+    python_artifacts_are_listed_and_download_identically(&d, &m).await;
+    // The same content twice is stored once: three distinct contents, three blobs.
+    assert_eq!(blob_count(&d.state_dir), 3);
+
+    let hex = the_checksum_is_what_sha256sum_says_inside(&d, &mut c).await;
+    downloads_need_the_token_and_a_stored_hash(&d, &hex).await;
+}
+
+/// The manifest of execution `py` has an id and the environment fingerprint of its `result`.
+fn assert_manifest_names_the_execution(m: &Value, run: &super::harness::Collected) {
     assert_eq!(m["execution_id"], "py");
     assert!(m["manifest_id"].as_str().unwrap().starts_with("am_"));
     assert!(m["environment_fingerprint"]
@@ -138,6 +154,11 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
         m["environment_fingerprint"],
         run.result_raw()["environment_fingerprint"]
     );
+}
+
+/// The files of [`PYTHON_ARTIFACTS`] under out/ are in manifest `m` with their sha256, size and type, `GET` returns
+/// them byte-identical and `HEAD` gives their length; text gets a preview, binary content does not.
+async fn python_artifacts_are_listed_and_download_identically(d: &Daemon, m: &Value) {
     let expected: [(&str, Vec<u8>, &str); 4] = [
         (
             "out/report.md",
@@ -154,7 +175,7 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
     ];
     assert_eq!(m["artifacts"].as_array().unwrap().len(), 4, "{m:#}");
     for (path, content, mime) in &expected {
-        let a = by_path(&m, path);
+        let a = by_path(m, path);
         let hex = format!("{:x}", Sha256::digest(content));
         assert_eq!(a["checksum"], format!("sha256:{hex}"), "{path}");
         assert_eq!(a["ref"], format!("artifact://sha256/{hex}"));
@@ -162,7 +183,7 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
         assert_eq!(a["mime_type"], *mime, "{path}");
         assert_eq!(a["type"], "file");
         let (code, headers, body) = fetch(
-            &d,
+            d,
             "GET",
             &format!("/artifacts/sha256/{hex}"),
             Some(d.token()),
@@ -172,7 +193,7 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
         assert_eq!(&body, content, "{path} downloads byte-identical");
         assert_eq!(header(&headers, "content-type"), Some(*mime));
         let (code, headers, body) = fetch(
-            &d,
+            d,
             "HEAD",
             &format!("/artifacts/sha256/{hex}"),
             Some(d.token()),
@@ -185,21 +206,20 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
         );
     }
     assert_eq!(
-        by_path(&m, "out/report.md")["preview"],
+        by_path(m, "out/report.md")["preview"],
         "# Report\n\nall good\n"
     );
     assert!(
-        by_path(&m, "out/sub/data.bin").get("preview").is_none(),
+        by_path(m, "out/sub/data.bin").get("preview").is_none(),
         "no preview of binary content"
     );
-    // The same content twice is stored once: three distinct contents, three blobs.
-    assert_eq!(blob_count(&d.state_dir), 3);
+}
 
-    // Shell: the checksum equals what sha256sum says inside the sandbox.
-    let sh = "mkdir -p out && seq 1 5000 > out/numbers.txt && sha256sum out/numbers.txt";
+/// Shell: the checksum equals what sha256sum says inside the sandbox, and so does the download's. Returns the hash.
+async fn the_checksum_is_what_sha256sum_says_inside(d: &Daemon, c: &mut Client) -> String {
     let run = c
         .run(with(
-            exec_json("sh", "shell", sh, 30_000, 64),
+            exec_json("sh", "shell", SHELL_ARTIFACT, 30_000, 64),
             json!({"artifacts": {"paths": ["out/*.txt"]}}),
         ))
         .await;
@@ -209,7 +229,7 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
     let a = by_path(&m, "out/numbers.txt");
     assert_eq!(a["checksum"], format!("sha256:{hex}"));
     let (code, _, body) = fetch(
-        &d,
+        d,
         "GET",
         &format!("/artifacts/sha256/{hex}"),
         Some(d.token()),
@@ -217,12 +237,16 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
     .await;
     assert_eq!(code, 200);
     assert_eq!(format!("{:x}", Sha256::digest(&body)), hex);
+    hex.to_owned()
+}
 
-    // Auth and bad references.
-    let (code, _, _) = fetch(&d, "GET", &format!("/artifacts/sha256/{hex}"), None).await;
+/// Auth and bad references: the stored blob `hex` without a token or with a wrong one is 401; a hash not stored
+/// and a path escaping the store are 404.
+async fn downloads_need_the_token_and_a_stored_hash(d: &Daemon, hex: &str) {
+    let (code, _, _) = fetch(d, "GET", &format!("/artifacts/sha256/{hex}"), None).await;
     assert_eq!(code, 401);
     let (code, _, _) = fetch(
-        &d,
+        d,
         "GET",
         &format!("/artifacts/sha256/{hex}"),
         Some("wrong-token-0123456789"),
@@ -230,7 +254,7 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
     .await;
     assert_eq!(code, 401);
     let (code, _, _) = fetch(
-        &d,
+        d,
         "GET",
         &format!("/artifacts/sha256/{}", "0".repeat(64)),
         Some(d.token()),
@@ -238,7 +262,7 @@ async fn python_and_shell_files_come_back_with_their_sha256_and_download_identic
     .await;
     assert_eq!(code, 404);
     let (code, _, _) = fetch(
-        &d,
+        d,
         "GET",
         "/artifacts/sha256/..%2f..%2fetc%2fpasswd",
         Some(d.token()),
@@ -484,10 +508,27 @@ async fn artifacts_upload_eagerly_with_retries_and_report_failures() {
     else {
         return;
     };
-    // The backend: fails the first request, then answers with a URI; records what it received.
+    let (backend_port, received) = flaky_upload_backend().await;
+    let parent = format!("sandboxd-test-{}-upload", std::process::id());
+    let _cg = super::harness::CgroupParentGuard(parent.clone());
+    let dead_port = super::harness::free_port();
+    a_failed_upload_is_retried_and_the_backend_uri_becomes_the_ref(
+        &parent,
+        backend_port,
+        &received,
+    )
+    .await;
+    an_upload_that_never_succeeds_is_reported_and_kept_locally(&parent, dead_port).await;
+}
+
+/// Requests an upload backend received, in full.
+type Received = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+/// The backend: fails the first request, then answers with a URI; records what it received. Returns its port.
+async fn flaky_upload_backend() -> (u16, Received) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let backend_port = listener.local_addr().unwrap().port();
-    let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let received = Received::default();
     let rec = received.clone();
     tokio::spawn(async move {
         let mut n = 0;
@@ -496,31 +537,7 @@ async fn artifacts_upload_eagerly_with_retries_and_report_failures() {
                 return;
             };
             n += 1;
-            let mut buf = vec![0u8; 1 << 20];
-            let mut got = Vec::new();
-            // Read headers and the body (Content-Length) of one request.
-            loop {
-                let k = s.read(&mut buf).await.unwrap_or(0);
-                if k == 0 {
-                    break;
-                }
-                got.extend_from_slice(&buf[..k]);
-                let text = String::from_utf8_lossy(&got).to_string();
-                if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                    let len: usize = head
-                        .lines()
-                        .find_map(|l| {
-                            l.to_ascii_lowercase()
-                                .strip_prefix("content-length:")
-                                .map(|v| v.trim().parse().unwrap())
-                        })
-                        .unwrap_or(0);
-                    if body.len() >= len {
-                        break;
-                    }
-                }
-            }
-            let text = String::from_utf8_lossy(&got).to_string();
+            let text = read_one_request(&mut s).await;
             rec.lock().unwrap().push(text.clone());
             let answer = if n == 1 {
                 "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_owned()
@@ -540,11 +557,45 @@ async fn artifacts_upload_eagerly_with_retries_and_report_failures() {
             let _ = s.write_all(answer.as_bytes()).await;
         }
     });
+    (backend_port, received)
+}
 
-    let parent = format!("sandboxd-test-{}-upload", std::process::id());
-    let _cg = super::harness::CgroupParentGuard(parent.clone());
-    let dead_port = super::harness::free_port();
-    let d = upload_daemon(&parent, json!({"url": format!("http://127.0.0.1:{backend_port}/upload"), "token": "backend-secret", "attempts": 3, "backoff_ms": 10})).await;
+/// Reads headers and the body (Content-Length) of one request.
+async fn read_one_request(s: &mut tokio::net::TcpStream) -> String {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut got = Vec::new();
+    loop {
+        let k = s.read(&mut buf).await.unwrap_or(0);
+        if k == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..k]);
+        let text = String::from_utf8_lossy(&got).to_string();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                break;
+            }
+        }
+    }
+    String::from_utf8_lossy(&got).to_string()
+}
+
+/// Against the flaky backend: the artifact is uploaded on the second attempt with the backend's token, and its ref
+/// is the backend's URI.
+async fn a_failed_upload_is_retried_and_the_backend_uri_becomes_the_ref(
+    parent: &str,
+    backend_port: u16,
+    received: &Received,
+) {
+    let d = upload_daemon(parent, json!({"url": format!("http://127.0.0.1:{backend_port}/upload"), "token": "backend-secret", "attempts": 3, "backoff_ms": 10})).await;
     let mut c = Client::connect(&d).await;
     let run = c
         .run(with(
@@ -568,11 +619,11 @@ async fn artifacts_upload_eagerly_with_retries_and_report_failures() {
     assert_eq!(got.len(), 2, "one failure, one retry");
     assert!(got[1].contains("authorization: Bearer backend-secret"));
     assert!(got[1].ends_with("upload me"));
-    drop(c);
-    drop(d);
+}
 
-    // An endpoint nobody answers: every attempt fails, the failure is reported, nothing is dropped.
-    let d = upload_daemon(&parent, json!({"url": format!("http://127.0.0.1:{dead_port}/upload"), "token": "x", "attempts": 2, "backoff_ms": 10})).await;
+/// An endpoint nobody answers (`dead_port`): every attempt fails, the failure is reported, nothing is dropped.
+async fn an_upload_that_never_succeeds_is_reported_and_kept_locally(parent: &str, dead_port: u16) {
+    let d = upload_daemon(parent, json!({"url": format!("http://127.0.0.1:{dead_port}/upload"), "token": "x", "attempts": 2, "backoff_ms": 10})).await;
     let mut c = Client::connect(&d).await;
     let run = c
         .run(with(

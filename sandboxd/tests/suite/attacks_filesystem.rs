@@ -438,6 +438,68 @@ fn refused_files() -> Vec<(String, Value)> {
     cases
 }
 
+/// Symlinks made at run time resolve inside the container; hard links to the image fail. The first probe has no
+/// contained results listed: its result is the file content, checked by the test.
+const LINK_PROBES: &[Probe] = &[
+    (
+        "symlink to /etc/passwd, read",
+        r#"e(lambda: (os.symlink("/etc/passwd", "/workspace/pw"), open("/workspace/pw").read())[1])"#,
+        &[],
+    ),
+    (
+        "symlink to /etc/shadow, read",
+        r#"e(lambda: (os.symlink("/etc/shadow", "/tmp/sh"), read("/tmp/sh"))[1])"#,
+        &["ENOENT"],
+    ),
+    (
+        "symlink to ../../../etc/passwd, write",
+        r#"e(lambda: (os.symlink("../../../../etc/passwd", "/workspace/up"), write("/workspace/up", mode="ab"))[1])"#,
+        DENIED_WRITE,
+    ),
+    (
+        "symlink to /proc/1/root, list",
+        r#"e(lambda: (os.symlink("/proc/1/root", "/workspace/root1"), os.listdir("/workspace/root1/"))[1])"#,
+        &["EACCES"],
+    ),
+    (
+        "hard link /usr/bin/python3",
+        r#"e(lambda: os.link("/usr/bin/python3", "/workspace/py"))"#,
+        &["EXDEV", "EPERM", "EACCES"],
+    ),
+    (
+        "hard link /etc/passwd",
+        r#"e(lambda: os.link("/etc/passwd", "/tmp/passwd"))"#,
+        &["EXDEV", "EPERM", "EACCES"],
+    ),
+    (
+        "hard link /sandbox/main.py",
+        r#"e(lambda: os.link("/sandbox/main.py", "/workspace/main.py"))"#,
+        &["EXDEV", "EPERM", "EACCES"],
+    ),
+    (
+        "linkat an open fd of python3",
+        "e(lambda: link_fd('/usr/bin/python3', '/workspace/py2'))",
+        &["EXDEV", "EPERM", "EACCES", "ENOENT"],
+    ),
+    (
+        "rename /usr/bin/python3 into /workspace",
+        r#"e(lambda: os.rename("/usr/bin/python3", "/workspace/py3"))"#,
+        &["EXDEV", "EROFS", "EPERM", "EACCES"],
+    ),
+];
+/// `link_fd(src, dst)` for [`LINK_PROBES`]: hard-links an open descriptor of `src`.
+const LINK_SETUP: &str = r#"
+def link_fd(src, dst):
+    fd = os.open(src, os.O_RDONLY)
+    # linkat(fd, "", AT_FDCWD, dst, AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH; via /proc/self/fd it does not.
+    r, err = sc(265, -100, ("/proc/self/fd/%d" % fd).encode(), -100, dst.encode(), 0x400)
+    if r < 0:
+        raise OSError(err, os.strerror(err))
+"#;
+/// Makes /workspace/out a symlink to /etc, and `leak` and `shadow` symlinks to host files.
+const ARTIFACT_SYMLINKS: &str = "import os\nos.symlink('/etc', '/workspace/out')\nos.symlink('/etc/passwd', '/workspace/leak')\n\
+                                 os.symlink('/proc/1/root/etc/shadow', '/workspace/shadow')\nprint('linked')\n";
+
 #[tokio::test]
 async fn symlinks_hard_links_and_dot_dot_tricks_stay_inside() {
     let Some(_g) = privileged("symlinks_hard_links_and_dot_dot_tricks_stay_inside").await else {
@@ -449,8 +511,15 @@ async fn symlinks_hard_links_and_dot_dot_tricks_stay_inside() {
     let mut a = Arena::start("filesystem", DaemonOpts::default()).await;
     let host_passwd = std::fs::read_to_string("/etc/passwd").unwrap();
 
-    // `files` that would leave the working directory, a file and a directory of the same name, and a path longer
-    // than PATH_MAX: refused with INVALID_REQUEST before anything runs.
+    files_outside_the_working_dir_are_refused(&mut a).await;
+    run_time_links_resolve_inside_the_container(&mut a, &host_passwd).await;
+    artifact_symlinks_are_skipped_not_followed(&mut a).await;
+    a.finish();
+}
+
+/// `files` that would leave the working directory, a file and a directory of the same name, and a path longer
+/// than PATH_MAX: refused with INVALID_REQUEST before anything runs.
+async fn files_outside_the_working_dir_are_refused(a: &mut Arena) {
     for (case, files) in refused_files() {
         let r = a
             .attack(&case, |id| {
@@ -471,80 +540,26 @@ async fn symlinks_hard_links_and_dot_dot_tricks_stay_inside() {
         }
         a.contained(&case);
     }
+}
 
-    // Symlinks made at run time resolve inside the container; hard links to the image fail.
-    let probes: &[Probe] = &[
-        (
-            "symlink to /etc/passwd, read",
-            r#"e(lambda: (os.symlink("/etc/passwd", "/workspace/pw"), open("/workspace/pw").read())[1])"#,
-            &[],
-        ),
-        (
-            "symlink to /etc/shadow, read",
-            r#"e(lambda: (os.symlink("/etc/shadow", "/tmp/sh"), read("/tmp/sh"))[1])"#,
-            &["ENOENT"],
-        ),
-        (
-            "symlink to ../../../etc/passwd, write",
-            r#"e(lambda: (os.symlink("../../../../etc/passwd", "/workspace/up"), write("/workspace/up", mode="ab"))[1])"#,
-            DENIED_WRITE,
-        ),
-        (
-            "symlink to /proc/1/root, list",
-            r#"e(lambda: (os.symlink("/proc/1/root", "/workspace/root1"), os.listdir("/workspace/root1/"))[1])"#,
-            &["EACCES"],
-        ),
-        (
-            "hard link /usr/bin/python3",
-            r#"e(lambda: os.link("/usr/bin/python3", "/workspace/py"))"#,
-            &["EXDEV", "EPERM", "EACCES"],
-        ),
-        (
-            "hard link /etc/passwd",
-            r#"e(lambda: os.link("/etc/passwd", "/tmp/passwd"))"#,
-            &["EXDEV", "EPERM", "EACCES"],
-        ),
-        (
-            "hard link /sandbox/main.py",
-            r#"e(lambda: os.link("/sandbox/main.py", "/workspace/main.py"))"#,
-            &["EXDEV", "EPERM", "EACCES"],
-        ),
-        (
-            "linkat an open fd of python3",
-            "e(lambda: link_fd('/usr/bin/python3', '/workspace/py2'))",
-            &["EXDEV", "EPERM", "EACCES", "ENOENT"],
-        ),
-        (
-            "rename /usr/bin/python3 into /workspace",
-            r#"e(lambda: os.rename("/usr/bin/python3", "/workspace/py3"))"#,
-            &["EXDEV", "EROFS", "EPERM", "EACCES"],
-        ),
-    ];
-    let setup = r#"
-def link_fd(src, dst):
-    fd = os.open(src, os.O_RDONLY)
-    # linkat(fd, "", AT_FDCWD, dst, AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH; via /proc/self/fd it does not.
-    r, err = sc(265, -100, ("/proc/self/fd/%d" % fd).encode(), -100, dst.encode(), 0x400)
-    if r < 0:
-        raise OSError(err, os.strerror(err))
-"#;
-    // The first probe's result is the file content, checked below.
-    let out = batch_allowing_content(&mut a, "symlinks and hard links", probes, setup).await;
+/// [`LINK_PROBES`]; the symlink to /etc/passwd shows the container's generated file, not `host_passwd`.
+async fn run_time_links_resolve_inside_the_container(a: &mut Arena, host_passwd: &str) {
+    let out = batch_allowing_content(a, "symlinks and hard links", LINK_PROBES, LINK_SETUP).await;
     let seen = out["symlink to /etc/passwd, read"].as_str().unwrap();
     assert!(
         seen.starts_with("root:x:0:0:root:/workspace:/bin/sh\n") && seen != host_passwd,
         "the run-time symlink to /etc/passwd shows the container's generated file, not the host's: {seen:?}"
     );
     a.contained("symlink to /etc/passwd, read");
+}
 
-    // Artifacts that are symlinks to host files, or a symlinked directory: skipped, never followed.
+/// Artifacts that are symlinks to host files, or a symlinked directory: skipped, never followed.
+async fn artifact_symlinks_are_skipped_not_followed(a: &mut Arena) {
     let case = "artifact symlinks to host files";
-    let code = "import os\nos.symlink('/etc', '/workspace/out')\nos.symlink('/etc/passwd', '/workspace/leak')\n\
-                os.symlink('/proc/1/root/etc/shadow', '/workspace/shadow')\nprint('linked')\n";
     let r = a
         .attack(case, |id| {
             with(
-                exec_json(id, "python", code, 20_000, 128),
+                exec_json(id, "python", ARTIFACT_SYMLINKS, 20_000, 128),
                 json!({"artifacts": {"paths": ["out/**", "leak", "shadow"]}}),
             )
         })
@@ -574,7 +589,6 @@ def link_fd(src, dst):
         );
     }
     a.contained(case);
-    a.finish();
 }
 
 /// Like [`batch`], but a probe with no contained results listed is returned as is (its content is checked by the
@@ -613,61 +627,52 @@ async fn batch_allowing_content(a: &mut Arena, name: &str, probes: &[Probe], set
     out
 }
 
-#[tokio::test]
-async fn container_breakout_cves_are_contained() {
-    let Some(_g) = privileged("container_breakout_cves_are_contained").await else {
-        return;
-    };
-    if !x86_64_only("container_breakout_cves_are_contained") {
-        return;
-    }
-    let mut a = Arena::start("filesystem", DaemonOpts::default()).await;
-
-    // CVE-2019-5736: overwrite the runtime's binary through /proc/<pid>/exe. Here pid 1 is sandboxd's own init
-    // (a fork of the daemon: its exe is the host's sandboxd binary) and the program's exe is the host's python.
-    let probes: &[Probe] = &[
-        (
-            "open /proc/self/exe for writing",
-            "e(lambda: opened('/proc/self/exe', os.O_WRONLY))",
-            &["ETXTBSY", "EROFS", "EACCES", "EPERM"],
-        ),
-        (
-            "open /proc/self/exe O_RDWR|O_TRUNC",
-            "e(lambda: opened('/proc/self/exe', os.O_RDWR | os.O_TRUNC))",
-            &["ETXTBSY", "EROFS", "EACCES", "EPERM"],
-        ),
-        (
-            "open /proc/1/exe for writing",
-            "e(lambda: opened('/proc/1/exe', os.O_WRONLY))",
-            &["EACCES", "EPERM"],
-        ),
-        (
-            "open /proc/1/exe for reading",
-            "e(lambda: opened('/proc/1/exe', os.O_RDONLY))",
-            &["EACCES", "EPERM"],
-        ),
-        (
-            "readlink /proc/1/exe",
-            "e(lambda: os.readlink('/proc/1/exe'))",
-            &["EACCES", "EPERM"],
-        ),
-        (
-            "O_PATH /proc/self/exe, reopen for writing",
-            "e(lambda: reopen_exe())",
-            &["ETXTBSY", "EROFS", "EACCES", "EPERM"],
-        ),
-        (
-            "write a child's /proc/<pid>/exe after it exits",
-            "e(lambda: child_exe())",
-            &["ETXTBSY", "EROFS", "EACCES", "EPERM", "ENOENT"],
-        ),
-        (
-            "ptrace pid 1",
-            "errname(sc(101, 16, 1, 0, 0)[1])",
-            &["EPERM"],
-        ),
-    ];
-    let setup = r#"
+/// CVE-2019-5736: overwrite the runtime's binary through /proc/<pid>/exe. Here pid 1 is sandboxd's own init (a
+/// fork of the daemon: its exe is the host's sandboxd binary) and the program's exe is the host's python.
+const PROC_EXE_PROBES: &[Probe] = &[
+    (
+        "open /proc/self/exe for writing",
+        "e(lambda: opened('/proc/self/exe', os.O_WRONLY))",
+        &["ETXTBSY", "EROFS", "EACCES", "EPERM"],
+    ),
+    (
+        "open /proc/self/exe O_RDWR|O_TRUNC",
+        "e(lambda: opened('/proc/self/exe', os.O_RDWR | os.O_TRUNC))",
+        &["ETXTBSY", "EROFS", "EACCES", "EPERM"],
+    ),
+    (
+        "open /proc/1/exe for writing",
+        "e(lambda: opened('/proc/1/exe', os.O_WRONLY))",
+        &["EACCES", "EPERM"],
+    ),
+    (
+        "open /proc/1/exe for reading",
+        "e(lambda: opened('/proc/1/exe', os.O_RDONLY))",
+        &["EACCES", "EPERM"],
+    ),
+    (
+        "readlink /proc/1/exe",
+        "e(lambda: os.readlink('/proc/1/exe'))",
+        &["EACCES", "EPERM"],
+    ),
+    (
+        "O_PATH /proc/self/exe, reopen for writing",
+        "e(lambda: reopen_exe())",
+        &["ETXTBSY", "EROFS", "EACCES", "EPERM"],
+    ),
+    (
+        "write a child's /proc/<pid>/exe after it exits",
+        "e(lambda: child_exe())",
+        &["ETXTBSY", "EROFS", "EACCES", "EPERM", "ENOENT"],
+    ),
+    (
+        "ptrace pid 1",
+        "errname(sc(101, 16, 1, 0, 0)[1])",
+        &["EPERM"],
+    ),
+];
+/// `reopen_exe()` and `child_exe()` for [`PROC_EXE_PROBES`].
+const PROC_EXE_SETUP: &str = r#"
 def reopen_exe():
     fd = os.open("/proc/self/exe", os.O_PATH)
     opened("/proc/self/fd/%d" % fd, os.O_WRONLY)
@@ -678,21 +683,10 @@ def child_exe():
     p.stdin.close(); p.wait()
     opened("/proc/self/fd/%d" % fd, os.O_WRONLY)
 "#;
-    batch(
-        &mut a,
-        "CVE-2019-5736 /proc/self/exe overwrite",
-        probes,
-        setup,
-    )
-    .await;
-    a.assert_binaries_unchanged("CVE-2019-5736 /proc/self/exe overwrite");
-
-    // CVE-2024-21626: a descriptor of the runtime leaked into the container (a host directory as cwd via
-    // /proc/self/fd/N). The program starts with fds 0, 1 and 2 only, in /workspace.
-    let case = "CVE-2024-21626 leaked fd cwd";
-    let code = format!(
-        r#"{PY_SYSCALL}
-out = {{}}
+/// The program's cwd, the descriptors open above 2 and those `fchdir` accepts, and a `chdir` to pid 1's cwd (after
+/// [`PY_SYSCALL`]).
+const LEAKED_FD_PROBE: &str = r#"
+out = {}
 out["cwd"] = os.getcwd()
 out["proc cwd"] = os.readlink("/proc/self/cwd")
 open_fds = []
@@ -716,8 +710,56 @@ try:
 except OSError as e:
     out["chdir /proc/1/cwd"] = errname(e.errno)
 print(json.dumps(out))
-"#
-    );
+"#;
+/// Mounts of cgroup v1 and v2, what of cgroupfs is visible, and `unshare` of user and cgroup namespaces (after
+/// [`PY_SYSCALL`]).
+const CGROUP_RELEASE_AGENT_PROBE: &str = r#"
+import subprocess
+out = {}
+os.makedirs("/tmp/cg", exist_ok=True)
+for opt in (b"rdma", b"memory", b"none,name=x"):
+    out["mount cgroup " + opt.decode()] = errname(sc(165, b"cgroup", b"/tmp/cg", b"cgroup", 0, opt)[1])
+out["mount cgroup2"] = errname(sc(165, b"cgroup2", b"/tmp/cg", b"cgroup2", 0, 0)[1])
+out["fsopen cgroup"] = errname(sc(430, b"cgroup", 0)[1])
+out["/sys/fs/cgroup"] = os.path.exists("/sys/fs/cgroup")
+out["release_agent anywhere"] = [p for p in ("/sys/fs/cgroup/release_agent", "/sys/fs/cgroup/rdma/release_agent")
+                                 if os.path.exists(p)]
+out["/proc/self/cgroup"] = sorted(set(l.split(":", 2)[2] for l in open("/proc/self/cgroup").read().splitlines()))
+for args in (["unshare", "-UrmC", "sh", "-c", "mount -t cgroup -o rdma cgroup /tmp/cg && echo mounted"],
+             ["unshare", "-C", "true"], ["unshare", "-U", "true"], ["unshare", "-r", "true"]):
+    p = subprocess.run(args, capture_output=True, text=True)
+    out[" ".join(args[:2])] = [p.returncode, p.stdout.strip(), p.stderr.strip()[-80:]]
+print(json.dumps(out))
+"#;
+
+#[tokio::test]
+async fn container_breakout_cves_are_contained() {
+    let Some(_g) = privileged("container_breakout_cves_are_contained").await else {
+        return;
+    };
+    if !x86_64_only("container_breakout_cves_are_contained") {
+        return;
+    }
+    let mut a = Arena::start("filesystem", DaemonOpts::default()).await;
+
+    cve_2019_5736_proc_exe_cannot_be_overwritten(&mut a).await;
+    cve_2024_21626_no_descriptor_leaks_in(&mut a).await;
+    cve_2022_0492_no_cgroup_release_agent_is_reachable(&mut a).await;
+    a.finish();
+}
+
+/// CVE-2019-5736: [`PROC_EXE_PROBES`] fail, and the host's binaries are unchanged.
+async fn cve_2019_5736_proc_exe_cannot_be_overwritten(a: &mut Arena) {
+    let name = "CVE-2019-5736 /proc/self/exe overwrite";
+    batch(a, name, PROC_EXE_PROBES, PROC_EXE_SETUP).await;
+    a.assert_binaries_unchanged(name);
+}
+
+/// CVE-2024-21626: a descriptor of the runtime leaked into the container (a host directory as cwd via
+/// /proc/self/fd/N). The program starts with fds 0, 1 and 2 only, in /workspace, from python and from a shell.
+async fn cve_2024_21626_no_descriptor_leaks_in(a: &mut Arena) {
+    let case = "CVE-2024-21626 leaked fd cwd";
+    let code = format!("{PY_SYSCALL}{LEAKED_FD_PROBE}");
     let out = a.attack_py(case, &code, json!({})).await;
     assert_eq!(out["cwd"], "/workspace", "{case}: {out}");
     assert_eq!(out["proc cwd"], "/workspace", "{case}: {out}");
@@ -752,30 +794,13 @@ print(json.dumps(out))
         r.dump()
     );
     a.contained(case);
+}
 
-    // CVE-2022-0492: mount a cgroup v1 hierarchy and set its release_agent. Mounting fails (seccomp, no caps), no
-    // cgroupfs is visible, and new user or cgroup namespaces cannot be made to get the capability.
+/// CVE-2022-0492: mount a cgroup v1 hierarchy and set its release_agent. Mounting fails (seccomp, no caps), no
+/// cgroupfs is visible, and new user or cgroup namespaces cannot be made to get the capability.
+async fn cve_2022_0492_no_cgroup_release_agent_is_reachable(a: &mut Arena) {
     let case = "CVE-2022-0492 cgroup release_agent";
-    let code = format!(
-        r#"{PY_SYSCALL}
-import subprocess
-out = {{}}
-os.makedirs("/tmp/cg", exist_ok=True)
-for opt in (b"rdma", b"memory", b"none,name=x"):
-    out["mount cgroup " + opt.decode()] = errname(sc(165, b"cgroup", b"/tmp/cg", b"cgroup", 0, opt)[1])
-out["mount cgroup2"] = errname(sc(165, b"cgroup2", b"/tmp/cg", b"cgroup2", 0, 0)[1])
-out["fsopen cgroup"] = errname(sc(430, b"cgroup", 0)[1])
-out["/sys/fs/cgroup"] = os.path.exists("/sys/fs/cgroup")
-out["release_agent anywhere"] = [p for p in ("/sys/fs/cgroup/release_agent", "/sys/fs/cgroup/rdma/release_agent")
-                                 if os.path.exists(p)]
-out["/proc/self/cgroup"] = sorted(set(l.split(":", 2)[2] for l in open("/proc/self/cgroup").read().splitlines()))
-for args in (["unshare", "-UrmC", "sh", "-c", "mount -t cgroup -o rdma cgroup /tmp/cg && echo mounted"],
-             ["unshare", "-C", "true"], ["unshare", "-U", "true"], ["unshare", "-r", "true"]):
-    p = subprocess.run(args, capture_output=True, text=True)
-    out[" ".join(args[:2])] = [p.returncode, p.stdout.strip(), p.stderr.strip()[-80:]]
-print(json.dumps(out))
-"#
-    );
+    let code = format!("{PY_SYSCALL}{CGROUP_RELEASE_AGENT_PROBE}");
     let out = a.attack_py(case, &code, json!({})).await;
     for k in [
         "mount cgroup rdma",
@@ -801,5 +826,4 @@ print(json.dumps(out))
         );
     }
     a.contained(case);
-    a.finish();
 }

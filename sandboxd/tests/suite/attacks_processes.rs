@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use protocol::ExecStatus;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::attack::{json_of, x86_64_only, Arena, PY_SYSCALL};
 use super::harness::{
@@ -42,6 +42,54 @@ impl Drop for HostSleeper {
     }
 }
 
+/// A neighbour execution that runs for 3 s.
+const NEIGHBOUR: &str =
+    "import time\nprint('neighbour up', flush=True)\ntime.sleep(3)\nprint('neighbour done')";
+/// `kill(-1, SIGKILL)` with children of its own, `kill` of the daemon's and the host sleepers' pids (`@DAEMON@`,
+/// `@SLEEPER_0@`, `@SLEEPER_1@`), and the pids it can see (after [`PY_SYSCALL`]).
+const KILL_MINUS_ONE_PROBE: &str = r#"
+import signal, time
+kids = []
+for i in range(5):
+    p = os.fork()
+    if p == 0:
+        time.sleep(60)
+        os._exit(0)
+    kids.append(p)
+out = {}
+out["kill(-1)"] = errname(sc(62, -1, 9)[1])
+out["killed kids"] = sorted(os.waitid(os.P_ALL, 0, os.WEXITED).si_status for _ in kids)
+out["kill(daemon pid)"] = errname(sc(62, @DAEMON@, 9)[1])
+out["kill(host sleepers)"] = [errname(sc(62, p, 9)[1]) for p in (@SLEEPER_0@, @SLEEPER_1@)]
+out["visible pids"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+print(json.dumps(out))
+"#;
+/// SIGTERM, SIGKILL, SIGSTOP, SIGINT and SIGHUP to pid 1, then whether the init is still the parent (after
+/// [`PY_SYSCALL`]).
+const SIGNALS_TO_PID_1: &str = "\nout = {}\nfor s in (15, 9, 19, 2, 1):\n    out[str(s)] = errname(sc(62, 1, s)[1])\n\
+                                import time\ntime.sleep(0.3)\nout['ppid'] = os.getppid()\nprint(json.dumps(out))\n";
+/// `pidfd_getfd` of the init's descriptors (its status pipe: a forged exit record), tracing it, reading its
+/// memory, opening its fd 3 (after [`PY_SYSCALL`]).
+const STEAL_INIT_FDS_PROBE: &str = r#"
+out = {}
+pidfd, err = sc(434, 1, 0)
+out["pidfd_open(1)"] = errname(err)
+got = {}
+if pidfd >= 0:
+    for fd in range(0, 64):
+        r, e = sc(438, pidfd, fd, 0)
+        got[errname(e)] = got.get(errname(e), 0) + 1
+out["pidfd_getfd"] = got
+out["ptrace(PTRACE_SEIZE, 1)"] = errname(sc(101, 0x4206, 1, 0, 0)[1])
+out["process_vm_readv(1)"] = errname(sc(310, 1, 0, 0, 0, 0, 0)[1])
+try:
+    os.open("/proc/1/fd/3", os.O_WRONLY)
+    out["open /proc/1/fd/3"] = "OK"
+except OSError as e:
+    out["open /proc/1/fd/3"] = errname(e.errno)
+print(json.dumps(out))
+"#;
+
 #[tokio::test]
 async fn kill_minus_one_and_signals_to_pid_1_reach_only_the_sandbox() {
     let Some(_g) = privileged("kill_minus_one_and_signals_to_pid_1_reach_only_the_sandbox").await
@@ -54,45 +102,30 @@ async fn kill_minus_one_and_signals_to_pid_1_reach_only_the_sandbox() {
     let mut a = Arena::start("processes", DaemonOpts::default()).await;
     let mut sleepers = [HostSleeper::start(0), HostSleeper::start(65534)];
 
-    // kill(-1, SIGKILL) and kill(<host pid of the daemon>, SIGKILL) while a neighbour runs.
+    kill_minus_one_hits_only_the_sandbox(&mut a, &mut sleepers).await;
+    signals_to_pid_1_are_ignored(&mut a).await;
+    the_inits_descriptors_cannot_be_stolen(&mut a).await;
+    assert!(sleepers.iter_mut().all(|s| s.alive()));
+    a.finish();
+}
+
+/// kill(-1, SIGKILL) and kill(<host pid of the daemon>, SIGKILL) while a neighbour runs: only the program's own
+/// children die.
+async fn kill_minus_one_hits_only_the_sandbox(a: &mut Arena, sleepers: &mut [HostSleeper; 2]) {
     let case = "kill(-1, SIGKILL)";
     let n_id = a.id("neighbour");
     let watch = a.watch().await;
-    a.c.send_json(&exec_json(
-        &n_id,
-        "python",
-        "import time\nprint('neighbour up', flush=True)\ntime.sleep(3)\nprint('neighbour done')",
-        30_000,
-        128,
-    ))
-    .await;
+    a.c.send_json(&exec_json(&n_id, "python", NEIGHBOUR, 30_000, 128))
+        .await;
     a.c.observe(
         "the neighbour to run",
         stdout_contains(&n_id, "neighbour up"),
     )
     .await;
-    let code = format!(
-        r#"{PY_SYSCALL}
-import signal, time
-kids = []
-for i in range(5):
-    p = os.fork()
-    if p == 0:
-        time.sleep(60)
-        os._exit(0)
-    kids.append(p)
-out = {{}}
-out["kill(-1)"] = errname(sc(62, -1, 9)[1])
-out["killed kids"] = sorted(os.waitid(os.P_ALL, 0, os.WEXITED).si_status for _ in kids)
-out["kill(daemon pid)"] = errname(sc(62, {daemon}, 9)[1])
-out["kill(host sleepers)"] = [errname(sc(62, p, 9)[1]) for p in ({s0}, {s1})]
-out["visible pids"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-print(json.dumps(out))
-"#,
-        daemon = a.d.pid(),
-        s0 = sleepers[0].0.id(),
-        s1 = sleepers[1].0.id(),
-    );
+    let code = format!("{PY_SYSCALL}{KILL_MINUS_ONE_PROBE}")
+        .replace("@DAEMON@", &a.d.pid().to_string())
+        .replace("@SLEEPER_0@", &sleepers[0].0.id().to_string())
+        .replace("@SLEEPER_1@", &sleepers[1].0.id().to_string());
     let id = a.id(case);
     let r = a.c.run(exec_json(&id, "python", &code, 30_000, 128)).await;
     let n = a.c.collect(&n_id).await;
@@ -124,48 +157,25 @@ print(json.dumps(out))
         "{case}: a host process was killed"
     );
     a.contained(case);
+}
 
-    // Signals to the container's init: ignored (no handlers), so the execution still ends normally.
+/// Signals to the container's init: ignored (no handlers), so the execution still ends normally.
+async fn signals_to_pid_1_are_ignored(a: &mut Arena) {
     let case = "signals to pid 1";
     let out = a
-        .attack_py(
-            case,
-            &format!(
-                "{PY_SYSCALL}\nout = {{}}\nfor s in (15, 9, 19, 2, 1):\n    out[str(s)] = errname(sc(62, 1, s)[1])\n\
-                 import time\ntime.sleep(0.3)\nout['ppid'] = os.getppid()\nprint(json.dumps(out))\n"
-            ),
-            json!({}),
-        )
+        .attack_py(case, &format!("{PY_SYSCALL}{SIGNALS_TO_PID_1}"), json!({}))
         .await;
     assert_eq!(out["ppid"], 1, "{case}: the init is still there: {out}");
     a.contained(case);
+}
 
-    // Stealing the init's descriptors (its status pipe: a forged exit record) or tracing it.
+/// Stealing the init's descriptors (its status pipe: a forged exit record) or tracing it fails.
+async fn the_inits_descriptors_cannot_be_stolen(a: &mut Arena) {
     let case = "steal the init's descriptors";
     let out = a
         .attack_py(
             case,
-            &format!(
-                r#"{PY_SYSCALL}
-out = {{}}
-pidfd, err = sc(434, 1, 0)
-out["pidfd_open(1)"] = errname(err)
-got = {{}}
-if pidfd >= 0:
-    for fd in range(0, 64):
-        r, e = sc(438, pidfd, fd, 0)
-        got[errname(e)] = got.get(errname(e), 0) + 1
-out["pidfd_getfd"] = got
-out["ptrace(PTRACE_SEIZE, 1)"] = errname(sc(101, 0x4206, 1, 0, 0)[1])
-out["process_vm_readv(1)"] = errname(sc(310, 1, 0, 0, 0, 0, 0)[1])
-try:
-    os.open("/proc/1/fd/3", os.O_WRONLY)
-    out["open /proc/1/fd/3"] = "OK"
-except OSError as e:
-    out["open /proc/1/fd/3"] = errname(e.errno)
-print(json.dumps(out))
-"#
-            ),
+            &format!("{PY_SYSCALL}{STEAL_INIT_FDS_PROBE}"),
             json!({}),
         )
         .await;
@@ -183,8 +193,6 @@ print(json.dumps(out))
         "{case}: {out}"
     );
     a.contained(case);
-    assert!(sleepers.iter_mut().all(|s| s.alive()));
-    a.finish();
 }
 
 #[tokio::test]
@@ -308,24 +316,15 @@ print(json.dumps({"orphans": len(orphans), "alive at first": len(early),
     a.finish();
 }
 
-#[tokio::test]
-async fn root_inside_is_an_unprivileged_uid_outside() {
-    let Some(_g) = privileged("root_inside_is_an_unprivileged_uid_outside").await else {
-        return;
-    };
-    if !x86_64_only("root_inside_is_an_unprivileged_uid_outside") {
-        return;
-    }
-    let mut a = Arena::start("processes", DaemonOpts::default()).await;
-    let case = "uid 0 inside is unprivileged outside";
-    let tag = unique_marker();
-    let code = format!(
-        r#"{PY_SYSCALL}
+/// The program's ids, capabilities, no_new_privs, seccomp mode and pid namespaces from /proc/self/status, its uid
+/// map, and attempts to change ids or raise capabilities; then it execs a sleep tagged `@TAG@` for the host to find
+/// (after [`PY_SYSCALL`]).
+const UID_PROBE: &str = r#"
 import sys, time
-TAG = "{tag}"
+TAG = "@TAG@"
 st = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
-out = {{k: st[k].split() for k in ("Uid", "Gid", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs",
-                                   "Seccomp", "Seccomp_filters", "NSpid")}}
+out = {k: st[k].split() for k in ("Uid", "Gid", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs",
+                                   "Seccomp", "Seccomp_filters", "NSpid")}
 out["uid_map"] = open("/proc/self/uid_map").read().split()
 out["setgroups"] = open("/proc/self/setgroups").read().strip()
 def err(f):
@@ -346,8 +345,58 @@ out["prctl(PR_CAP_AMBIENT_RAISE)"] = errname(sc(157, 47, 2, 21, 0, 0)[1])
 print(json.dumps(out), flush=True)
 print("ready", flush=True)
 os.execv("/bin/sleep", ["sleep", "30." + TAG])
-"#
-    );
+"#;
+/// A copy of python with the setuid bit and a file capability (CAP_SYS_ADMIN), run to report its ids and
+/// capabilities.
+const SETUID_COPY_PROBE: &str = r#"
+import errno, json, os, shutil, struct, subprocess
+out = {}
+shutil.copy("/usr/bin/python3", "/workspace/py")
+os.chmod("/workspace/py", 0o6755)
+cap = struct.pack("<IIIII", 0x02000001, 1 << 21, 0, 1 << 21, 0)
+try:
+    os.setxattr("/workspace/py", "security.capability", cap)
+    out["setxattr security.capability"] = "OK"
+except OSError as e:
+    out["setxattr security.capability"] = errno.errorcode[e.errno]
+p = subprocess.run(["/workspace/py", "-c", "print(open('/proc/self/status').read())"], capture_output=True, text=True)
+st = dict(l.split(":", 1) for l in p.stdout.splitlines() if ":" in l)
+for k in ("Uid", "CapPrm", "CapEff", "CapAmb"):
+    out[k] = st.get(k, "").split()
+out["rc"] = p.returncode
+print(json.dumps(out))
+"#;
+
+#[tokio::test]
+async fn root_inside_is_an_unprivileged_uid_outside() {
+    let Some(_g) = privileged("root_inside_is_an_unprivileged_uid_outside").await else {
+        return;
+    };
+    if !x86_64_only("root_inside_is_an_unprivileged_uid_outside") {
+        return;
+    }
+    let mut a = Arena::start("processes", DaemonOpts::default()).await;
+    uid_0_inside_is_unprivileged_outside(&mut a).await;
+    setuid_bits_and_file_capabilities_grant_nothing(&mut a).await;
+    a.finish();
+}
+
+/// The fields `k` of a /proc/<pid>/status, split on whitespace.
+fn status_field(status: &str, k: &str) -> Vec<String> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{k}:")))
+        .unwrap_or("")
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// [`UID_PROBE`], seen from the host while it sleeps and from inside.
+async fn uid_0_inside_is_unprivileged_outside(a: &mut Arena) {
+    let case = "uid 0 inside is unprivileged outside";
+    let tag = unique_marker();
+    let code = format!("{PY_SYSCALL}{UID_PROBE}").replace("@TAG@", &tag);
     let id = a.id(case);
     let watch = a.watch().await;
     a.c.send_json(&exec_json(&id, "python", &code, 30_000, 128))
@@ -366,15 +415,6 @@ os.execv("/bin/sleep", ["sleep", "30." + TAG])
     )
     .await;
     let status = std::fs::read_to_string(format!("/proc/{}/status", host.pid)).unwrap();
-    let field = |k: &str| -> Vec<String> {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{k}:")))
-            .unwrap_or("")
-            .split_whitespace()
-            .map(str::to_owned)
-            .collect()
-    };
     a.c.cancel(&id).await;
     let r = a.c.collect(&id).await;
     a.watched(watch, case);
@@ -385,19 +425,42 @@ os.execv("/bin/sleep", ["sleep", "30." + TAG])
         .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .unwrap_or_else(|| panic!("{case}: {}", r.dump()));
 
-    // From the host.
-    let uids: Vec<u32> = field("Uid").iter().map(|u| u.parse().unwrap()).collect();
+    let host_uid = assert_unprivileged_on_the_host(case, &status, a.d.uid_range());
+    assert_root_without_privileges_inside(case, &out, host_uid);
+    assert!(proc_info(host.pid).is_none_or(|p| !p.cmdline.contains(&tag)));
+    a.contained(case);
+}
+
+/// From the host (`status` of the program): every uid is in the daemon's unprivileged `range`, no capabilities,
+/// in a child pid namespace. Returns the host uid.
+fn assert_unprivileged_on_the_host(case: &str, status: &str, range: std::ops::Range<u32>) -> u32 {
+    let uids: Vec<u32> = status_field(status, "Uid")
+        .iter()
+        .map(|u| u.parse().unwrap())
+        .collect();
     assert!(
-        uids.len() == 4 && uids.iter().all(|u| a.d.uid_range().contains(u)),
-        "{case}: every host uid of the program is in the daemon's unprivileged range {:?}: {uids:?}",
-        a.d.uid_range()
+        uids.len() == 4 && uids.iter().all(|u| range.contains(u)),
+        "{case}: every host uid of the program is in the daemon's unprivileged range {range:?}: {uids:?}",
     );
     assert!(uids[0] >= 100_000, "{case}: not a system uid: {uids:?}");
     for k in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
-        assert_eq!(field(k), ["0000000000000000"], "{case}: host view of {k}");
+        assert_eq!(
+            status_field(status, k),
+            ["0000000000000000"],
+            "{case}: host view of {k}"
+        );
     }
-    assert_eq!(field("NSpid").len(), 2, "{case}: in a child pid namespace");
-    // From inside.
+    assert_eq!(
+        status_field(status, "NSpid").len(),
+        2,
+        "{case}: in a child pid namespace"
+    );
+    uids[0]
+}
+
+/// From inside (`out` of [`UID_PROBE`]): uid 0 mapped to `host_uid` alone, no capabilities, no_new_privs, both
+/// seccomp filters, and no way to change ids or raise capabilities.
+fn assert_root_without_privileges_inside(case: &str, out: &Value, host_uid: u32) {
     assert_eq!(out["Uid"], json!(["0", "0", "0", "0"]), "{case}: {out}");
     for k in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
         assert_eq!(out[k], json!(["0000000000000000"]), "{case}: {k}: {out}");
@@ -411,7 +474,7 @@ os.execv("/bin/sleep", ["sleep", "30." + TAG])
     );
     assert_eq!(
         out["uid_map"],
-        json!(["0", uids[0].to_string(), "1"]),
+        json!(["0", host_uid.to_string(), "1"]),
         "{case}: {out}"
     );
     assert_eq!(out["setuid(1000)"], "EINVAL", "{case}: unmapped: {out}");
@@ -423,31 +486,17 @@ os.execv("/bin/sleep", ["sleep", "30." + TAG])
         "{case}: {out}"
     );
     assert_eq!(out["prctl(PR_CAP_AMBIENT_RAISE)"], "EPERM", "{case}: {out}");
-    assert!(proc_info(host.pid).is_none_or(|p| !p.cmdline.contains(&tag)));
-    a.contained(case);
+}
 
-    // A copy of python with the setuid bit and a file capability (CAP_SYS_ADMIN): exec grants nothing.
+/// A copy of python with the setuid bit and a file capability (CAP_SYS_ADMIN): exec grants nothing.
+async fn setuid_bits_and_file_capabilities_grant_nothing(a: &mut Arena) {
     let case = "setuid bit and file capabilities grant nothing";
-    let code = r#"
-import errno, json, os, shutil, struct, subprocess
-out = {}
-shutil.copy("/usr/bin/python3", "/workspace/py")
-os.chmod("/workspace/py", 0o6755)
-cap = struct.pack("<IIIII", 0x02000001, 1 << 21, 0, 1 << 21, 0)
-try:
-    os.setxattr("/workspace/py", "security.capability", cap)
-    out["setxattr security.capability"] = "OK"
-except OSError as e:
-    out["setxattr security.capability"] = errno.errorcode[e.errno]
-p = subprocess.run(["/workspace/py", "-c", "print(open('/proc/self/status').read())"], capture_output=True, text=True)
-st = dict(l.split(":", 1) for l in p.stdout.splitlines() if ":" in l)
-for k in ("Uid", "CapPrm", "CapEff", "CapAmb"):
-    out[k] = st.get(k, "").split()
-out["rc"] = p.returncode
-print(json.dumps(out))
-"#;
     let out = a
-        .attack_py(case, code, json!({"disk_mb": 64, "memory_mb": 256}))
+        .attack_py(
+            case,
+            SETUID_COPY_PROBE,
+            json!({"disk_mb": 64, "memory_mb": 256}),
+        )
         .await;
     assert_eq!(out["rc"], 0, "{case}: {out}");
     assert_eq!(out["Uid"], json!(["0", "0", "0", "0"]), "{case}: {out}");
@@ -455,24 +504,13 @@ print(json.dumps(out))
         assert_eq!(out[k], json!(["0000000000000000"]), "{case}: {k}: {out}");
     }
     a.contained(case);
-    a.finish();
 }
 
-#[tokio::test]
-async fn concurrent_executions_cannot_see_each_other() {
-    let Some(_g) = privileged("concurrent_executions_cannot_see_each_other").await else {
-        return;
-    };
-    let mut a = Arena::start("processes", DaemonOpts::default()).await;
-    let case = "another execution's files, processes, env, IPC, sockets";
-    let marker = unique_marker();
-    let secret = format!("secret-{marker}");
-
-    // A: leaves traces everywhere, then checks they are intact.
-    let a_code = format!(
-        r#"
+/// Execution A: leaves traces of `@SECRET@` everywhere (files, an abstract and a loopback socket, System V shared
+/// memory, the host name), waits 4 s, then checks its files are intact.
+const TRACES_A: &str = r#"
 import os, socket, sys, time, mmap
-SECRET = "{secret}"
+SECRET = "@SECRET@"
 for d in ("/workspace", "/tmp", "/dev/shm"):
     open(d + "/" + SECRET, "w").write(SECRET)
 u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -489,24 +527,12 @@ print("A ready %d" % shmid, flush=True)
 time.sleep(4)
 intact = all(open(d + "/" + SECRET).read() == SECRET for d in ("/workspace", "/tmp", "/dev/shm"))
 print("A intact" if intact else "A tampered")
-"#
-    );
-    let a_id = a.id("A");
-    let watch = a.watch().await;
-    a.c.send_json(&with(
-        exec_json(&a_id, "python", &a_code, 30_000, 128),
-        json!({"env": {"A_SECRET": secret}}),
-    ))
-    .await;
-    a.c.observe("A's traces", stdout_contains(&a_id, "A ready"))
-        .await;
-
-    // B: looks for them.
-    let b_code = format!(
-        r#"
+"#;
+/// Execution B: looks for A's traces of `@SECRET@`, and for processes it can see or signal.
+const LOOK_FOR_A: &str = r#"
 import errno, json, os, socket
-SECRET = "{secret}"
-out = {{}}
+SECRET = "@SECRET@"
+out = {}
 out["files"] = [d for d in ("/workspace", "/tmp", "/dev/shm") if any(SECRET in n for n in os.listdir(d))]
 hits = []
 for p in os.listdir("/proc"):
@@ -542,19 +568,66 @@ for p in range(1, 4097):
         pass
 out["signalable"] = alive
 print(json.dumps(out))
-"#
-    );
+"#;
+
+#[tokio::test]
+async fn concurrent_executions_cannot_see_each_other() {
+    let Some(_g) = privileged("concurrent_executions_cannot_see_each_other").await else {
+        return;
+    };
+    let mut a = Arena::start("processes", DaemonOpts::default()).await;
+    let case = "another execution's files, processes, env, IPC, sockets";
+    let marker = unique_marker();
+    let secret = format!("secret-{marker}");
+
+    // A: leaves traces everywhere, then checks they are intact.
+    let a_id = a.id("A");
+    let watch = a.watch().await;
+    a.c.send_json(&with(
+        exec_json(
+            &a_id,
+            "python",
+            &TRACES_A.replace("@SECRET@", &secret),
+            30_000,
+            128,
+        ),
+        json!({"env": {"A_SECRET": secret}}),
+    ))
+    .await;
+    a.c.observe("A's traces", stdout_contains(&a_id, "A ready"))
+        .await;
+
+    // B: looks for them.
     let b_id = a.id("B");
     let b =
         a.c.run(with(
-            exec_json(&b_id, "python", &b_code, 30_000, 128),
+            exec_json(
+                &b_id,
+                "python",
+                &LOOK_FOR_A.replace("@SECRET@", &secret),
+                30_000,
+                128,
+            ),
             json!({"env": {"B_ONLY": "b"}}),
         ))
         .await;
     let ar = a.c.collect(&a_id).await;
     a.watched(watch, case);
     a.after(case).await;
-    let out = json_of(case, &b);
+    assert_b_found_nothing_of_a(case, &json_of(case, &b));
+    assert_eq!(
+        (ar.terminal_status(), ar.stdout_text().lines().last()),
+        (Some(ExecStatus::Completed), Some("A intact")),
+        "{case}: A was disturbed: {}",
+        ar.dump()
+    );
+    a.contained(case);
+    a.finish();
+}
+
+/// B's report (`out` of [`LOOK_FOR_A`]): none of A's files, processes, environment, shared memory, sockets or host
+/// name, and only its own processes.
+fn assert_b_found_nothing_of_a(case: &str, out: &Value) {
     assert_eq!(out["files"], json!([]), "{case}: A's files: {out}");
     assert_eq!(out["proc"], json!([]), "{case}: A's processes: {out}");
     assert_eq!(out["env"], json!([]), "{case}: A's environment: {out}");
@@ -580,12 +653,4 @@ print(json.dumps(out))
             && out["signalable"].as_array().unwrap().len() <= 3,
         "{case}: B sees and can signal only its own processes: {out}"
     );
-    assert_eq!(
-        (ar.terminal_status(), ar.stdout_text().lines().last()),
-        (Some(ExecStatus::Completed), Some("A intact")),
-        "{case}: A was disturbed: {}",
-        ar.dump()
-    );
-    a.contained(case);
-    a.finish();
 }

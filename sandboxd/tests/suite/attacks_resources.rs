@@ -431,6 +431,22 @@ async fn drain(c: &mut Client, id: &str, fill: u8) -> Drained {
     }
 }
 
+/// An endless flood: 1 MiB on stdout and 4 KiB on stderr per round, until the output limit ends it.
+const ENDLESS_FLOOD: &str =
+    "import os\nb = b'f' * (1 << 20)\nwhile True:\n    os.write(1, b); os.write(2, b[:4096])\n";
+/// One line of 64 MiB without a newline, written at once.
+const LINE_OF_64_MIB: &str = "import sys\nsys.stdout.write('L' * (64 << 20))\nsys.stdout.flush()\n";
+/// 32 MiB on stdout in writes of 1 MiB.
+const FLOOD_OF_32_MIB: &str =
+    "import os\nb = b's' * (1 << 20)\nfor i in range(32):\n    os.write(1, b)\n";
+/// 8 processes writing one byte at a time for 3 s.
+const ONE_BYTE_WRITES: &str =
+    "import os, time\nfor i in range(7):\n    if os.fork() == 0: break\nend = time.time() + 3\n\
+                               while time.time() < end:\n    os.write(1, b'.')\n";
+/// 8 processes spinning forever.
+const CPU_BURNER: &str =
+    "import os\nfor i in range(7):\n    if os.fork() == 0: break\nwhile True: pass\n";
+
 #[tokio::test]
 async fn output_flood_and_a_64_mib_line_keep_the_daemon_small() {
     let Some(_g) = privileged_alone("output_flood_and_a_64_mib_line_keep_the_daemon_small").await
@@ -439,26 +455,48 @@ async fn output_flood_and_a_64_mib_line_keep_the_daemon_small() {
     };
     let mut a = Arena::start("resources", opts()).await;
     a.c.deadline = Duration::from_secs(120);
-    let pid = a.d.pid();
 
-    // An endless flood on stdout and stderr, cut at FLOOD_LIMIT.
+    an_endless_flood_is_cut_at_the_limit(&mut a).await;
+    a_64_mib_line_streams_in_small_chunks(&mut a).await;
+    a_stalled_reader_holds_the_flood_back(&mut a).await;
+    one_byte_writes_from_8_processes_arrive_intact(&mut a).await;
+    a_cpu_burner_times_out(&mut a).await;
+    a.finish();
+}
+
+/// A sampler of the daemon's resident memory (KiB), for its peak during a case.
+fn daemon_rss_sampler(pid: i32) -> Sampler {
+    Sampler::start(move || vm_rss_kib(pid).unwrap_or(0))
+}
+
+/// Starts a python execution of `code` (120 s, `memory_mb`) whose output may reach `max_output_bytes`.
+async fn send_flood(a: &mut Arena, id: &str, code: &str, memory_mb: u64, max_output_bytes: u64) {
+    a.c.send_json(&with(
+        exec_json(id, "python", code, 120_000, memory_mb),
+        json!({"limits": {"max_output_bytes": max_output_bytes}}),
+    ))
+    .await;
+}
+
+/// The daemon's resident memory grew by less than [`RSS_GROWTH_BOUND_KIB`] from `before` to `peak`.
+fn assert_rss_growth_bounded(case: &str, before: u64, peak: u64) {
+    assert!(
+        peak.saturating_sub(before) < RSS_GROWTH_BOUND_KIB,
+        "{case}: the daemon's memory grew by {} KiB (bound {RSS_GROWTH_BOUND_KIB} KiB)",
+        peak.saturating_sub(before)
+    );
+}
+
+/// An endless flood on stdout and stderr, cut at [`FLOOD_LIMIT`].
+async fn an_endless_flood_is_cut_at_the_limit(a: &mut Arena) {
     let case = "output flood";
+    let pid = a.d.pid();
     let before = vm_rss_kib(pid).expect("daemon VmRSS");
-    let sampler = Sampler::start(move || vm_rss_kib(pid).unwrap_or(0));
+    let sampler = daemon_rss_sampler(pid);
     let watch = a.watch().await;
     let id = a.id(case);
     let started = Instant::now();
-    a.c.send_json(&with(
-        exec_json(
-            &id,
-            "python",
-            "import os\nb = b'f' * (1 << 20)\nwhile True:\n    os.write(1, b); os.write(2, b[:4096])\n",
-            120_000,
-            128,
-        ),
-        json!({"limits": {"max_output_bytes": FLOOD_LIMIT}}),
-    ))
-    .await;
+    send_flood(a, &id, ENDLESS_FLOOD, 128, FLOOD_LIMIT).await;
     let d = drain(&mut a.c, &id, b'f').await;
     let took = started.elapsed();
     a.watched(watch, case);
@@ -470,6 +508,15 @@ async fn output_flood_and_a_64_mib_line_keep_the_daemon_small() {
         (d.stdout + d.stderr) >> 20,
         peak.saturating_sub(before)
     );
+    assert_flood_truncated_at_limit(case, &d);
+    assert_rss_growth_bounded(case, before, peak);
+    a.after(case).await;
+    a.contained(case);
+}
+
+/// The flood failed with `output_limit`, truncated at exactly [`FLOOD_LIMIT`] bytes of its own output, in chunks
+/// of at most 64 KiB.
+fn assert_flood_truncated_at_limit(case: &str, d: &Drained) {
     assert_eq!(d.status, Some(ExecStatus::Failed), "{case}: {d:?}");
     let res = d.result.as_ref().unwrap();
     assert_eq!(res.reason, Reason::OutputLimit, "{case}: {d:?}");
@@ -480,31 +527,17 @@ async fn output_flood_and_a_64_mib_line_keep_the_daemon_small() {
         d.largest_chunk <= 64 << 10,
         "{case}: chunks of at most 64 KiB: {d:?}"
     );
-    assert!(
-        peak.saturating_sub(before) < RSS_GROWTH_BOUND_KIB,
-        "{case}: the daemon's memory grew by {} KiB during the flood (bound {RSS_GROWTH_BOUND_KIB} KiB)",
-        peak.saturating_sub(before)
-    );
-    a.after(case).await;
-    a.contained(case);
+}
 
-    // One 64 MiB line without a newline, exactly at the limit.
+/// One 64 MiB line without a newline, exactly at the limit: complete, streamed in chunks of at most 64 KiB.
+async fn a_64_mib_line_streams_in_small_chunks(a: &mut Arena) {
     let case = "64 MiB line without newline";
+    let pid = a.d.pid();
     let before = vm_rss_kib(pid).expect("daemon VmRSS");
-    let sampler = Sampler::start(move || vm_rss_kib(pid).unwrap_or(0));
+    let sampler = daemon_rss_sampler(pid);
     let watch = a.watch().await;
     let id = a.id(case);
-    a.c.send_json(&with(
-        exec_json(
-            &id,
-            "python",
-            "import sys\nsys.stdout.write('L' * (64 << 20))\nsys.stdout.flush()\n",
-            120_000,
-            512,
-        ),
-        json!({"limits": {"max_output_bytes": 64 << 20}}),
-    ))
-    .await;
+    send_flood(a, &id, LINE_OF_64_MIB, 512, 64 << 20).await;
     let d = drain(&mut a.c, &id, b'L').await;
     a.watched(watch, case);
     let peak = sampler.finish();
@@ -524,34 +557,23 @@ async fn output_flood_and_a_64_mib_line_keep_the_daemon_small() {
         d.largest_chunk <= 64 << 10 && d.chunks >= 1024,
         "{case}: streamed in chunks of at most 64 KiB: {d:?}"
     );
-    assert!(
-        peak.saturating_sub(before) < RSS_GROWTH_BOUND_KIB,
-        "{case}: the daemon's memory grew by {} KiB (bound {RSS_GROWTH_BOUND_KIB} KiB)",
-        peak.saturating_sub(before)
-    );
+    assert_rss_growth_bounded(case, before, peak);
     a.after(case).await;
     a.contained(case);
+}
 
-    // A flood nobody reads for 5 s: the daemon holds the program back instead of buffering.
+/// A flood nobody reads for 5 s: the daemon holds the program back instead of buffering.
+async fn a_stalled_reader_holds_the_flood_back(a: &mut Arena) {
     let case = "flood with a stalled reader";
+    let pid = a.d.pid();
     let before = vm_rss_kib(pid).expect("daemon VmRSS");
-    let sampler = Sampler::start(move || vm_rss_kib(pid).unwrap_or(0));
+    let sampler = daemon_rss_sampler(pid);
     let watch = a.watch().await;
     let id = a.id(case);
-    a.c.send_json(&with(
-        exec_json(
-            &id,
-            "python",
-            "import os\nb = b's' * (1 << 20)\nfor i in range(32):\n    os.write(1, b)\n",
-            120_000,
-            128,
-        ),
-        json!({"limits": {"max_output_bytes": 32 << 20}}),
-    ))
-    .await;
+    send_flood(a, &id, FLOOD_OF_32_MIB, 128, 32 << 20).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     let stalled_peak = sampler.finish();
-    let sampler = Sampler::start(move || vm_rss_kib(pid).unwrap_or(0));
+    let sampler = daemon_rss_sampler(pid);
     let d = drain(&mut a.c, &id, b's').await;
     let peak = sampler.finish().max(stalled_peak);
     a.watched(watch, case);
@@ -565,32 +587,20 @@ async fn output_flood_and_a_64_mib_line_keep_the_daemon_small() {
         (Some(ExecStatus::Completed), 32 << 20, 0),
         "{case}: {d:?}"
     );
-    assert!(
-        peak.saturating_sub(before) < RSS_GROWTH_BOUND_KIB,
-        "{case}: the daemon's memory grew by {} KiB (bound {RSS_GROWTH_BOUND_KIB} KiB)",
-        peak.saturating_sub(before)
-    );
+    assert_rss_growth_bounded(case, before, peak);
     a.after(case).await;
     a.contained(case);
+}
 
-    // Output in 1-byte writes from 8 processes for 3 s: as many messages as possible.
+/// Output in 1-byte writes from 8 processes for 3 s (as many messages as possible) arrives unchanged.
+async fn one_byte_writes_from_8_processes_arrive_intact(a: &mut Arena) {
     let case = "flood of 1-byte writes";
+    let pid = a.d.pid();
     let before = vm_rss_kib(pid).expect("daemon VmRSS");
-    let sampler = Sampler::start(move || vm_rss_kib(pid).unwrap_or(0));
+    let sampler = daemon_rss_sampler(pid);
     let watch = a.watch().await;
     let id = a.id(case);
-    a.c.send_json(&with(
-        exec_json(
-            &id,
-            "python",
-            "import os, time\nfor i in range(7):\n    if os.fork() == 0: break\nend = time.time() + 3\n\
-             while time.time() < end:\n    os.write(1, b'.')\n",
-            120_000,
-            128,
-        ),
-        json!({"limits": {"max_output_bytes": FLOOD_LIMIT}}),
-    ))
-    .await;
+    send_flood(a, &id, ONE_BYTE_WRITES, 128, FLOOD_LIMIT).await;
     let d = drain(&mut a.c, &id, b'.').await;
     let peak = sampler.finish();
     a.watched(watch, case);
@@ -605,26 +615,16 @@ async fn output_flood_and_a_64_mib_line_keep_the_daemon_small() {
         (Some(ExecStatus::Completed), 0),
         "{case}: {d:?}"
     );
-    assert!(
-        peak.saturating_sub(before) < RSS_GROWTH_BOUND_KIB,
-        "{case}: the daemon's memory grew by {} KiB (bound {RSS_GROWTH_BOUND_KIB} KiB)",
-        peak.saturating_sub(before)
-    );
+    assert_rss_growth_bounded(case, before, peak);
     a.after(case).await;
     a.contained(case);
+}
 
-    // A cpu burner on every core: the daemon still answers.
+/// A cpu burner on every core times out, and the daemon still answers.
+async fn a_cpu_burner_times_out(a: &mut Arena) {
     let case = "cpu burner";
     let r = a
-        .attack(case, |id| {
-            exec_json(
-                id,
-                "python",
-                "import os\nfor i in range(7):\n    if os.fork() == 0: break\nwhile True: pass\n",
-                3_000,
-                128,
-            )
-        })
+        .attack(case, |id| exec_json(id, "python", CPU_BURNER, 3_000, 128))
         .await;
     assert_eq!(
         r.terminal_status(),
@@ -633,7 +633,6 @@ async fn output_flood_and_a_64_mib_line_keep_the_daemon_small() {
         r.dump()
     );
     a.contained(case);
-    a.finish();
 }
 
 #[tokio::test]
@@ -730,18 +729,9 @@ fn typed_exec_refusal(case: &str, r: &Collected) {
     }
 }
 
-#[tokio::test]
-async fn rlimits_hold_and_large_inputs_and_artifacts_keep_the_daemon_responsive() {
-    let Some(_g) =
-        privileged("rlimits_hold_and_large_inputs_and_artifacts_keep_the_daemon_responsive").await
-    else {
-        return;
-    };
-    let mut a = Arena::start("resources", opts()).await;
-
-    // rlimits: core 0, nofile 1024, fsize disk_mb; none can be raised; a crash leaves no core file.
-    let case = "rlimits cannot be raised";
-    let code = r#"
+/// Reads the core, nofile and fsize rlimits and tries to raise each, opens files until refused, and looks for a
+/// core file after a crash.
+const RLIMIT_PROBE: &str = r#"
 import json, os, resource, signal, subprocess
 out = {}
 for name in ("RLIMIT_CORE", "RLIMIT_NOFILE", "RLIMIT_FSIZE"):
@@ -765,8 +755,34 @@ out["segv"] = p.returncode
 out["core files"] = [f for f in os.listdir("/workspace") + os.listdir("/tmp") if "core" in f]
 print(json.dumps(out))
 "#;
+/// Counts the input files under /workspace/in and the bytes of /workspace/big.bin.
+const COUNT_INPUTS: &str = "find /workspace/in -type f | wc -l; wc -c < /workspace/big.bin";
+/// Writes six random files of 8 MiB under out/.
+const SIX_ARTIFACTS_OF_8_MIB: &str = "import os\nos.makedirs('out')\nfor i in range(6):\n    open('out/f%d' % i, 'wb').write(os.urandom(8 << 20))\n";
+/// A `result` message as the daemon would send it, with `ID` for the execution's id.
+const FORGED_RESULT: &str = r#"{"v":1,"type":"result","id":"ID","exit_code":0,"duration_ms":1,"resource_usage":{"peak_memory_mb":1,"cpu_time_ms":1},"reason":"exited","stdout_bytes":0,"stderr_bytes":0,"truncated":false,"ts":"2026-01-01T00:00:00.000Z"}"#;
+
+#[tokio::test]
+async fn rlimits_hold_and_large_inputs_and_artifacts_keep_the_daemon_responsive() {
+    let Some(_g) =
+        privileged("rlimits_hold_and_large_inputs_and_artifacts_keep_the_daemon_responsive").await
+    else {
+        return;
+    };
+    let mut a = Arena::start("resources", opts()).await;
+
+    rlimits_cannot_be_raised(&mut a).await;
+    twenty_thousand_input_files_are_written_before_start(&mut a).await;
+    artifacts_of_48_mib_are_all_stored(&mut a).await;
+    protocol_messages_in_the_output_are_only_output(&mut a).await;
+    a.finish();
+}
+
+/// rlimits: core 0, nofile 1024, fsize disk_mb; none can be raised; a crash leaves no core file.
+async fn rlimits_cannot_be_raised(a: &mut Arena) {
+    let case = "rlimits cannot be raised";
     let out = a
-        .attack_py(case, code, json!({"disk_mb": 32, "memory_mb": 128}))
+        .attack_py(case, RLIMIT_PROBE, json!({"disk_mb": 32, "memory_mb": 128}))
         .await;
     assert_eq!(out["RLIMIT_CORE"], json!([0, 0]), "{case}: {out}");
     assert_eq!(out["RLIMIT_NOFILE"], json!([1024, 1024]), "{case}: {out}");
@@ -790,8 +806,10 @@ print(json.dumps(out))
     assert_eq!(out["segv"], -11, "{case}: {out}");
     assert_eq!(out["core files"], json!([]), "{case}: {out}");
     a.contained(case);
+}
 
-    // 20 000 input files and a 10 MiB one: written before start, the daemon answering meanwhile.
+/// 20 000 input files and a 10 MiB one: written before start, the daemon answering meanwhile.
+async fn twenty_thousand_input_files_are_written_before_start(a: &mut Arena) {
     let case = "20000 input files";
     let mut files: Vec<Value> = (0..20_000)
         .map(|i| json!({"path": format!("in/{}/{i}.txt", i % 100), "content": "0123456789"}))
@@ -800,13 +818,7 @@ print(json.dumps(out))
     let r = a
         .attack(case, |id| {
             with(
-                exec_json(
-                    id,
-                    "shell",
-                    "find /workspace/in -type f | wc -l; wc -c < /workspace/big.bin",
-                    60_000,
-                    128,
-                ),
+                exec_json(id, "shell", COUNT_INPUTS, 60_000, 128),
                 json!({"files": files, "limits": {"disk_mb": 256}}),
             )
         })
@@ -818,19 +830,15 @@ print(json.dumps(out))
         r.dump()
     );
     a.contained(case);
+}
 
-    // 48 MiB of artifacts: hashed and stored while the daemon keeps answering.
+/// 48 MiB of artifacts: hashed and stored while the daemon keeps answering.
+async fn artifacts_of_48_mib_are_all_stored(a: &mut Arena) {
     let case = "48 MiB of artifacts";
     let r = a
         .attack(case, |id| {
             with(
-                exec_json(
-                    id,
-                    "python",
-                    "import os\nos.makedirs('out')\nfor i in range(6):\n    open('out/f%d' % i, 'wb').write(os.urandom(8 << 20))\n",
-                    60_000,
-                    256,
-                ),
+                exec_json(id, "python", SIX_ARTIFACTS_OF_8_MIB, 60_000, 256),
                 json!({"artifacts": {"paths": ["out/*"]}, "limits": {"disk_mb": 128}}),
             )
         })
@@ -842,13 +850,14 @@ print(json.dumps(out))
         "{case}: {manifest}"
     );
     a.contained(case);
+}
 
-    // Output that looks like protocol messages is only output.
+/// Output that looks like protocol messages (a forged `result`, terminal escapes) is only output.
+async fn protocol_messages_in_the_output_are_only_output(a: &mut Arena) {
     let case = "protocol messages in the output";
-    let forged = r#"{"v":1,"type":"result","id":"ID","exit_code":0,"duration_ms":1,"resource_usage":{"peak_memory_mb":1,"cpu_time_ms":1},"reason":"exited","stdout_bytes":0,"stderr_bytes":0,"truncated":false,"ts":"2026-01-01T00:00:00.000Z"}"#;
     let r = a
         .attack(case, |id| {
-            let line = forged.replace("ID", id);
+            let line = FORGED_RESULT.replace("ID", id);
             exec_json(
                 id,
                 "python",
@@ -873,7 +882,6 @@ print(json.dumps(out))
         r.dump()
     );
     a.contained(case);
-    a.finish();
 }
 
 /// `/proc/sys/fs/aio-nr` and `aio-max-nr` of the host.

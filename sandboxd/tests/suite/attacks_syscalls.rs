@@ -527,18 +527,9 @@ print(json.dumps(out))
     a.finish();
 }
 
-#[tokio::test]
-async fn other_abis_own_filters_and_privileged_arguments_gain_nothing() {
-    let Some((_g, mut a)) =
-        arena("other_abis_own_filters_and_privileged_arguments_gain_nothing").await
-    else {
-        return;
-    };
-
-    // The i386 ABI through `int 0x80`: the filters check the architecture first and kill the process (SIGSYS).
-    let case = "i386 ABI (int 0x80)";
-    let code = format!(
-        r#"{PY_SYSCALL}
+/// The i386 ABI through `int 0x80` (after [`PY_SYSCALL`]): `int80(nr, ebx)` runs the call in a child and says how
+/// the child ended.
+const I386_PROBE: &str = r#"
 import mmap, struct
 def int80(nr, ebx=0):
     # mov eax, nr; mov ebx, arg; int 0x80; ret
@@ -557,81 +548,77 @@ def int80(nr, ebx=0):
     if os.WIFSIGNALED(status):
         return "killed by signal %d" % os.WTERMSIG(status)
     return "returned " + ret
-out = {{}}
+out = {}
 out["i386 getpid"] = int80(20)
 out["i386 unshare(0)"] = int80(310)
 out["i386 mount"] = int80(21)
 print(json.dumps(out))
-"#
-    );
-    let out = a.attack_py(case, &code, json!({})).await;
-    for k in ["i386 getpid", "i386 unshare(0)", "i386 mount"] {
-        assert_eq!(
-            out[k], "killed by signal 31",
-            "{case}: {k}: a foreign-architecture syscall kills the process with SIGSYS: {out}"
-        );
-    }
-    a.contained(case);
+"#;
 
-    // The x32 ABI (syscall number | 0x40000000): not in the allowlist.
-    let probes: &[Probe] = &[
-        ("x32 unshare(0)", "sc(0x40000000 | 272, 0)", "ENOSYS"),
-        (
-            "x32 mount",
-            r#"sc(0x40000000 | 165, b"none", b"/tmp", b"tmpfs", 0, 0)"#,
-            "ENOSYS",
-        ),
-        (
-            "x32 socket(AF_PACKET)",
-            "sc(0x40000000 | 41, 17, 3, 0x0300)",
-            "ENOSYS",
-        ),
-        (
-            "x32 ioctl(TIOCSTI)",
-            r#"sc(0x40000000 | 514, pty_slave, 0x5412, b"x")"#,
-            "ENOSYS",
-        ),
-        (
-            "x32 clone(CLONE_NEWUSER)",
-            "sc(0x40000000 | 56, 0x10000000 | 17, 0, 0, 0, 0)",
-            "ENOSYS",
-        ),
-        // Allowed calls with arguments that need privileges the sandbox does not have.
-        (
-            "sched_setscheduler(SCHED_FIFO)",
-            "sc(144, 0, 1, ctypes.byref(ctypes.c_int(50)))",
-            "EPERM",
-        ),
-        ("setpriority(-20)", "sc(141, 0, 0, -20)", "EACCES"),
-        (
-            "ioprio_set(IOPRIO_CLASS_RT)",
-            "sc(251, 1, 0, (1 << 13) | 0)",
-            "EPERM",
-        ),
-        ("sethostname", r#"sc(170, b"evil", 4)"#, "EPERM"),
-        (
-            "setrlimit(RLIMIT_NOFILE, 1M)",
-            "sc(160, 7, (ctypes.c_ulong * 2)(1 << 20, 1 << 20))",
-            "EPERM",
-        ),
-        (
-            "prctl(PR_SET_NO_NEW_PRIVS, 0)",
-            "sc(157, 38, 0, 0, 0, 0)",
-            "EINVAL",
-        ),
-        (
-            "prctl(PR_CAP_AMBIENT_RAISE, CAP_SYS_ADMIN)",
-            "sc(157, 47, 2, 21, 0, 0)",
-            "EPERM",
-        ),
-        // An allow-all filter of its own is stacked below the sandbox's: unshare stays denied.
-        (
-            "own allow-all seccomp filter, then unshare",
-            "own_filter_then_unshare()",
-            "EPERM",
-        ),
-    ];
-    let setup = r#"
+/// The x32 ABI (syscall number | 0x40000000), not in the allowlist; allowed calls with arguments that need
+/// privileges the sandbox does not have; and a filter of the program's own. A probe may give its result as a third
+/// element instead of an errno.
+const X32_AND_PRIVILEGED_ARGUMENT_PROBES: &[Probe] = &[
+    ("x32 unshare(0)", "sc(0x40000000 | 272, 0)", "ENOSYS"),
+    (
+        "x32 mount",
+        r#"sc(0x40000000 | 165, b"none", b"/tmp", b"tmpfs", 0, 0)"#,
+        "ENOSYS",
+    ),
+    (
+        "x32 socket(AF_PACKET)",
+        "sc(0x40000000 | 41, 17, 3, 0x0300)",
+        "ENOSYS",
+    ),
+    (
+        "x32 ioctl(TIOCSTI)",
+        r#"sc(0x40000000 | 514, pty_slave, 0x5412, b"x")"#,
+        "ENOSYS",
+    ),
+    (
+        "x32 clone(CLONE_NEWUSER)",
+        "sc(0x40000000 | 56, 0x10000000 | 17, 0, 0, 0, 0)",
+        "ENOSYS",
+    ),
+    // Allowed calls with arguments that need privileges the sandbox does not have.
+    (
+        "sched_setscheduler(SCHED_FIFO)",
+        "sc(144, 0, 1, ctypes.byref(ctypes.c_int(50)))",
+        "EPERM",
+    ),
+    ("setpriority(-20)", "sc(141, 0, 0, -20)", "EACCES"),
+    (
+        "ioprio_set(IOPRIO_CLASS_RT)",
+        "sc(251, 1, 0, (1 << 13) | 0)",
+        "EPERM",
+    ),
+    ("sethostname", r#"sc(170, b"evil", 4)"#, "EPERM"),
+    (
+        "setrlimit(RLIMIT_NOFILE, 1M)",
+        "sc(160, 7, (ctypes.c_ulong * 2)(1 << 20, 1 << 20))",
+        "EPERM",
+    ),
+    (
+        "prctl(PR_SET_NO_NEW_PRIVS, 0)",
+        "sc(157, 38, 0, 0, 0, 0)",
+        "EINVAL",
+    ),
+    (
+        "prctl(PR_CAP_AMBIENT_RAISE, CAP_SYS_ADMIN)",
+        "sc(157, 47, 2, 21, 0, 0)",
+        "EPERM",
+    ),
+    // An allow-all filter of its own is stacked below the sandbox's: unshare stays denied.
+    (
+        "own allow-all seccomp filter, then unshare",
+        "own_filter_then_unshare()",
+        "EPERM",
+    ),
+];
+
+/// `own_filter_then_unshare()`: installs an allow-all seccomp filter in a child, then tries `unshare(0)` there;
+/// returns the errno's name as its third element.
+const OWN_FILTER_SETUP: &str = r#"
 def own_filter_then_unshare():
     import struct
     insn = struct.pack("<HBBI", 0x06, 0, 0, 0x7fff0000)  # BPF_RET | BPF_K, SECCOMP_RET_ALLOW
@@ -651,7 +638,38 @@ def own_filter_then_unshare():
     os.waitpid(pid, 0)
     return 0, 0, os.read(r, 100).decode()
 "#;
-    let mut code = format!("{PY_SYSCALL}{SETUP}{PTY_SETUP}{setup}\nout = {{}}\n");
+
+#[tokio::test]
+async fn other_abis_own_filters_and_privileged_arguments_gain_nothing() {
+    let Some((_g, mut a)) =
+        arena("other_abis_own_filters_and_privileged_arguments_gain_nothing").await
+    else {
+        return;
+    };
+
+    i386_syscalls_kill_the_process(&mut a).await;
+    x32_calls_and_privileged_arguments_fail(&mut a).await;
+    a.finish();
+}
+
+/// The i386 ABI through `int 0x80`: the filters check the architecture first and kill the process (SIGSYS).
+async fn i386_syscalls_kill_the_process(a: &mut Arena) {
+    let case = "i386 ABI (int 0x80)";
+    let code = format!("{PY_SYSCALL}{I386_PROBE}");
+    let out = a.attack_py(case, &code, json!({})).await;
+    for k in ["i386 getpid", "i386 unshare(0)", "i386 mount"] {
+        assert_eq!(
+            out[k], "killed by signal 31",
+            "{case}: {k}: a foreign-architecture syscall kills the process with SIGSYS: {out}"
+        );
+    }
+    a.contained(case);
+}
+
+/// Every one of [`X32_AND_PRIVILEGED_ARGUMENT_PROBES`] fails with its errno.
+async fn x32_calls_and_privileged_arguments_fail(a: &mut Arena) {
+    let probes = X32_AND_PRIVILEGED_ARGUMENT_PROBES;
+    let mut code = format!("{PY_SYSCALL}{SETUP}{PTY_SETUP}{OWN_FILTER_SETUP}\nout = {{}}\n");
     for (case, call, _) in probes {
         code.push_str(&format!(
             "try:\n    res = ({call})\n    out[{case:?}] = res[2] if len(res) == 3 else errname(res[1])\n\
@@ -675,7 +693,6 @@ def own_filter_then_unshare():
         "not contained:\n  {}\n(all: {out})",
         wrong.join("\n  ")
     );
-    a.finish();
 }
 
 #[tokio::test]

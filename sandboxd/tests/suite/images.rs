@@ -189,6 +189,24 @@ async fn imported_busybox(test: &str) -> Option<(Guard, tempfile::TempDir, PathB
     Some((guard, dir, state_dir, digest))
 }
 
+/// What an execution sees of the busybox image: its `Env`, the whiteout of layer 2, a file of layer 2, the mode
+/// of a setuid file, a write to the overlay, the image's files read-only, and the mount points made.
+const IMAGE_VIEW_SCRIPT: &str = r#"
+echo "foo=$FOO"
+test -e /etc/removed && echo removed-visible || echo removed-hidden
+cat /bin/layer2
+stat -c %a /bin/suid-copy
+echo secret > /var/tmp/marker && cat /var/tmp/marker
+(echo x >> /bin/busybox) 2>/dev/null && echo image-writable || echo image-readonly
+test -d /workspace && test -d /sandbox && echo mount-points-made
+"#;
+/// Whether the marker [`IMAGE_VIEW_SCRIPT`] wrote is still there.
+const MARKER_CHECK: &str = "test -e /var/tmp/marker && echo leaked || echo clean";
+/// Six files of 1 MiB in /var/tmp. Files of 1 MiB each stay under RLIMIT_FSIZE (also disk_mb): the tmpfs runs out
+/// first.
+const FILL_THE_OVERLAY: &str =
+    "for i in 1 2 3 4 5 6; do dd if=/dev/zero of=/var/tmp/f$i bs=1048576 count=1 2>&1 || break; done";
+
 #[tokio::test]
 async fn busybox_image_runs_on_a_fresh_overlay_per_execution() {
     let Some((_g, _dir, state_dir, digest)) =
@@ -196,8 +214,28 @@ async fn busybox_image_runs_on_a_fresh_overlay_per_execution() {
     else {
         return;
     };
-    let d = Daemon::start(DaemonOpts {
-        state_dir: Some(state_dir.clone()),
+    let d = busybox_shell_daemon(&state_dir, &digest).await;
+    let mut c = Client::connect(&d).await;
+    assert_only_the_configured_images_and_languages(&d, &mut c, &digest).await;
+
+    let fp_shell = the_shell_sees_the_image_and_names_it(&mut c, &digest).await;
+    the_next_execution_gets_a_fresh_overlay(&mut c, &state_dir).await;
+    disk_mb_bounds_the_overlay(&mut c).await;
+    python_on_the_host_image_has_another_fingerprint(&mut c, &fp_shell).await;
+
+    // A language that is not configured is not supported, even though the host could run it.
+    c.send_json(&exec_json("js-1", "javascript", "1", 20_000, 64))
+        .await;
+    let (e, _) = c.take_error().await;
+    assert_eq!(e.code, protocol::ErrorCode::LanguageNotSupported);
+
+    images_rm_waits_for_the_daemon(c, d, &state_dir);
+}
+
+/// A daemon running `shell` on the imported busybox image `bb` and `python` on the host.
+async fn busybox_shell_daemon(state_dir: &Path, digest: &str) -> Daemon {
+    Daemon::start(DaemonOpts {
+        state_dir: Some(state_dir.to_owned()),
         extra_config: Some(json!({
             "images": {"bb": {"digest": digest}},
             "languages": {
@@ -207,7 +245,11 @@ async fn busybox_image_runs_on_a_fresh_overlay_per_execution() {
         })),
         ..DaemonOpts::default()
     })
-    .await;
+    .await
+}
+
+/// `/healthz` names each language's image, and `pong` lists exactly the configured languages.
+async fn assert_only_the_configured_images_and_languages(d: &Daemon, c: &mut Client, digest: &str) {
     let (code, health) = d.healthz().await;
     assert_eq!(code, 200);
     assert_eq!(
@@ -216,24 +258,20 @@ async fn busybox_image_runs_on_a_fresh_overlay_per_execution() {
         "{health}"
     );
     assert_eq!(health["images"]["python"]["image"], "host", "{health}");
-    let mut c = Client::connect(&d).await;
     let caps = c.ping().await.capabilities.expect("capabilities");
     assert_eq!(
         caps.languages,
         [Language::Python, Language::Shell],
         "pong lists exactly the configured languages"
     );
+}
 
-    let script = r#"
-echo "foo=$FOO"
-test -e /etc/removed && echo removed-visible || echo removed-hidden
-cat /bin/layer2
-stat -c %a /bin/suid-copy
-echo secret > /var/tmp/marker && cat /var/tmp/marker
-(echo x >> /bin/busybox) 2>/dev/null && echo image-writable || echo image-readonly
-test -d /workspace && test -d /sandbox && echo mount-points-made
-"#;
-    let r = c.run(exec_json("bb-1", "shell", script, 20_000, 64)).await;
+/// [`IMAGE_VIEW_SCRIPT`] sees the image; `ack` and `result` agree on the environment and name the image by its
+/// manifest digest. Returns the environment fingerprint.
+async fn the_shell_sees_the_image_and_names_it(c: &mut Client, digest: &str) -> Value {
+    let r = c
+        .run(exec_json("bb-1", "shell", IMAGE_VIEW_SCRIPT, 20_000, 64))
+        .await;
     assert_eq!(
         r.terminal_status(),
         Some(ExecStatus::Completed),
@@ -255,7 +293,7 @@ test -d /workspace && test -d /sandbox && echo mount-points-made
         .expect("ack");
     let res = r.result_raw().clone();
     assert_eq!(ack["environment"]["image"], "bb", "{ack}");
-    assert_eq!(ack["environment"]["image_digest"], digest.as_str(), "{ack}");
+    assert_eq!(ack["environment"]["image_digest"], digest, "{ack}");
     assert!(ack["environment"]["seccomp_profile"]
         .as_str()
         .is_some_and(|s| s.starts_with("sha256:")));
@@ -270,16 +308,13 @@ test -d /workspace && test -d /sandbox && echo mount-points-made
     );
     let fp_shell = res["environment_fingerprint"].clone();
     assert!(fp_shell.as_str().is_some_and(|s| s.starts_with("sha256:")));
+    fp_shell
+}
 
-    // The next execution gets a fresh overlay: the marker is gone, and it never reached the layer cache.
+/// The next execution gets a fresh overlay: the marker is gone, and it never reached the layer cache.
+async fn the_next_execution_gets_a_fresh_overlay(c: &mut Client, state_dir: &Path) {
     let r = c
-        .run(exec_json(
-            "bb-2",
-            "shell",
-            "test -e /var/tmp/marker && echo leaked || echo clean",
-            20_000,
-            64,
-        ))
+        .run(exec_json("bb-2", "shell", MARKER_CHECK, 20_000, 64))
         .await;
     assert_eq!(r.stdout_text(), "clean\n", "{}", r.dump());
     let layers = state_dir.join("images/oci/layers");
@@ -290,18 +325,13 @@ test -d /workspace && test -d /sandbox && echo mount-points-made
             l.path().display()
         );
     }
+}
 
-    // disk_mb bounds what the overlay's upper layer can hold.
+/// disk_mb bounds what the overlay's upper layer can hold.
+async fn disk_mb_bounds_the_overlay(c: &mut Client) {
     let r = c
         .run(with(
-            exec_json(
-                "bb-3",
-                "shell",
-                // Files of 1 MiB each stay under RLIMIT_FSIZE (also disk_mb): the tmpfs runs out first.
-                "for i in 1 2 3 4 5 6; do dd if=/dev/zero of=/var/tmp/f$i bs=1048576 count=1 2>&1 || break; done",
-                20_000,
-                64,
-            ),
+            exec_json("bb-3", "shell", FILL_THE_OVERLAY, 20_000, 64),
             json!({"limits": {"disk_mb": 4}}),
         ))
         .await;
@@ -311,8 +341,10 @@ test -d /workspace && test -d /sandbox && echo mount-points-made
         "{}",
         r.dump()
     );
+}
 
-    // Python on the host image in the same daemon: another image, another fingerprint.
+/// Python on the host image in the same daemon: another image, another fingerprint than `fp_shell`.
+async fn python_on_the_host_image_has_another_fingerprint(c: &mut Client, fp_shell: &Value) {
     let r = c
         .run(exec_json("py-1", "python", "print(1)", 20_000, 64))
         .await;
@@ -322,36 +354,31 @@ test -d /workspace && test -d /sandbox && echo mount-points-made
     assert!(res["environment"]["image_digest"]
         .as_str()
         .is_some_and(|s| s.starts_with("host:sha256:")));
-    assert_ne!(res["environment_fingerprint"], fp_shell);
+    assert_ne!(&res["environment_fingerprint"], fp_shell);
+}
 
-    // A language that is not configured is not supported, even though the host could run it.
-    c.send_json(&exec_json("js-1", "javascript", "1", 20_000, 64))
-        .await;
-    let (e, _) = c.take_error().await;
-    assert_eq!(e.code, protocol::ErrorCode::LanguageNotSupported);
-
-    // `images rm` is refused while the daemon holds the store.
-    let o = sandboxd(&[
-        "--state-dir",
-        state_dir.to_str().unwrap(),
-        "images",
-        "rm",
-        "bb",
-    ]);
+/// `images rm` is refused while the daemon holds the store, and removes the layers once it has stopped.
+fn images_rm_waits_for_the_daemon(c: Client, d: Daemon, state_dir: &Path) {
+    let rm = || {
+        sandboxd(&[
+            "--state-dir",
+            state_dir.to_str().unwrap(),
+            "images",
+            "rm",
+            "bb",
+        ])
+    };
+    let o = rm();
     assert!(!o.status.success());
     assert!(text(&o.stderr).contains("in use"), "{}", text(&o.stderr));
     drop(c);
     drop(d);
-    let o = sandboxd(&[
-        "--state-dir",
-        state_dir.to_str().unwrap(),
-        "images",
-        "rm",
-        "bb",
-    ]);
+    let o = rm();
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert_eq!(
-        std::fs::read_dir(&layers).unwrap().count(),
+        std::fs::read_dir(state_dir.join("images/oci/layers"))
+            .unwrap()
+            .count(),
         0,
         "layers removed"
     );

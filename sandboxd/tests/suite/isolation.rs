@@ -11,43 +11,13 @@ use super::harness::{
     Daemon, DaemonOpts,
 };
 
-#[tokio::test]
-async fn concurrent_executions_are_isolated() {
-    let Some(_g) = privileged("concurrent_executions_are_isolated").await else {
-        return;
-    };
-    let d = Daemon::start(DaemonOpts::default()).await;
-    let mut c = Client::connect(&d).await;
-    let marker = unique_marker();
-    let secret = format!("secret-{marker}");
-
-    // A writes its secrets and keeps running.
-    let a = format!(
-        "echo top-secret > /workspace/{secret}; echo top-secret > /tmp/{secret}; echo written; \
-         exec sleep 60.{marker}"
-    );
-    c.send_json(&exec_json("A", "shell", &a, 60_000, 64)).await;
-    c.observe("A's write", stdout_contains("A", "written"))
-        .await;
-    let a_proc = wait_until(
-        "A's process on the host",
-        Duration::from_secs(10),
-        || async {
-            processes_with_arg(&marker)
-                .into_iter()
-                .next()
-                .ok_or_else(|| "not yet".to_owned())
-        },
-    )
-    .await;
-    assert!(
-        d.uid_range().contains(&a_proc.uid),
-        "A's root runs as an unprivileged host uid in [uid_base, uid_base + max_concurrent): {a_proc:?}, range {:?}",
-        d.uid_range()
-    );
-
-    // B looks around.
-    let b = r#"
+/// Execution A: writes `@SECRET@` files to /workspace and /tmp, then sleeps with `@MARKER@` in its argument.
+const WRITE_SECRETS_AND_SLEEP: &str =
+    "echo top-secret > /workspace/@SECRET@; echo top-secret > /tmp/@SECRET@; echo written; \
+                                       exec sleep 60.@MARKER@";
+/// Execution B: its ids and uid map, the files in /workspace and /tmp, the processes it sees, its network
+/// interfaces, and a connection out.
+const LOOK_AROUND: &str = r#"
 import errno, json, os, socket
 out = {"uid": os.getuid(), "gid": os.getgid(), "uid_map": open("/proc/self/uid_map").read().split()}
 out["workspace"] = os.listdir("/workspace")
@@ -73,7 +43,23 @@ except OSError as e:
     out["connect"] = e.errno
 print(json.dumps(out))
 "#;
-    let r = c.run(exec_json("B", "python", b, 30_000, 128)).await;
+
+#[tokio::test]
+async fn concurrent_executions_are_isolated() {
+    let Some(_g) = privileged("concurrent_executions_are_isolated").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let marker = unique_marker();
+    let secret = format!("secret-{marker}");
+
+    let a_uid = a_writes_its_secrets_and_keeps_running(&d, &mut c, &secret, &marker).await;
+
+    // B looks around.
+    let r = c
+        .run(exec_json("B", "python", LOOK_AROUND, 30_000, 128))
+        .await;
     assert_eq!(
         r.terminal_status(),
         Some(ExecStatus::Completed),
@@ -82,50 +68,8 @@ print(json.dumps(out))
     );
     let out: Value =
         serde_json::from_slice(&r.stdout()).unwrap_or_else(|e| panic!("{e}: {}", r.dump()));
-
-    let names = |k: &str| -> Vec<String> {
-        out[k]
-            .as_array()
-            .unwrap_or_else(|| panic!("{k}: {out}"))
-            .iter()
-            .map(|v| v.as_str().unwrap_or_default().to_owned())
-            .collect()
-    };
-    assert!(
-        !names("workspace").contains(&secret),
-        "B sees A's /workspace: {out}"
-    );
-    assert!(!names("tmp").contains(&secret), "B sees A's /tmp: {out}");
-    let procs = names("procs");
-    assert!(
-        procs
-            .iter()
-            .all(|p| !p.contains(&marker) && !p.contains("sleep")),
-        "B sees A's processes: {procs:?}"
-    );
-    assert!(
-        procs.len() <= 3,
-        "B's pid namespace holds only its own processes: {procs:?}"
-    );
-
-    assert_eq!(out["uid"], 0, "root inside: {out}");
-    let map: Vec<u64> = names("uid_map")
-        .iter()
-        .map(|s| s.parse().unwrap())
-        .collect();
-    assert_eq!(map.len(), 3, "one uid_map line: {out}");
-    assert_eq!((map[0], map[2]), (0, 1), "uid 0 alone is mapped: {out}");
-    let host_uid = map[1] as u32;
-    assert!(
-        d.uid_range().contains(&host_uid),
-        "B's root maps to a host uid in {:?}: {out}",
-        d.uid_range()
-    );
-    assert_ne!(
-        host_uid, a_proc.uid,
-        "concurrent executions never share a host uid"
-    );
-
+    assert_b_sees_nothing_of_a(&out, &secret, &marker);
+    assert_b_is_root_mapped_to_its_own_host_uid(&out, d.uid_range(), a_uid);
     assert_eq!(out["connect"], 101, "no route out (ENETUNREACH): {out}");
     if !out["net"].is_null() {
         assert_eq!(
@@ -143,6 +87,95 @@ print(json.dumps(out))
         Some(ExecStatus::Cancelled),
         "{}",
         r.dump()
+    );
+}
+
+/// A writes its secrets and keeps running, as an unprivileged host uid of the daemon's range. Returns that uid.
+async fn a_writes_its_secrets_and_keeps_running(
+    d: &Daemon,
+    c: &mut Client,
+    secret: &str,
+    marker: &str,
+) -> u32 {
+    let a = WRITE_SECRETS_AND_SLEEP
+        .replace("@SECRET@", secret)
+        .replace("@MARKER@", marker);
+    c.send_json(&exec_json("A", "shell", &a, 60_000, 64)).await;
+    c.observe("A's write", stdout_contains("A", "written"))
+        .await;
+    let a_proc = wait_until(
+        "A's process on the host",
+        Duration::from_secs(10),
+        || async {
+            processes_with_arg(marker)
+                .into_iter()
+                .next()
+                .ok_or_else(|| "not yet".to_owned())
+        },
+    )
+    .await;
+    assert!(
+        d.uid_range().contains(&a_proc.uid),
+        "A's root runs as an unprivileged host uid in [uid_base, uid_base + max_concurrent): {a_proc:?}, range {:?}",
+        d.uid_range()
+    );
+    a_proc.uid
+}
+
+/// The strings of array `k` of `out`.
+fn strings(out: &Value, k: &str) -> Vec<String> {
+    out[k]
+        .as_array()
+        .unwrap_or_else(|| panic!("{k}: {out}"))
+        .iter()
+        .map(|v| v.as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// B (`out` of [`LOOK_AROUND`]) sees neither A's files (named `secret`) nor A's processes (`marker`), only its own.
+fn assert_b_sees_nothing_of_a(out: &Value, secret: &str, marker: &str) {
+    assert!(
+        !strings(out, "workspace").iter().any(|n| n == secret),
+        "B sees A's /workspace: {out}"
+    );
+    assert!(
+        !strings(out, "tmp").iter().any(|n| n == secret),
+        "B sees A's /tmp: {out}"
+    );
+    let procs = strings(out, "procs");
+    assert!(
+        procs
+            .iter()
+            .all(|p| !p.contains(marker) && !p.contains("sleep")),
+        "B sees A's processes: {procs:?}"
+    );
+    assert!(
+        procs.len() <= 3,
+        "B's pid namespace holds only its own processes: {procs:?}"
+    );
+}
+
+/// B is root inside, uid 0 alone mapped to a host uid of the daemon's `range`, and not A's (`a_uid`).
+fn assert_b_is_root_mapped_to_its_own_host_uid(
+    out: &Value,
+    range: std::ops::Range<u32>,
+    a_uid: u32,
+) {
+    assert_eq!(out["uid"], 0, "root inside: {out}");
+    let map: Vec<u64> = strings(out, "uid_map")
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert_eq!(map.len(), 3, "one uid_map line: {out}");
+    assert_eq!((map[0], map[2]), (0, 1), "uid 0 alone is mapped: {out}");
+    let host_uid = map[1] as u32;
+    assert!(
+        range.contains(&host_uid),
+        "B's root maps to a host uid in {range:?}: {out}",
+    );
+    assert_ne!(
+        host_uid, a_uid,
+        "concurrent executions never share a host uid"
     );
 }
 

@@ -2,6 +2,7 @@
 //! and recovery from a crash that left a container running.
 
 use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use protocol::{ErrorCode, ExecStatus, Reason, ServerMessage};
 use super::harness::{
     cannot_run, cgroup_children, cgroup_parent_dirs, children_of, exec_json, free_port, is,
     privileged, proc_info, processes_with_arg, run_until_exit, unique_marker, wait_until,
-    CgroupParentGuard, Client, Daemon, DaemonOpts, Launch,
+    CgroupParentGuard, Client, Daemon, DaemonOpts, Launch, ProcInfo,
 };
 
 #[tokio::test]
@@ -275,23 +276,7 @@ async fn restart_after_a_crash_removes_the_leftover_container() {
     let parent = d1.cgroup_parent.clone();
     let marker = unique_marker();
     let mut c = Client::connect(&d1).await;
-    c.send_json(&exec_json(
-        "orphan",
-        "shell",
-        &format!("sleep 300.{marker}"),
-        60_000,
-        64,
-    ))
-    .await;
-    c.observe("running", is("orphan", "status:running")).await;
-    wait_until("the container's sleep", Duration::from_secs(10), || async {
-        if processes_with_arg(&marker).is_empty() {
-            Err("not yet".to_owned())
-        } else {
-            Ok(())
-        }
-    })
-    .await;
+    start_a_container_sleeping_with(&mut c, &marker).await;
 
     // Crash: SIGKILL the daemon and its helper (its child process).
     let helpers = children_of(d1.pid());
@@ -304,59 +289,14 @@ async fn restart_after_a_crash_removes_the_leftover_container() {
     // Whatever happens next, this test's cgroup parent goes away at its end (after `d2`, declared later).
     let _parent_guard = CgroupParentGuard(parent.clone());
     drop(c);
-    wait_until("the helper to be gone", Duration::from_secs(10), || async {
-        let alive: Vec<_> = helpers
-            .iter()
-            .filter_map(|h| proc_info(h.pid).filter(|p| p.state != 'Z' && p.cmdline == h.cmdline))
-            .collect();
-        if alive.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{alive:?}"))
-        }
-    })
-    .await;
+    wait_for_the_helpers_to_be_gone(&helpers).await;
     let leftovers = cgroup_children(&parent);
     assert!(
         !leftovers.is_empty(),
         "precondition: the crash leaves the container's cgroup behind"
     );
-    // The container's init dies with the helper (PR_SET_PDEATHSIG) and takes its pid namespace along. If it did,
-    // a stand-in process is put into the leftover cgroup, so the restart has a live leftover to kill either way.
-    let died = {
-        let start = std::time::Instant::now();
-        loop {
-            if processes_with_arg(&marker).is_empty() {
-                break true;
-            }
-            if start.elapsed() > Duration::from_secs(5) {
-                break false;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    let mut stand_in = None;
-    let live_marker = if died {
-        let m = unique_marker();
-        let child = Command::new("sleep")
-            .arg(format!("300.{m}"))
-            .spawn()
-            .unwrap();
-        let mut placed = 0;
-        for dir in &leftovers {
-            if std::fs::write(dir.join("cgroup.procs"), child.id().to_string()).is_ok() {
-                placed += 1;
-            }
-        }
-        assert!(
-            placed > 0,
-            "the stand-in could not join the leftover cgroups {leftovers:?}"
-        );
-        stand_in = Some(child);
-        m
-    } else {
-        marker.clone()
-    };
+    let (live_marker, stand_in) = a_live_process_in_the_leftovers(&marker, &leftovers).await;
+
     // Restart on the same cgroup parent and state directory.
     let d2 = Daemon::start(DaemonOpts {
         state_dir: Some(state_dir.clone()),
@@ -364,29 +304,7 @@ async fn restart_after_a_crash_removes_the_leftover_container() {
         ..DaemonOpts::default()
     })
     .await;
-    let log = d2.log();
-    assert!(
-        log.contains("leftover cgroup"),
-        "the new daemon's log mentions removing the leftover cgroup:\n{log}"
-    );
-    let still: Vec<_> = leftovers.iter().filter(|p| p.exists()).collect();
-    assert!(
-        still.is_empty(),
-        "the crashed daemon's cgroups are removed: {still:?}"
-    );
-    wait_until(
-        "the leftover container's process to be gone",
-        Duration::from_secs(10),
-        || async {
-            let p = processes_with_arg(&live_marker);
-            if p.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("{p:?}"))
-            }
-        },
-    )
-    .await;
+    the_leftover_container_is_removed(&d2, &leftovers, &live_marker).await;
     if let Some(mut child) = stand_in {
         let _ = child.kill();
         let _ = child.wait();
@@ -402,6 +320,111 @@ async fn restart_after_a_crash_removes_the_leftover_container() {
         "{}",
         r.dump()
     );
+}
+
+/// Starts execution `orphan`, a `sleep` whose argument carries `marker`, and waits until it runs.
+async fn start_a_container_sleeping_with(c: &mut Client, marker: &str) {
+    c.send_json(&exec_json(
+        "orphan",
+        "shell",
+        &format!("sleep 300.{marker}"),
+        60_000,
+        64,
+    ))
+    .await;
+    c.observe("running", is("orphan", "status:running")).await;
+    wait_until("the container's sleep", Duration::from_secs(10), || async {
+        if processes_with_arg(marker).is_empty() {
+            Err("not yet".to_owned())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
+}
+
+/// Waits until none of the killed daemon's `helpers` is alive.
+async fn wait_for_the_helpers_to_be_gone(helpers: &[ProcInfo]) {
+    wait_until("the helper to be gone", Duration::from_secs(10), || async {
+        let alive: Vec<_> = helpers
+            .iter()
+            .filter_map(|h| proc_info(h.pid).filter(|p| p.state != 'Z' && p.cmdline == h.cmdline))
+            .collect();
+        if alive.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{alive:?}"))
+        }
+    })
+    .await;
+}
+
+/// The container's init dies with the helper (PR_SET_PDEATHSIG) and takes its pid namespace along. If it did,
+/// a stand-in process is put into the `leftovers` cgroups, so the restart has a live leftover to kill either way.
+/// Returns the marker of the live process, and the stand-in if there is one.
+async fn a_live_process_in_the_leftovers(
+    marker: &str,
+    leftovers: &[PathBuf],
+) -> (String, Option<std::process::Child>) {
+    let died = {
+        let start = std::time::Instant::now();
+        loop {
+            if processes_with_arg(marker).is_empty() {
+                break true;
+            }
+            if start.elapsed() > Duration::from_secs(5) {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    if !died {
+        return (marker.to_owned(), None);
+    }
+    let m = unique_marker();
+    let child = Command::new("sleep")
+        .arg(format!("300.{m}"))
+        .spawn()
+        .unwrap();
+    let mut placed = 0;
+    for dir in leftovers {
+        if std::fs::write(dir.join("cgroup.procs"), child.id().to_string()).is_ok() {
+            placed += 1;
+        }
+    }
+    assert!(
+        placed > 0,
+        "the stand-in could not join the leftover cgroups {leftovers:?}"
+    );
+    (m, Some(child))
+}
+
+/// The restarted daemon `d2` says it removes the `leftovers` cgroups, they are gone, and so is the process marked
+/// `live_marker`.
+async fn the_leftover_container_is_removed(d2: &Daemon, leftovers: &[PathBuf], live_marker: &str) {
+    let log = d2.log();
+    assert!(
+        log.contains("leftover cgroup"),
+        "the new daemon's log mentions removing the leftover cgroup:\n{log}"
+    );
+    let still: Vec<_> = leftovers.iter().filter(|p| p.exists()).collect();
+    assert!(
+        still.is_empty(),
+        "the crashed daemon's cgroups are removed: {still:?}"
+    );
+    wait_until(
+        "the leftover container's process to be gone",
+        Duration::from_secs(10),
+        || async {
+            let p = processes_with_arg(live_marker);
+            if p.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{p:?}"))
+            }
+        },
+    )
+    .await;
 }
 
 /// A daemon whose state directory the container user cannot traverse would report healthy and fail every
