@@ -247,11 +247,8 @@ fn run_program(
     // The program starts with the default signal mask and dispositions, whatever the helper had: an ignored
     // signal survives execve (the Rust runtime ignores SIGPIPE, a background shell SIGINT).
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
-    for sig in Signal::iterator() {
-        if sig != Signal::SIGKILL && sig != Signal::SIGSTOP {
-            // SAFETY: installing SIG_DFL runs no handler code; the process is single-threaded.
-            let _ = unsafe { nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl) };
-        }
+    if let Err(e) = sys::default_all_signals() {
+        setup_failed(status, Chain(&e));
     }
     // Inherited from the init, checked again where it matters: no capabilities at exec.
     if let Err(e) = crate::caps::ensure_none() {

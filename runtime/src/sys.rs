@@ -167,3 +167,47 @@ pub fn open_beneath(dir: RawFd, name: &OsStr, flags: OFlag) -> nix::Result<Owned
     // SAFETY: openat2/openat returned a new descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
+
+/// The kernel's `struct sigaction` for `rt_sigaction(2)` (x86_64 and arm64 share this layout).
+#[repr(C)]
+struct KernelSigaction {
+    handler: libc::sighandler_t,
+    flags: libc::c_ulong,
+    restorer: libc::sighandler_t,
+    mask: u64,
+}
+
+/// Puts every signal but `SIGKILL` and `SIGSTOP` back to its default disposition, real-time ones included: glibc
+/// keeps two of them (32 and 33) for itself, and its `sigaction` refuses to touch them, so an `SIG_IGN` on them
+/// (which survives `execve`) can only be undone with the raw system call. For a process about to `execve`.
+pub fn default_all_signals() -> Result<()> {
+    let default = KernelSigaction {
+        handler: libc::SIG_DFL,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    for sig in 1..=64 {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: `default` is a valid kernel sigaction that installs no handler; the old action is not asked
+        // for; the size is the kernel's sigset size (8 bytes).
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                &default as *const KernelSigaction,
+                std::ptr::null_mut::<KernelSigaction>(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+        if rc != 0 {
+            return Err(Error::sys(
+                format!("rt_sigaction({sig}, SIG_DFL)"),
+                nix::Error::last(),
+            ));
+        }
+    }
+    Ok(())
+}

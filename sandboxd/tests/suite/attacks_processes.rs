@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use super::attack::{json_of, x86_64_only, Arena, PY_SYSCALL};
 use super::harness::{
     exec_json, privileged, proc_info, processes_with_arg, stdout_contains, unique_marker,
-    wait_until, with, DaemonOpts,
+    wait_until, with, Client, Daemon, DaemonOpts,
 };
 
 /// A host process that must survive the attacks (killed when dropped).
@@ -653,4 +653,40 @@ fn assert_b_found_nothing_of_a(case: &str, out: &Value) {
             && out["signalable"].as_array().unwrap().len() <= 3,
         "{case}: B sees and can signal only its own processes: {out}"
     );
+}
+
+/// The program starts with an empty signal mask and every signal at its default disposition, whatever the daemon,
+/// the helper and the container's init had (the Rust runtime ignores SIGPIPE; the init catches SIGTERM, SIGINT and
+/// SIGHUP to forward them; glibc's two internal real-time signals, 32 and 33, used to arrive ignored): a program
+/// that relies on SIGPIPE ending it, or on a default SIGINT, behaves as on a host.
+#[tokio::test]
+async fn the_program_starts_with_default_signal_dispositions_and_mask() {
+    let Some(_g) = privileged("the_program_starts_with_default_signal_dispositions_and_mask").await
+    else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    // The program's own status (SigCgt is whatever the program installed itself, so it is not checked).
+    let r = c
+        .run(exec_json(
+            "sig",
+            "shell",
+            "exec cat /proc/self/status",
+            10_000,
+            64,
+        ))
+        .await;
+    assert_eq!(r.terminal_status(), Some(ExecStatus::Completed), "{r:?}");
+    let status = r.stdout_text();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+            .unwrap_or_else(|| panic!("no {name} in {status}"))
+            .to_owned()
+    };
+    assert_eq!(field("SigBlk:"), "0000000000000000", "blocked signals");
+    assert_eq!(field("SigIgn:"), "0000000000000000", "ignored signals");
 }
