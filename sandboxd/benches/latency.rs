@@ -100,6 +100,11 @@ impl Drop for CpuMeter {
 impl Daemon {
     /// Starts a daemon; `extra` is appended to its config, `n` keeps cgroup parents and uid ranges apart.
     fn start(n: u32, extra: &str) -> Self {
+        Self::start_binary(Path::new(env!("CARGO_BIN_EXE_sandboxd")), n, extra)
+    }
+
+    /// [`start`](Self::start) with another sandboxd binary (`SANDBOXD_BENCH_BASELINE`).
+    fn start_binary(binary: &Path, n: u32, extra: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -120,7 +125,7 @@ impl Daemon {
             ),
         )
         .unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sandboxd"));
+        let mut cmd = Command::new(binary);
         cmd.arg("--config").arg(&config).env(
             "SANDBOXD_LOG",
             "warn,libcgroups=error,libcontainer::process::init=error",
@@ -567,7 +572,12 @@ fn main() {
             images(&rt, &warm, &spec);
         }
     }
-    throughput(&rt, &warm, &cold, tmp.path());
+    // SANDBOXD_BENCH_BASELINE=/path/to/an/older/sandboxd: its warm daemon joins the throughput table, run for run.
+    let baseline = std::env::var_os("SANDBOXD_BENCH_BASELINE").map(|bin| {
+        println!("baseline: {}", Path::new(&bin).display());
+        Daemon::start_binary(Path::new(&bin), 3, "")
+    });
+    throughput(&rt, &warm, &cold, baseline.as_ref(), tmp.path());
 }
 
 fn latency_table(
@@ -762,7 +772,74 @@ fn plain_client(rt: &tokio::runtime::Runtime, warm: &Daemon, tmp: &Path) {
     );
 }
 
-fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &Path) {
+/// One throughput run against a daemon.
+struct Run {
+    /// Executions per second.
+    per_s: f64,
+    /// CPU time of the daemon, its helpers and containers, counted until the pool is full again and the removals
+    /// are done.
+    cpu_ns: Option<u64>,
+    /// Pool hits and misses during the run.
+    hits: u64,
+    misses: u64,
+    /// Fraction of the host's CPU time spent idle during the run.
+    idle: f64,
+}
+
+impl Run {
+    fn cpu_ms_per_exec(&self) -> String {
+        self.cpu_ns.map_or("n/a".to_owned(), |ns| {
+            format!("{:.2}", ns as f64 / 1e6 / THROUGHPUT_RUNS as f64)
+        })
+    }
+}
+
+fn measure(rt: &tokio::runtime::Runtime, d: &Daemon, conc: usize, tag: &str) -> Run {
+    d.wait_refilled();
+    let (_, h0, m0) = d.pool();
+    let cpu0 = d.cpu_used();
+    let idle0 = HostCpu::now();
+    let per_s = run_throughput(rt, d.port, conc, tag);
+    let idle = HostCpu::now().idle_since(&idle0);
+    let (_, h1, m1) = d.pool();
+    d.wait_refilled();
+    d.wait_removed();
+    Run {
+        per_s,
+        cpu_ns: d.cpu_used().zip(cpu0).map(|(b, a)| b - a),
+        hits: h1 - h0,
+        misses: m1 - m0,
+        idle,
+    }
+}
+
+/// Executions per second of a bare spawn of shell `true`, `conc` at once.
+fn bare_throughput(conc: usize, tmp: &Path) -> f64 {
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for w in 0..conc {
+            let dir = tmp.join(format!("w{w}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            s.spawn(move || {
+                let mut i = w;
+                while i < THROUGHPUT_RUNS {
+                    bare("/bin/sh", "sh", "true\n", &dir);
+                    i += conc;
+                }
+            });
+        }
+    });
+    THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// Warm, cold, the baseline binary's warm daemon when there is one, and a bare spawn, interleaved per row.
+fn throughput(
+    rt: &tokio::runtime::Runtime,
+    warm: &Daemon,
+    cold: &Daemon,
+    baseline: Option<&Daemon>,
+    tmp: &Path,
+) {
     println!();
     println!(
         "throughput, shell `true`, {THROUGHPUT_RUNS} executions per run (one connection per worker); \
@@ -784,52 +861,34 @@ fn throughput(rt: &tokio::runtime::Runtime, warm: &Daemon, cold: &Daemon, tmp: &
         "cold CPU ms",
         "warm idle"
     );
-    let per_exec = |ns: Option<u64>| {
-        ns.map_or("n/a".to_owned(), |ns| {
-            format!("{:.2}", ns as f64 / 1e6 / THROUGHPUT_RUNS as f64)
-        })
-    };
+    let mut base_rows = Vec::new();
     for conc in [1usize, 4, 16] {
-        warm.wait_refilled();
-        let (_, h0, m0) = warm.pool();
-        let wcpu0 = warm.cpu_used();
-        let idle0 = HostCpu::now();
-        let w = run_throughput(rt, warm.port, conc, "w");
-        let widle = HostCpu::now().idle_since(&idle0);
-        let (_, h1, m1) = warm.pool();
-        warm.wait_refilled();
-        warm.wait_removed();
-        let wcpu = warm.cpu_used().zip(wcpu0).map(|(b, a)| b - a);
-        let ccpu0 = cold.cpu_used();
-        let c = run_throughput(rt, cold.port, conc, "c");
-        cold.wait_removed();
-        let ccpu = cold.cpu_used().zip(ccpu0).map(|(b, a)| b - a);
-        let t0 = Instant::now();
-        std::thread::scope(|s| {
-            for w in 0..conc {
-                let dir = tmp.join(format!("w{w}"));
-                std::fs::create_dir_all(&dir).unwrap();
-                s.spawn(move || {
-                    let mut i = w;
-                    while i < THROUGHPUT_RUNS {
-                        bare("/bin/sh", "sh", "true\n", &dir);
-                        i += conc;
-                    }
-                });
-            }
-        });
-        let b = THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64();
+        let w = measure(rt, warm, conc, "w");
+        if let Some(base) = baseline {
+            base_rows.push((conc, measure(rt, base, conc, "b")));
+        }
+        let c = measure(rt, cold, conc, "c");
+        let b = bare_throughput(conc, tmp);
         println!(
             "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>14} {:>14} {:>9.0}%",
             conc,
-            w,
-            c,
+            w.per_s,
+            c.per_s,
             b,
-            w / b,
-            format!("{}/{}", h1 - h0, m1 - m0),
-            per_exec(wcpu),
-            per_exec(ccpu),
-            widle * 100.0
+            w.per_s / b,
+            format!("{}/{}", w.hits, w.misses),
+            w.cpu_ms_per_exec(),
+            c.cpu_ms_per_exec(),
+            w.idle * 100.0
+        );
+    }
+    for (conc, r) in base_rows {
+        println!(
+            "baseline warm daemon, {conc} in flight: {:.1} exec/s, {} CPU ms/exec, hits/misses {}/{}",
+            r.per_s,
+            r.cpu_ms_per_exec(),
+            r.hits,
+            r.misses
         );
     }
 }
