@@ -151,6 +151,23 @@ impl Shared {
         self.queued.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A slot, else a place in the queue (counted here), for a new execution. While anything waits, a new
+    /// execution queues behind it even if a slot just freed.
+    fn admit(&self) -> Admission {
+        let mut q = self.queued();
+        if *q == 0 {
+            if let Ok(p) = self.slots.clone().try_acquire_owned() {
+                return Admission::Slot(p);
+            }
+        }
+        if *q < self.config.max_queue {
+            *q += 1;
+            Admission::Queued
+        } else {
+            Admission::Full
+        }
+    }
+
     fn pong(&self) -> Pong {
         let active = (self.config.max_concurrent - self.slots.available_permits()) as u64;
         let load = if self.has(Fault::LoadLies) {
@@ -218,6 +235,8 @@ fn status_response(code: StatusCode, body: String) -> ErrorResponse {
     r
 }
 
+/// One connection: agent-sandbox routes go to their own module; `/ws` is upgraded and its frames handled one by
+/// one, while a writer task sends what the connection and its executions queue.
 #[allow(
     clippy::result_large_err,
     reason = "the handshake callback's error type is tungstenite's"
@@ -237,32 +256,7 @@ async fn connection(shared: Arc<Shared>, stream: TcpStream) {
         }
     }
     let s = shared.clone();
-    let check = move |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
-        if req.uri().path() != "/ws" {
-            return Err(status_response(StatusCode::NOT_FOUND, "not found\n".into()));
-        }
-        let auth = req
-            .headers()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        let ok = auth.and_then(|a| a.strip_prefix("Bearer ")) == Some(s.config.token.as_str());
-        if !ok && !s.has(Fault::AcceptsBadToken) {
-            return Err(status_response(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized\n".into(),
-            ));
-        }
-        if let Some(v) = req.headers().get("x-protocol-version") {
-            if v.to_str().ok().map(str::trim) != Some("1") && !s.has(Fault::IgnoresVersionHeader) {
-                return Err(status_response(
-                    StatusCode::BAD_REQUEST,
-                    "{\"error\":\"unsupported protocol version\",\"supported_versions\":[1]}"
-                        .into(),
-                ));
-            }
-        }
-        Ok(resp)
-    };
+    let check = move |req: &Request, resp: Response| check_handshake(&s, req, resp);
     let config = WebSocketConfig::default()
         .max_message_size(Some(shared.config.max_frame_bytes))
         .max_frame_size(Some(shared.config.max_frame_bytes));
@@ -270,185 +264,261 @@ async fn connection(shared: Arc<Shared>, stream: TcpStream) {
     else {
         return;
     };
-    let (mut sink, mut source) = ws.split();
-    let (prio_tx, mut prio_rx) = mpsc::unbounded_channel::<Out>();
-    let (exec_tx, mut exec_rx) = mpsc::channel::<ServerMessage>(256);
+    let (sink, mut source) = ws.split();
+    let (prio_tx, prio_rx) = mpsc::unbounded_channel::<Out>();
+    let (exec_tx, exec_rx) = mpsc::channel::<ServerMessage>(256);
     let hold_pongs = shared.has(Fault::NoPongDuringFlood);
-    let writer = tokio::spawn(async move {
-        let mut held: VecDeque<ServerMessage> = VecDeque::new();
-        let mut last_output = Instant::now() - Duration::from_secs(60);
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
-        loop {
-            let out = tokio::select! {
-                biased;
-                m = prio_rx.recv() => match m { Some(m) => m, None => break },
-                m = exec_rx.recv() => match m { Some(m) => Out::Msg(m), None => break },
-                _ = tick.tick() => {
-                    if last_output.elapsed() > Duration::from_secs(2) {
-                        while let Some(p) = held.pop_front() {
-                            if sink.send(Message::text(protocol::encode(&p))).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                    continue;
-                }
-            };
-            let frame = match out {
-                Out::Close(code) => {
-                    let _ = sink
-                        .send(Message::Close(Some(CloseFrame {
-                            code: CloseCode::from(code),
-                            reason: "message too big".into(),
-                        })))
-                        .await;
-                    break;
-                }
-                Out::Msg(m) => {
-                    if matches!(m, ServerMessage::Stdout(_) | ServerMessage::Stderr(_)) {
-                        last_output = Instant::now();
-                    }
-                    if hold_pongs
-                        && matches!(m, ServerMessage::Pong(_))
-                        && last_output.elapsed() < Duration::from_secs(2)
-                    {
-                        held.push_back(m);
-                        continue;
-                    }
-                    Message::text(protocol::encode(&m))
-                }
-            };
-            if sink.send(frame).await.is_err() {
-                break;
-            }
-        }
-    });
-    let registry: Registry = Arc::new(Mutex::new(HashMap::new()));
-    let waiters = crate::fixture_tools::Waiters::default();
-    let reply = |e: ErrorMessage| {
-        let mut e = e;
-        if shared.has(Fault::ErrorWithoutId) {
-            e.id = None;
-        }
-        let _ = prio_tx.send(Out::Msg(ServerMessage::Error(e)));
+    let writer = tokio::spawn(write_frames(sink, prio_rx, exec_rx, hold_pongs));
+    let conn = Conn {
+        shared,
+        prio: prio_tx,
+        exec: exec_tx,
+        registry: Arc::new(Mutex::new(HashMap::new())),
+        waiters: crate::fixture_tools::Waiters::default(),
     };
     while let Some(frame) = source.next().await {
         let text = match frame {
             Ok(Message::Text(t)) => t.as_str().to_owned(),
             Ok(Message::Binary(_)) => {
-                reply(RequestError::binary_frame().into());
+                conn.reply(RequestError::binary_frame().into());
                 continue;
             }
             Ok(Message::Close(_)) => break,
             Ok(_) => continue,
             Err(tungstenite::Error::Capacity(_)) => {
-                let _ = prio_tx.send(Out::Close(1009));
+                let _ = conn.prio.send(Out::Close(1009));
                 break;
             }
             Err(_) => break,
         };
-        let text = if shared.has(Fault::IgnoresUnknownFields) {
+        conn.on_text(text);
+    }
+    // Executions of this connection see their control channel close.
+    conn.registry
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clear();
+    drop(conn);
+    let _ = writer.await;
+}
+
+/// The upgrade's checks: path, bearer token, `X-Protocol-Version`.
+#[allow(
+    clippy::result_large_err,
+    reason = "the handshake callback's error type is tungstenite's"
+)]
+fn check_handshake(s: &Shared, req: &Request, resp: Response) -> Result<Response, ErrorResponse> {
+    if req.uri().path() != "/ws" {
+        return Err(status_response(StatusCode::NOT_FOUND, "not found\n".into()));
+    }
+    let auth = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok());
+    let ok = auth.and_then(|a| a.strip_prefix("Bearer ")) == Some(s.config.token.as_str());
+    if !ok && !s.has(Fault::AcceptsBadToken) {
+        return Err(status_response(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized\n".into(),
+        ));
+    }
+    if let Some(v) = req.headers().get("x-protocol-version") {
+        if v.to_str().ok().map(str::trim) != Some("1") && !s.has(Fault::IgnoresVersionHeader) {
+            return Err(status_response(
+                StatusCode::BAD_REQUEST,
+                "{\"error\":\"unsupported protocol version\",\"supported_versions\":[1]}".into(),
+            ));
+        }
+    }
+    Ok(resp)
+}
+
+type Sink = futures_util::stream::SplitSink<tokio_tungstenite::WebSocketStream<TcpStream>, Message>;
+
+/// The connection's writer: the connection's own frames (`prio`) before the executions' messages; with fault
+/// `NoPongDuringFlood` (`hold_pongs`), pongs wait until output has paused for 2 s.
+async fn write_frames(
+    mut sink: Sink,
+    mut prio: mpsc::UnboundedReceiver<Out>,
+    mut exec: mpsc::Receiver<ServerMessage>,
+    hold_pongs: bool,
+) {
+    let mut held: VecDeque<ServerMessage> = VecDeque::new();
+    let mut last_output = Instant::now() - Duration::from_secs(60);
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        let out = tokio::select! {
+            biased;
+            m = prio.recv() => match m { Some(m) => m, None => break },
+            m = exec.recv() => match m { Some(m) => Out::Msg(m), None => break },
+            _ = tick.tick() => {
+                if last_output.elapsed() > Duration::from_secs(2) {
+                    while let Some(p) = held.pop_front() {
+                        if sink.send(Message::text(protocol::encode(&p))).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                continue;
+            }
+        };
+        let frame = match out {
+            Out::Close(code) => {
+                let _ = sink
+                    .send(Message::Close(Some(CloseFrame {
+                        code: CloseCode::from(code),
+                        reason: "message too big".into(),
+                    })))
+                    .await;
+                break;
+            }
+            Out::Msg(m) => {
+                if matches!(m, ServerMessage::Stdout(_) | ServerMessage::Stderr(_)) {
+                    last_output = Instant::now();
+                }
+                if hold_pongs
+                    && matches!(m, ServerMessage::Pong(_))
+                    && last_output.elapsed() < Duration::from_secs(2)
+                {
+                    held.push_back(m);
+                    continue;
+                }
+                Message::text(protocol::encode(&m))
+            }
+        };
+        if sink.send(frame).await.is_err() {
+            break;
+        }
+    }
+}
+
+/// An upgraded connection: where its messages go, and its executions.
+struct Conn {
+    shared: Arc<Shared>,
+    /// The connection's own answers (errors, pongs, close), sent before any execution's messages.
+    prio: mpsc::UnboundedSender<Out>,
+    /// Given to each execution for its messages.
+    exec: mpsc::Sender<ServerMessage>,
+    registry: Registry,
+    waiters: crate::fixture_tools::Waiters,
+}
+
+/// What capacity has for a new execution.
+enum Admission {
+    /// A free slot: it runs at once.
+    Slot(OwnedSemaphorePermit),
+    /// No free slot, but room in the queue.
+    Queued,
+    /// Neither.
+    Full,
+}
+
+impl Conn {
+    fn reply(&self, mut e: ErrorMessage) {
+        if self.shared.has(Fault::ErrorWithoutId) {
+            e.id = None;
+        }
+        let _ = self.prio.send(Out::Msg(ServerMessage::Error(e)));
+    }
+
+    /// One text frame from the client.
+    fn on_text(&self, text: String) {
+        let text = if self.shared.has(Fault::IgnoresUnknownFields) {
             strip_unknown(&text)
         } else {
             text
         };
         match protocol::parse_client_message(&text) {
-            Err(e) => reply(e.into()),
+            Err(e) => self.reply(e.into()),
             Ok(ClientMessage::Ping(_)) => {
-                let _ = prio_tx.send(Out::Msg(ServerMessage::Pong(shared.pong())));
+                let _ = self
+                    .prio
+                    .send(Out::Msg(ServerMessage::Pong(self.shared.pong())));
             }
-            Ok(ClientMessage::Cancel(c)) => {
-                let found = registry
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&c.id)
-                    .cloned();
-                match found {
-                    Some(tx) => {
-                        if !shared.has(Fault::IgnoresCancel) {
-                            tx.send_replace(Ctl::Cancel);
-                        }
-                    }
-                    None if shared.has(Fault::WrongErrorCode) => reply(ErrorMessage::new(
-                        Some(c.id.clone()),
-                        ErrorCode::InvalidRequest,
-                        "No such execution",
-                    )),
-                    None => reply(RequestError::unknown_execution(&c.id).into()),
-                }
-            }
-            Ok(ClientMessage::ToolResult(r)) => waiters.deliver(r),
-            Ok(ClientMessage::Execute(req)) => {
-                if let Some(e) = admit_request(&shared, &registry, &req) {
-                    reply(e);
-                    continue;
-                }
-                let limits = match resolve(&shared, &req) {
-                    Ok(l) => l,
-                    Err(e) => {
-                        reply(e);
-                        continue;
-                    }
-                };
-                let (ctl_tx, ctl_rx) = watch::channel(Ctl::Run);
-                let admission = {
-                    let mut q = shared.queued();
-                    if *q == 0 {
-                        match shared.slots.clone().try_acquire_owned() {
-                            Ok(p) => Some(Some(p)),
-                            Err(_) if *q < shared.config.max_queue => {
-                                *q += 1;
-                                Some(None)
-                            }
-                            Err(_) => None,
-                        }
-                    } else if *q < shared.config.max_queue {
-                        *q += 1;
-                        Some(None)
-                    } else {
-                        None
-                    }
-                };
-                let Some(permit) = admission else {
-                    let mut e = ErrorMessage::overloaded(&req.id);
-                    if shared.has(Fault::OverloadNotRetryable) {
-                        e.retryable = false;
-                    }
-                    if shared.has(Fault::ErrorWithoutId) {
-                        e.id = None;
-                    }
-                    if shared.has(Fault::SlowOverload) {
-                        let tx = prio_tx.clone();
-                        tokio::spawn(async move {
-                            tokio::time::sleep(Duration::from_secs(3)).await;
-                            let _ = tx.send(Out::Msg(ServerMessage::Error(e)));
-                        });
-                    } else {
-                        let _ = prio_tx.send(Out::Msg(ServerMessage::Error(e)));
-                    }
-                    continue;
-                };
-                registry
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(req.id.clone(), ctl_tx);
-                let exec = Execution {
-                    shared: shared.clone(),
-                    registry: registry.clone(),
-                    out: exec_tx.clone(),
-                    req,
-                    limits,
-                    waiters: waiters.clone(),
-                };
-                tokio::spawn(exec.run(permit, ctl_rx));
-            }
+            Ok(ClientMessage::Cancel(c)) => self.on_cancel(&c.id),
+            Ok(ClientMessage::ToolResult(r)) => self.waiters.deliver(r),
+            Ok(ClientMessage::Execute(req)) => self.on_execute(req),
         }
     }
-    // Executions of this connection see their control channel close.
-    registry.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    drop(exec_tx);
-    drop(prio_tx);
-    let _ = writer.await;
+
+    fn on_cancel(&self, id: &str) {
+        let found = self
+            .registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned();
+        match found {
+            Some(tx) => {
+                if !self.shared.has(Fault::IgnoresCancel) {
+                    tx.send_replace(Ctl::Cancel);
+                }
+            }
+            None if self.shared.has(Fault::WrongErrorCode) => self.reply(ErrorMessage::new(
+                Some(id.to_owned()),
+                ErrorCode::InvalidRequest,
+                "No such execution",
+            )),
+            None => self.reply(RequestError::unknown_execution(id).into()),
+        }
+    }
+
+    /// Refuses the request, or starts its execution (running or queued).
+    fn on_execute(&self, req: ExecuteRequest) {
+        if let Some(e) = admit_request(&self.shared, &self.registry, &req) {
+            self.reply(e);
+            return;
+        }
+        let limits = match resolve(&self.shared, &req) {
+            Ok(l) => l,
+            Err(e) => {
+                self.reply(e);
+                return;
+            }
+        };
+        let permit = match self.shared.admit() {
+            Admission::Slot(p) => Some(p),
+            Admission::Queued => None,
+            Admission::Full => {
+                self.refuse_overloaded(&req.id);
+                return;
+            }
+        };
+        let (ctl_tx, ctl_rx) = watch::channel(Ctl::Run);
+        self.registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(req.id.clone(), ctl_tx);
+        let exec = Execution {
+            shared: self.shared.clone(),
+            registry: self.registry.clone(),
+            out: self.exec.clone(),
+            req,
+            limits,
+            waiters: self.waiters.clone(),
+        };
+        tokio::spawn(exec.run(permit, ctl_rx));
+    }
+
+    /// `SANDBOX_OVERLOADED`, as the faults have it.
+    fn refuse_overloaded(&self, id: &str) {
+        let mut e = ErrorMessage::overloaded(id);
+        if self.shared.has(Fault::OverloadNotRetryable) {
+            e.retryable = false;
+        }
+        if self.shared.has(Fault::ErrorWithoutId) {
+            e.id = None;
+        }
+        if self.shared.has(Fault::SlowOverload) {
+            let tx = self.prio.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                let _ = tx.send(Out::Msg(ServerMessage::Error(e)));
+            });
+        } else {
+            let _ = self.prio.send(Out::Msg(ServerMessage::Error(e)));
+        }
+    }
 }
 
 /// Removes the fields of an execute (and its limits) that FSP/1 does not define (fault `IgnoresUnknownFields`).
@@ -660,8 +730,41 @@ impl Execution {
         drop(permit);
     }
 
-    async fn run_in_slot(&self, mut ctl: watch::Receiver<Ctl>) {
-        let id = self.req.id.clone();
+    /// Runs the program in a slot: start it, watch it to its end, report.
+    async fn run_in_slot(&self, ctl: watch::Receiver<Ctl>) {
+        let mut program = match self.start() {
+            Ok(p) => p,
+            Err(message) => {
+                self.release();
+                self.send(ServerMessage::Error(ErrorMessage::internal(
+                    &self.req.id,
+                    message,
+                )))
+                .await;
+                return;
+            }
+        };
+        let Some(mut watch) = self.supervise(&mut program, ctl).await else {
+            // Fault LeavesProcessAfterDisconnect: the program stays, and so do its directories.
+            return;
+        };
+        let duration = program.started.elapsed();
+        let _ = self.cleanup(&program.dir, &program.code_path);
+        if watch.gone || watch.kill == Some(Kill::Gone) {
+            self.release();
+            return;
+        }
+        for (which, chunker) in watch.chunkers.iter_mut().enumerate() {
+            if let Some(c) = chunker.finish() {
+                self.send(output(&self.req.id, which, c)).await;
+            }
+        }
+        self.report(&watch, duration, program.broker.take()).await;
+    }
+
+    /// Prepares the execution's directories and starts its program; the error is the message of an
+    /// `INTERNAL_ERROR`.
+    fn start(&self) -> Result<Program, String> {
         let n = self.shared.seq.fetch_add(1, Ordering::Relaxed);
         // Unique across every fixture of this process, so that one fixture never kills another one's programs.
         let tag = format!(
@@ -683,63 +786,68 @@ impl Execution {
             .find(|l| l.0 == self.req.language)
             .cloned()
         else {
-            self.release();
-            self.send(ServerMessage::Error(ErrorMessage::internal(
-                &id,
-                "Language vanished",
-            )))
-            .await;
-            return;
+            return Err("Language vanished".into());
         };
         let code_path = self.shared.root.join(format!("code-{n}")).join(file_name);
-        if let Err(e) = self.prepare(&work, &tmp, &code_path) {
-            self.release();
-            self.send(ServerMessage::Error(ErrorMessage::internal(
-                &id,
-                format!("Cannot prepare the working directory: {e}"),
-            )))
-            .await;
-            return;
-        }
+        self.prepare(&work, &tmp, &code_path)
+            .map_err(|e| format!("Cannot prepare the working directory: {e}"))?;
         let mut cmd = tokio::process::Command::new(&interpreter);
         // Extension tool_calls: the SDK's runner before the code, its socket in the execution's directory.
-        let mut broker = None;
-        let mut tool_env = Vec::new();
-        if !self.req.tools.is_empty() {
-            match crate::fixture_tools::Broker::start(
+        let broker = if self.req.tools.is_empty() {
+            None
+        } else {
+            let b = crate::fixture_tools::Broker::start(
                 &self.req,
                 &dir.join("tools"),
                 self.out.clone(),
                 self.waiters.clone(),
                 self.has(Fault::ForwardsUnlistedTools),
-            ) {
-                Ok(b) => {
-                    cmd.arg(&b.runner);
-                    tool_env = b.env.clone();
-                    broker = Some(b);
-                }
-                Err(e) => {
-                    self.release();
-                    self.send(ServerMessage::Error(ErrorMessage::internal(
-                        &id,
-                        format!("Cannot set up the tool socket: {e}"),
-                    )))
-                    .await;
-                    return;
-                }
-            }
+            )
+            .map_err(|e| format!("Cannot set up the tool socket: {e}"))?;
+            cmd.arg(&b.runner);
+            Some(b)
+        };
+        self.configure(&mut cmd, &code_path, &work, &tmp, &tag);
+        if let Some(b) = &broker {
+            cmd.envs(b.env.clone());
         }
-        cmd.arg(&code_path)
-            .current_dir(&work)
+        let started = Instant::now();
+        let child = cmd
+            .spawn()
+            .map_err(|e| format!("Cannot start the program: {e}"))?;
+        let pid = child.id().map(|p| p as i32).unwrap_or(0);
+        Ok(Program {
+            child,
+            pid,
+            tag,
+            dir,
+            code_path,
+            broker,
+            started,
+        })
+    }
+
+    /// The program's arguments after the interpreter's, its environment, stdio, process group and file size
+    /// limit.
+    fn configure(
+        &self,
+        cmd: &mut tokio::process::Command,
+        code_path: &Path,
+        work: &Path,
+        tmp: &Path,
+        tag: &str,
+    ) {
+        cmd.arg(code_path)
+            .current_dir(work)
             .env_clear()
             .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-            .env("HOME", &work)
-            .env("TMPDIR", &tmp)
+            .env("HOME", work)
+            .env("TMPDIR", tmp)
             .env("LANG", "C.UTF-8")
             .env("PYTHONUNBUFFERED", "1")
             .env("PYTHONDONTWRITEBYTECODE", "1")
             .envs(&self.req.env)
-            .env(TAG_VAR, &tag)
+            .env(TAG_VAR, tag)
             .stdin(if self.req.stdin.is_some() {
                 Stdio::piped()
             } else {
@@ -748,7 +856,6 @@ impl Execution {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
-        cmd.envs(tool_env);
         let fsize = self.limits.disk_mb << 20;
         // SAFETY: the closure runs in the forked child before exec and only calls setrlimit(2), which is
         // async-signal-safe; it allocates nothing and touches no lock.
@@ -762,109 +869,168 @@ impl Execution {
                 .map_err(std::io::Error::from)
             });
         }
-        let started = Instant::now();
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                self.release();
-                self.send(ServerMessage::Error(ErrorMessage::internal(
-                    &id,
-                    format!("Cannot start the program: {e}"),
-                )))
-                .await;
-                return;
-            }
-        };
-        let pid = child.id().map(|p| p as i32).unwrap_or(0);
+    }
+
+    /// Streams the program's output and enforces its limits (time, memory, output), cancel and disconnect, until
+    /// it has exited and its pipes are drained. `None` when the fault `LeavesProcessAfterDisconnect` abandons it.
+    async fn supervise(&self, program: &mut Program, mut ctl: watch::Receiver<Ctl>) -> Option<Watch> {
         self.send(ServerMessage::Status {
-            id: id.clone(),
+            id: self.req.id.clone(),
             status: ExecStatus::Running,
         })
         .await;
-        if let (Some(mut stdin), Some(input)) = (child.stdin.take(), self.req.stdin.clone()) {
+        if let (Some(mut stdin), Some(input)) = (program.child.stdin.take(), self.req.stdin.clone())
+        {
             tokio::spawn(async move {
                 let _ = stdin.write_all(input.as_bytes()).await;
             });
         }
-        let mut pipes = [
-            child.stdout.take().map(Pipe::Out),
-            child.stderr.take().map(Pipe::Err),
-        ];
-        let mut chunkers = [Utf8Chunker::new(), Utf8Chunker::new()];
-        let mut sent = [0u64; 2];
-        let mut truncated = false;
-        let mut kill: Option<Kill> = None;
-        let mut exit: Option<std::process::ExitStatus> = None;
-        let mut gone = false;
+        let mut w = Watch::new(&mut program.child);
+        let (pid, tag) = (program.pid, program.tag.as_str());
         let mut drain_until: Option<tokio::time::Instant> = None;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(self.limits.timeout_ms);
         let mut tick = tokio::time::interval(Duration::from_millis(5));
-        let mut usage = ResourceUsage::default();
-        let mut bufs = [vec![0u8; 65536], vec![0u8; 65536]];
-        let limit = self.limits.max_output_bytes;
         let memory = self.limits.memory_mb << 20;
         loop {
-            if exit.is_some() && pipes.iter().all(Option::is_none) {
+            if w.exit.is_some() && w.pipes.iter().all(Option::is_none) {
                 break;
             }
-            let [p0, p1] = &mut pipes;
-            let [b0, b1] = &mut bufs;
+            let [p0, p1] = &mut w.pipes;
+            let [b0, b1] = &mut w.bufs;
             tokio::select! {
-                r = read_pipe(p0, b0) => self.on_output(0, r, &mut pipes, &mut chunkers, &mut sent, &mut truncated, &mut kill, limit, gone, &bufs, &tag, pid).await,
-                r = read_pipe(p1, b1) => self.on_output(1, r, &mut pipes, &mut chunkers, &mut sent, &mut truncated, &mut kill, limit, gone, &bufs, &tag, pid).await,
-                st = child.wait(), if exit.is_none() => {
-                    exit = Some(st.unwrap_or_else(|_| std::process::ExitStatus::from_raw(9)));
+                r = read_pipe(p0, b0) => self.on_output(0, r, &mut w, pid, tag).await,
+                r = read_pipe(p1, b1) => self.on_output(1, r, &mut w, pid, tag).await,
+                st = program.child.wait(), if w.exit.is_none() => {
+                    w.exit = Some(st.unwrap_or_else(|_| std::process::ExitStatus::from_raw(9)));
                     // Nothing of the execution outlives it.
-                    kill_tree(pid, &tag);
+                    kill_tree(pid, tag);
                     drain_until = Some(tokio::time::Instant::now() + Duration::from_secs(2));
                 }
-                _ = tokio::time::sleep_until(deadline), if kill.is_none() && exit.is_none() => {
-                    kill = Some(Kill::Timeout);
-                    kill_tree(pid, &tag);
+                _ = tokio::time::sleep_until(deadline), if w.kill.is_none() && w.exit.is_none() => {
+                    w.kill = Some(Kill::Timeout);
+                    kill_tree(pid, tag);
                 }
-                c = ctl.changed(), if !gone && exit.is_none() => match c {
+                c = ctl.changed(), if !w.gone && w.exit.is_none() => match c {
                     Ok(()) => {
-                        if *ctl.borrow() == Ctl::Cancel && kill.is_none() {
-                            kill = Some(Kill::Cancelled);
-                            kill_tree(pid, &tag);
+                        if *ctl.borrow() == Ctl::Cancel && w.kill.is_none() {
+                            w.kill = Some(Kill::Cancelled);
+                            kill_tree(pid, tag);
                         }
                     }
                     Err(_) => {
-                        gone = true;
+                        w.gone = true;
                         if self.has(Fault::LeavesProcessAfterDisconnect) {
-                            return;
+                            return None;
                         }
-                        kill.get_or_insert(Kill::Gone);
-                        kill_tree(pid, &tag);
+                        w.kill.get_or_insert(Kill::Gone);
+                        kill_tree(pid, tag);
                     }
                 },
-                _ = tick.tick(), if exit.is_none() => {
+                _ = tick.tick(), if w.exit.is_none() => {
                     if let Some((rss, peak, cpu)) = proc_usage(pid) {
-                        usage.peak_memory_mb = usage.peak_memory_mb.max(peak.div_ceil(1 << 20));
-                        usage.cpu_time_ms = cpu;
-                        if rss > memory && kill.is_none() {
-                            kill = Some(Kill::Oom);
-                            kill_tree(pid, &tag);
+                        w.usage.peak_memory_mb = w.usage.peak_memory_mb.max(peak.div_ceil(1 << 20));
+                        w.usage.cpu_time_ms = cpu;
+                        if rss > memory && w.kill.is_none() {
+                            w.kill = Some(Kill::Oom);
+                            kill_tree(pid, tag);
                         }
                     }
                 }
                 _ = sleep_opt(drain_until) => {
-                    pipes = [None, None];
+                    w.pipes = [None, None];
                 }
             }
         }
-        let duration = started.elapsed();
-        let _ = self.cleanup(&dir, &code_path);
-        if gone || kill == Some(Kill::Gone) {
-            self.release();
-            return;
-        }
-        for (which, chunker) in chunkers.iter_mut().enumerate() {
-            if let Some(c) = chunker.finish() {
-                self.send(output(&id, which, c)).await;
+        Some(w)
+    }
+
+    /// One read of stdout (`which` 0) or stderr (1): sent as output up to `max_output_bytes`; beyond it, the
+    /// program is killed and its pipes dropped.
+    async fn on_output(
+        &self,
+        which: usize,
+        r: std::io::Result<usize>,
+        w: &mut Watch,
+        pid: i32,
+        tag: &str,
+    ) {
+        let n = match r {
+            Ok(0) | Err(_) => {
+                w.pipes[which] = None;
+                return;
+            }
+            Ok(n) => n,
+        };
+        let room = if self.has(Fault::OutputBeyondLimit) {
+            u64::MAX
+        } else {
+            self.limits
+                .max_output_bytes
+                .saturating_sub(w.sent[0] + w.sent[1])
+        };
+        let take = (n as u64).min(room) as usize;
+        w.sent[which] += take as u64;
+        if take > 0 && !w.gone {
+            let bytes = &w.bufs[which][..take];
+            let chunk = if self.has(Fault::SplitsUtf8) {
+                Some(split_chunk(bytes))
+            } else {
+                w.chunkers[which].push(bytes)
+            };
+            if let Some(c) = chunk {
+                self.send(output(&self.req.id, which, c)).await;
             }
         }
-        let st = exit.unwrap_or_else(|| std::process::ExitStatus::from_raw(9));
+        if take < n {
+            w.truncated = true;
+            if w.kill.is_none() {
+                w.kill = Some(Kill::OutputLimit);
+                kill_tree(pid, tag);
+            }
+            for (which, c) in w.chunkers.iter_mut().enumerate() {
+                if let Some(c) = c.finish() {
+                    if !w.gone {
+                        self.send(output(&self.req.id, which, c)).await;
+                    }
+                }
+            }
+            w.pipes = [None, None];
+        }
+    }
+
+    /// The terminal status and `result` of a program that ran to its end (or was ended by the fixture).
+    async fn report(
+        &self,
+        w: &Watch,
+        duration: Duration,
+        broker: Option<crate::fixture_tools::Broker>,
+    ) {
+        let st = w
+            .exit
+            .unwrap_or_else(|| std::process::ExitStatus::from_raw(9));
+        let (status, reason, exit_code, signal) = self.verdict(st, w.kill);
+        let mut r = self.result(
+            exit_code,
+            signal,
+            reason,
+            duration,
+            w.usage,
+            w.sent,
+            w.truncated,
+        );
+        if let Some(b) = broker {
+            r.tool_calls = Some(b.calls());
+            r.return_value = b.return_value().map(Box::new);
+        }
+        self.finish(status, r).await;
+    }
+
+    /// Status, reason, exit code and signal name from how the program exited and why the fixture killed it.
+    fn verdict(
+        &self,
+        st: std::process::ExitStatus,
+        kill: Option<Kill>,
+    ) -> (ExecStatus, Reason, Option<i32>, Option<String>) {
         let signal = st.signal();
         let exit_code = match (st.code(), signal) {
             (Some(c), _) => Some(c),
@@ -898,84 +1064,7 @@ impl Execution {
         } else {
             None
         };
-        let mut r = self.result(exit_code, signame, reason, duration, usage, sent, truncated);
-        if let Some(b) = broker.take() {
-            r.tool_calls = Some(b.calls());
-            r.return_value = b.return_value().map(Box::new);
-        }
-        self.finish(status, r).await;
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn on_output(
-        &self,
-        which: usize,
-        r: std::io::Result<usize>,
-        pipes: &mut [Option<Pipe>; 2],
-        chunkers: &mut [Utf8Chunker; 2],
-        sent: &mut [u64; 2],
-        truncated: &mut bool,
-        kill: &mut Option<Kill>,
-        limit: u64,
-        gone: bool,
-        bufs: &[Vec<u8>; 2],
-        tag: &str,
-        pid: i32,
-    ) {
-        let n = match r {
-            Ok(0) | Err(_) => {
-                pipes[which] = None;
-                return;
-            }
-            Ok(n) => n,
-        };
-        let room = if self.has(Fault::OutputBeyondLimit) {
-            u64::MAX
-        } else {
-            limit.saturating_sub(sent[0] + sent[1])
-        };
-        let take = (n as u64).min(room) as usize;
-        sent[which] += take as u64;
-        if take > 0 && !gone {
-            let bytes = &bufs[which][..take];
-            let chunk = if self.has(Fault::SplitsUtf8) {
-                Some(match std::str::from_utf8(bytes) {
-                    Ok(t) => protocol::Chunk {
-                        data: t.to_owned(),
-                        encoding: protocol::OutputEncoding::Utf8,
-                        raw_len: take,
-                    },
-                    Err(_) => {
-                        use base64::Engine as _;
-                        protocol::Chunk {
-                            data: base64::engine::general_purpose::STANDARD.encode(bytes),
-                            encoding: protocol::OutputEncoding::Base64,
-                            raw_len: take,
-                        }
-                    }
-                })
-            } else {
-                chunkers[which].push(bytes)
-            };
-            if let Some(c) = chunk {
-                self.send(output(&self.req.id, which, c)).await;
-            }
-        }
-        if take < n {
-            *truncated = true;
-            if kill.is_none() {
-                *kill = Some(Kill::OutputLimit);
-                kill_tree(pid, tag);
-            }
-            for (w, c) in chunkers.iter_mut().enumerate() {
-                if let Some(c) = c.finish() {
-                    if !gone {
-                        self.send(output(&self.req.id, w, c)).await;
-                    }
-                }
-            }
-            *pipes = [None, None];
-        }
+        (status, reason, exit_code, signame)
     }
 
     fn prepare(&self, work: &Path, tmp: &Path, code_path: &Path) -> std::io::Result<()> {
@@ -1006,6 +1095,80 @@ impl Execution {
             std::fs::remove_dir_all(dir)?;
         }
         Ok(())
+    }
+}
+
+/// An execution's program once started, and what lives as long as it.
+struct Program {
+    child: tokio::process::Child,
+    /// Its pid, which is also its process group's.
+    pid: i32,
+    /// The value of [`TAG_VAR`] in its processes.
+    tag: String,
+    /// The execution's directory (working directory, temporary directory, tool socket).
+    dir: PathBuf,
+    /// The code, outside the working directory.
+    code_path: PathBuf,
+    /// Extension `tool_calls`: the tool socket's server.
+    broker: Option<crate::fixture_tools::Broker>,
+    started: Instant,
+}
+
+/// What the fixture keeps track of while a program runs: its output pipes and what was sent of them, and how it
+/// ended.
+struct Watch {
+    /// stdout and stderr, `None` once at their end or abandoned.
+    pipes: [Option<Pipe>; 2],
+    bufs: [Vec<u8>; 2],
+    chunkers: [Utf8Chunker; 2],
+    /// Bytes of stdout and stderr sent.
+    sent: [u64; 2],
+    truncated: bool,
+    /// Why the fixture killed the program, if it did.
+    kill: Option<Kill>,
+    exit: Option<std::process::ExitStatus>,
+    /// The connection closed.
+    gone: bool,
+    usage: ResourceUsage,
+}
+
+impl Watch {
+    /// Takes the child's stdout and stderr.
+    fn new(child: &mut tokio::process::Child) -> Watch {
+        Watch {
+            pipes: [
+                child.stdout.take().map(Pipe::Out),
+                child.stderr.take().map(Pipe::Err),
+            ],
+            bufs: [vec![0u8; 65536], vec![0u8; 65536]],
+            chunkers: [Utf8Chunker::new(), Utf8Chunker::new()],
+            sent: [0; 2],
+            truncated: false,
+            kill: None,
+            exit: None,
+            gone: false,
+            usage: ResourceUsage::default(),
+        }
+    }
+}
+
+/// One read as one chunk, UTF-8 sequences split at its edges or not (fault `SplitsUtf8`): text if the read
+/// happens to be valid UTF-8, base64 otherwise.
+fn split_chunk(bytes: &[u8]) -> protocol::Chunk {
+    match std::str::from_utf8(bytes) {
+        Ok(t) => protocol::Chunk {
+            data: t.to_owned(),
+            encoding: protocol::OutputEncoding::Utf8,
+            raw_len: bytes.len(),
+        },
+        Err(_) => {
+            use base64::Engine as _;
+            protocol::Chunk {
+                data: base64::engine::general_purpose::STANDARD.encode(bytes),
+                encoding: protocol::OutputEncoding::Base64,
+                raw_len: bytes.len(),
+            }
+        }
     }
 }
 
