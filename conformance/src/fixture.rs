@@ -873,7 +873,11 @@ impl Execution {
 
     /// Streams the program's output and enforces its limits (time, memory, output), cancel and disconnect, until
     /// it has exited and its pipes are drained. `None` when the fault `LeavesProcessAfterDisconnect` abandons it.
-    async fn supervise(&self, program: &mut Program, mut ctl: watch::Receiver<Ctl>) -> Option<Watch> {
+    async fn supervise(
+        &self,
+        program: &mut Program,
+        mut ctl: watch::Receiver<Ctl>,
+    ) -> Option<Watch> {
         self.send(ServerMessage::Status {
             id: self.req.id.clone(),
             status: ExecStatus::Running,

@@ -98,6 +98,158 @@ impl Sbx {
     }
 }
 
+/// The operations on one sandbox (`/sandboxes/<id>/<op>`), each answering a status and a JSON body.
+impl Sbx {
+    /// `POST spawn`: starts the scripted agent, which emits its whole script at once.
+    fn spawn(&self, body: &Value, faults: &BTreeSet<Fault>) -> (u16, Option<Value>) {
+        let Some(agent) = body["agentId"].as_str().map(str::to_owned) else {
+            return (
+                400,
+                Some(invalid("Malformed request body: missing agentId")),
+            );
+        };
+        {
+            let mut st = lock(&self.state);
+            if st.running {
+                let h = json!({"id": "agent", "pluginName": "fixture", "status": st.status, "sessionId": st.run_id});
+                return (
+                    409,
+                    Some(
+                        json!({"code": "invalid_state", "message": "already running", "handle": h}),
+                    ),
+                );
+            }
+            st.running = true;
+            st.status = "running";
+            st.run_id = uuid_v7(st.next_seq + 99);
+        }
+        self.emit(
+            faults,
+            event(json!({"type": "lifecycle", "agentId": agent, "action": "started"})),
+        );
+        self.emit(
+            faults,
+            event(json!({"type": "status", "agentId": agent, "message": "brief received"})),
+        );
+        let script = body["providerConfig"]["script"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        self.play(&script, &agent, faults);
+        let st = lock(&self.state);
+        (
+            200,
+            Some(
+                json!({"id": agent, "pluginName": "fixture", "status": "running", "sessionId": st.run_id}),
+            ),
+        )
+    }
+
+    /// The agent's script: `{"emit": event}` steps (a `decision` event waits on a human) and `{"emit_many": n}`.
+    fn play(&self, script: &[Value], agent: &str, faults: &BTreeSet<Fault>) {
+        for step in script {
+            if let Some(e) = step.get("emit") {
+                let mut e = event(e.clone());
+                e.entry("agentId").or_insert_with(|| agent.into());
+                if e.get("type").and_then(Value::as_str) == Some("decision") {
+                    if let Some(d) = e.get("decisionId").and_then(Value::as_str) {
+                        let mut st = lock(&self.state);
+                        st.pending.insert(d.to_owned());
+                        st.status = "waiting_on_human";
+                    }
+                }
+                self.emit(faults, e);
+            } else if let Some(n) = step.get("emit_many").and_then(Value::as_u64) {
+                for i in 0..n {
+                    self.emit(faults, event(json!({"type": "status", "agentId": agent, "message": format!("tick {i}")})));
+                }
+            }
+        }
+    }
+
+    /// `POST resolve`: answers a pending decision.
+    fn resolve(&self, body: &Value, faults: &BTreeSet<Fault>) -> (u16, Option<Value>) {
+        let Some(d) = body["decisionId"].as_str() else {
+            return (400, Some(invalid("Malformed request body: decisionId")));
+        };
+        let mut st = lock(&self.state);
+        if !st.running {
+            return (409, Some(invalid("No agent is running")));
+        }
+        if !st.pending.remove(d) && !faults.contains(&Fault::AgentResolveUnknownOk) {
+            return (
+                404,
+                Some(json!({"code": "decision_not_found", "decisionId": d})),
+            );
+        }
+        if st.pending.is_empty() {
+            st.status = "running";
+        }
+        (200, Some(json!({})))
+    }
+
+    /// `POST replay`: the events of a range of sequence numbers.
+    fn replay(&self, body: &Value, faults: &BTreeSet<Fault>) -> (u16, Option<Value>) {
+        let (Some(mut from), Some(mut to)) =
+            (body["fromSequence"].as_u64(), body["toSequence"].as_u64())
+        else {
+            return (
+                400,
+                Some(invalid("Malformed request body: fromSequence, toSequence")),
+            );
+        };
+        if faults.contains(&Fault::AgentReplayOffByOne) {
+            from += 1;
+            to += 1;
+        }
+        let log = lock(&self.log);
+        let events: Vec<Value> = log
+            .iter()
+            .filter(|e| {
+                e["sourceSequence"]
+                    .as_u64()
+                    .is_some_and(|s| (from..=to).contains(&s))
+            })
+            .cloned()
+            .collect();
+        let last = log
+            .last()
+            .and_then(|e| e["sourceSequence"].as_u64())
+            .unwrap_or(0);
+        (200, Some(json!({"events": events, "lastSequence": last})))
+    }
+
+    /// `POST kill`: ends the agent.
+    fn kill(&self, faults: &BTreeSet<Fault>) -> (u16, Option<Value>) {
+        let mut st = lock(&self.state);
+        if !st.running {
+            return (409, Some(invalid("No agent is running")));
+        }
+        st.running = false;
+        st.status = "completed";
+        drop(st);
+        self.emit(faults, event(json!({"type": "lifecycle", "agentId": "agent", "action": "killed", "reason": "kill"})));
+        (
+            200,
+            Some(json!({"artifactsExtracted": 0, "cleanShutdown": true})),
+        )
+    }
+
+    /// `GET health`.
+    fn health(&self) -> (u16, Option<Value>) {
+        let st = lock(&self.state);
+        (
+            200,
+            Some(json!({
+                "status": "healthy", "agentStatus": st.status,
+                "uptimeMs": self.created.elapsed().as_millis() as u64,
+                "resourceUsage": {"cpuPercent": 0.0, "memoryMb": 0.0, "diskMb": 0.0, "collectedAt": now_ts()},
+                "pendingEventBufferSize": 0
+            })),
+        )
+    }
+}
+
 fn event(v: Value) -> Map<String, Value> {
     match v {
         Value::Object(m) => m,
@@ -291,142 +443,12 @@ impl Agents {
         body: Value,
         faults: &BTreeSet<Fault>,
     ) -> (u16, Option<Value>) {
-        let handle = |st: &State| json!({"id": "agent", "pluginName": "fixture", "status": st.status, "sessionId": st.run_id});
         match (method, op) {
-            ("POST", "spawn") => {
-                let Some(agent) = body["agentId"].as_str().map(str::to_owned) else {
-                    return (
-                        400,
-                        Some(invalid("Malformed request body: missing agentId")),
-                    );
-                };
-                {
-                    let mut st = lock(&sbx.state);
-                    if st.running {
-                        let h = handle(&st);
-                        return (
-                            409,
-                            Some(
-                                json!({"code": "invalid_state", "message": "already running", "handle": h}),
-                            ),
-                        );
-                    }
-                    st.running = true;
-                    st.status = "running";
-                    st.run_id = uuid_v7(st.next_seq + 99);
-                }
-                sbx.emit(
-                    faults,
-                    event(json!({"type": "lifecycle", "agentId": agent, "action": "started"})),
-                );
-                sbx.emit(
-                    faults,
-                    event(json!({"type": "status", "agentId": agent, "message": "brief received"})),
-                );
-                let script = body["providerConfig"]["script"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default();
-                for step in script {
-                    if let Some(e) = step.get("emit") {
-                        let mut e = event(e.clone());
-                        e.entry("agentId").or_insert_with(|| agent.clone().into());
-                        if e.get("type").and_then(Value::as_str) == Some("decision") {
-                            if let Some(d) = e.get("decisionId").and_then(Value::as_str) {
-                                let mut st = lock(&sbx.state);
-                                st.pending.insert(d.to_owned());
-                                st.status = "waiting_on_human";
-                            }
-                        }
-                        sbx.emit(faults, e);
-                    } else if let Some(n) = step.get("emit_many").and_then(Value::as_u64) {
-                        for i in 0..n {
-                            sbx.emit(faults, event(json!({"type": "status", "agentId": agent, "message": format!("tick {i}")})));
-                        }
-                    }
-                }
-                let st = lock(&sbx.state);
-                (
-                    200,
-                    Some(
-                        json!({"id": agent, "pluginName": "fixture", "status": "running", "sessionId": st.run_id}),
-                    ),
-                )
-            }
-            ("POST", "resolve") => {
-                let Some(d) = body["decisionId"].as_str() else {
-                    return (400, Some(invalid("Malformed request body: decisionId")));
-                };
-                let mut st = lock(&sbx.state);
-                if !st.running {
-                    return (409, Some(invalid("No agent is running")));
-                }
-                if !st.pending.remove(d) && !faults.contains(&Fault::AgentResolveUnknownOk) {
-                    return (
-                        404,
-                        Some(json!({"code": "decision_not_found", "decisionId": d})),
-                    );
-                }
-                if st.pending.is_empty() {
-                    st.status = "running";
-                }
-                (200, Some(json!({})))
-            }
-            ("POST", "replay") => {
-                let (Some(mut from), Some(mut to)) =
-                    (body["fromSequence"].as_u64(), body["toSequence"].as_u64())
-                else {
-                    return (
-                        400,
-                        Some(invalid("Malformed request body: fromSequence, toSequence")),
-                    );
-                };
-                if faults.contains(&Fault::AgentReplayOffByOne) {
-                    from += 1;
-                    to += 1;
-                }
-                let log = lock(&sbx.log);
-                let events: Vec<Value> = log
-                    .iter()
-                    .filter(|e| {
-                        e["sourceSequence"]
-                            .as_u64()
-                            .is_some_and(|s| (from..=to).contains(&s))
-                    })
-                    .cloned()
-                    .collect();
-                let last = log
-                    .last()
-                    .and_then(|e| e["sourceSequence"].as_u64())
-                    .unwrap_or(0);
-                (200, Some(json!({"events": events, "lastSequence": last})))
-            }
-            ("POST", "kill") => {
-                let mut st = lock(&sbx.state);
-                if !st.running {
-                    return (409, Some(invalid("No agent is running")));
-                }
-                st.running = false;
-                st.status = "completed";
-                drop(st);
-                sbx.emit(faults, event(json!({"type": "lifecycle", "agentId": "agent", "action": "killed", "reason": "kill"})));
-                (
-                    200,
-                    Some(json!({"artifactsExtracted": 0, "cleanShutdown": true})),
-                )
-            }
-            ("GET", "health") => {
-                let st = lock(&sbx.state);
-                (
-                    200,
-                    Some(json!({
-                        "status": "healthy", "agentStatus": st.status,
-                        "uptimeMs": sbx.created.elapsed().as_millis() as u64,
-                        "resourceUsage": {"cpuPercent": 0.0, "memoryMb": 0.0, "diskMb": 0.0, "collectedAt": now_ts()},
-                        "pendingEventBufferSize": 0
-                    })),
-                )
-            }
+            ("POST", "spawn") => sbx.spawn(&body, faults),
+            ("POST", "resolve") => sbx.resolve(&body, faults),
+            ("POST", "replay") => sbx.replay(&body, faults),
+            ("POST", "kill") => sbx.kill(faults),
+            ("GET", "health") => sbx.health(),
             _ => (404, Some(invalid("No such route"))),
         }
     }
