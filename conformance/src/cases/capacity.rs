@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::{case, ended, sequence, C};
+use crate::client::Conn;
 use crate::ctx::{load_of, Ctx};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::msgs::cancel;
@@ -117,161 +118,222 @@ pub async fn observe(ctx: &Ctx) -> Result<CapacityObs, Stop> {
 }
 
 async fn scenario(ctx: &Ctx) -> Result<CapacityObs, Stop> {
-    let lang = ctx.shell()?;
-    let mut c = ctx.connect().await?;
-    ctx.wait_load(&mut c, (0, 0), ctx.secs(20))
-        .await
-        .map_err(|s| {
-            Stop::Harness(format!(
-                "the server is not idle, so its capacity cannot be measured: {}",
-                s.message()
-            ))
-        })?;
-    let timeout = ctx.fit("timeout_ms", 120_000);
-    let memory = ctx.fit("memory_mb", 32);
-    let not_yet = || Err(Stop::Harness("not observed".into()));
-    let mut obs = CapacityObs {
-        max_concurrent: 0,
-        max_queue: 0,
-        refusal: None,
-        refusal_latency: Duration::ZERO,
-        load_truthful: Err(String::new()),
-        queued_started: not_yet(),
-        retry_accepted: not_yet(),
-        queued_cancel: not_yet(),
-        load_back: Err(String::new()),
-        queue_order: None,
-    };
-    let mut accepted: Vec<(String, Option<bool>)> = Vec::new();
-    let started = Instant::now();
-    for _ in 0..MAX_SATURATION {
-        let id = ctx.id("cap");
-        let exec = crate::msgs::execute(&id, lang, "sleep 120", timeout, memory);
-        let sent = Instant::now();
-        c.send_json(&exec).await?;
-        // Observed, not taken: the ack stays for the execution's later collection.
-        let m = c
-            .observe(
-                ctx.secs(10),
-                &format!("the ack or refusal of saturating execute {id}"),
-                |m| m.is_for(&id) && matches!(m.kind(), "ack" | "error"),
-            )
-            .await?;
-        if m.kind() == "error" {
-            obs.refusal_latency = sent.elapsed();
-            c.discard(|x| x.is_for(&id));
-            obs.refusal = Some((id, m.raw));
-            break;
-        }
-        accepted.push((id, m.raw.get("queued").and_then(Value::as_bool)));
+    let mut s = Scenario::begin(ctx).await?;
+    if !s.saturate().await? {
+        return Err(s.give_up().await);
     }
-    let accepted_ids: Vec<String> = accepted.iter().map(|(id, _)| id.clone()).collect();
-    if obs.refusal.is_none() {
-        for id in &accepted_ids {
-            let _ = c.send_json(&cancel(id)).await;
-        }
-        c.close().await;
-        return Err(Stop::Skip(format!(
-            "{MAX_SATURATION} long-running executions were accepted without SANDBOX_OVERLOADED: the capacity is larger than the suite tries"
-        )));
+    let (running, queued) = s.count().await?;
+    s.free_a_slot(&running, &queued).await?;
+    s.cancel_queued().await?;
+    s.wind_down().await
+}
+
+/// The capacity scenario between its phases: saturate, count, free a slot, cancel a queued execution, wind
+/// down. Each phase records its findings in `obs`; an `Err` of a phase ends the scenario (and its connection)
+/// at once.
+struct Scenario<'a> {
+    ctx: &'a Ctx,
+    c: Conn,
+    lang: &'static str,
+    /// The saturating executions' `timeout_ms` and `memory_mb`.
+    timeout: u64,
+    memory: u64,
+    /// When the saturation began: the executions are collected from then on.
+    started: Instant,
+    obs: CapacityObs,
+    /// The acknowledged executions, in order, with their `ack.queued` when sent.
+    accepted: Vec<(String, Option<bool>)>,
+    /// The executions not ended yet, once counted.
+    in_flight: Vec<String>,
+}
+
+impl<'a> Scenario<'a> {
+    /// Connects, once the server is idle.
+    async fn begin(ctx: &'a Ctx) -> Result<Scenario<'a>, Stop> {
+        let lang = ctx.shell()?;
+        let mut c = ctx.connect().await?;
+        ctx.wait_load(&mut c, (0, 0), ctx.secs(20))
+            .await
+            .map_err(|s| {
+                Stop::Harness(format!(
+                    "the server is not idle, so its capacity cannot be measured: {}",
+                    s.message()
+                ))
+            })?;
+        let not_yet = || Err(Stop::Harness("not observed".into()));
+        Ok(Scenario {
+            ctx,
+            c,
+            lang,
+            timeout: ctx.fit("timeout_ms", 120_000),
+            memory: ctx.fit("memory_mb", 32),
+            obs: CapacityObs {
+                max_concurrent: 0,
+                max_queue: 0,
+                refusal: None,
+                refusal_latency: Duration::ZERO,
+                load_truthful: Err(String::new()),
+                queued_started: not_yet(),
+                retry_accepted: not_yet(),
+                queued_cancel: not_yet(),
+                load_back: Err(String::new()),
+                queue_order: None,
+            },
+            accepted: Vec::new(),
+            in_flight: Vec::new(),
+            started: Instant::now(),
+        })
     }
 
-    // How many run: wait until the running statuses and pong.load agree (they may lag behind the acks).
-    let running_ids = |c: &crate::client::Conn| -> Vec<String> {
-        accepted_ids
-            .iter()
+    /// Sends long-running executions until one is refused (true), or [`MAX_SATURATION`] were accepted (false).
+    async fn saturate(&mut self) -> Result<bool, Stop> {
+        let ctx = self.ctx;
+        for _ in 0..MAX_SATURATION {
+            let id = ctx.id("cap");
+            let exec = crate::msgs::execute(&id, self.lang, "sleep 120", self.timeout, self.memory);
+            let sent = Instant::now();
+            self.c.send_json(&exec).await?;
+            // Observed, not taken: the ack stays for the execution's later collection.
+            let m = self
+                .c
+                .observe(
+                    ctx.secs(10),
+                    &format!("the ack or refusal of saturating execute {id}"),
+                    |m| m.is_for(&id) && matches!(m.kind(), "ack" | "error"),
+                )
+                .await?;
+            if m.kind() == "error" {
+                self.obs.refusal_latency = sent.elapsed();
+                self.c.discard(|x| x.is_for(&id));
+                self.obs.refusal = Some((id, m.raw));
+                return Ok(true);
+            }
+            self.accepted
+                .push((id, m.raw.get("queued").and_then(Value::as_bool)));
+        }
+        Ok(false)
+    }
+
+    /// No refusal: cancels everything and skips.
+    async fn give_up(mut self) -> Stop {
+        for (id, _) in &self.accepted {
+            let _ = self.c.send_json(&cancel(id)).await;
+        }
+        self.c.close().await;
+        Stop::Skip(format!(
+            "{MAX_SATURATION} long-running executions were accepted without SANDBOX_OVERLOADED: the capacity is larger than the suite tries"
+        ))
+    }
+
+    fn accepted_ids(&self) -> Vec<String> {
+        self.accepted.iter().map(|(id, _)| id.clone()).collect()
+    }
+
+    /// The accepted executions that sent `status: running`.
+    fn running_ids(&self) -> Vec<String> {
+        self.accepted_ids()
+            .into_iter()
             .filter(|id| {
-                c.unclaimed()
+                self.c
+                    .unclaimed()
                     .iter()
                     .any(|m| m.is_for(id) && m.status() == Some("running"))
             })
-            .cloned()
             .collect()
-    };
-    let mut last = String::new();
-    obs.load_truthful = Err(String::new());
-    let deadline = Instant::now() + ctx.secs(20);
-    while Instant::now() < deadline {
-        let pong = c.ping(ctx.secs(5)).await?;
-        let running = running_ids(&c).len() as u64;
-        let queued = accepted_ids.len() as u64 - running;
-        let load = load_of(&pong.raw);
-        last = format!(
-            "{} running and {queued} queued observed, pong.load {}",
-            running,
-            short(&pong.raw["load"])
-        );
-        if load == Some((running, queued)) && running > 0 {
-            obs.load_truthful = Ok(last.clone());
-            break;
+    }
+
+    /// How many run and how many wait: waits until the running statuses and `pong.load` agree (they may lag
+    /// behind the acks). Returns the running and the queued executions.
+    async fn count(&mut self) -> Result<(Vec<String>, Vec<String>), Stop> {
+        let ctx = self.ctx;
+        let accepted = self.accepted.len() as u64;
+        let mut last = String::new();
+        self.obs.load_truthful = Err(String::new());
+        let deadline = Instant::now() + ctx.secs(20);
+        while Instant::now() < deadline {
+            let pong = self.c.ping(ctx.secs(5)).await?;
+            let running = self.running_ids().len() as u64;
+            let queued = accepted - running;
+            let load = load_of(&pong.raw);
+            last = format!(
+                "{} running and {queued} queued observed, pong.load {}",
+                running,
+                short(&pong.raw["load"])
+            );
+            if load == Some((running, queued)) && running > 0 {
+                self.obs.load_truthful = Ok(last.clone());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    if obs.load_truthful.is_err() {
-        obs.load_truthful = Err(format!("after {:?}: {last}", ctx.secs(20)));
-    }
-    let running = running_ids(&c);
-    // ack.queued (sandboxd addition), when sent, tells the same story.
-    for (id, queued) in &accepted {
-        if let Some(q) = queued {
-            if *q == running.contains(id) {
-                obs.load_truthful = Err(format!(
-                    "execution {id} was acknowledged with queued {q}, but it {} at once",
-                    if running.contains(id) {
-                        "ran"
-                    } else {
-                        "did not run"
-                    }
-                ));
+        if self.obs.load_truthful.is_err() {
+            self.obs.load_truthful = Err(format!("after {:?}: {last}", ctx.secs(20)));
+        }
+        let running = self.running_ids();
+        // ack.queued (sandboxd addition), when sent, tells the same story.
+        for (id, queued) in &self.accepted {
+            if let Some(q) = queued {
+                if *q == running.contains(id) {
+                    self.obs.load_truthful = Err(format!(
+                        "execution {id} was acknowledged with queued {q}, but it {} at once",
+                        if running.contains(id) {
+                            "ran"
+                        } else {
+                            "did not run"
+                        }
+                    ));
+                }
             }
         }
+        let accepted_ids = self.accepted_ids();
+        self.obs.max_concurrent = running.len() as u64;
+        self.obs.max_queue = (accepted_ids.len() - running.len()) as u64;
+        let queued: Vec<String> = accepted_ids
+            .iter()
+            .filter(|id| !running.contains(id))
+            .cloned()
+            .collect();
+        self.in_flight = accepted_ids;
+        Ok((running, queued))
     }
-    obs.max_concurrent = running.len() as u64;
-    obs.max_queue = (accepted_ids.len() - running.len()) as u64;
-    let queued: Vec<String> = accepted_ids
-        .iter()
-        .filter(|id| !running.contains(id))
-        .cloned()
-        .collect();
 
-    // Free a slot: a queued execution must start, and the refused request, retried, must be accepted.
-    let refused_id = obs
-        .refusal
-        .as_ref()
-        .map(|(id, _)| id.clone())
-        .unwrap_or_default();
-    let mut in_flight: Vec<String> = accepted_ids.clone();
-    obs.queued_started = Err(Stop::Skip(
-        "no execution was queued (max_queue is 0)".into(),
-    ));
-    obs.retry_accepted = Err(Stop::Skip(
-        "no execution ran, so none could be cancelled to free a slot".into(),
-    ));
-    if let Some(first) = running.first() {
-        c.send_json(&cancel(first)).await?;
-        let e = c.collect(first, started, ctx.secs(10)).await?;
-        in_flight.retain(|x| x != first);
+    /// Frees a slot by cancelling a running execution: a queued execution must start, and the refused request,
+    /// retried, must be accepted.
+    async fn free_a_slot(&mut self, running: &[String], queued: &[String]) -> Result<(), Stop> {
+        let ctx = self.ctx;
+        self.obs.queued_started = Err(Stop::Skip(
+            "no execution was queued (max_queue is 0)".into(),
+        ));
+        self.obs.retry_accepted = Err(Stop::Skip(
+            "no execution ran, so none could be cancelled to free a slot".into(),
+        ));
+        let Some(first) = running.first() else {
+            return Ok(());
+        };
+        self.c.send_json(&cancel(first)).await?;
+        let e = self.c.collect(first, self.started, ctx.secs(10)).await?;
+        self.in_flight.retain(|x| x != first);
         if e.terminal_status().as_deref() != Some("cancelled") {
-            obs.queued_started = Err(Stop::Fail(format!(
+            self.obs.queued_started = Err(Stop::Fail(format!(
                 "cancelling a running execution to free a slot failed: {}",
                 e.dump()
             )));
         } else if let Some(next) = queued.first() {
-            let waiting = queued.clone();
-            obs.queued_started = match c
+            let started = self
+                .c
                 .observe(
                     ctx.secs(10),
                     "a queued execution's status:running once a slot was freed",
                     |m| {
                         m.status() == Some("running")
-                            && m.id().is_some_and(|id| waiting.iter().any(|q| q == id))
+                            && m.id().is_some_and(|id| queued.iter().any(|q| q == id))
                     },
                 )
-                .await
-            {
+                .await;
+            self.obs.queued_started = match started {
                 Ok(m) => {
                     let started = m.id().unwrap_or_default().to_owned();
-                    obs.queue_order = Some(if &started == next {
+                    self.obs.queue_order = Some(if &started == next {
                         format!("the first queued execution ({next}) started first")
                     } else {
                         format!("{started} started before {next}, which had been queued earlier: the queue is not first-in first-out")
@@ -281,20 +343,40 @@ async fn scenario(ctx: &Ctx) -> Result<CapacityObs, Stop> {
                 Err(s) => Err(s),
             };
         }
-        let retry = crate::msgs::execute(&refused_id, lang, "sleep 120", timeout, memory);
-        c.send_json(&retry).await?;
-        obs.retry_accepted = match c
-            .observe(ctx.secs(10), "the answer to the retried execute", |m| {
-                m.is_for(&refused_id) && matches!(m.kind(), "ack" | "error")
-            })
+        self.retry_refused().await
+    }
+
+    /// Sends the refused execute again, now that a slot was freed.
+    async fn retry_refused(&mut self) -> Result<(), Stop> {
+        let refused_id = self
+            .obs
+            .refusal
+            .as_ref()
+            .map(|(id, _)| id.clone())
+            .unwrap_or_default();
+        let retry = crate::msgs::execute(
+            &refused_id,
+            self.lang,
+            "sleep 120",
+            self.timeout,
+            self.memory,
+        );
+        self.c.send_json(&retry).await?;
+        self.obs.retry_accepted = match self
+            .c
+            .observe(
+                self.ctx.secs(10),
+                "the answer to the retried execute",
+                |m| m.is_for(&refused_id) && matches!(m.kind(), "ack" | "error"),
+            )
             .await
         {
             Ok(m) if m.kind() == "ack" => {
-                in_flight.push(refused_id.clone());
+                self.in_flight.push(refused_id.clone());
                 Ok("the refused execute, retried after a slot was freed, was accepted".into())
             }
             Ok(m) => {
-                c.discard(|x| x.is_for(&refused_id));
+                self.c.discard(|x| x.is_for(&refused_id));
                 Err(Stop::Fail(format!(
                     "the retry was refused again: {}",
                     short(&m.raw)
@@ -302,61 +384,72 @@ async fn scenario(ctx: &Ctx) -> Result<CapacityObs, Stop> {
             }
             Err(s) => Err(s),
         };
+        Ok(())
     }
 
-    // Cancel a queued execution (the last one acknowledged, which is still waiting).
-    obs.queued_cancel = Err(Stop::Skip(
-        "no execution was queued (max_queue is 0)".into(),
-    ));
-    if obs.max_queue > 0 {
-        let pong = c.ping(ctx.secs(5)).await?;
-        let still_queued: Vec<String> = in_flight
+    /// Cancels a queued execution (the last one acknowledged, which is still waiting).
+    async fn cancel_queued(&mut self) -> Result<(), Stop> {
+        let ctx = self.ctx;
+        self.obs.queued_cancel = Err(Stop::Skip(
+            "no execution was queued (max_queue is 0)".into(),
+        ));
+        if self.obs.max_queue == 0 {
+            return Ok(());
+        }
+        let pong = self.c.ping(ctx.secs(5)).await?;
+        let unclaimed = self.c.unclaimed();
+        let still_queued: Vec<String> = self
+            .in_flight
             .iter()
             .filter(|id| {
-                !c.unclaimed()
+                !unclaimed
                     .iter()
                     .any(|m| m.is_for(id) && m.status() == Some("running"))
             })
             .cloned()
             .collect();
-        if let Some(q) = still_queued.last().cloned() {
-            c.send_json(&cancel(&q)).await?;
-            obs.queued_cancel = match c.collect(&q, started, ctx.secs(10)).await {
-                Ok(e) => {
-                    in_flight.retain(|x| x != &q);
-                    sequence(&e)
-                        .and_then(|()| ended(&e, "cancelled", "cancelled"))
-                        .map(|()| {
-                            if e.statuses().iter().any(|s| s == "running") {
-                                "it had started meanwhile; cancelled".into()
-                            } else {
-                                "cancelled while queued (no status:running)".into()
-                            }
-                        })
-                }
-                Err(s) => Err(s),
-            };
-        } else {
-            obs.queued_cancel = Err(Stop::Harness(format!(
+        let Some(q) = still_queued.last().cloned() else {
+            self.obs.queued_cancel = Err(Stop::Harness(format!(
                 "no queued execution left to cancel (pong {})",
                 short(&pong.raw)
             )));
-        }
+            return Ok(());
+        };
+        self.c.send_json(&cancel(&q)).await?;
+        self.obs.queued_cancel = match self.c.collect(&q, self.started, ctx.secs(10)).await {
+            Ok(e) => {
+                self.in_flight.retain(|x| x != &q);
+                sequence(&e)
+                    .and_then(|()| ended(&e, "cancelled", "cancelled"))
+                    .map(|()| {
+                        if e.statuses().iter().any(|s| s == "running") {
+                            "it had started meanwhile; cancelled".into()
+                        } else {
+                            "cancelled while queued (no status:running)".into()
+                        }
+                    })
+            }
+            Err(s) => Err(s),
+        };
+        Ok(())
     }
 
-    // Cancel the rest; the load must return to 0.
-    for id in &in_flight {
-        c.send_json(&cancel(id)).await?;
+    /// Cancels the rest; the load must return to 0.
+    async fn wind_down(mut self) -> Result<CapacityObs, Stop> {
+        let ctx = self.ctx;
+        for id in &self.in_flight {
+            self.c.send_json(&cancel(id)).await?;
+        }
+        for id in &self.in_flight {
+            self.c.collect(id, self.started, ctx.secs(15)).await?;
+        }
+        self.obs.load_back = match ctx.wait_load(&mut self.c, (0, 0), ctx.secs(20)).await {
+            Ok(()) => Ok(String::new()),
+            Err(s) => Err(s.message().to_owned()),
+        };
+        self.c.close().await;
+        Ok(self.obs)
     }
-    for id in &in_flight {
-        c.collect(id, started, ctx.secs(15)).await?;
-    }
-    obs.load_back = match ctx.wait_load(&mut c, (0, 0), ctx.secs(20)).await {
-        Ok(()) => Ok(String::new()),
-        Err(s) => Err(s.message().to_owned()),
-    };
-    c.close().await;
-    Ok(obs)
 }
 
 async fn overloaded(ctx: C) -> CaseResult {

@@ -2,6 +2,7 @@
 //! files, artifacts, duplicate ids), `cancel` and `ping`.
 
 use std::collections::HashSet;
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD;
@@ -9,7 +10,7 @@ use base64::Engine;
 use serde_json::{json, Value};
 
 use super::{case, ended, exit_null, refused, sequence, text, wait_no_marked_processes, C};
-use crate::client::Frame;
+use crate::client::{Conn, Frame};
 use crate::ctx::{load_of, max_limits_json, Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::msgs::{cancel, with};
@@ -671,141 +672,193 @@ fn classify(t: &str) -> Option<Value> {
 async fn ping_during_flood(ctx: C) -> CaseResult {
     let lang = ctx.shell()?;
     let mut c = ctx.connect().await?;
-    let per_flood = ctx.fit("max_output_bytes", 256 << 20);
-    let timeout = ctx.fit("timeout_ms", 60_000);
-    let flood_code =
-        "exec yes 'flood flood flood flood flood flood flood flood flood flood flood flood'";
-    let mut inflight: HashSet<String> = HashSet::new();
-    let start_flood = |ctx: &C| {
-        let id = ctx.id("flood");
-        let exec = ctx.exec_with(
-            &id,
-            lang,
-            flood_code,
-            json!({"limits": {"max_output_bytes": per_flood, "timeout_ms": timeout}}),
-        );
-        (id, exec)
+    let mut flood = Flood {
+        ctx: &ctx,
+        lang,
+        per_flood: ctx.fit("max_output_bytes", 256 << 20),
+        timeout: ctx.fit("timeout_ms", 60_000),
+        inflight: HashSet::new(),
+        flood_bytes: 0,
+        samples: Vec::new(),
+        ping_sent: None,
+        last_ping_done: Instant::now(),
     };
     for _ in 0..2 {
-        let (id, exec) = start_flood(&ctx);
-        c.send_json(&exec).await?;
-        inflight.insert(id);
+        flood.start(&mut c).await?;
     }
-    let bound = Duration::from_secs(1);
-    let mut flood_bytes: u64 = 0;
-    let mut samples: Vec<Duration> = Vec::new();
-    let mut ping_sent: Option<(Instant, u64)> = None;
-    let started = Instant::now();
-    let mut last_ping_done = Instant::now();
-    let overall = ctx.secs(60);
-    let result: Result<String, Stop> = loop {
-        if started.elapsed() > overall {
-            break Err(Stop::Harness(format!(
-                "could not take 3 pong samples during a flood within {overall:?}"
-            )));
+    let result = flood.measure(&mut c).await?;
+    flood.stop(&mut c).await;
+    c.close().await;
+    result
+}
+
+/// Bound on a pong during the flood (the spec's 1 s, not scaled).
+const PONG_BOUND: Duration = Duration::from_secs(1);
+
+/// The flood of P.3.16: two executions writing output as fast as they can (each replaced when it ends), and
+/// pings sent meanwhile.
+struct Flood<'a> {
+    ctx: &'a C,
+    lang: &'static str,
+    /// Each flood's `max_output_bytes` and `timeout_ms`.
+    per_flood: u64,
+    timeout: u64,
+    /// The flood executions not ended yet.
+    inflight: HashSet<String>,
+    /// Output read so far (bytes of frames).
+    flood_bytes: u64,
+    /// How long the pongs took that came while a flood ran.
+    samples: Vec<Duration>,
+    /// The ping waiting for its pong: when it was sent, and `flood_bytes` then.
+    ping_sent: Option<(Instant, u64)>,
+    last_ping_done: Instant,
+}
+
+impl Flood<'_> {
+    /// Starts one more flood execution.
+    async fn start(&mut self, c: &mut Conn) -> Result<(), Stop> {
+        let id = self.ctx.id("flood");
+        let exec = self.ctx.exec_with(
+            &id,
+            self.lang,
+            "exec yes 'flood flood flood flood flood flood flood flood flood flood flood flood'",
+            json!({"limits": {"max_output_bytes": self.per_flood, "timeout_ms": self.timeout}}),
+        );
+        c.send_json(&exec).await?;
+        self.inflight.insert(id);
+        Ok(())
+    }
+
+    /// Pings while the floods run until 3 pongs came in time (or one did not): the case's verdict. `Err` when
+    /// the connection fails under the suite.
+    async fn measure(&mut self, c: &mut Conn) -> Result<CaseResult, Stop> {
+        let started = Instant::now();
+        self.last_ping_done = started;
+        let overall = self.ctx.secs(60);
+        loop {
+            if started.elapsed() > overall {
+                return Ok(Err(Stop::Harness(format!(
+                    "could not take 3 pong samples during a flood within {overall:?}"
+                ))));
+            }
+            if let Some((at, bytes)) = self.ping_sent {
+                if at.elapsed() > PONG_BOUND {
+                    return Ok(Err(Stop::Fail(format!(
+                        "no pong within 1 s of a ping while {} execution(s) flooded output ({} KiB of output read meanwhile)",
+                        self.inflight.len(),
+                        (self.flood_bytes - bytes) >> 10
+                    ))));
+                }
+            } else if self.flood_bytes >= 2 << 20
+                && self.last_ping_done.elapsed() > Duration::from_millis(200)
+                && !self.inflight.is_empty()
+            {
+                c.send_json(&crate::msgs::ping()).await?;
+                self.ping_sent = Some((Instant::now(), self.flood_bytes));
+            }
+            let wait = match self.ping_sent {
+                Some((at, _)) => PONG_BOUND
+                    .saturating_sub(at.elapsed())
+                    .max(Duration::from_millis(1)),
+                None => self.ctx.secs(10),
+            };
+            let frame = match c.raw(wait).await {
+                None if self.ping_sent.is_some() => continue,
+                None => {
+                    return Ok(Err(Stop::Fail(format!(
+                        "no output from the flood within {wait:?}"
+                    ))))
+                }
+                Some(Err(Frame::Closed(cl))) => {
+                    return Ok(Err(Stop::Fail(format!(
+                        "the connection ended during the flood: {cl:?}"
+                    ))))
+                }
+                Some(Err(other)) => {
+                    return Ok(Err(Stop::Fail(format!(
+                        "unexpected frame during the flood: {other:?}"
+                    ))))
+                }
+                Some(Ok(t)) => t,
+            };
+            if let ControlFlow::Break(verdict) = self.on_frame(c, &frame).await? {
+                return Ok(verdict);
+            }
         }
-        if let Some((at, bytes)) = ping_sent {
-            if at.elapsed() > bound {
-                break Err(Stop::Fail(format!(
-                    "no pong within 1 s of a ping while {} execution(s) flooded output ({} KiB of output read meanwhile)",
-                    inflight.len(),
-                    (flood_bytes - bytes) >> 10
-                )));
-            }
-        } else if flood_bytes >= 2 << 20
-            && last_ping_done.elapsed() > Duration::from_millis(200)
-            && !inflight.is_empty()
-        {
-            c.send_json(&crate::msgs::ping()).await?;
-            ping_sent = Some((Instant::now(), flood_bytes));
-        }
-        let wait = match ping_sent {
-            Some((at, _)) => bound
-                .saturating_sub(at.elapsed())
-                .max(Duration::from_millis(1)),
-            None => ctx.secs(10),
-        };
-        let frame = match c.raw(wait).await {
-            None if ping_sent.is_some() => continue,
-            None => {
-                break Err(Stop::Fail(format!(
-                    "no output from the flood within {wait:?}"
-                )))
-            }
-            Some(Err(Frame::Closed(cl))) => {
-                break Err(Stop::Fail(format!(
-                    "the connection ended during the flood: {cl:?}"
-                )))
-            }
-            Some(Err(other)) => {
-                break Err(Stop::Fail(format!(
-                    "unexpected frame during the flood: {other:?}"
-                )))
-            }
-            Some(Ok(t)) => t,
-        };
-        let Some(v) = classify(&frame) else {
-            flood_bytes += frame.len() as u64;
-            continue;
+    }
+
+    /// One text frame: output is counted, a pong timed, an ended flood replaced.
+    async fn on_frame(
+        &mut self,
+        c: &mut Conn,
+        frame: &str,
+    ) -> Result<ControlFlow<CaseResult>, Stop> {
+        let Some(v) = classify(frame) else {
+            self.flood_bytes += frame.len() as u64;
+            return Ok(ControlFlow::Continue(()));
         };
         match v["type"].as_str().unwrap_or_default() {
-            "stdout" | "stderr" => flood_bytes += frame.len() as u64,
-            "pong" => {
-                if let Some((at, _)) = ping_sent.take() {
-                    let took = at.elapsed();
-                    if took > bound {
-                        break Err(Stop::Fail(format!(
-                            "pong after {took:?} (> 1 s) during the flood"
-                        )));
-                    }
-                    if !inflight.is_empty() {
-                        samples.push(took);
-                    }
-                    last_ping_done = Instant::now();
-                    if samples.len() >= 3 {
-                        let worst = samples.iter().max().copied().unwrap_or_default();
-                        break Ok(format!(
-                            "slowest of {} pongs: {worst:?}; {} MiB of output read",
-                            samples.len(),
-                            flood_bytes >> 20
-                        ));
-                    }
-                }
-            }
+            "stdout" | "stderr" => self.flood_bytes += frame.len() as u64,
+            "pong" => return Ok(self.on_pong()),
             "result" | "error" => {
                 let id = v["id"].as_str().unwrap_or_default().to_owned();
-                if inflight.remove(&id) {
+                if self.inflight.remove(&id) {
                     if v["type"] == "error" {
-                        break Err(Stop::Harness(format!(
+                        return Ok(ControlFlow::Break(Err(Stop::Harness(format!(
                             "a flood execution was refused: {}",
                             short(&v)
-                        )));
+                        )))));
                     }
-                    let (id, exec) = start_flood(&ctx);
-                    c.send_json(&exec).await?;
-                    inflight.insert(id);
+                    self.start(c).await?;
                 }
             }
             _ => {}
         }
-    };
-    for id in &inflight {
-        let _ = c.send_json(&cancel(id)).await;
+        Ok(ControlFlow::Continue(()))
     }
-    // Drain what is left of the floods cheaply before closing.
-    let drain_until = Instant::now() + ctx.secs(20);
-    while !inflight.is_empty() && Instant::now() < drain_until {
-        match c.raw(ctx.secs(5)).await {
-            Some(Ok(t)) => {
-                if let Some(v) = classify(&t) {
-                    if matches!(v["type"].as_str(), Some("result" | "error")) {
-                        inflight.remove(v["id"].as_str().unwrap_or_default());
+
+    fn on_pong(&mut self) -> ControlFlow<CaseResult> {
+        let Some((at, _)) = self.ping_sent.take() else {
+            return ControlFlow::Continue(());
+        };
+        let took = at.elapsed();
+        if took > PONG_BOUND {
+            return ControlFlow::Break(Err(Stop::Fail(format!(
+                "pong after {took:?} (> 1 s) during the flood"
+            ))));
+        }
+        if !self.inflight.is_empty() {
+            self.samples.push(took);
+        }
+        self.last_ping_done = Instant::now();
+        if self.samples.len() >= 3 {
+            let worst = self.samples.iter().max().copied().unwrap_or_default();
+            return ControlFlow::Break(Ok(format!(
+                "slowest of {} pongs: {worst:?}; {} MiB of output read",
+                self.samples.len(),
+                self.flood_bytes >> 20
+            )));
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Cancels the floods and drains what is left of them cheaply, before the connection closes.
+    async fn stop(&mut self, c: &mut Conn) {
+        for id in &self.inflight {
+            let _ = c.send_json(&cancel(id)).await;
+        }
+        let drain_until = Instant::now() + self.ctx.secs(20);
+        while !self.inflight.is_empty() && Instant::now() < drain_until {
+            match c.raw(self.ctx.secs(5)).await {
+                Some(Ok(t)) => {
+                    if let Some(v) = classify(&t) {
+                        if matches!(v["type"].as_str(), Some("result" | "error")) {
+                            self.inflight.remove(v["id"].as_str().unwrap_or_default());
+                        }
                     }
                 }
+                _ => break,
             }
-            _ => break,
         }
     }
-    c.close().await;
-    result
 }
