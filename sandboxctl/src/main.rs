@@ -605,9 +605,7 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
         .map(|t| CommandTool::parse(t))
         .collect::<Result<_, _>>()
         .map_err(anyhow::Error::msg)?;
-    let mut calls = futures_util::stream::FuturesUnordered::<
-        std::pin::Pin<Box<dyn std::future::Future<Output = (String, client::ToolOutcome)>>>,
-    >::new();
+    let mut calls = futures_util::stream::FuturesUnordered::<ToolRun>::new();
     let mut execution = match conn.execute_stream_with(request, exec_options).await {
         Ok(e) => e,
         Err(e) => return Ok(fail(&e).await),
@@ -641,18 +639,7 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
             }
             Some(Err(e)) => {
                 if args.json {
-                    if let ClientError::Server { id, code, message } = &e {
-                        let m = ServerMessage::Error(protocol::ErrorMessage::new(
-                            id.clone(),
-                            *code,
-                            message.clone(),
-                        ));
-                        write_flush(
-                            &mut stdout,
-                            format!("{}\n", protocol::encode(&m)).as_bytes(),
-                        )
-                        .await?;
-                    }
+                    write_server_error(&mut stdout, &e).await?;
                 }
                 return Ok(fail(&e).await);
             }
@@ -671,19 +658,7 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
                 let bytes = chunk.decode().context("undecodable stderr chunk")?;
                 write_flush(&mut stderr, &bytes).await?;
             }
-            ServerMessage::ToolCall(call) => {
-                let tool = tools.iter().find(|t| t.name == call.name).cloned();
-                calls.push(Box::pin(async move {
-                    let outcome = match tool {
-                        Some(t) => {
-                            t.run(&call.args, call.timeout_ms.map(Duration::from_millis))
-                                .await
-                        }
-                        None => Err(format!("sandboxctl has no tool {:?}", call.name)),
-                    };
-                    (call.call_id, outcome)
-                }));
-            }
+            ServerMessage::ToolCall(call) => calls.push(run_tool(&tools, call)),
             ServerMessage::Result(result) => break result,
             _ => {}
         }
@@ -693,6 +668,40 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
     }
     conn.close();
     Ok(outcome(&result, timeout_ms).await)
+}
+
+/// A tool call being served by a local command: the call's id and its outcome.
+type ToolRun = std::pin::Pin<Box<dyn std::future::Future<Output = (String, client::ToolOutcome)>>>;
+
+/// Serves a `tool_call` with the local command of that name (`--tool`), or refuses it.
+fn run_tool(tools: &[CommandTool], call: protocol::ToolCall) -> ToolRun {
+    let tool = tools.iter().find(|t| t.name == call.name).cloned();
+    Box::pin(async move {
+        let outcome = match tool {
+            Some(t) => {
+                t.run(&call.args, call.timeout_ms.map(Duration::from_millis))
+                    .await
+            }
+            None => Err(format!("sandboxctl has no tool {:?}", call.name)),
+        };
+        (call.call_id, outcome)
+    })
+}
+
+/// With `--json`, the server's `error` that ended the execution, as a line like the other messages.
+async fn write_server_error<W: AsyncWrite + Unpin>(
+    out: &mut W,
+    e: &ClientError,
+) -> std::io::Result<()> {
+    if let ClientError::Server { id, code, message } = e {
+        let m = ServerMessage::Error(protocol::ErrorMessage::new(
+            id.clone(),
+            *code,
+            message.clone(),
+        ));
+        write_flush(out, format!("{}\n", protocol::encode(&m)).as_bytes()).await?;
+    }
+    Ok(())
 }
 
 /// The exit code for a finished execution, with a one-line reason on stderr when it is not the program's own.
