@@ -391,20 +391,7 @@ async fn resolve_token(cli: &Cli) -> Option<String> {
 /// Endpoint and token: flags, then environment (clap reads both), then the local token file.
 async fn connect_options(cli: &Cli) -> ConnectOptions {
     let options = ConnectOptions::new(cli.url());
-    let given = cli
-        .token
-        .as_deref()
-        .map(str::trim)
-        .filter(|t| !t.is_empty());
-    let token = match given {
-        Some(t) => Some(t.to_owned()),
-        None => tokio::fs::read_to_string(&cli.token_file)
-            .await
-            .ok()
-            .map(|t| t.trim().to_owned())
-            .filter(|t| !t.is_empty()),
-    };
-    match token {
+    match resolve_token(cli).await {
         Some(t) => options.token(t),
         None => options,
     }
