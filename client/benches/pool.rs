@@ -70,42 +70,53 @@ async fn run() {
         .unwrap();
     pool.warm_up().await.unwrap();
 
-    // Warm checkout, one caller.
-    for _ in 0..100 {
-        drop(pool.checkout().await.unwrap());
-    }
+    summary("warm checkout (1 caller)", warm_checkouts(&pool).await);
+    summary(
+        "warm checkout (5 callers at once)",
+        concurrent_warm_checkouts(&pool).await,
+    );
+    summary("cold connect (TCP + upgrade)", cold_connects(&d).await);
+    summary("pool.execute(`true`) end to end", executions(&pool).await);
+    reconnects(&pool, &mut d).await;
+}
+
+/// `n` sequential checkouts of an idle connection, each returned at once.
+async fn checkout_times(pool: &Pool, n: usize) -> Vec<Duration> {
     let mut v = Vec::new();
-    for _ in 0..2000 {
+    for _ in 0..n {
         let t = Instant::now();
         let lease = pool.checkout().await.unwrap();
         v.push(t.elapsed());
         drop(lease);
     }
-    summary("warm checkout (1 caller)", v);
+    v
+}
 
-    // Warm checkout, 5 callers at once (as many as base connections).
+/// Warm checkout, one caller: 2000 timed after 100 untimed.
+async fn warm_checkouts(pool: &Pool) -> Vec<Duration> {
+    for _ in 0..100 {
+        drop(pool.checkout().await.unwrap());
+    }
+    checkout_times(pool, 2000).await
+}
+
+/// Warm checkout, 5 callers at once (as many as base connections), 400 each.
+async fn concurrent_warm_checkouts(pool: &Pool) -> Vec<Duration> {
     let tasks: Vec<_> = (0..5)
         .map(|_| {
             let pool = pool.clone();
-            tokio::spawn(async move {
-                let mut v = Vec::new();
-                for _ in 0..400 {
-                    let t = Instant::now();
-                    let lease = pool.checkout().await.unwrap();
-                    v.push(t.elapsed());
-                    drop(lease);
-                }
-                v
-            })
+            tokio::spawn(async move { checkout_times(&pool, 400).await })
         })
         .collect();
     let mut v = Vec::new();
     for t in tasks {
         v.extend(t.await.unwrap());
     }
-    summary("warm checkout (5 callers at once)", v);
+    v
+}
 
-    // Cold connect, for comparison.
+/// Cold connect, for comparison: 100 connections opened and closed.
+async fn cold_connects(d: &Daemon) -> Vec<Duration> {
     let mut v = Vec::new();
     for _ in 0..100 {
         let t = Instant::now();
@@ -115,61 +126,43 @@ async fn run() {
         v.push(t.elapsed());
         c.close();
     }
-    summary("cold connect (TCP + upgrade)", v);
+    v
+}
 
-    // A whole execution, for scale.
+/// A whole execution, for scale: 50 of them.
+async fn executions(pool: &Pool) -> Vec<Duration> {
     let mut v = Vec::new();
     for _ in 0..50 {
         let t = Instant::now();
         pool.execute(true_request()).await.unwrap();
         v.push(t.elapsed());
     }
-    summary("pool.execute(`true`) end to end", v);
+    v
+}
 
-    // Reconnect.
+/// Times of one restart, from the respawn.
+struct Round {
+    /// To `/healthz` answering 200.
+    healthy: Duration,
+    /// To the first successful `pool.execute`.
+    first: Duration,
+    /// To every idle pooled connection connected again (`Duration::MAX` if not within 60 s).
+    idle_back: Duration,
+}
+
+/// Five restarts, each round printed, then the medians.
+async fn reconnects(pool: &Pool, d: &mut Daemon) {
     println!();
     println!("reconnect (daemon SIGKILLed, down 500 ms, restarted on the same port and state):");
     let mut to_healthy = Vec::new();
     let mut to_first = Vec::new();
     let mut after_healthy = Vec::new();
     for round in 1..=5 {
-        // The pool at rest: its base connections idle and connected.
-        pool.warm_up().await.unwrap();
-        d.kill_hard();
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let t0 = Instant::now();
-        d.respawn();
-        let url = d.url();
-        let healthy = tokio::spawn(async move {
-            loop {
-                if let Ok(h) = client::health(&url, None, Duration::from_secs(1)).await {
-                    if h.status == 200 {
-                        return t0.elapsed();
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        });
-        let first = loop {
-            match pool.execute(true_request()).await {
-                Ok(_) => break t0.elapsed(),
-                Err(e) if e.is_retryable() => tokio::time::sleep(Duration::from_millis(5)).await,
-                Err(e) => panic!("non-retryable error while the daemon restarts: {e}"),
-            }
-        };
-        let healthy = healthy.await.unwrap();
-        // The idle connections come back on their own backoff schedule (or are replaced by fresh ones at check-in).
-        let idle_back = loop {
-            let s = pool.stats();
-            if s.idle_connected >= s.idle && s.idle > 0 {
-                break t0.elapsed();
-            }
-            if t0.elapsed() > Duration::from_secs(60) {
-                break Duration::MAX;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        };
-        d.wait_serving().await;
+        let Round {
+            healthy,
+            first,
+            idle_back,
+        } = restart(pool, d).await;
         println!(
             "  round {round}: restart → healthy {:>6.1} ms, → first execute ok {:>6.1} ms ({:>5.1} ms after healthy); \
              every idle connection connected again after {:>6.1} ms",
@@ -192,4 +185,61 @@ async fn run() {
         median(to_first),
         median(after_healthy)
     );
+}
+
+/// One round: the pool at rest (its base connections idle and connected), the daemon SIGKILLed, down 500 ms,
+/// respawned; timed from the respawn until the daemon serves again.
+async fn restart(pool: &Pool, d: &mut Daemon) -> Round {
+    pool.warm_up().await.unwrap();
+    d.kill_hard();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = Instant::now();
+    d.respawn();
+    let healthy = tokio::spawn(healthy_after(d.url(), t0));
+    let first = first_execute_after(pool, t0).await;
+    let healthy = healthy.await.unwrap();
+    let idle_back = idle_connected_after(pool, t0).await;
+    d.wait_serving().await;
+    Round {
+        healthy,
+        first,
+        idle_back,
+    }
+}
+
+/// Polls `/healthz` every 2 ms until it answers 200.
+async fn healthy_after(url: String, t0: Instant) -> Duration {
+    loop {
+        if let Ok(h) = client::health(&url, None, Duration::from_secs(1)).await {
+            if h.status == 200 {
+                return t0.elapsed();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A caller retrying `pool.execute` every 5 ms until one succeeds.
+async fn first_execute_after(pool: &Pool, t0: Instant) -> Duration {
+    loop {
+        match pool.execute(true_request()).await {
+            Ok(_) => break t0.elapsed(),
+            Err(e) if e.is_retryable() => tokio::time::sleep(Duration::from_millis(5)).await,
+            Err(e) => panic!("non-retryable error while the daemon restarts: {e}"),
+        }
+    }
+}
+
+/// The idle connections come back on their own backoff schedule (or are replaced by fresh ones at check-in).
+async fn idle_connected_after(pool: &Pool, t0: Instant) -> Duration {
+    loop {
+        let s = pool.stats();
+        if s.idle_connected >= s.idle && s.idle > 0 {
+            break t0.elapsed();
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            break Duration::MAX;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use client::gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 use protocol::agent::{
-    AdapterEvent, AgentBrief, AgentStatus, ContextInjection, CreateSandboxRequest, HealthStatus,
-    InjectionFormat, InjectionPriority, KillRequest, PluginError, SerializedBy,
+    AdapterEvent, AgentBrief, AgentHandle, AgentStatus, ContextInjection, CreateSandboxRequest,
+    HealthStatus, InjectionFormat, InjectionPriority, KillRequest, PluginError,
+    SerializedAgentState, SerializedBy,
 };
 use serde_json::{json, Map, Value};
 use sha2::Digest;
@@ -261,6 +262,18 @@ fn cpu_ns(parent: &str, cid: &str) -> u64 {
         .unwrap()
 }
 
+/// The fake agent's script for `every_endpoint_through_the_client`: a report written and announced as an artifact, a
+/// decision asked for, then a wait for each command so that its echo shows it reached the agent.
+const EVERY_ENDPOINT_SCRIPT: &str = r##"[
+    {"write": {"path": "out/report.md", "content": "# Report\n"}},
+    {"artifact": {"path": "out/report.md", "artifactId": "art-1"}},
+    {"emit": {"type": "decision", "subtype": "tool_approval", "decisionId": "d1",
+              "toolName": "rm", "toolArgs": {"path": "/"}}},
+    {"wait": "resolve"},
+    {"wait": "inject_context"},
+    {"wait": "update_brief"}
+]"##;
+
 /// Every endpoint, driven by the fake agent's script.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_endpoint_through_the_client() {
@@ -269,27 +282,55 @@ async fn every_endpoint_through_the_client() {
     // A 3 s token: renewal is due 2.4 s after creation.
     let sb = gw.create(&create_request(backend.port, 3)).await.unwrap();
     let created = Instant::now();
+    transport_points_at_the_sandbox(&sb);
+    let mut events = sb.events(0);
+    let h = spawn_runs_one_agent_at_a_time(&sb).await;
+    let seen = events_up_to_the_decision(&mut events, &h).await;
+    let run_id = seen[0].run_id.clone();
+    artifact_is_uploaded_and_its_uri_rewritten(&seen, &backend);
+    events_are_numbered_in_one_run(&seen, &run_id);
+    health_waits_on_the_human(&sb).await;
+    resolve_answers_the_open_decision_once(&sb, &mut events).await;
+    inject_and_update_reach_the_agent(&sb, &mut events).await;
+    pause_and_resume_keep_the_updated_brief(&sb, &mut events).await;
+    token_is_renewed_at_80_percent_with_the_old_token(&backend, created).await;
+    replay_repeats_the_delivered_events(&sb, &seen[0]).await;
+    let st = kill_with_grace_returns_the_agents_state(&sb, &mut events).await;
+    resume_from_the_stored_state_is_a_new_run(&sb, &mut events, &st, &run_id).await;
+    sb.kill(&KillRequest {
+        grace: false,
+        grace_timeout_ms: None,
+    })
+    .await
+    .unwrap();
+
+    gw.delete(sb.id()).await.unwrap();
+    assert_eq!(plugin_err(sb.health().await).0, 404);
+    assert!(
+        !d.log().contains(SECRET),
+        "the backend token reached the log"
+    );
+    assert!(
+        !d.log().contains("renewed-token"),
+        "a renewed token reached the log"
+    );
+}
+
+/// The RPC endpoint names the sandbox; events come over a WebSocket.
+fn transport_points_at_the_sandbox(sb: &SandboxClient) {
     assert!(sb
         .transport
         .rpc_endpoint
         .ends_with(&format!("/sandboxes/{}", sb.id())));
     assert!(sb.transport.event_stream_endpoint.starts_with("ws://"));
-    let mut events = sb.events(0);
-    let h = sb
-        .spawn(&brief(json!([
-            {"write": {"path": "out/report.md", "content": "# Report\n"}},
-            {"artifact": {"path": "out/report.md", "artifactId": "art-1"}},
-            {"emit": {"type": "decision", "subtype": "tool_approval", "decisionId": "d1",
-                      "toolName": "rm", "toolArgs": {"path": "/"}}},
-            {"wait": "resolve"},
-            {"wait": "inject_context"},
-            {"wait": "update_brief"},
-        ])))
-        .await
-        .unwrap();
+}
+
+/// Spawns the scripted agent; a second spawn while one runs is refused with the handle.
+async fn spawn_runs_one_agent_at_a_time(sb: &SandboxClient) -> AgentHandle {
+    let script = serde_json::from_str(EVERY_ENDPOINT_SCRIPT).unwrap();
+    let h = sb.spawn(&brief(script)).await.unwrap();
     assert_eq!(h.status, AgentStatus::Running);
     assert_eq!(h.plugin_name, "sandboxd");
-    // A second spawn while one runs is refused with the handle.
     let (status, e) = plugin_err(sb.spawn(&brief(json!([]))).await);
     assert_eq!(status, 409);
     assert!(
@@ -302,8 +343,12 @@ async fn every_endpoint_through_the_client() {
         ),
         "{e:?}"
     );
+    h
+}
 
-    let seen = until(&mut events, "the decision", Duration::from_secs(20), |e| {
+/// Reads up to the agent's decision: the run starts with `started`, and its id is the handle's session.
+async fn events_up_to_the_decision(events: &mut EventStream, h: &AgentHandle) -> Vec<AdapterEvent> {
+    let seen = until(events, "the decision", Duration::from_secs(20), |e| {
         is(e, "decision")
     })
     .await;
@@ -311,8 +356,13 @@ async fn every_endpoint_through_the_client() {
         is(&seen[0], "lifecycle") && action(&seen[0]) == Some("started"),
         "{seen:?}"
     );
-    let run_id = seen[0].run_id.clone();
-    assert_eq!(run_id, h.session_id);
+    assert_eq!(seen[0].run_id, h.session_id);
+    seen
+}
+
+/// The artifact event carries the backend's URI instead of the sandbox path, the content's hash and size and its
+/// source path; the backend got the content with the bootstrap token.
+fn artifact_is_uploaded_and_its_uri_rewritten(seen: &[AdapterEvent], backend: &Backend) {
     let artifact = seen
         .iter()
         .find(|e| is(e, "artifact"))
@@ -336,17 +386,27 @@ async fn every_endpoint_through_the_client() {
         .expect("an upload");
     assert_eq!(upload.body, b"# Report\n");
     assert_eq!(upload.auth, format!("Bearer {SECRET}"));
+}
+
+/// Sequences count from 1 without a gap, event ids are UUIDv7, and every event belongs to the run.
+fn events_are_numbered_in_one_run(seen: &[AdapterEvent], run_id: &str) {
     for (i, e) in seen.iter().enumerate() {
         assert_eq!(e.source_sequence, i as u64 + 1);
         assert_eq!(uuid_version(&e.source_event_id), 7);
         assert_eq!(e.run_id, run_id);
     }
+}
+
+/// With a decision open the agent waits on a human, healthy and using memory.
+async fn health_waits_on_the_human(sb: &SandboxClient) {
     let h = sb.health().await.unwrap();
     assert_eq!(h.agent_status, AgentStatus::WaitingOnHuman);
     assert_eq!(h.status, HealthStatus::Healthy);
     assert!(h.resource_usage.memory_mb > 0.0, "{h:?}");
+}
 
-    // resolve: an unknown decision, then the real one.
+/// An unknown decision is not found; the open one is resolved, echoed by the agent, and then gone.
+async fn resolve_answers_the_open_decision_once(sb: &SandboxClient, events: &mut EventStream) {
     let (status, e) = plugin_err(sb.resolve("nope", Map::new()).await);
     assert_eq!(
         (status, e),
@@ -362,18 +422,16 @@ async fn every_endpoint_through_the_client() {
     resolution.insert("rationale".into(), "ok".into());
     resolution.insert("actionKind".into(), "delete".into());
     sb.resolve("d1", resolution).await.unwrap();
-    until(
-        &mut events,
-        "the resolve echo",
-        Duration::from_secs(10),
-        |e| {
-            status_contains(e, "\"decisionId\": \"d1\"")
-                && status_contains(e, "\"type\": \"resolve\"")
-        },
-    )
+    until(events, "the resolve echo", Duration::from_secs(10), |e| {
+        status_contains(e, "\"decisionId\": \"d1\"") && status_contains(e, "\"type\": \"resolve\"")
+    })
     .await;
     // The decision is gone: resolving it again is stale.
     assert_eq!(plugin_err(sb.resolve("d1", Map::new()).await).0, 404);
+}
+
+/// A context injection and a brief update both reach the agent, which echoes them.
+async fn inject_and_update_reach_the_agent(sb: &SandboxClient, events: &mut EventStream) {
     sb.inject_context(&ContextInjection {
         content: "new facts".into(),
         format: InjectionFormat::Markdown,
@@ -383,25 +441,22 @@ async fn every_endpoint_through_the_client() {
     })
     .await
     .unwrap();
-    until(
-        &mut events,
-        "the inject echo",
-        Duration::from_secs(10),
-        |e| status_contains(e, "new facts"),
-    )
+    until(events, "the inject echo", Duration::from_secs(10), |e| {
+        status_contains(e, "new facts")
+    })
     .await;
     let mut changes = Map::new();
     changes.insert("constraints".into(), json!(["be brief"]));
     sb.update_brief(changes).await.unwrap();
-    until(
-        &mut events,
-        "the update echo",
-        Duration::from_secs(10),
-        |e| status_contains(e, "be brief"),
-    )
+    until(events, "the update echo", Duration::from_secs(10), |e| {
+        status_contains(e, "be brief")
+    })
     .await;
+}
 
-    // Pause / resume.
+/// Pause serializes the agent with the updated brief and no pending decision, and refuses a second pause; resume
+/// runs it again.
+async fn pause_and_resume_keep_the_updated_brief(sb: &SandboxClient, events: &mut EventStream) {
     let state = sb.pause().await.unwrap();
     assert_eq!(state.serialized_by, SerializedBy::Pause);
     assert_eq!(state.agent_id, "agent-1");
@@ -411,12 +466,14 @@ async fn every_endpoint_through_the_client() {
     assert_eq!(plugin_err(sb.pause().await).0, 409);
     let h = sb.resume(&state).await.unwrap();
     assert_eq!(h.status, AgentStatus::Running);
-    until(&mut events, "resumed", Duration::from_secs(10), |e| {
+    until(events, "resumed", Duration::from_secs(10), |e| {
         action(e) == Some("resumed")
     })
     .await;
+}
 
-    // Token renewal at 80% of the 3 s lifetime, with the old token.
+/// The token is renewed at 80% of its 3 s lifetime (not before 2 s, within 10 s), with the old token.
+async fn token_is_renewed_at_80_percent_with_the_old_token(backend: &Backend, created: Instant) {
     let renew = loop {
         if let Some(r) = backend
             .seen()
@@ -439,8 +496,10 @@ async fn every_endpoint_through_the_client() {
     assert_eq!(renew.auth, format!("Bearer {SECRET}"));
     let body: Value = serde_json::from_slice(&renew.body).unwrap();
     assert_eq!(body, json!({"agentId": "agent-1", "currentToken": SECRET}));
+}
 
-    // Replay of what was already delivered gives the same events.
+/// A replay of what was already delivered gives the same events.
+async fn replay_repeats_the_delivered_events(sb: &SandboxClient, first: &AdapterEvent) {
     let r = sb.replay(1, 3).await.unwrap();
     assert_eq!(
         r.events
@@ -449,10 +508,16 @@ async fn every_endpoint_through_the_client() {
             .collect::<Vec<_>>(),
         [1, 2, 3]
     );
-    assert_eq!(r.events[0], seen[0]);
+    assert_eq!(&r.events[0], first);
     assert!(r.evicted.is_none());
+}
 
-    // Kill with grace: the agent answers the shutdown line with its state and exits 0.
+/// Kill with grace: the agent answers the shutdown line with its state and exits 0; the run is completed, and a
+/// second kill is refused.
+async fn kill_with_grace_returns_the_agents_state(
+    sb: &SandboxClient,
+    events: &mut EventStream,
+) -> SerializedAgentState {
     let k = sb
         .kill(&KillRequest {
             grace: true,
@@ -464,7 +529,7 @@ async fn every_endpoint_through_the_client() {
     let st = k.state.expect("state in the kill response");
     assert_eq!(st.serialized_by, SerializedBy::KillGrace);
     assert_eq!(st.checkpoint["agent"]["via"], "shutdown");
-    until(&mut events, "killed", Duration::from_secs(10), |e| {
+    until(events, "killed", Duration::from_secs(10), |e| {
         action(e) == Some("killed")
     })
     .await;
@@ -473,35 +538,23 @@ async fn every_endpoint_through_the_client() {
         AgentStatus::Completed
     );
     assert_eq!(plugin_err(sb.kill(&KillRequest::default()).await).0, 409);
+    st
+}
 
-    // Resume from the stored state with no agent running: a new run, handed the agent's checkpoint.
-    let h = sb.resume(&st).await.unwrap();
+/// Resume from the stored state with no agent running: a new run, handed the agent's checkpoint.
+async fn resume_from_the_stored_state_is_a_new_run(
+    sb: &SandboxClient,
+    events: &mut EventStream,
+    st: &SerializedAgentState,
+    run_id: &str,
+) {
+    let h = sb.resume(st).await.unwrap();
     assert_eq!(h.status, AgentStatus::Running);
     assert_ne!(h.session_id, run_id);
-    until(
-        &mut events,
-        "the resumed agent",
-        Duration::from_secs(20),
-        |e| status_contains(e, "resuming from") && status_contains(e, "\"via\": \"shutdown\""),
-    )
-    .await;
-    sb.kill(&KillRequest {
-        grace: false,
-        grace_timeout_ms: None,
+    until(events, "the resumed agent", Duration::from_secs(20), |e| {
+        status_contains(e, "resuming from") && status_contains(e, "\"via\": \"shutdown\"")
     })
-    .await
-    .unwrap();
-
-    gw.delete(sb.id()).await.unwrap();
-    assert_eq!(plugin_err(sb.health().await).0, 404);
-    assert!(
-        !d.log().contains(SECRET),
-        "the backend token reached the log"
-    );
-    assert!(
-        !d.log().contains("renewed-token"),
-        "a renewed token reached the log"
-    );
+    .await;
 }
 
 fn uuid_version(id: &str) -> u32 {
@@ -749,39 +802,85 @@ async fn a_hundred_sandboxes_leave_nothing_behind() {
     assert!(processes_with_uid(uids).is_empty());
 }
 
+/// Every endpoint of a sandbox, with its method.
+const SANDBOX_ENDPOINTS: [(&str, &str); 10] = [
+    ("POST", "spawn"),
+    ("POST", "pause"),
+    ("POST", "resume"),
+    ("POST", "kill"),
+    ("POST", "resolve"),
+    ("POST", "inject-context"),
+    ("POST", "update-brief"),
+    ("POST", "replay"),
+    ("GET", "health"),
+    ("GET", "events"),
+];
+
+/// Create bodies that are no request: malformed JSON, a wrong field, an unknown field.
+const MALFORMED_CREATE_BODIES: [&[u8]; 3] = [
+    b"{not json",
+    b"[]",
+    br#"{"workspaceRequirements":{"capabilities":["teleport"]}}"#,
+];
+
+/// Commands a sandbox without an agent refuses, with their status: bad bodies, then commands that need an agent.
+const REFUSED_SANDBOX_COMMANDS: [(&str, &[u8], u16); 6] = [
+    ("spawn", b"{}", 400),
+    ("resolve", b"{\"decisionId\": 5}", 400),
+    ("replay", b"{\"fromSequence\": 5, \"toSequence\": 1}", 409),
+    (
+        "resolve",
+        b"{\"decisionId\": \"d\", \"resolution\": {}}",
+        409,
+    ),
+    ("pause", b"", 409),
+    ("kill", b"{}", 409),
+];
+
+/// The PluginError in a raw answer's body.
+fn plugin_error_body(a: client::gateway::RawAnswer) -> PluginError {
+    serde_json::from_slice(&a.body).unwrap_or_else(|e| {
+        panic!(
+            "not a PluginError ({e}): {:?}",
+            String::from_utf8_lossy(&a.body)
+        )
+    })
+}
+
 /// Bad input gets a PluginError and leaks nothing; the daemon keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_plugin_errors_and_leaks_nothing() {
     let Some((d, gw)) = start().await else { return };
     let backend = Backend::start().await;
-    let body_of = |a: client::gateway::RawAnswer| -> PluginError {
-        serde_json::from_slice(&a.body).unwrap_or_else(|e| {
-            panic!(
-                "not a PluginError ({e}): {:?}",
-                String::from_utf8_lossy(&a.body)
-            )
-        })
-    };
     let tok = Some(d.token.as_str());
-    // Unknown sandbox, on every endpoint.
-    for (m, p) in [
-        ("POST", "spawn"),
-        ("POST", "pause"),
-        ("POST", "resume"),
-        ("POST", "kill"),
-        ("POST", "resolve"),
-        ("POST", "inject-context"),
-        ("POST", "update-brief"),
-        ("POST", "replay"),
-        ("GET", "health"),
-        ("GET", "events"),
-    ] {
+    an_unknown_sandbox_is_not_found(&gw, tok).await;
+    a_wrong_or_missing_token_is_refused(&gw, backend.port).await;
+    malformed_and_oversize_bodies_are_refused(&gw, tok).await;
+    requests_the_daemon_cannot_grant_are_refused(&gw, backend.port).await;
+    // On a real sandbox: bad bodies, commands without an agent, a non-upgrade GET of /events.
+    let sb: SandboxClient = gw.create(&create_request(backend.port, 60)).await.unwrap();
+    a_sandbox_without_an_agent_refuses_bad_commands(&gw, &sb, tok).await;
+    // Only the one good sandbox exists; the daemon still serves.
+    let agents = d.state_dir().join("agents");
+    assert_eq!(std::fs::read_dir(&agents).unwrap().count(), 1);
+    gw.delete(sb.id()).await.unwrap();
+    assert_eq!(std::fs::read_dir(&agents).unwrap().count(), 0);
+    assert!(cgroup_leaves(&d.cgroup_parent).is_empty());
+    assert!(!d.log().contains(SECRET));
+}
+
+/// Unknown sandbox, on every endpoint and on removal: 404.
+async fn an_unknown_sandbox_is_not_found(gw: &Gateway, tok: Option<&str>) {
+    for (m, p) in SANDBOX_ENDPOINTS {
         let a = gw
             .raw(m, &format!("/sandboxes/nope/{p}"), b"{}".to_vec(), tok)
             .await
             .unwrap();
         assert_eq!(a.status, 404, "{p}");
-        assert!(matches!(body_of(a), PluginError::InvalidState { .. }));
+        assert!(matches!(
+            plugin_error_body(a),
+            PluginError::InvalidState { .. }
+        ));
     }
     assert_eq!(
         gw.raw("DELETE", "/sandboxes/nope", vec![], tok)
@@ -790,44 +889,55 @@ async fn bad_input_gets_plugin_errors_and_leaks_nothing() {
             .status,
         404
     );
-    // Wrong and missing token.
+}
+
+/// A create with a wrong or without a token: 401.
+async fn a_wrong_or_missing_token_is_refused(gw: &Gateway, backend_port: u16) {
     for t in [Some("wrong-token-xxxxxxxxxxxx"), None] {
         let a = gw
             .raw(
                 "POST",
                 "/sandboxes",
-                serde_json::to_vec(&create_request(backend.port, 60)).unwrap(),
+                serde_json::to_vec(&create_request(backend_port, 60)).unwrap(),
                 t,
             )
             .await
             .unwrap();
         assert_eq!(a.status, 401);
-        assert!(matches!(body_of(a), PluginError::InvalidState { .. }));
+        assert!(matches!(
+            plugin_error_body(a),
+            PluginError::InvalidState { .. }
+        ));
     }
-    // Malformed JSON, a wrong field, an unknown field.
-    for bad in [
-        &b"{not json"[..],
-        b"[]",
-        br#"{"workspaceRequirements":{"capabilities":["teleport"]}}"#,
-    ] {
+}
+
+/// A create body that is no request: 400 `Malformed…`; an oversize one: 413.
+async fn malformed_and_oversize_bodies_are_refused(gw: &Gateway, tok: Option<&str>) {
+    for bad in MALFORMED_CREATE_BODIES {
         let a = gw
             .raw("POST", "/sandboxes", bad.to_vec(), tok)
             .await
             .unwrap();
         assert_eq!(a.status, 400, "{}", String::from_utf8_lossy(bad));
-        let e = body_of(a);
+        let e = plugin_error_body(a);
         assert!(
             matches!(&e, PluginError::InvalidState { message, .. } if message.starts_with("Malformed")),
             "{e:?}"
         );
     }
-    // Oversize body.
     let big = vec![b' '; 2 << 20];
     let a = gw.raw("POST", "/sandboxes", big, tok).await.unwrap();
     assert_eq!(a.status, 413);
-    assert!(matches!(body_of(a), PluginError::InvalidState { .. }));
-    // Unsupported capability, https upload, limits over the maximum.
-    let mut req = create_request(backend.port, 60);
+    assert!(matches!(
+        plugin_error_body(a),
+        PluginError::InvalidState { .. }
+    ));
+}
+
+/// An unsupported capability (422), an https upload, limits over the maximum, a template file outside the
+/// workspace (400).
+async fn requests_the_daemon_cannot_grant_are_refused(gw: &Gateway, backend_port: u16) {
+    let mut req = create_request(backend_port, 60);
     req.workspace_requirements
         .capabilities
         .push(protocol::agent::SandboxCapability::Gpu);
@@ -840,54 +950,43 @@ async fn bad_input_gets_plugin_errors_and_leaks_nothing() {
             }
         )
     );
-    let mut req = create_request(backend.port, 60);
+    let mut req = create_request(backend_port, 60);
     req.bootstrap.artifact_upload_endpoint = "https://backend.invalid/api/artifacts".into();
     assert_eq!(plugin_err(gw.create(&req).await).0, 400);
-    let mut req = create_request(backend.port, 60);
+    let mut req = create_request(backend_port, 60);
     req.workspace_requirements
         .resource_limits
         .as_mut()
         .unwrap()
         .memory_mb = Some(1 << 30);
     assert_eq!(plugin_err(gw.create(&req).await).0, 400);
-    let mut req = create_request(backend.port, 60);
+    let mut req = create_request(backend_port, 60);
     req.template.as_mut().unwrap().files[0].path = "../escape.py".into();
     assert_eq!(plugin_err(gw.create(&req).await).0, 400);
-    // On a real sandbox: bad bodies, commands without an agent, a non-upgrade GET of /events.
-    let sb: SandboxClient = gw.create(&create_request(backend.port, 60)).await.unwrap();
+}
+
+/// Bad bodies and commands that need an agent get their status and a PluginError; a GET of `/events` without an
+/// upgrade is refused.
+async fn a_sandbox_without_an_agent_refuses_bad_commands(
+    gw: &Gateway,
+    sb: &SandboxClient,
+    tok: Option<&str>,
+) {
     let base = format!("/sandboxes/{}", sb.id());
-    for (p, body, want) in [
-        ("spawn", &b"{}"[..], 400),
-        ("resolve", b"{\"decisionId\": 5}", 400),
-        ("replay", b"{\"fromSequence\": 5, \"toSequence\": 1}", 409),
-        (
-            "resolve",
-            b"{\"decisionId\": \"d\", \"resolution\": {}}",
-            409,
-        ),
-        ("pause", b"", 409),
-        ("kill", b"{}", 409),
-    ] {
+    for (p, body, want) in REFUSED_SANDBOX_COMMANDS {
         let a = gw
             .raw("POST", &format!("{base}/{p}"), body.to_vec(), tok)
             .await
             .unwrap();
         assert_eq!(a.status, want, "{p} {}", String::from_utf8_lossy(&a.body));
-        let _ = body_of(a);
+        let _ = plugin_error_body(a);
     }
     let a = gw
         .raw("GET", &format!("{base}/events"), vec![], tok)
         .await
         .unwrap();
     assert!(a.status >= 400);
-    let _ = body_of(a);
-    // Only the one good sandbox exists; the daemon still serves.
-    let agents = d.state_dir().join("agents");
-    assert_eq!(std::fs::read_dir(&agents).unwrap().count(), 1);
-    gw.delete(sb.id()).await.unwrap();
-    assert_eq!(std::fs::read_dir(&agents).unwrap().count(), 0);
-    assert!(cgroup_leaves(&d.cgroup_parent).is_empty());
-    assert!(!d.log().contains(SECRET));
+    let _ = plugin_error_body(a);
 }
 
 /// A daemon killed with SIGKILL while sandboxes run: the restart removes their state, cgroups and processes.
