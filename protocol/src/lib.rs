@@ -5,6 +5,7 @@
 //! `error` message; it builds [`ServerMessage`]s and turns them into frames with [`encode`].
 //!
 //! - [`agent`]: agent sandboxes, the adapter-shim HTTP/WebSocket surface (`docs/spec/agent-sandboxes.md`).
+//! - [`artifacts`]: the artifact manifest a `result` carries ([`ArtifactManifest`], `docs/spec/artifact-manifest.md`).
 //! - [`envelope`]: protocol version, execution ids and timestamps shared by every message.
 //! - [`client`]: `execute`, `cancel`, `ping`, `tool_result` and [`parse_client_message`], which applies the refusal rules of
 //!   spec sections 2 and 3 in a fixed order (JSON, object, `id`, `v`, `type`, `ts`, body, semantic checks).
@@ -17,6 +18,7 @@
 //! - [`output`]: [`Utf8Chunker`], which turns raw pipe bytes into chunks that never split a UTF-8 sequence.
 
 pub mod agent;
+pub mod artifacts;
 pub mod client;
 pub mod envelope;
 pub mod error;
@@ -27,6 +29,7 @@ pub mod server;
 pub mod tools;
 pub mod validate;
 
+pub use artifacts::{Artifact, ArtifactManifest, DroppedArtifacts, SkippedArtifact};
 pub use client::{
     parse_client_message, ArtifactsRequest, CancelRequest, ClientMessage, ExecuteRequest,
     FileContentError, FileEncoding, FileSpec, PingRequest,

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use protocol::{Artifact, ArtifactManifest, DroppedArtifacts, SkippedArtifact};
 use tracing::{debug, warn};
 
 use super::{Engine, ExecError};
@@ -35,7 +36,7 @@ impl Engine {
         workspace: PathBuf,
         exec_id: &str,
         fingerprint: &str,
-    ) -> Result<serde_json::Value, ExecError> {
+    ) -> Result<ArtifactManifest, ExecError> {
         let engine = self.clone();
         let wanted = wanted.clone();
         let (id, fp) = (exec_id.to_owned(), fingerprint.to_owned());
@@ -60,7 +61,7 @@ impl Engine {
         workspace: &std::path::Path,
         exec_id: &str,
         fingerprint: &str,
-    ) -> Result<serde_json::Value, ArtifactError> {
+    ) -> Result<ArtifactManifest, ArtifactError> {
         let cfg = &self.config.artifacts;
         let patterns = runtime::artifacts::Patterns::new(
             &wanted.paths,
@@ -76,11 +77,13 @@ impl Engine {
         let collection = runtime::artifacts::collect(workspace, &patterns, limits)
             .map_err(ArtifactError::Collect)?;
         let _writing = self.store.writing();
-        let mut artifacts = Vec::new();
-        let mut skipped: Vec<serde_json::Value> = collection
+        let mut skipped: Vec<SkippedArtifact> = collection
             .skipped
             .iter()
-            .map(|s| serde_json::json!({"path": s.path, "reason": s.reason}))
+            .map(|s| SkippedArtifact {
+                path: s.path.clone(),
+                reason: s.reason.clone(),
+            })
             .collect();
         let mut staged = Vec::with_capacity(collection.found.len());
         for mut f in collection.found {
@@ -92,51 +95,51 @@ impl Engine {
                 Ok(st) => staged.push((f.path, f.artifact_type, st)),
                 Err(e) => {
                     warn!(path = %f.path, error = %e, "artifact not stored");
-                    skipped.push(serde_json::json!({"path": f.path, "reason": "unreadable"}));
+                    skipped.push(SkippedArtifact {
+                        path: f.path,
+                        reason: "unreadable".into(),
+                    });
                 }
             }
         }
         let (meta, blobs): (Vec<_>, Vec<_>) =
             staged.into_iter().map(|(p, t, s)| ((p, t), s)).unzip();
         let stored = self.store.commit(blobs).map_err(ArtifactError::Store)?;
-        for ((path, artifact_type), st) in meta.into_iter().zip(stored) {
-            let mime = content_type(&path, &st.head);
-            let mut entry = serde_json::json!({
-                "type": artifact_type,
-                "path": path,
-                "ref": format!("artifact://sha256/{}", st.hex),
-                "checksum": format!("sha256:{}", st.hex),
-                "size_bytes": st.size,
-                "mime_type": mime,
-            });
-            if let Some(p) = preview(&st.head) {
-                entry["preview"] = p.into();
-            }
-            artifacts.push(entry);
-        }
-        let manifest_id = format!("am_{:x}{:08x}", unix_millis(), rand::random::<u32>());
-        let mut manifest = serde_json::json!({
-            "manifest_id": manifest_id,
-            "execution_id": exec_id,
-            "generated_at": protocol::now_ts(),
-            "environment_fingerprint": fingerprint,
-            "artifacts": artifacts,
-            "skipped": skipped,
-        });
-        let listed = manifest["skipped"]
-            .as_array()
-            .map(|a| a.len() as u64)
-            .unwrap_or(0);
+        let artifacts = meta
+            .into_iter()
+            .zip(stored)
+            .map(|((path, artifact_type), st)| Artifact {
+                artifact_type,
+                mime_type: content_type(&path, &st.head),
+                preview: preview(&st.head),
+                path,
+                reference: format!("artifact://sha256/{}", st.hex),
+                checksum: format!("sha256:{}", st.hex),
+                size_bytes: st.size,
+                uploaded: None,
+                upload_error: None,
+            })
+            .collect();
+        let listed = skipped.len() as u64;
         let total_skipped: u64 = collection.skipped_counts.values().sum();
-        if total_skipped > listed || collection.walk_truncated {
-            manifest["dropped"] = serde_json::json!({
-                "by_reason": collection.skipped_counts,
-                "not_listed": total_skipped.saturating_sub(listed),
-                "walk_truncated": collection.walk_truncated,
+        let dropped =
+            (total_skipped > listed || collection.walk_truncated).then(|| DroppedArtifacts {
+                by_reason: collection.skipped_counts,
+                not_listed: total_skipped.saturating_sub(listed),
+                walk_truncated: collection.walk_truncated,
             });
-        }
+        let manifest = ArtifactManifest {
+            manifest_id: format!("am_{:x}{:08x}", unix_millis(), rand::random::<u32>()),
+            execution_id: exec_id.to_owned(),
+            generated_at: protocol::now_ts(),
+            environment_fingerprint: fingerprint.to_owned(),
+            artifacts,
+            skipped,
+            dropped,
+            upload_failures: None,
+        };
         self.store
-            .save_manifest(&manifest_id, &manifest)
+            .save_manifest(&manifest.manifest_id, &manifest.to_value())
             .map_err(ArtifactError::Manifest)?;
         Ok(manifest)
     }
@@ -146,45 +149,34 @@ impl Engine {
     async fn upload_artifacts(
         &self,
         cfg: &crate::upload::UploadConfig,
-        manifest: &mut serde_json::Value,
+        manifest: &mut ArtifactManifest,
     ) {
         let mut failures = 0u64;
-        for a in manifest["artifacts"].as_array_mut().into_iter().flatten() {
-            let Some(hex) = a["checksum"]
-                .as_str()
-                .and_then(|c| c.strip_prefix("sha256:"))
-                .map(str::to_owned)
-            else {
+        for a in &mut manifest.artifacts {
+            let Some(hex) = a.sha256_hex().map(str::to_owned) else {
                 continue;
             };
             let Some(blob) = self.store.blob(&hex) else {
                 continue;
             };
-            let mime = a["mime_type"]
-                .as_str()
-                .unwrap_or("application/octet-stream")
-                .to_owned();
-            match crate::upload::upload(cfg, &blob, &hex, &mime).await {
+            match crate::upload::upload(cfg, &blob, &hex, &a.mime_type).await {
                 Ok(uri) => {
-                    a["ref"] = uri.into();
-                    a["uploaded"] = true.into();
+                    a.reference = uri;
+                    a.uploaded = Some(true);
                 }
                 Err(e) => {
                     failures += 1;
-                    a["upload_error"] = runtime::error::Chain(&e).to_string().into();
+                    a.upload_error = Some(runtime::error::Chain(&e).to_string());
                 }
             }
         }
         if failures > 0 {
-            manifest["upload_failures"] = failures.into();
+            manifest.upload_failures = Some(failures);
         }
         let (store, id, m) = (
             self.store.clone(),
-            manifest["manifest_id"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned(),
-            manifest.clone(),
+            manifest.manifest_id.clone(),
+            manifest.to_value(),
         );
         let saved = tokio::task::spawn_blocking(move || store.save_manifest(&id, &m)).await;
         if !matches!(saved, Ok(Ok(()))) {

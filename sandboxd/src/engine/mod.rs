@@ -537,7 +537,7 @@ impl Engine {
             [s.stream.sent[0], s.stream.sent[1]],
             s.stream.truncated,
         );
-        res.artifacts = artifacts;
+        res.artifacts = artifacts.as_ref().map(protocol::ArtifactManifest::to_value);
         res.environment_fingerprint = Some(fingerprint);
         res.environment = Some(Box::new(environment));
         if let Some(b) = run.tools {

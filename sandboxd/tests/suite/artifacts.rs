@@ -472,29 +472,30 @@ async fn malformed_artifact_requests_are_refused() {
 
 /// A daemon whose config has `artifacts.upload` set to `upload` (the harness's standard config has no such key).
 async fn upload_daemon(parent: &str, upload: Value) -> Daemon {
-    let dir = tempfile::tempdir().unwrap();
-    let port = super::harness::free_port();
     let token = format!("upload-token-{:016x}", rand::random::<u64>());
-    let state_dir = dir.path().join("state");
-    let config = json!({
-        "listen": format!("127.0.0.1:{port}"),
-        "state_dir": state_dir,
-        "auth": {"tokens": [token]},
-        "sandbox": {"cgroup_parent": parent, "uid_base": 910_000},
-        "artifacts": {"upload": upload},
-    });
-    let config_path = dir.path().join("config.yaml");
-    std::fs::write(&config_path, config.to_string()).unwrap();
-    Daemon::launch(super::harness::Launch {
-        args: vec!["--config".into(), config_path.display().to_string()],
-        port,
-        token,
-        dir,
-        state_dir,
-        cgroup_parent: parent.to_owned(),
-        uid_base: 910_000,
-        max_concurrent: 8,
-        pool_size: 8,
+    Daemon::launch_on_free_port(|port| {
+        let dir = tempfile::tempdir().unwrap();
+        let state_dir = dir.path().join("state");
+        let config = json!({
+            "listen": format!("127.0.0.1:{port}"),
+            "state_dir": state_dir,
+            "auth": {"tokens": [token]},
+            "sandbox": {"cgroup_parent": parent, "uid_base": 910_000},
+            "artifacts": {"upload": upload},
+        });
+        let config_path = dir.path().join("config.yaml");
+        std::fs::write(&config_path, config.to_string()).unwrap();
+        super::harness::Launch {
+            args: vec!["--config".into(), config_path.display().to_string()],
+            port,
+            token: token.clone(),
+            dir,
+            state_dir,
+            cgroup_parent: parent.to_owned(),
+            uid_base: 910_000,
+            max_concurrent: 8,
+            pool_size: 8,
+        }
     })
     .await
 }

@@ -391,10 +391,7 @@ impl Daemon {
         );
         let token = format!("test-token-{pid}-{n}-{:016x}", rand::random::<u64>());
         let m = opts.max_limits;
-        // The free port may be taken by someone else before the daemon binds it: then try another one.
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
+        Daemon::launch_on_free_port(|port| {
             let dir = tempfile::Builder::new()
                 .prefix("sandboxd-test-")
                 .tempdir()
@@ -403,7 +400,6 @@ impl Daemon {
                 .state_dir
                 .clone()
                 .unwrap_or_else(|| dir.path().join("state"));
-            let port = free_port();
             let mut config = json!({
                 "listen": format!("127.0.0.1:{port}"),
                 "state_dir": state_dir,
@@ -424,7 +420,7 @@ impl Daemon {
             // YAML is a superset of JSON.
             let config_path = dir.path().join("config.yaml");
             std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
-            let mut d = Daemon::spawn(Launch {
+            Launch {
                 args: vec!["--config".into(), config_path.display().to_string()],
                 port,
                 token: token.clone(),
@@ -434,15 +430,9 @@ impl Daemon {
                 uid_base,
                 max_concurrent: opts.max_concurrent,
                 pool_size: opts.pool_size,
-            });
-            match d.wait_ready().await {
-                Ok(()) => return d,
-                Err(e) if attempt < 5 && d.log().contains("cannot listen") => {
-                    eprintln!("harness: port {port} was taken ({e}); trying another one");
-                }
-                Err(e) => panic!("{e}"),
             }
-        }
+        })
+        .await
     }
 
     /// Spawns the binary as `launch` says and waits until it is healthy.
@@ -452,6 +442,24 @@ impl Daemon {
             panic!("{e}");
         }
         d
+    }
+
+    /// [`launch`](Self::launch) on a free port: `make` builds the launch for a port. A free port may be taken by
+    /// someone else before the daemon binds it; then another one is tried (five times at most).
+    pub async fn launch_on_free_port(make: impl Fn(u16) -> Launch) -> Daemon {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let port = free_port();
+            let mut d = Daemon::spawn(make(port));
+            match d.wait_ready().await {
+                Ok(()) => return d,
+                Err(e) if attempt < 5 && d.log().contains("cannot listen") => {
+                    eprintln!("harness: port {port} was taken ({e}); trying another one");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
     }
 
     fn spawn(launch: Launch) -> Daemon {
