@@ -274,8 +274,20 @@ pub enum SeccompError {
     MissingFilter(&'static str),
     /// The allowlist laid out as a search tree does not answer like seccompiler's program (a bug: nothing is
     /// installed).
-    #[error("The seccomp allowlist's search tree differs from the compiled filter: {0}")]
-    Relayout(String),
+    #[error(
+        "The seccomp allowlist's search tree answers syscall {nr} (arch {arch:#x}) with {tree:?}, the compiled \
+         filter with {compiled:?}"
+    )]
+    Relayout {
+        /// The syscall number.
+        nr: u32,
+        /// The architecture asked about.
+        arch: u32,
+        /// The tree's return value (`None`: the emulator could not tell).
+        tree: Option<u32>,
+        /// seccompiler's return value.
+        compiled: Option<u32>,
+    },
     /// The profile holds filters nothing would install.
     #[error("The seccomp profile has filters other than allowlist and denylist")]
     ExtraFilters,

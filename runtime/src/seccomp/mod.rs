@@ -49,9 +49,7 @@ pub fn compile(text: &str, arch: TargetArch) -> Result<Profile> {
     let mut take = |name: &'static str| map.remove(name).ok_or(SeccompError::MissingFilter(name));
     let allow = take("allowlist")?;
     // The same allowlist as a search tree: much cheaper for the kernel to install (see `search`).
-    let allow = search::relayout(&allow)
-        .map_err(SeccompError::Relayout)?
-        .unwrap_or(allow);
+    let allow = search::relayout(&allow)?.unwrap_or(allow);
     let deny = take("denylist")?;
     if !map.is_empty() {
         return Err(SeccompError::ExtraFilters.into());

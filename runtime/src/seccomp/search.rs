@@ -22,6 +22,8 @@ use std::collections::BTreeSet;
 
 use seccompiler::{sock_filter, BpfProgram};
 
+use crate::error::SeccompError;
+
 /// Syscall numbers checked one by one (x86_64 and aarch64 use fewer than 500; x32 numbers are checked through
 /// the constants).
 pub const CHECKED_UP_TO: u32 = 4096;
@@ -42,7 +44,7 @@ const ALU_AND_K: u16 = 0x54;
 const NR: u32 = 0;
 const ARCH: u32 = 4;
 
-/// Why a relayout was not done (the original program is kept) or is wrong (an error).
+/// Why a relayout was not done (the original program is then kept as it is).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Skip {
     /// The program is not a plain allowlist: it loads something else or compares otherwise.
@@ -91,7 +93,7 @@ fn run(prog: &[sock_filter], arch: u32, nr: u32) -> Option<(u32, usize)> {
 
 /// The tree version of `prog`, checked equal to it; `Ok(None)` when `prog` is not a plain allowlist (keep it as it
 /// is); `Err` when the tree would differ (a bug here: fail closed).
-pub fn relayout(prog: &[sock_filter]) -> Result<Option<BpfProgram>, String> {
+pub fn relayout(prog: &[sock_filter]) -> Result<Option<BpfProgram>, SeccompError> {
     // The architecture seccompiler compiled for: the constant of its preamble's comparison.
     let arch = prog.get(1).map_or(0, |insn| insn.k);
     let shape = match shape(prog, arch) {
@@ -198,7 +200,7 @@ fn check_same(
     tree: &[sock_filter],
     arch: u32,
     constants: &BTreeSet<u32>,
-) -> Result<(), String> {
+) -> Result<(), SeccompError> {
     let around = constants
         .iter()
         .flat_map(|&k| [k.wrapping_sub(1), k, k.wrapping_add(1)]);
@@ -207,9 +209,12 @@ fn check_same(
         for a in [arch, !arch] {
             let (want, got) = (emulate(prog, a, nr), emulate(tree, a, nr));
             if want.is_none() || want != got {
-                return Err(format!(
-                    "the search tree answers syscall {nr} (arch {a:#x}) with {got:?}, seccompiler's filter with {want:?}"
-                ));
+                return Err(SeccompError::Relayout {
+                    nr,
+                    arch: a,
+                    tree: got,
+                    compiled: want,
+                });
             }
         }
     }
@@ -245,7 +250,7 @@ mod tests {
     #[test]
     fn a_tree_answers_like_the_chain_for_every_size() {
         // Nothing allowed: one outcome only, not an allowlist to rewrite.
-        assert_eq!(relayout(&linear(&[])), Ok(None));
+        assert!(matches!(relayout(&linear(&[])), Ok(None)));
         for n in 1..40u32 {
             let allowed: Vec<u32> = (0..n).map(|i| i * 3 + (i % 2)).collect();
             let prog = linear(&allowed);
@@ -303,7 +308,7 @@ mod tests {
                 k: 16,
             },
         );
-        assert_eq!(relayout(&prog), Ok(None));
+        assert!(matches!(relayout(&prog), Ok(None)));
         let prog = linear(&[1, 2, 3]);
         let mut wrong = prog.clone();
         wrong[4].k = 7;
