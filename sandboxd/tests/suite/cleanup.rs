@@ -152,15 +152,8 @@ async fn disconnect_during_an_output_flood() {
         "the daemon panicked after the disconnect:\n{log}"
     );
     let mut c = Client::connect(&d).await;
-    let r = c
-        .run(exec_json("after", "shell", "echo ok", 20_000, 64))
+    c.run_completed(exec_json("after", "shell", "echo ok", 20_000, 64))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
 }
 
 /// 100 executions over 10 connections; each connection is dropped while its executions run (8 running, the

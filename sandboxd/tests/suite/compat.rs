@@ -138,14 +138,8 @@ w.on('message', (sum) => {
 w.on('error', (e) => { console.error('worker failed', e); process.exit(1); });
 "#;
     let r = c
-        .run(exec_json("node-compat", "javascript", code, 60_000, 512))
+        .run_completed(exec_json("node-compat", "javascript", code, 60_000, 512))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
     let out: serde_json::Value = serde_json::from_str(r.stdout_text().trim())
         .unwrap_or_else(|e| panic!("{e}: {}", r.dump()));
     assert_eq!(out["echoed"], json!(["from-child", "0"]), "{out}");

@@ -97,17 +97,11 @@ async fn stdin_and_env_reach_the_program() {
     let code =
         "import sys, os\nprint(repr(sys.stdin.read()))\nprint(os.environ['K'])\nprint(os.getcwd())";
     let r = c
-        .run(with(
+        .run_completed(with(
             exec_json("io-1", "python", code, 20_000, 128),
             json!({"stdin": "line1\nline2\n", "env": {"K": "V with spaces=and equals"}}),
         ))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
     assert_eq!(
         r.stdout_text(),
         "'line1\\nline2\\n'\nV with spaces=and equals\n/workspace\n",
@@ -120,13 +114,7 @@ async fn stdin_and_env_reach_the_program() {
     let mut null_stdin = exec_json("io-2", "python", code, 20_000, 128);
     null_stdin["stdin"] = Value::Null;
     for exec in [null_stdin, exec_json("io-3", "python", code, 20_000, 128)] {
-        let r = c.run(exec).await;
-        assert_eq!(
-            r.terminal_status(),
-            Some(ExecStatus::Completed),
-            "{}",
-            r.dump()
-        );
+        let r = c.run_completed(exec).await;
         assert_eq!(r.stdout_text(), "''\n", "{}", r.dump());
     }
 }
@@ -149,7 +137,7 @@ print(json.dumps({
 }))
 "#;
     let r = c
-        .run(with(
+        .run_completed(with(
             exec_json("files-1", "python", code, 20_000, 128),
             json!({"files": [
                 {"path": "data/in.csv", "content": "a,b\n1,2\n", "encoding": "utf8"},
@@ -158,12 +146,6 @@ print(json.dumps({
             ]}),
         ))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
     let out: Value =
         serde_json::from_slice(&r.stdout()).unwrap_or_else(|e| panic!("{e}: {}", r.dump()));
     assert_eq!(out["csv"], "a,b\n1,2\n");
@@ -311,14 +293,8 @@ async fn pong_reports_load_and_capabilities() {
             other => panic!("unknown language {other}"),
         };
         let r = c
-            .run(exec_json(&format!("lang-{l}"), l, code, 30_000, 256))
+            .run_completed(exec_json(&format!("lang-{l}"), l, code, 30_000, 256))
             .await;
-        assert_eq!(
-            r.terminal_status(),
-            Some(ExecStatus::Completed),
-            "{}",
-            r.dump()
-        );
         assert_eq!(r.stdout_text(), "ok\n", "{}", r.dump());
     }
 }

@@ -1269,6 +1269,18 @@ impl Client {
         c
     }
 
+    /// [`run`](Self::run), asserting that the program ran to completion (with the whole exchange on failure).
+    pub async fn run_completed(&mut self, exec: Value) -> Collected {
+        let r = self.run(exec).await;
+        assert_eq!(
+            r.terminal_status(),
+            Some(ExecStatus::Completed),
+            "{}",
+            r.dump()
+        );
+        r
+    }
+
     /// The connection is still usable: a `ping` gets its `pong`.
     pub async fn assert_usable(&mut self) {
         let _ = self.ping().await;

@@ -58,14 +58,8 @@ async fn concurrent_executions_are_isolated() {
 
     // B looks around.
     let r = c
-        .run(exec_json("B", "python", LOOK_AROUND, 30_000, 128))
+        .run_completed(exec_json("B", "python", LOOK_AROUND, 30_000, 128))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
     let out: Value =
         serde_json::from_slice(&r.stdout()).unwrap_or_else(|e| panic!("{e}: {}", r.dump()));
     assert_b_sees_nothing_of_a(&out, &secret, &marker);
@@ -209,13 +203,9 @@ print(json.dumps(out))
         host = host_file.display(),
         state = d.state_dir.display()
     );
-    let r = c.run(exec_json("host", "python", &code, 30_000, 128)).await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
+    let r = c
+        .run_completed(exec_json("host", "python", &code, 30_000, 128))
+        .await;
     let out: Value =
         serde_json::from_slice(&r.stdout()).unwrap_or_else(|e| panic!("{e}: {}", r.dump()));
     assert_eq!(

@@ -226,15 +226,8 @@ async fn config_less_start_generates_a_token_once() {
 
     d.set_token(&token);
     let mut c = Client::connect(&d).await;
-    let r = c
-        .run(exec_json("tok", "shell", "echo ok", 20_000, 64))
+    c.run_completed(exec_json("tok", "shell", "echo ok", 20_000, 64))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
     drop(c);
     assert!(
         Client::try_connect(&d.url(), Some("0123456789abcdef-wrong"), &[])
@@ -311,15 +304,8 @@ async fn restart_after_a_crash_removes_the_leftover_container() {
     }
     // And it serves.
     let mut c = Client::connect(&d2).await;
-    let r = c
-        .run(exec_json("after-crash", "shell", "echo ok", 20_000, 64))
+    c.run_completed(exec_json("after-crash", "shell", "echo ok", 20_000, 64))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
 }
 
 /// Starts execution `orphan`, a `sleep` whose argument carries `marker`, and waits until it runs.

@@ -22,13 +22,9 @@ async fn non_utf8_output_is_sent_as_base64() {
     let mut c = Client::connect(&d).await;
     let code = "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\xfd')\nsys.stdout.flush()\n\
                 sys.stderr.buffer.write(b'\\x80ok')\nsys.stderr.flush()";
-    let r = c.run(exec_json("bin-1", "python", code, 20_000, 128)).await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
+    let r = c
+        .run_completed(exec_json("bin-1", "python", code, 20_000, 128))
+        .await;
     assert_eq!(r.stdout(), b"\xff\xfe\xfd", "{}", r.dump());
     assert!(
         r.stdout_chunks().iter().any(|c| is_base64(c)),
@@ -70,14 +66,8 @@ for p in pieces:
     time.sleep(0.2)
 "#;
     let r = c
-        .run(exec_json("utf8-1", "python", code, 20_000, 128))
+        .run_completed(exec_json("utf8-1", "python", code, 20_000, 128))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
     let chunks = r.stdout_chunks();
     for ch in &chunks {
         assert!(
@@ -150,17 +140,11 @@ async fn output_of_exactly_the_limit_completes() {
     ];
     for (id, code) in cases {
         let r = c
-            .run(with(
+            .run_completed(with(
                 exec_json(id, "python", code, 30_000, 128),
                 json!({"limits": {"max_output_bytes": 1000}}),
             ))
             .await;
-        assert_eq!(
-            r.terminal_status(),
-            Some(ExecStatus::Completed),
-            "{}",
-            r.dump()
-        );
         assert_eq!(r.stdout().len() + r.stderr().len(), 1000, "{}", r.dump());
         let res = r.result();
         assert_eq!(
@@ -183,13 +167,9 @@ async fn output_keeps_its_order_per_stream() {
     // 20000 numbered lines per stream, in many small writes, far more than one read of the pipe.
     let code = "import sys\nfor i in range(20000):\n    sys.stdout.write('%d\\n' % i)\n    \
                 sys.stderr.write('e%d\\n' % i)\n    if i % 100 == 0:\n        sys.stdout.flush(); sys.stderr.flush()";
-    let r = c.run(exec_json("order", "python", code, 30_000, 128)).await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
+    let r = c
+        .run_completed(exec_json("order", "python", code, 30_000, 128))
+        .await;
     let out: String = (0..20000).map(|i| format!("{i}\n")).collect();
     let err: String = (0..20000).map(|i| format!("e{i}\n")).collect();
     assert!(

@@ -2,7 +2,7 @@
 //! limits above the maximum, escaping file paths, unsupported languages, oversized frames. After each, the
 //! connection must still work (spec sections 1, 2 and 3).
 
-use protocol::{ErrorCode, ExecStatus, ServerMessage};
+use protocol::{ErrorCode, ServerMessage};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message;
@@ -39,14 +39,8 @@ fn text(v: &Value) -> Message {
 /// The connection still runs code.
 async fn still_executes(c: &mut Client, id: &str) {
     let r = c
-        .run(exec_json(id, "shell", "echo alive", 20_000, 64))
+        .run_completed(exec_json(id, "shell", "echo alive", 20_000, 64))
         .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
     assert_eq!(r.stdout_text(), "alive\n");
 }
 
@@ -289,13 +283,7 @@ async fn limits_above_the_maximum_are_refused_not_clamped() {
         exec_json("lim-max", "shell", "echo x", 60_000, 1024),
         json!({"limits": {"pids_max": 256, "disk_mb": 256, "cpu_shares": 1024, "max_output_bytes": 16_777_216}}),
     );
-    let r = c.run(exec).await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
+    let r = c.run_completed(exec).await;
     assert_eq!(r.ack().0, Some(super::harness::MAX_LIMITS), "{}", r.dump());
 }
 
@@ -389,21 +377,14 @@ async fn oversized_frame_closes_with_1009_and_the_daemon_goes_on() {
 
     // Just under the limit: accepted.
     let padding = "#".repeat(60_000);
-    let r = c
-        .run(exec_json(
-            "near-limit",
-            "shell",
-            &format!("echo under\n{padding}"),
-            20_000,
-            64,
-        ))
-        .await;
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
+    c.run_completed(exec_json(
+        "near-limit",
+        "shell",
+        &format!("echo under\n{padding}"),
+        20_000,
+        64,
+    ))
+    .await;
 
     // Over it: the connection is closed with 1009.
     let padding = "#".repeat(100_000);
@@ -483,13 +464,7 @@ async fn artifacts_are_refused_unless_advertised() {
         json!({"artifacts": {"paths": ["out/**"]}}),
     );
     if caps.extensions.iter().any(|e| e == "artifacts") {
-        let r = c.run(exec).await;
-        assert_eq!(
-            r.terminal_status(),
-            Some(ExecStatus::Completed),
-            "{}",
-            r.dump()
-        );
+        let r = c.run_completed(exec).await;
         assert!(
             r.result().artifacts.is_some(),
             "a manifest when artifacts were requested: {}",
