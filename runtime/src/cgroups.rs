@@ -469,6 +469,60 @@ impl Cgroups {
         })
     }
 
+    /// The leaf directories of an execution that the direct start ([`crate::direct`]) creates: on v1 one per
+    /// hierarchy carrying a controller sandboxd limits, accounts or freezes with (`memory`, `cpu`, `cpuacct`,
+    /// `pids`, and `freezer` where mounted; co-mounted controllers share a directory), on v2 the one leaf. The other
+    /// v1 hierarchies (blkio, cpuset, devices, ...) are left alone: sandboxd sets nothing in them.
+    pub fn joined_leaves(&self, id: &str) -> Result<Vec<PathBuf>> {
+        match self.version {
+            CgroupVersion::V2 => Ok(vec![self.root.join(&self.parent).join(id)]),
+            CgroupVersion::V1 => {
+                let mut out: Vec<PathBuf> = Vec::new();
+                for controller in V1_REQUIRED.iter().chain(&["freezer"]) {
+                    let Some(h) = self.v1_hierarchy(controller) else {
+                        if *controller == "freezer" {
+                            continue;
+                        }
+                        return Err(CgroupError::NoHierarchy {
+                            controller,
+                            needed_for: "a container's limits",
+                        }
+                        .into());
+                    };
+                    let leaf = h.join(&self.parent).join(id);
+                    if !out.contains(&leaf) {
+                        out.push(leaf);
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Creates an execution's leaves ([`Self::joined_leaves`]) and writes its limits; for the direct start, which
+    /// then moves the container's init in with [`Self::attach`]. A leaf that already exists is an error: the id
+    /// is fresh, so it would be somebody else's.
+    pub fn create_leaf(&self, id: &str, limits: &CgroupLimits) -> Result<()> {
+        for leaf in self.joined_leaves(id)? {
+            fs::create_dir(&leaf).map_err(|e| Error::io(&leaf, e))?;
+        }
+        self.set_limits(id, limits)
+    }
+
+    /// Moves process `pid` into every leaf of the execution (`cgroup.procs`).
+    pub fn attach(&self, id: &str, pid: i32) -> Result<()> {
+        let pid = pid.to_string();
+        for leaf in self.joined_leaves(id)? {
+            let procs = leaf.join("cgroup.procs");
+            fs::write(&procs, &pid).map_err(|source| CgroupError::Write {
+                path: procs,
+                value: pid.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
     /// Removes one execution's leaf in every hierarchy if it is still there (libcontainer normally does this).
     pub fn remove_leaf(&self, id: &str) -> Result<()> {
         for h in self.hierarchies() {
@@ -781,6 +835,59 @@ mod tests {
         assert_eq!(read("cpu.weight"), "39");
         assert_eq!(shares_to_weight(2), 1);
         assert_eq!(shares_to_weight(262_144), 10_000);
+    }
+
+    const LIMITS: CgroupLimits = CgroupLimits {
+        memory_bytes: 64 << 20,
+        pids_max: 32,
+        cpu_shares: 1024,
+    };
+
+    #[test]
+    fn v1_direct_leaves_are_the_limited_hierarchies_only() {
+        let t = fake_v1();
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sbx").unwrap();
+        cg.ensure_parent().unwrap();
+        cg.create_leaf("c1", &LIMITS).unwrap();
+        for h in ["memory", "pids", "cpu,cpuacct", "freezer"] {
+            assert!(t.path().join(h).join("sbx/c1").is_dir(), "{h}");
+        }
+        assert!(
+            !t.path().join("cpuset/sbx/c1").exists(),
+            "cpuset is not sandboxd's"
+        );
+        assert_eq!(
+            fs::read_to_string(t.path().join("pids/sbx/c1/pids.max")).unwrap(),
+            "32"
+        );
+        cg.attach("c1", 4242).unwrap();
+        for h in ["memory", "pids", "cpu,cpuacct", "freezer"] {
+            let procs = t.path().join(h).join("sbx/c1/cgroup.procs");
+            assert_eq!(fs::read_to_string(procs).unwrap(), "4242", "{h}");
+        }
+        // The id is fresh: a leaf that exists already is somebody else's.
+        assert!(cg.create_leaf("c1", &LIMITS).is_err());
+        fs::remove_dir_all(t.path().join("pids")).unwrap();
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sbx").unwrap();
+        assert!(cg.create_leaf("c2", &LIMITS).is_err(), "no pids hierarchy");
+    }
+
+    #[test]
+    fn v2_direct_leaf_is_one_directory() {
+        let t = fake_v2("cpu memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sbx").unwrap();
+        fs::create_dir(t.path().join("sbx")).unwrap();
+        cg.create_leaf("c1", &LIMITS).unwrap();
+        assert_eq!(cg.joined_leaves("c1").unwrap(), [t.path().join("sbx/c1")]);
+        assert_eq!(
+            fs::read_to_string(t.path().join("sbx/c1/memory.max")).unwrap(),
+            "67108864"
+        );
+        cg.attach("c1", 4242).unwrap();
+        assert_eq!(
+            fs::read_to_string(t.path().join("sbx/c1/cgroup.procs")).unwrap(),
+            "4242"
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Errors of the runtime crate: one enum per module (cgroups: [`CgroupError`], caps: [`CapsError`], landlock:
-//! [`LandlockError`], seccomp: [`SeccompError`], rootfs: [`RootfsError`], launch: [`LaunchError`], helper client:
+//! [`LandlockError`], direct start: [`StartError`], seccomp: [`SeccompError`], rootfs: [`RootfsError`], launch: [`LaunchError`], helper client:
 //! [`HelperError`]; each module re-exports its own), gathered into [`Error`], the error every public function
 //! returns. They are defined here rather than in their modules so that this module depends on no other: every
 //! module uses `crate::error`, and nothing here uses a module back (no module cycle).
@@ -69,6 +69,9 @@ pub enum Error {
         #[source]
         source: libcontainer::error::LibcontainerError,
     },
+    /// The direct start could not create a container.
+    #[error(transparent)]
+    Start(#[from] StartError),
     /// libcontainer created a container but knows no pid for its init.
     #[error("The created container has no pid")]
     NoPid,
@@ -119,6 +122,46 @@ impl std::fmt::Display for ContainerOp {
             Self::Start => "start",
         })
     }
+}
+
+// Errors of the direct start (`crate::direct`).
+
+/// Why the direct start could not create a container.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The spec asks for something the direct start does not do (it refuses rather than skips).
+    #[error("The container spec asks for {0}, which the direct start does not do")]
+    Unsupported(String),
+    /// The bundle's `config.json` could not be read.
+    #[error("Cannot read the container spec {path}")]
+    ReadSpec {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: oci_spec::OciSpecError,
+    },
+    /// `clone3` refused to create the container's init.
+    #[error("clone3 of the container's init failed")]
+    Clone(#[source] nix::Error),
+    /// The user namespace's id map could not be written.
+    #[error("Cannot write {path}")]
+    IdMap {
+        /// The map file.
+        path: PathBuf,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The cloned init reported a set-up step that failed (namespaces, mounts, privileges).
+    #[error("Container set-up failed: {0}")]
+    Setup(String),
+    /// The cloned init ended (or closed its channel) before it reported its set-up.
+    #[error("The container's init ended during set-up")]
+    Gone,
+    /// The cloned init did not report its set-up in time.
+    #[error("The container's init did not finish set-up within {} ms", .0.as_millis())]
+    Timeout(std::time::Duration),
 }
 
 // Errors of cgroups (`crate::cgroups`).

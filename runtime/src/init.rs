@@ -137,6 +137,15 @@ impl Executor for InitExecutor {
     }
 
     fn exec(&self, _spec: &Spec) -> Result<(), ExecutorError> {
+        self.run()
+    }
+}
+
+impl InitExecutor {
+    /// Becomes the container's init: confines itself, waits for the launch, forks the program and reaps until it
+    /// ends, then ends the process. Returns only when it could not get that far. libcontainer calls it through
+    /// [`Executor::exec`]; the direct start ([`crate::direct`]) calls it in the cloned process.
+    pub fn run(&self) -> Result<(), ExecutorError> {
         self.become_init()?;
         // SAFETY: `status_fd` is inherited from the helper, kept open by `become_init` and owned by no Rust object
         // in this process; it stays open until the process ends.
@@ -167,9 +176,18 @@ impl Executor for InitExecutor {
             }
         }
     }
-}
 
-impl InitExecutor {
+    /// [`Self::run`] for a caller with nobody to return to (the direct start's cloned init): a failure is
+    /// reported on the status pipe, as a failed restriction is, and ends the process.
+    pub fn run_or_report(&self) -> ! {
+        let e = match self.run() {
+            Ok(()) => other("the init returned"),
+            Err(e) => e,
+        };
+        // SAFETY: `status_fd` is inherited from the helper and stays open until the process ends.
+        setup_failed(unsafe { BorrowedFd::borrow_raw(self.status_fd) }, e)
+    }
+
     /// Keeps only stdio, the status pipe and the launch channel, dies with the helper, refuses ptrace, and forwards
     /// polite stop signals to the program.
     fn become_init(&self) -> Result<(), ExecutorError> {

@@ -1,7 +1,7 @@
 //! Containers for sandboxd.
 //!
-//! Every execution runs in a fresh container created through youki's `libcontainer`: new pid, mount, ipc, uts,
-//! net, cgroup and user namespaces, cgroup limits (v1 or v2), an ephemeral root built from an image, and a tiny
+//! Every execution runs in a fresh container created by sandboxd's own start ([`direct`]; youki's `libcontainer`
+//! is the alternative): new pid, mount, ipc, uts, net, cgroup and user namespaces, cgroup limits (v1 or v2), an ephemeral root built from an image, and a tiny
 //! init ([`init`]) that reaps orphans and reports how the program ended.
 //!
 //! Containers are never created by the multi-threaded daemon itself. [`helper::spawn_helper`] forks a
@@ -9,12 +9,14 @@
 //! socket ([`ipc`]) with [`helper::HelperClient`], passing the program's stdio as file descriptors.
 //!
 //! Module map, one kernel mechanism per module: [`cgroups`] (limits, usage, leftovers), [`rootfs`] (host image,
-//! per-execution scratch), [`spec`] (the OCI runtime spec of an execution), [`init`] (the executor run as pid 1),
+//! per-execution scratch), [`spec`] (the OCI runtime spec of an execution), [`direct`] (the container start:
+//! clone, mounts, privileges), [`init`] (the executor run as pid 1),
 //! [`helper`] (container lifecycle in the helper process), [`sys`] (the few raw syscalls, each with its `SAFETY`).
 
 pub mod artifacts;
 pub mod caps;
 pub mod cgroups;
+pub mod direct;
 pub mod error;
 pub mod helper;
 pub mod image;

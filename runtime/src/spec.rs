@@ -176,20 +176,23 @@ fn process(plan: &ContainerPlan) -> Result<oci_spec::runtime::Process> {
         .build()?)
 }
 
+/// The namespaces every container gets, all of them new (and the only set the direct start accepts).
+pub const NAMESPACES: [LinuxNamespaceType; 7] = [
+    LinuxNamespaceType::Pid,
+    LinuxNamespaceType::Mount,
+    LinuxNamespaceType::Ipc,
+    LinuxNamespaceType::Uts,
+    LinuxNamespaceType::Network,
+    LinuxNamespaceType::Cgroup,
+    LinuxNamespaceType::User,
+];
+
 /// Namespaces, the one-id user mapping, cgroup limits and the OCI default masked and read-only paths.
 fn linux(plan: &ContainerPlan) -> Result<oci_spec::runtime::Linux> {
-    let namespaces = [
-        LinuxNamespaceType::Pid,
-        LinuxNamespaceType::Mount,
-        LinuxNamespaceType::Ipc,
-        LinuxNamespaceType::Uts,
-        LinuxNamespaceType::Network,
-        LinuxNamespaceType::Cgroup,
-        LinuxNamespaceType::User,
-    ]
-    .into_iter()
-    .map(|t| LinuxNamespaceBuilder::default().typ(t).build())
-    .collect::<Result<Vec<_>, _>>()?;
+    let namespaces = NAMESPACES
+        .into_iter()
+        .map(|t| LinuxNamespaceBuilder::default().typ(t).build())
+        .collect::<Result<Vec<_>, _>>()?;
 
     let id_map = LinuxIdMappingBuilder::default()
         .host_id(plan.host_id)
@@ -220,10 +223,11 @@ fn linux(plan: &ContainerPlan) -> Result<oci_spec::runtime::Linux> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn plan() -> ContainerPlan {
+    /// A plan like the daemon's (also read back by the direct start's tests).
+    pub(crate) fn plan() -> ContainerPlan {
         ContainerPlan {
             rootfs: "/state/images/host/rootfs".into(),
             readonly_root: true,

@@ -107,8 +107,6 @@ pub fn landlock_abi() -> i32 {
 /// enters the namespace, raises the flag and returns. The helper is single-threaded, so nothing else runs in the
 /// borrowed namespace meanwhile.
 pub fn bring_up_loopback(pid: nix::unistd::Pid) -> Result<()> {
-    use std::os::fd::AsRawFd;
-
     use nix::sched::{setns, CloneFlags};
 
     let ns_path = format!("/proc/{pid}/ns/net");
@@ -116,35 +114,40 @@ pub fn bring_up_loopback(pid: nix::unistd::Pid) -> Result<()> {
     let own =
         std::fs::File::open("/proc/self/ns/net").map_err(|e| Error::io("/proc/self/ns/net", e))?;
     setns(&target, CloneFlags::CLONE_NEWNET).map_err(|e| Error::sys("setns(container net)", e))?;
-    let result = (|| {
-        let sock = nix::sys::socket::socket(
-            nix::sys::socket::AddressFamily::Inet,
-            nix::sys::socket::SockType::Datagram,
-            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .map_err(|e| Error::sys("socket for SIOCSIFFLAGS", e))?;
-        // SAFETY: an all-zero ifreq is a valid value; the name is copied below within its bounds.
-        let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-        for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
-            *dst = *src as libc::c_char;
-        }
-        // SAFETY: SIOCGIFFLAGS reads the interface name from `req` and writes the flags into its union; `req`
-        // lives for the whole call and the descriptor is a socket.
-        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
-            return Err(Error::sys("ioctl(SIOCGIFFLAGS lo)", nix::Error::last()));
-        }
-        // SAFETY: the union was just filled by SIOCGIFFLAGS, so reading ifru_flags reads initialised data.
-        unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
-        // SAFETY: as above; SIOCSIFFLAGS reads the name and flags from `req`.
-        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
-            return Err(Error::sys("ioctl(SIOCSIFFLAGS lo)", nix::Error::last()));
-        }
-        Ok(())
-    })();
+    let result = set_loopback_up();
     // Always return to our own namespace, even when raising the flag failed.
     setns(&own, CloneFlags::CLONE_NEWNET).map_err(|e| Error::sys("setns(back to own net)", e))?;
     result
+}
+
+/// Sets `lo` up in the calling process's network namespace (the direct start's init does this for its own).
+pub fn set_loopback_up() -> Result<()> {
+    use std::os::fd::AsRawFd;
+
+    let sock = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Inet,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| Error::sys("socket for SIOCSIFFLAGS", e))?;
+    // SAFETY: an all-zero ifreq is a valid value; the name is copied below within its bounds.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS reads the interface name from `req` and writes the flags into its union; `req`
+    // lives for the whole call and the descriptor is a socket.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
+        return Err(Error::sys("ioctl(SIOCGIFFLAGS lo)", nix::Error::last()));
+    }
+    // SAFETY: the union was just filled by SIOCGIFFLAGS, so reading ifru_flags reads initialised data.
+    unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+    // SAFETY: as above; SIOCSIFFLAGS reads the name and flags from `req`.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
+        return Err(Error::sys("ioctl(SIOCSIFFLAGS lo)", nix::Error::last()));
+    }
+    Ok(())
 }
 
 /// Opens a child of `dir` (`O_CLOEXEC | O_NOFOLLOW` added to `flags`) without following any symlink and without

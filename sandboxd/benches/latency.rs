@@ -100,11 +100,12 @@ impl Drop for CpuMeter {
 impl Daemon {
     /// Starts a daemon; `extra` is appended to its config, `n` keeps cgroup parents and uid ranges apart.
     fn start(n: u32, extra: &str) -> Self {
-        Self::start_binary(Path::new(env!("CARGO_BIN_EXE_sandboxd")), n, extra)
+        Self::start_binary(Path::new(env!("CARGO_BIN_EXE_sandboxd")), n, extra, "")
     }
 
     /// [`start`](Self::start) with another sandboxd binary (`SANDBOXD_BENCH_BASELINE`).
-    fn start_binary(binary: &Path, n: u32, extra: &str) -> Self {
+    /// `sandbox` is added to the `sandbox:` section (`, start: libcontainer`).
+    fn start_binary(binary: &Path, n: u32, extra: &str, sandbox: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -119,7 +120,7 @@ impl Daemon {
             format!(
                 "listen: 127.0.0.1:{port}\nstate_dir: {}\nauth: {{tokens: [\"{TOKEN}\"]}}\n\
                  capacity: {{max_concurrent: 16, max_queue: 256}}\n\
-                 sandbox: {{cgroup_parent: {parent}, uid_base: {}}}\n{extra}",
+                 sandbox: {{cgroup_parent: {parent}, uid_base: {}{sandbox}}}\n{extra}",
                 dir.path().join("state").display(),
                 400_000 + n * 1000,
             ),
@@ -575,9 +576,23 @@ fn main() {
     // SANDBOXD_BENCH_BASELINE=/path/to/an/older/sandboxd: its warm daemon joins the throughput table, run for run.
     let baseline = std::env::var_os("SANDBOXD_BENCH_BASELINE").map(|bin| {
         println!("baseline: {}", Path::new(&bin).display());
-        Daemon::start_binary(Path::new(&bin), 3, "")
+        Daemon::start_binary(Path::new(&bin), 3, "", "")
     });
-    throughput(&rt, &warm, &cold, baseline.as_ref(), tmp.path());
+    // The same binary and pool with libcontainer starting the containers: the direct start's baseline.
+    let libcontainer = Daemon::start_binary(
+        Path::new(env!("CARGO_BIN_EXE_sandboxd")),
+        4,
+        "",
+        ", start: libcontainer",
+    );
+    throughput(
+        &rt,
+        &warm,
+        &cold,
+        &libcontainer,
+        baseline.as_ref(),
+        tmp.path(),
+    );
 }
 
 fn latency_table(
@@ -837,6 +852,7 @@ fn throughput(
     rt: &tokio::runtime::Runtime,
     warm: &Daemon,
     cold: &Daemon,
+    libcontainer: &Daemon,
     baseline: Option<&Daemon>,
     tmp: &Path,
 ) {
@@ -862,8 +878,15 @@ fn throughput(
         "warm idle"
     );
     let mut base_rows = Vec::new();
+    let mut lc_rows = Vec::new();
     for conc in [1usize, 4, 16] {
         let w = measure(rt, warm, conc, "w");
+        lc_rows.push((
+            conc,
+            measure(rt, libcontainer, conc, "l"),
+            w.per_s,
+            w.cpu_ms_per_exec(),
+        ));
         if let Some(base) = baseline {
             base_rows.push((conc, measure(rt, base, conc, "b")));
         }
@@ -880,6 +903,20 @@ fn throughput(
             w.cpu_ms_per_exec(),
             c.cpu_ms_per_exec(),
             w.idle * 100.0
+        );
+    }
+    println!("the same warm pool with `sandbox.start: libcontainer`, measured right after each warm run:");
+    for (conc, r, direct_per_s, direct_cpu) in lc_rows {
+        println!(
+            "libcontainer start, {conc} in flight: {:.1} exec/s, {} CPU ms/exec, hits/misses {}/{}; \
+             direct / libcontainer: {:.2}x exec/s, CPU ms/exec {} vs {}",
+            r.per_s,
+            r.cpu_ms_per_exec(),
+            r.hits,
+            r.misses,
+            direct_per_s / r.per_s,
+            direct_cpu,
+            r.cpu_ms_per_exec()
         );
     }
     for (conc, r) in base_rows {

@@ -307,6 +307,8 @@ pub struct SandboxConfig {
     pub nofile: u64,
     /// The lowest Landlock ABI the daemon accepts; it refuses to start on a kernel with less.
     pub landlock_min_abi: i32,
+    /// How containers are started: `direct` (sandboxd's own start) or `libcontainer` (youki's).
+    pub start: runtime::helper::StartMethod,
 }
 
 impl Default for SandboxConfig {
@@ -317,6 +319,7 @@ impl Default for SandboxConfig {
             uid_base: DEFAULT_UID_BASE,
             nofile: DEFAULT_NOFILE,
             landlock_min_abi: DEFAULT_LANDLOCK_MIN_ABI,
+            start: runtime::helper::StartMethod::default(),
         }
     }
 }

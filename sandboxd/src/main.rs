@@ -253,6 +253,7 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         state_root: run_dir.join("containers"),
         cgroups: cgroups.clone(),
         seccomp,
+        start: config.sandbox.start,
     };
     let mut helpers = Vec::new();
     for _ in 0..config.helper_count() {

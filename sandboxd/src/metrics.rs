@@ -12,7 +12,7 @@
 //! |---|---|---|---|
 //! | `executions_total` | counter | `language`, `reason` | executions that ended: a `result` reason (`exited`, `signaled`, `timeout`, `oom`, `output_limit`, `cancelled`), or `error` (ended with an `error` message), or `overloaded` (refused at admission) |
 //! | `queue_wait_seconds` | histogram | `language` | arrival to slot |
-//! | `create_seconds` | histogram | `language` | slot to container created (scratch, bundle, libcontainer create) |
+//! | `create_seconds` | histogram | `language` | slot to container created (scratch, bundle, container start) |
 //! | `run_seconds` | histogram | `language` | program start to exit (`status: running` to the end of the program) |
 //! | `total_seconds` | histogram | `language` | arrival to the last message of the execution |
 //! | `queue_depth` | gauge | | executions waiting for a slot |

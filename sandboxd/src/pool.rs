@@ -1,8 +1,8 @@
 //! Containers created ahead of time: the warm pool, and the cold path that creates one on demand.
 //!
 //! A container here is a scratch space (tmpfs, overlay root on an OCI image), an OCI bundle and a created and
-//! started container whose init waits on its launch channel ([`runtime::launch`]). Creating one (about 5 ms of
-//! libcontainer work in the helper process) is most of an execution's cost, so the pool keeps `pool.size`
+//! started container whose init waits on its launch channel ([`runtime::launch`]). Creating one (a few ms of CPU:
+//! namespaces, mounts and cgroups, see [`runtime::direct`]) is most of an execution's cost, so the pool keeps `pool.size`
 //! containers ready, split evenly over the languages, created in the background by one refill task per language. An execution takes a
 //! ready container when one of its class is there (language and `disk_mb`, which fixes the tmpfs, `/dev/shm` and
 //! `RLIMIT_FSIZE` sizes); its memory, pids and cpu limits are written into the container's cgroup before launch.
@@ -80,7 +80,7 @@ impl Uids {
 
 /// A created container whose init waits for its program.
 pub struct Container {
-    /// Container id (libcontainer's, the cgroup leaf's, the scratch directory's name).
+    /// Container id (the container's, the cgroup leaf's, the scratch directory's name).
     pub cid: String,
     /// Host uid of container root.
     pub host_id: u32,
@@ -307,8 +307,8 @@ impl Pool {
             return;
         };
         // Created with the largest memory and pids limits (lowered at launch) and the kernel's smallest cpu weight:
-        // most of a creation's CPU work (libcontainer's intermediate process and the init) runs inside the new
-        // container's cgroup, so refills yield to the programs that run meanwhile. The launch writes the
+        // most of a creation's CPU work (the cloned init's mounts and set-up; on the libcontainer start, also its
+        // intermediate process) runs inside the new container's cgroup, so refills yield to the programs that run meanwhile. The launch writes the
         // request's `cpu_shares`.
         let max = Limits {
             cpu_shares: MIN_CPU_SHARES,

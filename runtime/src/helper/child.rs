@@ -17,6 +17,7 @@ use nix::unistd::{ForkResult, Pid};
 
 use super::proto::{Event, Request};
 use crate::cgroups::Cgroups;
+use crate::direct::{Blueprint, StartError};
 use crate::error::{Chain, ContainerOp, Error, Result};
 use crate::init::InitExecutor;
 use crate::ipc;
@@ -24,12 +25,25 @@ use crate::ipc;
 /// What the helper needs to know, fixed at fork time.
 #[derive(Debug, Clone)]
 pub struct HelperConfig {
-    /// libcontainer's state directory.
+    /// libcontainer's state directory (unused by the direct start).
     pub state_root: PathBuf,
     /// The cgroup setup (leftover removal).
     pub cgroups: Cgroups,
     /// The compiled seccomp profile every program gets.
     pub seccomp: crate::seccomp::Profile,
+    /// How containers are started.
+    pub start: StartMethod,
+}
+
+/// How the helper turns a bundle into a waiting init.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StartMethod {
+    /// sandboxd's own start ([`crate::direct`]): one clone, only the cgroups sandboxd uses.
+    #[default]
+    Direct,
+    /// youki's libcontainer (create, then start).
+    Libcontainer,
 }
 
 /// Forks the helper. Must be called while the process is still single-threaded (before the async runtime).
@@ -66,7 +80,8 @@ pub fn spawn_helper(config: HelperConfig) -> Result<(Pid, OwnedFd)> {
 }
 
 struct Running {
-    container: Container,
+    /// libcontainer's handle; `None` for a container of the direct start, which keeps no state.
+    container: Option<Container>,
     pid: Pid,
 }
 
@@ -222,6 +237,46 @@ impl Helper {
             seccomp: self.config.seccomp.clone(),
             landlock,
         };
+        let pid = match self.config.start {
+            StartMethod::Direct => self.start_direct(id, &bundle, &executor)?,
+            StartMethod::Libcontainer => self.start_libcontainer(id, bundle, executor)?,
+        };
+        drop((status_w, launch_init));
+        let pidfd = crate::sys::pidfd_open(pid)?;
+        Ok((pid, [launch_daemon, status_r, pidfd]))
+    }
+
+    /// The direct start ([`crate::direct`]): the blueprint is read from the bundle and checked first. The init's
+    /// loopback is raised by the init itself. Registered only once it waits, so a failure is cleaned up by
+    /// [`Self::cleanup_failed`] (the cgroup leaves; the clone is already reaped).
+    fn start_direct(
+        &mut self,
+        id: &str,
+        bundle: &std::path::Path,
+        init: &InitExecutor,
+    ) -> Result<Pid> {
+        let path = bundle.join("config.json");
+        let spec = oci_spec::runtime::Spec::load(&path)
+            .map_err(|source| StartError::ReadSpec { path, source })?;
+        let blueprint = Blueprint::from_spec(&spec, &self.config.cgroups.cgroups_path(id))?;
+        let pid = crate::direct::start(id, &blueprint, &self.config.cgroups, init)?;
+        self.running.insert(
+            id.to_owned(),
+            Running {
+                container: None,
+                pid,
+            },
+        );
+        Ok(pid)
+    }
+
+    /// libcontainer's create and start, and the loopback raised from the helper.
+    fn start_libcontainer(
+        &mut self,
+        id: &str,
+        bundle: PathBuf,
+        executor: InitExecutor,
+    ) -> Result<Pid> {
         // The init's own stdio: nothing (the program gets its own with the launch message).
         let null = || {
             std::fs::OpenOptions::new()
@@ -246,20 +301,21 @@ impl Helper {
             .with_detach(true)
             .build()
             .map_err(|e| Error::container(ContainerOp::Create, e))?;
-        drop((status_w, launch_init));
         let pid = container.pid().ok_or(Error::NoPid)?;
         // Registered first, so a failure below is cleaned up like any created container.
-        let running = self
-            .running
-            .entry(id.to_owned())
-            .insert_entry(Running { container, pid });
-        let container = &mut running.into_mut().container;
-        let pidfd = crate::sys::pidfd_open(pid)?;
+        let running = self.running.entry(id.to_owned()).insert_entry(Running {
+            container: Some(container),
+            pid,
+        });
         crate::sys::bring_up_loopback(pid)?;
-        container
+        running
+            .into_mut()
+            .container
+            .as_mut()
+            .ok_or(Error::NoPid)?
             .start()
             .map_err(|e| Error::container(ContainerOp::Start, e))?;
-        Ok((pid, [launch_daemon, status_r, pidfd]))
+        Ok(pid)
     }
 
     /// Kills the init (if it still runs), reaps it, and removes the cgroup leaf and libcontainer's state
@@ -300,11 +356,13 @@ impl Helper {
         let known = self.running.remove(id);
         let dir = self.config.state_root.join(id);
         let mut pid = known.as_ref().map(|r| r.pid);
-        if let Some(mut r) = known {
+        if let Some(r) = known {
             let _ = nix::sys::signal::kill(r.pid, Signal::SIGKILL);
             let _ = waitid(Id::Pid(r.pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
-            if let Err(e) = r.container.delete(true) {
-                tracing::warn!(%id, error = %e, "delete of a failed container failed");
+            if let Some(mut c) = r.container {
+                if let Err(e) = c.delete(true) {
+                    tracing::warn!(%id, error = %e, "delete of a failed container failed");
+                }
             }
         } else if dir.exists() {
             if let Ok(mut c) = Container::load(dir.clone()) {

@@ -1,6 +1,7 @@
 //! The helper process: the only place containers are created and deleted.
 //!
-//! libcontainer forks and runs Rust code in the child, which is only sound in a single-threaded process, so the
+//! Starting a container clones the helper and runs Rust code in the clone (the direct start and libcontainer alike),
+//! which is only sound in a single-threaded process, so the
 //! daemon forks this helper before it starts its async runtime ([`spawn_helper`]). Three parts, one per side:
 //! - [`proto`]: the messages, one JSON document per `SOCK_SEQPACKET` datagram with descriptors attached;
 //! - [`child`]: the helper process itself, a plain poll loop over the daemon socket and a `signalfd` for
@@ -18,6 +19,6 @@ pub mod child;
 pub mod client;
 pub mod proto;
 
-pub use child::{spawn_helper, HelperConfig};
+pub use child::{spawn_helper, HelperConfig, StartMethod};
 pub use client::{Created, HelperClient, HelperError};
 pub use proto::{Event, Request};

@@ -37,7 +37,7 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// What a container is created for.
 #[derive(Debug, Clone, Copy)]
 pub struct Plan<'a> {
-    /// Its id (libcontainer's, the cgroup leaf's, the scratch directory's name).
+    /// Its id (the container's, the cgroup leaf's, the scratch directory's name).
     pub cid: &'a str,
     /// Host uid of container root.
     pub host_id: u32,

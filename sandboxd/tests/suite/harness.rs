@@ -566,11 +566,22 @@ impl Daemon {
             cgroups.iter().filter_map(|p| p.file_name()).collect();
         let mounts = self.scratch_mounts();
         let files = self.state_leftovers();
+        // One scratch directory per ready container, and on the libcontainer start also its state directory.
+        let scratch = files
+            .iter()
+            .filter(|p| {
+                p.parent()
+                    .and_then(|d| d.file_name())
+                    .is_some_and(|n| n == "run")
+            })
+            .count();
+        let state = files.len() - scratch;
         if ready == full
             && procs.len() == ready
             && leaves.len() == ready
             && mounts == ready
-            && files.len() == 2 * ready
+            && scratch == ready
+            && (state == 0 || state == ready)
         {
             Ok(())
         } else {

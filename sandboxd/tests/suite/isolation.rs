@@ -220,3 +220,74 @@ print(json.dumps(out))
     assert_ne!(out["etc_write"], "written", "the image is read-only: {out}");
     assert!(!std::path::Path::new("/usr/bin/sandboxd-was-here").exists());
 }
+
+/// What a program can see of its own container: privileges, ids, limits, cgroups, hostname, `/dev` and the mount
+/// table (uid/gid mount options dropped: they name the execution's host uid, which differs per daemon).
+const CONTAINER_VIEW: &str = r#"
+grep -E '^(Cap|NoNewPrivs|Seccomp|Uid|Gid|Groups|Sig(Blk|Ign))' /proc/self/status
+cat /proc/self/uid_map /proc/self/gid_map | awk '{print $1, $3}'
+ulimit -a; umask; hostname; cat /proc/self/cgroup
+ls -la /dev | awk '{print $1, $NF}'
+sed -E 's/,?(uid|gid)=[0-9]+//g' /proc/mounts | sort
+for f in /proc/kcore /proc/keys /proc/timer_list /proc/sys/kernel/hostname; do
+  echo "$f: $(cat "$f" 2>/dev/null | wc -c) bytes"
+done
+(echo x > /proc/sys/kernel/hostname) 2>/dev/null && echo "/proc/sys writable" || echo "/proc/sys read-only"
+"#;
+
+/// The container's view on a daemon that starts containers with `start`.
+async fn container_view(start: &str) -> String {
+    let d = Daemon::start(DaemonOpts {
+        extra_config: Some(serde_json::json!({"sandbox": {"start": start}})),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    let r = c
+        .run_completed(exec_json("view", "shell", CONTAINER_VIEW, 20_000, 128))
+        .await;
+    r.stdout_text()
+}
+
+#[tokio::test]
+async fn the_direct_start_gives_the_container_libcontainer_gives() {
+    let Some(_g) = privileged("the_direct_start_gives_the_container_libcontainer_gives").await
+    else {
+        return;
+    };
+    let direct = container_view("direct").await;
+    let libcontainer = container_view("libcontainer").await;
+    // One difference, on purpose: the direct start also remounts the root nosuid and nodev.
+    let root_line = |view: &str| {
+        view.lines()
+            .find(|l| l.split(' ').nth(1) == Some("/"))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let direct_root = root_line(&direct);
+    assert!(
+        direct_root.contains(" ro,nosuid,nodev,"),
+        "root mount of the direct start: {direct_root}"
+    );
+    let without_root = |view: &str| {
+        let root = root_line(view);
+        view.lines()
+            .filter(|l| *l != root)
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(
+        without_root(&direct),
+        without_root(&libcontainer),
+        "direct:\n{direct}\nlibcontainer:\n{libcontainer}"
+    );
+    for want in [
+        "CapBnd:\t0000000000000000",
+        "NoNewPrivs:\t1",
+        "/proc/sys read-only",
+        "/proc/keys: 0 bytes",
+        "/proc/timer_list: 0 bytes",
+    ] {
+        assert!(direct.lines().any(|l| l.contains(want)), "{want}: {direct}");
+    }
+}

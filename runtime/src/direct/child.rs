@@ -1,0 +1,358 @@
+//! The cloned init's half of the direct start, from the helper's go to the waiting init. Everything here runs in
+//! the clone of the single-threaded helper, in the new namespaces; a failed step is sent to the helper as text
+//! (`<step>: <error>`) and ends the process. Each step fails closed: nothing is skipped but a masked or read-only
+//! path the kernel does not have.
+
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Component, Path};
+
+use caps::CapSet;
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::mount::{MntFlags, MsFlags};
+use nix::sched::CloneFlags;
+use nix::sys::signal::Signal;
+use nix::sys::stat::Mode;
+use nix::sys::statvfs::FsFlags;
+use nix::unistd::{Gid, Uid};
+
+use super::plan::{Blueprint, MountKind, MountStep};
+use super::{GO, OK};
+use crate::init::InitExecutor;
+use crate::ipc;
+
+/// The host device nodes bound into the container's `/dev` (the OCI default set).
+const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
+/// The symlinks of the container's `/dev`.
+const DEV_LINKS: [(&str, &str); 5] = [
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+    ("ptmx", "pts/ptmx"),
+];
+
+/// A failed step: what, and the kernel's answer.
+struct Failed(String);
+
+fn step<T>(what: impl std::fmt::Display, r: nix::Result<T>) -> Result<T, Failed> {
+    r.map_err(|e| Failed(format!("{what}: {e}")))
+}
+
+/// Runs the init: waits for go, sets the container up, reports, and becomes the waiting init. Never returns.
+pub(super) fn run(sock: OwnedFd, blueprint: &Blueprint, init: &InitExecutor) -> ! {
+    // Die with the helper from now on; before go, a helper that died also closes the socket.
+    let _ = crate::sys::set_parent_death_signal(Signal::SIGKILL);
+    let mut buf = [0u8; 8];
+    let go = matches!(ipc::recv(sock.as_fd(), &mut buf), Ok(Some((n, _))) if &buf[..n] == GO);
+    if !go {
+        // SAFETY: ends the clone without running the helper's destructors.
+        unsafe { libc::_exit(1) }
+    }
+    match set_up(blueprint) {
+        Ok(()) => {
+            let _ = ipc::send(sock.as_fd(), OK, &[]);
+            drop(sock);
+            init.run_or_report()
+        }
+        Err(Failed(what)) => {
+            let _ = ipc::send(sock.as_fd(), what.as_bytes(), &[]);
+            // SAFETY: as above.
+            unsafe { libc::_exit(1) }
+        }
+    }
+}
+
+/// Every step between go and the waiting init, in order.
+fn set_up(bp: &Blueprint) -> Result<(), Failed> {
+    step("setsid", nix::unistd::setsid())?;
+    // The helper moved us into our leaves: the new cgroup namespace is rooted there.
+    step(
+        "unshare(cgroup)",
+        nix::sched::unshare(CloneFlags::CLONE_NEWCGROUP),
+    )?;
+    let root_id = (Uid::from_raw(0), Gid::from_raw(0));
+    step(
+        "setresgid",
+        nix::unistd::setresgid(root_id.1, root_id.1, root_id.1),
+    )?;
+    step("setgroups", nix::unistd::setgroups(&[]))?;
+    step(
+        "setresuid",
+        nix::unistd::setresuid(root_id.0, root_id.0, root_id.0),
+    )?;
+    mount_root(bp)?;
+    step("sethostname", nix::unistd::sethostname(&bp.hostname))?;
+    step("chdir(cwd)", nix::unistd::chdir(bp.cwd.as_c_str()))?;
+    for &(resource, soft, hard) in &bp.rlimits {
+        step(
+            format_args!("setrlimit({resource:?})"),
+            nix::sys::resource::setrlimit(resource, soft, hard),
+        )?;
+    }
+    loopback_up()?;
+    drop_privileges()
+}
+
+/// Mounts: private propagation, the root bound onto itself, the spec's mounts inside it, `/dev`, pivot, masked
+/// and read-only paths, and the root's final flags.
+fn mount_root(bp: &Blueprint) -> Result<(), Failed> {
+    let none: Option<&str> = None;
+    step(
+        "make mounts private",
+        nix::mount::mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none),
+    )?;
+    step(
+        format_args!("bind {}", bp.root.display()),
+        nix::mount::mount(
+            Some(&bp.root),
+            &bp.root,
+            none,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            none,
+        ),
+    )?;
+    // Opened after the bind, so it is the new mount's root; every destination resolves inside it.
+    let root = step(
+        "open the root",
+        nix::fcntl::open(
+            &bp.root,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map(|fd| {
+            // SAFETY: open returned a new descriptor nothing else owns.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        }),
+    )?;
+    for m in &bp.mounts {
+        mount_one(&root, m)?;
+    }
+    if bp.mounts.iter().any(|m| m.destination == Path::new("/dev")) {
+        fill_dev(&root)?;
+    }
+    step("fchdir(root)", nix::unistd::fchdir(root.as_raw_fd()))?;
+    drop(root);
+    step("pivot_root", nix::unistd::pivot_root(".", "."))?;
+    step(
+        "detach the old root",
+        nix::mount::umount2(".", MntFlags::MNT_DETACH),
+    )?;
+    step("chdir(/)", nix::unistd::chdir("/"))?;
+    for p in &bp.masked {
+        mask(p)?;
+    }
+    for p in &bp.readonly {
+        make_readonly(p)?;
+    }
+    let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    if bp.root_readonly {
+        flags |= MsFlags::MS_RDONLY;
+    }
+    remount(Path::new("/"), flags)
+}
+
+/// `/proc/self/fd/N`: mounting on it mounts on what descriptor N resolved to.
+fn fd_path(fd: &OwnedFd) -> String {
+    format!("/proc/self/fd/{}", fd.as_raw_fd())
+}
+
+/// Opens `path` (absolute in the container) inside `root` without leaving it, whatever symlinks an image holds
+/// (`RESOLVE_IN_ROOT`); a missing last component (and missing parents) is created, as a directory or, for a file
+/// bind, an empty file.
+fn resolve(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd, Failed> {
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    match nix::fcntl::openat2(root.as_raw_fd(), path, how) {
+        // SAFETY: openat2 returned a new descriptor nothing else owns.
+        Ok(fd) => return Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
+        Err(nix::Error::ENOENT) => {}
+        Err(e) => return Err(Failed(format!("resolve {}: {e}", path.display()))),
+    }
+    let (Some(parent), Some(Component::Normal(name))) =
+        (path.parent(), path.components().next_back())
+    else {
+        return Err(Failed(format!("resolve {}: no such path", path.display())));
+    };
+    let dir = resolve(root, parent, false)?;
+    let created = if file {
+        nix::fcntl::openat(
+            Some(dir.as_raw_fd()),
+            name,
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(0o644),
+        )
+        .map(|fd| {
+            // SAFETY: openat returned a new descriptor nothing else owns; it is closed right away.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) })
+        })
+    } else {
+        nix::sys::stat::mkdirat(Some(dir.as_raw_fd()), name, Mode::from_bits_truncate(0o755))
+    };
+    step(format_args!("create {}", path.display()), created)?;
+    resolve(root, path, file)
+}
+
+fn mount_one(root: &OwnedFd, m: &MountStep) -> Result<(), Failed> {
+    let none: Option<&str> = None;
+    let what = format_args!("mount {}", m.destination.display()).to_string();
+    match &m.kind {
+        MountKind::Fresh { fstype, source } => {
+            let target = resolve(root, &m.destination, false)?;
+            let data = (!m.data.is_empty()).then_some(m.data.as_str());
+            step(
+                what,
+                nix::mount::mount(
+                    Some(source.as_str()),
+                    fd_path(&target).as_str(),
+                    Some(*fstype),
+                    m.flags,
+                    data,
+                ),
+            )
+        }
+        MountKind::Bind { source } => {
+            let target = resolve(root, &m.destination, !source.is_dir())?;
+            step(
+                &what,
+                nix::mount::mount(
+                    Some(source),
+                    fd_path(&target).as_str(),
+                    none,
+                    MsFlags::MS_BIND | MsFlags::MS_REC,
+                    none,
+                ),
+            )?;
+            if m.flags.is_empty() {
+                return Ok(());
+            }
+            // The descriptor still names what was under the new mount: resolve again to reach the mount itself.
+            let mounted = resolve(root, &m.destination, false)?;
+            remount(Path::new(&fd_path(&mounted)), m.flags)
+        }
+    }
+}
+
+/// Remounts a bind mount with `flags` added to the flags it must keep: a mount copied from the helper's
+/// namespace is locked, and the kernel refuses a remount that would clear its `nosuid`, `nodev`, `noexec`,
+/// `ro` or atime flags.
+fn remount(path: &Path, flags: MsFlags) -> Result<(), Failed> {
+    let none: Option<&str> = None;
+    let have = step(
+        format_args!("statvfs {}", path.display()),
+        nix::sys::statvfs::statvfs(path),
+    )?
+    .flags();
+    let keep = [
+        (FsFlags::ST_RDONLY, MsFlags::MS_RDONLY),
+        (FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
+        (FsFlags::ST_NODEV, MsFlags::MS_NODEV),
+        (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+        (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+        (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
+        (FsFlags::ST_RELATIME, MsFlags::MS_RELATIME),
+    ]
+    .into_iter()
+    .filter(|(st, _)| have.contains(*st))
+    .fold(MsFlags::empty(), |acc, (_, ms)| acc | ms);
+    step(
+        format_args!("remount {}", path.display()),
+        nix::mount::mount(
+            none,
+            path,
+            none,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | flags | keep,
+            none,
+        ),
+    )
+}
+
+/// The OCI default device nodes (bound from the host: a user namespace cannot `mknod`) and symlinks.
+fn fill_dev(root: &OwnedFd) -> Result<(), Failed> {
+    let none: Option<&str> = None;
+    for name in DEVICES {
+        let target = resolve(root, &Path::new("/dev").join(name), true)?;
+        let host = format!("/dev/{name}");
+        step(
+            format_args!("bind {host}"),
+            nix::mount::mount(
+                Some(host.as_str()),
+                fd_path(&target).as_str(),
+                none,
+                MsFlags::MS_BIND,
+                none,
+            ),
+        )?;
+    }
+    let dev = resolve(root, Path::new("/dev"), false)?;
+    for (name, target) in DEV_LINKS {
+        step(
+            format_args!("symlink /dev/{name}"),
+            nix::unistd::symlinkat(target, Some(dev.as_raw_fd()), name),
+        )?;
+    }
+    Ok(())
+}
+
+/// Hides `path`: a directory under an empty read-only tmpfs, anything else under `/dev/null`. A path the kernel
+/// does not have needs no hiding.
+fn mask(path: &Path) -> Result<(), Failed> {
+    let none: Option<&str> = None;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Failed(format!("stat {}: {e}", path.display()))),
+    };
+    let r = if meta.is_dir() {
+        nix::mount::mount(Some("tmpfs"), path, Some("tmpfs"), MsFlags::MS_RDONLY, none)
+    } else {
+        nix::mount::mount(Some("/dev/null"), path, none, MsFlags::MS_BIND, none)
+    };
+    step(format_args!("mask {}", path.display()), r)
+}
+
+/// Makes `path` read-only (a bind of itself, remounted); a path the kernel does not have is skipped.
+fn make_readonly(path: &Path) -> Result<(), Failed> {
+    let none: Option<&str> = None;
+    match nix::mount::mount(
+        Some(path),
+        path,
+        none,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        none,
+    ) {
+        Ok(()) => {}
+        Err(nix::Error::ENOENT) => return Ok(()),
+        Err(e) => return Err(Failed(format!("bind {}: {e}", path.display()))),
+    }
+    remount(
+        path,
+        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+    )
+}
+
+/// Raises `lo` in the container's own network namespace (it starts down; the container owns the namespace).
+fn loopback_up() -> Result<(), Failed> {
+    crate::sys::set_loopback_up().map_err(|e| Failed(crate::error::Chain(&e).to_string()))
+}
+
+/// Empties every capability set, the bounding set first (that needs `CAP_SETPCAP`), and sets `no_new_privs`:
+/// nothing the program executes can gain a privilege back.
+fn drop_privileges() -> Result<(), Failed> {
+    let failed = |what: &str, e: caps::errors::CapsError| Failed(format!("{what}: {e}"));
+    for cap in caps::all() {
+        caps::drop(None, CapSet::Bounding, cap).map_err(|e| failed("drop the bounding set", e))?;
+    }
+    for set in [
+        CapSet::Ambient,
+        CapSet::Inheritable,
+        CapSet::Effective,
+        CapSet::Permitted,
+    ] {
+        caps::clear(None, set).map_err(|e| failed("clear a capability set", e))?;
+    }
+    // SAFETY: prctl(PR_SET_NO_NEW_PRIVS, 1) takes no pointers.
+    let rc = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    step("no_new_privs", nix::errno::Errno::result(rc))?;
+    Ok(())
+}

@@ -1,0 +1,437 @@
+//! What the direct start does, read from the OCI spec sandboxd builds ([`crate::spec`]) and checked before any
+//! process is cloned. The direct start knows only what that spec uses; anything else in a spec (a namespace to
+//! join, a capability to keep, a sysctl, extra devices, a mount type it does not know) is refused here, so a spec
+//! can never ask for something the start would silently skip.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use nix::mount::MsFlags;
+use nix::sys::resource::Resource;
+use oci_spec::runtime::{LinuxNamespaceType, Mount, PosixRlimitType, Spec};
+
+use crate::cgroups::CgroupLimits;
+use crate::error::StartError;
+use crate::spec::NAMESPACES;
+
+/// One mount in the container, in spec order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountStep {
+    /// Absolute path in the container.
+    pub destination: PathBuf,
+    /// What is mounted.
+    pub kind: MountKind,
+    /// Mount flags (`MS_NOSUID`, `MS_RDONLY`, ...).
+    pub flags: MsFlags,
+    /// Filesystem options passed as mount data (`mode=755,size=65536k`); empty for none.
+    pub data: String,
+}
+
+/// The kinds of mount sandboxd's spec uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MountKind {
+    /// A new filesystem: `proc`, `tmpfs` or `devpts`, with this source name.
+    Fresh {
+        /// Filesystem type.
+        fstype: &'static str,
+        /// Source shown in the mount table.
+        source: String,
+    },
+    /// A recursive bind mount of a host path.
+    Bind {
+        /// Host path.
+        source: PathBuf,
+    },
+}
+
+/// Everything the direct start needs, checked.
+#[derive(Debug, Clone)]
+pub struct Blueprint {
+    /// The root directory (or overlay mount) on the host.
+    pub root: PathBuf,
+    /// Remount the root read-only.
+    pub root_readonly: bool,
+    /// The container's hostname.
+    pub hostname: String,
+    /// The init's (and so the program's) working directory.
+    pub cwd: CString,
+    /// Host uid that container root maps to.
+    pub host_uid: u32,
+    /// Host gid that container root maps to.
+    pub host_gid: u32,
+    /// Mounts, in order.
+    pub mounts: Vec<MountStep>,
+    /// Paths hidden (a directory under an empty read-only tmpfs, a file under `/dev/null`).
+    pub masked: Vec<PathBuf>,
+    /// Paths made read-only.
+    pub readonly: Vec<PathBuf>,
+    /// Resource limits: (resource, soft, hard).
+    pub rlimits: Vec<(Resource, u64, u64)>,
+    /// The cgroup limits the container starts with.
+    pub limits: CgroupLimits,
+}
+
+fn unsupported(what: impl Into<String>) -> StartError {
+    StartError::Unsupported(what.into())
+}
+
+impl Blueprint {
+    /// Reads and checks `spec` for container `cgroups_path` (which the spec's `linux.cgroupsPath` must equal).
+    pub fn from_spec(spec: &Spec, cgroups_path: &str) -> Result<Self, StartError> {
+        let root = spec.root().as_ref().ok_or_else(|| unsupported("no root"))?;
+        let process = spec
+            .process()
+            .as_ref()
+            .ok_or_else(|| unsupported("no process"))?;
+        let linux = spec
+            .linux()
+            .as_ref()
+            .ok_or_else(|| unsupported("no linux section"))?;
+
+        let mut kinds: Vec<LinuxNamespaceType> = Vec::new();
+        for ns in linux.namespaces().iter().flatten() {
+            if ns.path().is_some() {
+                return Err(unsupported(format!("joining a {:?} namespace", ns.typ())));
+            }
+            kinds.push(ns.typ());
+        }
+        if NAMESPACES.iter().any(|n| !kinds.contains(n)) || kinds.len() != NAMESPACES.len() {
+            return Err(unsupported(format!(
+                "namespaces {kinds:?}: all seven new ones, nothing else"
+            )));
+        }
+        let host_uid = one_mapping(linux.uid_mappings(), "uid")?;
+        let host_gid = one_mapping(linux.gid_mappings(), "gid")?;
+        if linux.cgroups_path().as_deref() != Some(Path::new(cgroups_path)) {
+            return Err(unsupported(format!(
+                "cgroupsPath {:?}, not {cgroups_path}",
+                linux.cgroups_path()
+            )));
+        }
+        let refused = [
+            (
+                "sysctl",
+                linux.sysctl().as_ref().is_some_and(|s| !s.is_empty()),
+            ),
+            (
+                "devices",
+                linux.devices().as_ref().is_some_and(|d| !d.is_empty()),
+            ),
+            (
+                "seccomp (the init installs its own)",
+                linux.seccomp().is_some(),
+            ),
+            ("intelRdt", linux.intel_rdt().is_some()),
+            ("personality", linux.personality().is_some()),
+            ("timeOffsets", linux.time_offsets().is_some()),
+            (
+                "netDevices",
+                linux.net_devices().as_ref().is_some_and(|d| !d.is_empty()),
+            ),
+            ("rootfsPropagation", linux.rootfs_propagation().is_some()),
+        ];
+        if let Some((what, _)) = refused.iter().find(|(_, set)| *set) {
+            return Err(unsupported(*what));
+        }
+
+        let user = process.user();
+        if user.uid() != 0
+            || user.gid() != 0
+            || user
+                .additional_gids()
+                .as_ref()
+                .is_some_and(|g| !g.is_empty())
+        {
+            return Err(unsupported("a user other than container root"));
+        }
+        if process.no_new_privileges() != Some(true) {
+            return Err(unsupported("a process without noNewPrivileges"));
+        }
+        if process.terminal() == Some(true) {
+            return Err(unsupported("a terminal"));
+        }
+        if let Some(c) = process.capabilities() {
+            let sets = [
+                c.bounding(),
+                c.effective(),
+                c.inheritable(),
+                c.permitted(),
+                c.ambient(),
+            ];
+            if sets
+                .iter()
+                .any(|s| s.as_ref().is_some_and(|s| !s.is_empty()))
+            {
+                return Err(unsupported("capabilities (every set must be empty)"));
+            }
+        }
+        let rlimits = process
+            .rlimits()
+            .iter()
+            .flatten()
+            .map(|r| Ok((resource(r.typ())?, r.soft(), r.hard())))
+            .collect::<Result<Vec<_>, StartError>>()?;
+
+        Ok(Self {
+            root: root.path().clone(),
+            root_readonly: root.readonly() == Some(true),
+            hostname: spec.hostname().clone().unwrap_or_default(),
+            cwd: CString::new(process.cwd().as_os_str().as_bytes())
+                .map_err(|_| unsupported("a NUL in cwd"))?,
+            host_uid,
+            host_gid,
+            mounts: spec
+                .mounts()
+                .iter()
+                .flatten()
+                .map(mount_step)
+                .collect::<Result<_, _>>()?,
+            masked: absolute_paths(linux.masked_paths())?,
+            readonly: absolute_paths(linux.readonly_paths())?,
+            rlimits,
+            limits: limits(linux.resources())?,
+        })
+    }
+}
+
+/// The single id mapping `0 -> host id, size 1`.
+fn one_mapping(
+    maps: &Option<Vec<oci_spec::runtime::LinuxIdMapping>>,
+    what: &str,
+) -> Result<u32, StartError> {
+    match maps.as_deref() {
+        Some([m]) if m.container_id() == 0 && m.size() == 1 && m.host_id() != 0 => Ok(m.host_id()),
+        _ => Err(unsupported(format!(
+            "{what} mappings other than container root to one unprivileged host id"
+        ))),
+    }
+}
+
+fn resource(t: PosixRlimitType) -> Result<Resource, StartError> {
+    Ok(match t {
+        PosixRlimitType::RlimitCore => Resource::RLIMIT_CORE,
+        PosixRlimitType::RlimitNofile => Resource::RLIMIT_NOFILE,
+        PosixRlimitType::RlimitFsize => Resource::RLIMIT_FSIZE,
+        PosixRlimitType::RlimitNproc => Resource::RLIMIT_NPROC,
+        PosixRlimitType::RlimitStack => Resource::RLIMIT_STACK,
+        PosixRlimitType::RlimitCpu => Resource::RLIMIT_CPU,
+        PosixRlimitType::RlimitAs => Resource::RLIMIT_AS,
+        other => return Err(unsupported(format!("rlimit {other:?}"))),
+    })
+}
+
+fn absolute_paths(paths: &Option<Vec<String>>) -> Result<Vec<PathBuf>, StartError> {
+    paths
+        .iter()
+        .flatten()
+        .map(|p| {
+            if p.starts_with('/') && !p.split('/').any(|c| c == "..") {
+                Ok(PathBuf::from(p))
+            } else {
+                Err(unsupported(format!("path {p:?}")))
+            }
+        })
+        .collect()
+}
+
+/// Memory (with memory+swap equal: no swap), pids and cpu shares; nothing else may be set.
+fn limits(r: &Option<oci_spec::runtime::LinuxResources>) -> Result<CgroupLimits, StartError> {
+    let r = r.as_ref().ok_or_else(|| unsupported("no resources"))?;
+    let others = r.devices().as_ref().is_some_and(|d| !d.is_empty())
+        || r.block_io().is_some()
+        || r.hugepage_limits().as_ref().is_some_and(|h| !h.is_empty())
+        || r.network().is_some()
+        || r.rdma().as_ref().is_some_and(|h| !h.is_empty())
+        || r.unified().as_ref().is_some_and(|h| !h.is_empty());
+    if others {
+        return Err(unsupported(
+            "resources other than memory, pids and cpu shares",
+        ));
+    }
+    let memory = r.memory().as_ref().and_then(|m| {
+        let limit = u64::try_from(m.limit()?).ok()?;
+        (m.swap() == m.limit()).then_some(limit)
+    });
+    let pids = r
+        .pids()
+        .as_ref()
+        .and_then(|p| u64::try_from(p.limit()).ok());
+    let shares = r.cpu().as_ref().and_then(|c| c.shares());
+    match (memory, pids, shares) {
+        (Some(memory_bytes), Some(pids_max), Some(cpu_shares)) => Ok(CgroupLimits {
+            memory_bytes,
+            pids_max,
+            cpu_shares,
+        }),
+        _ => Err(unsupported(
+            "limits without a memory limit equal to memory+swap, a pids limit and cpu shares",
+        )),
+    }
+}
+
+/// Flags every mount option sandboxd's spec uses maps to.
+fn flag(option: &str) -> Option<MsFlags> {
+    Some(match option {
+        "nosuid" => MsFlags::MS_NOSUID,
+        "nodev" => MsFlags::MS_NODEV,
+        "noexec" => MsFlags::MS_NOEXEC,
+        "ro" => MsFlags::MS_RDONLY,
+        "rw" => MsFlags::empty(),
+        "strictatime" => MsFlags::MS_STRICTATIME,
+        "relatime" => MsFlags::MS_RELATIME,
+        "noatime" => MsFlags::MS_NOATIME,
+        _ => return None,
+    })
+}
+
+fn mount_step(m: &Mount) -> Result<MountStep, StartError> {
+    let destination = m.destination().clone();
+    if !destination.is_absolute() || destination.components().any(|c| c.as_os_str() == "..") {
+        return Err(unsupported(format!(
+            "mount destination {}",
+            destination.display()
+        )));
+    }
+    let options: Vec<&str> = m.options().iter().flatten().map(String::as_str).collect();
+    let source = m.source().clone().unwrap_or_default();
+    let mut flags = MsFlags::empty();
+    let mut data = Vec::new();
+    let kind = match m.typ().as_deref() {
+        Some("bind") => {
+            for o in &options {
+                match (*o, flag(o)) {
+                    ("rbind" | "bind", _) => {}
+                    (_, Some(f)) => flags |= f,
+                    _ => return Err(unsupported(format!("bind mount option {o}"))),
+                }
+            }
+            if !source.is_absolute() {
+                return Err(unsupported(format!("bind source {}", source.display())));
+            }
+            MountKind::Bind { source }
+        }
+        Some(t @ ("proc" | "tmpfs" | "devpts")) => {
+            for o in &options {
+                match flag(o) {
+                    Some(f) => flags |= f,
+                    None => data.push(*o),
+                }
+            }
+            MountKind::Fresh {
+                fstype: match t {
+                    "proc" => "proc",
+                    "tmpfs" => "tmpfs",
+                    _ => "devpts",
+                },
+                source: source.to_string_lossy().into_owned(),
+            }
+        }
+        other => return Err(unsupported(format!("mount type {other:?}"))),
+    };
+    Ok(MountStep {
+        destination,
+        kind,
+        flags,
+        data: data.join(","),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::build;
+    use crate::spec::tests::plan;
+
+    #[test]
+    fn sandboxd_spec_reads_back_whole() {
+        let b = Blueprint::from_spec(&build(&plan()).unwrap(), "/sandboxd/e1").unwrap();
+        assert_eq!((b.host_uid, b.host_gid), (200_003, 200_003));
+        assert!(b.root_readonly);
+        assert_eq!(b.hostname, "sandbox");
+        assert_eq!(
+            b.limits,
+            CgroupLimits {
+                memory_bytes: 64 << 20,
+                pids_max: 64,
+                cpu_shares: 512
+            }
+        );
+        let kinds: Vec<_> = b.mounts.iter().map(|m| m.destination.clone()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "/proc",
+                "/dev",
+                "/dev/pts",
+                "/dev/shm",
+                "/usr",
+                "/workspace"
+            ]
+            .map(PathBuf::from)
+        );
+        assert!(!b.mounts[5].flags.contains(MsFlags::MS_RDONLY));
+        let usr = &b.mounts[4];
+        assert_eq!(
+            usr.kind,
+            MountKind::Bind {
+                source: "/usr".into()
+            }
+        );
+        assert!(usr
+            .flags
+            .contains(MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV));
+        assert_eq!(b.mounts[3].data, "mode=1777,size=67108864");
+        assert!(b.masked.contains(&PathBuf::from("/proc/kcore")));
+        assert!(b.readonly.contains(&PathBuf::from("/proc/sys")));
+        assert!(b.rlimits.contains(&(Resource::RLIMIT_CORE, 0, 0)));
+    }
+
+    #[test]
+    fn anything_the_start_would_skip_is_refused() {
+        let good = build(&plan()).unwrap();
+        let refused = |spec: &Spec, want: &str| {
+            let e = Blueprint::from_spec(spec, "/sandboxd/e1")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{e}");
+        };
+        let _ = Blueprint::from_spec(&good, "/sandboxd/e2").unwrap_err();
+
+        let mut s = good.clone();
+        let mut linux = s.linux().clone().unwrap();
+        let mut ns = linux.namespaces().clone().unwrap();
+        ns.retain(|n| n.typ() != LinuxNamespaceType::Network);
+        linux.set_namespaces(Some(ns));
+        s.set_linux(Some(linux));
+        refused(&s, "namespaces");
+
+        let mut s = good.clone();
+        let mut p = s.process().clone().unwrap();
+        let mut caps = p.capabilities().clone().unwrap();
+        caps.set_bounding(Some([oci_spec::runtime::Capability::SysAdmin].into()));
+        p.set_capabilities(Some(caps));
+        s.set_process(Some(p));
+        refused(&s, "capabilities");
+
+        let mut s = good.clone();
+        let mut mounts = s.mounts().clone().unwrap();
+        mounts[4].set_options(Some(vec!["rbind".into(), "shared".into()]));
+        s.set_mounts(Some(mounts));
+        refused(&s, "bind mount option shared");
+
+        let mut s = good.clone();
+        let mut mounts = s.mounts().clone().unwrap();
+        mounts[0].set_typ(Some("sysfs".into()));
+        s.set_mounts(Some(mounts));
+        refused(&s, "mount type");
+
+        let mut s = good;
+        let mut linux = s.linux().clone().unwrap();
+        linux.set_sysctl(Some(
+            [("net.ipv4.ip_forward".to_string(), "1".to_string())].into(),
+        ));
+        s.set_linux(Some(linux));
+        refused(&s, "sysctl");
+    }
+}

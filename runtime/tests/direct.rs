@@ -1,0 +1,294 @@
+//! The direct start through a real helper, as root: a container runs a program with no privileges left; a spec
+//! the start refuses and a set-up step that fails both leave nothing behind (no cgroup leaf, no process).
+//!
+//! `harness = false`: the helper must be forked while the process is still single-threaded, which the libtest
+//! harness (a thread per test) never is. The process first enters a private mount namespace, so nothing it mounts
+//! reaches the host.
+
+// A test binary without libtest's harness: clippy does not see it as tests, but a failed set-up is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Read;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use runtime::cgroups::Cgroups;
+use runtime::helper::{spawn_helper, HelperClient, HelperConfig, StartMethod};
+use runtime::launch::Launch;
+use runtime::rootfs::HostImage;
+use runtime::spec::{build, ContainerPlan};
+
+const TEST: &str = "direct_start_through_a_real_helper";
+
+fn main() {
+    if !test_support::require_root(TEST, "creates namespaces, cgroups and mounts") {
+        return;
+    }
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).expect("unshare(mount)");
+    nix::mount::mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .expect("make mounts private");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let parent = format!("sandboxd-direct-test-{}", std::process::id());
+    let cgroups =
+        Cgroups::detect(Path::new(runtime::cgroups::DEFAULT_ROOT), &parent).expect("cgroups");
+    cgroups.ensure_parent().expect("cgroup parent");
+    let image = HostImage::prepare(&tmp.path().join("image"), Path::new("/")).expect("host image");
+    let (text, arch) = runtime::seccomp::native_profile().expect("seccomp profile");
+    let (pid, sock) = spawn_helper(HelperConfig {
+        state_root: tmp.path().join("state"),
+        cgroups: cgroups.clone(),
+        seccomp: runtime::seccomp::compile(text, arch).expect("compile seccomp"),
+        start: StartMethod::Direct,
+    })
+    .expect("spawn helper");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio");
+    let helper = rt
+        .block_on(async { HelperClient::new(sock, pid) })
+        .expect("helper client");
+    let t = Test {
+        tmp: tmp.path().to_owned(),
+        image,
+        cgroups: cgroups.clone(),
+        helper_pid: pid.as_raw(),
+    };
+    let results = [
+        (
+            "a_program_runs_with_no_privileges_and_leaves_nothing",
+            rt.block_on(t.runs(&helper)),
+        ),
+        (
+            "a_refused_spec_creates_nothing",
+            rt.block_on(t.refused(&helper)),
+        ),
+        (
+            "a_failed_set_up_step_is_named_and_cleaned_up",
+            rt.block_on(t.failed_step(&helper)),
+        ),
+    ];
+    let _ = rt.block_on(helper.shutdown());
+    let _ = nix::sys::wait::waitpid(pid, None);
+    let _ = cgroups.remove_parent();
+    let mut failed = 0;
+    for (name, r) in &results {
+        match r {
+            Ok(()) => println!("test {name} ... ok"),
+            Err(e) => {
+                failed += 1;
+                println!("test {name} ... FAILED: {e}");
+            }
+        }
+    }
+    println!(
+        "test result: {} passed; {failed} failed",
+        results.len() - failed
+    );
+    if failed > 0 {
+        std::process::exit(101);
+    }
+}
+
+struct Test {
+    tmp: PathBuf,
+    image: HostImage,
+    cgroups: Cgroups,
+    helper_pid: i32,
+}
+
+impl Test {
+    fn plan(&self, id: &str, host_id: u32) -> ContainerPlan {
+        ContainerPlan {
+            rootfs: self.image.rootfs.clone(),
+            readonly_root: true,
+            hostname: "sandbox".into(),
+            args: vec!["/bin/sh".into()],
+            env: Vec::new(),
+            cwd: "/".into(),
+            binds: self.image.binds.clone(),
+            host_id,
+            cgroups_path: self.cgroups.cgroups_path(id),
+            memory_bytes: 64 << 20,
+            pids_max: 32,
+            cpu_shares: 512,
+            nofile: 256,
+            fsize_bytes: 1 << 20,
+            shm_bytes: 1 << 20,
+        }
+    }
+
+    /// Writes the bundle of `id` with `spec`.
+    fn bundle(&self, id: &str, spec: &oci_spec::runtime::Spec) -> PathBuf {
+        let dir = self.tmp.join("bundles").join(id);
+        std::fs::create_dir_all(&dir).unwrap();
+        spec.save(dir.join("config.json")).unwrap();
+        dir
+    }
+
+    fn policy(&self) -> runtime::landlock::Policy {
+        let mut read_only: Vec<PathBuf> = self
+            .image
+            .binds
+            .iter()
+            .map(|b| b.destination.clone())
+            .collect();
+        read_only.push("/proc".into());
+        runtime::landlock::Policy::for_execution(runtime::sys::landlock_abi(), read_only)
+    }
+
+    /// No leaf of `id` in any hierarchy, and no child of the helper.
+    fn nothing_left(&self, id: &str) -> Result<(), String> {
+        for h in self.cgroups.hierarchies() {
+            let leaf = h.join(self.cgroups.parent()).join(id);
+            if leaf.exists() {
+                return Err(format!("{} is left", leaf.display()));
+            }
+        }
+        let children =
+            std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", self.helper_pid))
+                .unwrap_or_default();
+        if children.trim().is_empty() {
+            Ok(())
+        } else {
+            Err(format!("the helper still has children: {children}"))
+        }
+    }
+
+    async fn runs(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-ok";
+        let spec = build(&self.plan(id, 3_900_001)).map_err(|e| e.to_string())?;
+        let created = helper
+            .create(id, self.bundle(id, &spec), self.policy())
+            .await
+            .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
+        let checked = self.run_program(id, created);
+        let removed = match helper.remove(id).await {
+            Ok(None) => Ok(()),
+            Ok(Some(step)) => Err(format!("remove: {step}")),
+            Err(e) => Err(format!("remove: {e}")),
+        };
+        checked.and(removed).and_then(|()| self.nothing_left(id))
+    }
+
+    /// Runs a probe of the program's privileges in a created container.
+    fn run_program(&self, id: &str, created: runtime::helper::Created) -> Result<(), String> {
+        // Created: its cgroup leaves exist and hold the init.
+        for leaf in self.cgroups.joined_leaves(id).map_err(|e| e.to_string())? {
+            let procs = std::fs::read_to_string(leaf.join("cgroup.procs")).unwrap_or_default();
+            if procs.trim() != created.pid.to_string() {
+                return Err(format!("{} holds {procs:?}, not the init", leaf.display()));
+            }
+        }
+        let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
+        let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
+        let script =
+            "grep -E '^(Cap|NoNewPrivs|Seccomp:|Uid|Gid|Groups)' /proc/self/status; hostname; \
+                      cat /proc/self/cgroup | grep -c ':/$'; wc -l < /proc/self/cgroup";
+        runtime::launch::send(
+            created.launch.as_fd(),
+            &Launch {
+                args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+                env: vec!["PATH=/usr/bin:/bin".into()],
+            },
+            [null.as_fd(), out_w.as_fd(), out_w.as_fd()],
+        )
+        .map_err(|e| format!("launch: {e}"))?;
+        drop(out_w);
+        let mut out = String::new();
+        std::fs::File::from(out_r)
+            .read_to_string(&mut out)
+            .map_err(|e| e.to_string())?;
+        let mut status = String::new();
+        std::fs::File::from(created.status)
+            .read_to_string(&mut status)
+            .map_err(|e| e.to_string())?;
+        let report = runtime::init::Report::decode(&status);
+        if report.exit != Some(runtime::init::ProgramExit::Code(0)) {
+            return Err(format!(
+                "program did not exit 0: {status:?}; output {out:?}"
+            ));
+        }
+        for want in [
+            "CapInh:\t0000000000000000",
+            "CapPrm:\t0000000000000000",
+            "CapEff:\t0000000000000000",
+            "CapBnd:\t0000000000000000",
+            "CapAmb:\t0000000000000000",
+            "NoNewPrivs:\t1",
+            "Seccomp:\t2",
+            "Uid:\t0\t0\t0\t0",
+            "Gid:\t0\t0\t0\t0",
+            "sandbox",
+        ] {
+            if !out.lines().any(|l| l == want) {
+                return Err(format!("{want:?} missing from {out:?}"));
+            }
+        }
+        // Supplementary groups dropped; every cgroup line shows the namespace root.
+        let groups = out.lines().find(|l| l.starts_with("Groups:")).unwrap_or("");
+        if groups.trim() != "Groups:" {
+            return Err(format!("supplementary groups kept: {groups:?}"));
+        }
+        let counts: Vec<&str> = out.lines().rev().take(2).collect();
+        if counts.len() != 2 || counts[0] != counts[1] {
+            return Err(format!(
+                "a cgroup outside the namespace root is visible: {out:?}"
+            ));
+        }
+        Ok(())
+    }
+
+    async fn refused(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-refused";
+        let mut spec = build(&self.plan(id, 3_900_002)).map_err(|e| e.to_string())?;
+        let mut linux = spec.linux().clone().unwrap_or_default();
+        linux.set_sysctl(Some(
+            [("kernel.domainname".to_string(), "x".to_string())].into(),
+        ));
+        spec.set_linux(Some(linux));
+        match helper
+            .create(id, self.bundle(id, &spec), self.policy())
+            .await
+        {
+            Ok(_) => Err("a spec with a sysctl was started".into()),
+            Err(e) if runtime::error::Chain(&e).to_string().contains("sysctl") => {
+                self.nothing_left(id)
+            }
+            Err(e) => Err(format!(
+                "refused for another reason: {}",
+                runtime::error::Chain(&e)
+            )),
+        }
+    }
+
+    async fn failed_step(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-failed";
+        let mut plan = self.plan(id, 3_900_003);
+        plan.binds.push(runtime::spec::BindMount {
+            source: self.tmp.join("does-not-exist"),
+            destination: "/tmp".into(),
+            readonly: true,
+        });
+        let spec = build(&plan).map_err(|e| e.to_string())?;
+        match helper
+            .create(id, self.bundle(id, &spec), self.policy())
+            .await
+        {
+            Ok(_) => Err("a bind of a missing source was started".into()),
+            Err(e) if runtime::error::Chain(&e).to_string().contains("mount /tmp") => {
+                self.nothing_left(id)
+            }
+            Err(e) => Err(format!(
+                "failed for another reason: {}",
+                runtime::error::Chain(&e)
+            )),
+        }
+    }
+}
