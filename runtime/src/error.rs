@@ -141,6 +141,9 @@ pub enum StartError {
         #[source]
         source: oci_spec::OciSpecError,
     },
+    /// A container with this id exists already (its cgroup leaf, state or process): nothing of it is touched.
+    #[error("A container {0} exists already")]
+    Exists(String),
     /// `clone3` refused to create the container's init.
     #[error("clone3 of the container's init failed")]
     Clone(#[source] nix::Error),

@@ -73,6 +73,10 @@ fn main() {
             "a_failed_set_up_step_is_named_and_cleaned_up",
             rt.block_on(t.failed_step(&helper)),
         ),
+        (
+            "a_taken_id_is_refused_and_its_cgroup_left_alone",
+            rt.block_on(t.taken(&helper)),
+        ),
     ];
     let _ = rt.block_on(helper.shutdown());
     let _ = nix::sys::wait::waitpid(pid, None);
@@ -186,6 +190,14 @@ impl Test {
                 return Err(format!("{} holds {procs:?}, not the init", leaf.display()));
             }
         }
+        // The waiting init holds /dev/null as its own stdio, nothing of the helper's.
+        for fd in 0..=2 {
+            let link = std::fs::read_link(format!("/proc/{}/fd/{fd}", created.pid))
+                .map_err(|e| format!("init fd {fd}: {e}"))?;
+            if link != Path::new("/dev/null") {
+                return Err(format!("the init's fd {fd} is {}", link.display()));
+            }
+        }
         let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
         let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
         let script =
@@ -289,6 +301,34 @@ impl Test {
                 "failed for another reason: {}",
                 runtime::error::Chain(&e)
             )),
+        }
+    }
+
+    async fn taken(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-taken";
+        // A leaf the start would create itself (the memory hierarchy's).
+        let leaf = self.cgroups.joined_leaves(id).map_err(|e| e.to_string())?[0].clone();
+        std::fs::create_dir(&leaf).map_err(|e| format!("{}: {e}", leaf.display()))?;
+        let spec = build(&self.plan(id, 3_900_004)).map_err(|e| e.to_string())?;
+        let answer = helper
+            .create(id, self.bundle(id, &spec), self.policy())
+            .await;
+        let still_there = leaf.is_dir();
+        let _ = std::fs::remove_dir(&leaf);
+        match answer {
+            Ok(_) => Err("a container was created under a taken id".into()),
+            Err(e)
+                if !runtime::error::Chain(&e)
+                    .to_string()
+                    .contains("exists already") =>
+            {
+                Err(format!(
+                    "refused for another reason: {}",
+                    runtime::error::Chain(&e)
+                ))
+            }
+            Err(_) if !still_there => Err("the taken id's cgroup was removed".into()),
+            Err(_) => self.nothing_left(id),
         }
     }
 }

@@ -49,12 +49,24 @@ pub(super) fn run(sock: OwnedFd, blueprint: &Blueprint, init: &InitExecutor) -> 
         unsafe { libc::_exit(1) }
     }
     match set_up(blueprint) {
-        Ok(()) => {
-            let _ = ipc::send(sock.as_fd(), OK, &[]);
+        // A helper that cannot hear the report is gone or gave up on this container: nothing may wait on.
+        Ok(()) if ipc::send(sock.as_fd(), OK, &[]).is_ok() => {
             drop(sock);
             init.run_or_report()
         }
-        Err(Failed(what)) => {
+        Ok(()) => {
+            // SAFETY: as above.
+            unsafe { libc::_exit(1) }
+        }
+        Err(Failed(mut what)) => {
+            // The helper reads one datagram of at most REPORT_MAX bytes.
+            if what.len() > super::REPORT_MAX {
+                let mut end = super::REPORT_MAX;
+                while !what.is_char_boundary(end) {
+                    end -= 1;
+                }
+                what.truncate(end);
+            }
             let _ = ipc::send(sock.as_fd(), what.as_bytes(), &[]);
             // SAFETY: as above.
             unsafe { libc::_exit(1) }
@@ -80,7 +92,12 @@ fn set_up(bp: &Blueprint) -> Result<(), Failed> {
         "setresuid",
         nix::unistd::setresuid(root_id.0, root_id.0, root_id.0),
     )?;
+    // The kernel clears the parent death signal when the ids change: set it again, or a helper dying from here on
+    // would leave this init behind (one that died before is caught by the report it can no longer receive).
+    crate::sys::set_parent_death_signal(Signal::SIGKILL)
+        .map_err(|e| Failed(crate::error::Chain(&e).to_string()))?;
     mount_root(bp)?;
+    own_stdio_is_null()?;
     step("sethostname", nix::unistd::sethostname(&bp.hostname))?;
     step("chdir(cwd)", nix::unistd::chdir(bp.cwd.as_c_str()))?;
     for &(resource, soft, hard) in &bp.rlimits {
@@ -336,12 +353,41 @@ fn loopback_up() -> Result<(), Failed> {
     crate::sys::set_loopback_up().map_err(|e| Failed(crate::error::Chain(&e).to_string()))
 }
 
+/// The init's own stdio becomes the container's `/dev/null`: the clone inherited the helper's (the daemon's log),
+/// which a pooled init must not keep open. The program gets its own stdio with the launch.
+fn own_stdio_is_null() -> Result<(), Failed> {
+    let null = step(
+        "open /dev/null",
+        nix::fcntl::open("/dev/null", OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty()).map(|fd| {
+            // SAFETY: open returned a new descriptor nothing else owns.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        }),
+    )?;
+    for target in 0..=2 {
+        // SAFETY: dup2 onto 0..=2, which this process uses only as stdio; `null` is open.
+        let rc = unsafe { libc::dup2(null.as_raw_fd(), target) };
+        step("dup2 /dev/null", nix::errno::Errno::result(rc))?;
+    }
+    Ok(())
+}
+
 /// Empties every capability set, the bounding set first (that needs `CAP_SETPCAP`), and sets `no_new_privs`:
 /// nothing the program executes can gain a privilege back.
 fn drop_privileges() -> Result<(), Failed> {
     let failed = |what: &str, e: caps::errors::CapsError| Failed(format!("{what}: {e}"));
-    for cap in caps::all() {
-        caps::drop(None, CapSet::Bounding, cap).map_err(|e| failed("drop the bounding set", e))?;
+    // Every capability the kernel knows (`cap_last_cap`), not the crate's list: one newer than the crate must go
+    // too, and one the kernel lacks must not fail the start.
+    let last: libc::c_ulong = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .ok_or_else(|| Failed("read /proc/sys/kernel/cap_last_cap".into()))?;
+    for cap in 0..=last {
+        // SAFETY: prctl(PR_CAPBSET_DROP, n) takes no pointers.
+        let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
+        step(
+            format_args!("drop capability {cap} from the bounding set"),
+            nix::errno::Errno::result(rc),
+        )?;
     }
     for set in [
         CapSet::Ambient,

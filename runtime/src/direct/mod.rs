@@ -46,6 +46,8 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// The go message (helper to init) and the success report (init to helper).
 const GO: &[u8] = b"go";
 const OK: &[u8] = b"ok";
+/// The longest set-up report the init sends (a failed step's text is cut to this).
+const REPORT_MAX: usize = 4096;
 
 /// `struct clone_args` of `clone3(2)` (the first version, 64 bytes, plus `set_tid` and `cgroup`).
 #[repr(C)]
@@ -102,7 +104,12 @@ pub fn start(
         -1 => Err(StartError::Clone(nix::Error::last()).into()),
         0 => {
             drop(ours);
-            child::run(theirs, blueprint, init)
+            // A panic must not unwind through the helper's (and the daemon's) frames in this process.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                child::run(theirs, blueprint, init)
+            }));
+            // SAFETY: ends the clone without running the helper's destructors.
+            unsafe { libc::_exit(1) }
         }
         pid => {
             drop(theirs);
@@ -136,8 +143,10 @@ fn release(
     cgroups.attach(id, pid.as_raw())?;
     ipc::send(sock.as_fd(), GO, &[]).map_err(|_| StartError::Gone)?;
     let mut fds = [PollFd::new(sock.as_fd(), PollFlags::POLLIN)];
-    let timeout = PollTimeout::try_from(SETUP_TIMEOUT).unwrap_or(PollTimeout::MAX);
+    let deadline = std::time::Instant::now() + SETUP_TIMEOUT;
     loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let timeout = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
         match nix::poll::poll(&mut fds, timeout) {
             Ok(0) => return Err(StartError::Timeout(SETUP_TIMEOUT).into()),
             Ok(_) => break,
@@ -145,7 +154,7 @@ fn release(
             Err(e) => return Err(Error::sys("poll the init's set-up report", e)),
         }
     }
-    let mut buf = vec![0u8; 4096];
+    let mut buf = vec![0u8; REPORT_MAX + 1];
     match ipc::recv(sock.as_fd(), &mut buf) {
         Ok(Some((n, _))) if &buf[..n] == OK => Ok(()),
         Ok(Some((n, _))) => {

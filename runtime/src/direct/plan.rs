@@ -109,63 +109,12 @@ impl Blueprint {
                 linux.cgroups_path()
             )));
         }
-        let refused = [
-            (
-                "sysctl",
-                linux.sysctl().as_ref().is_some_and(|s| !s.is_empty()),
-            ),
-            (
-                "devices",
-                linux.devices().as_ref().is_some_and(|d| !d.is_empty()),
-            ),
-            (
-                "seccomp (the init installs its own)",
-                linux.seccomp().is_some(),
-            ),
-            ("intelRdt", linux.intel_rdt().is_some()),
-            ("personality", linux.personality().is_some()),
-            ("timeOffsets", linux.time_offsets().is_some()),
-            (
-                "netDevices",
-                linux.net_devices().as_ref().is_some_and(|d| !d.is_empty()),
-            ),
-            ("rootfsPropagation", linux.rootfs_propagation().is_some()),
-        ];
-        if let Some((what, _)) = refused.iter().find(|(_, set)| *set) {
-            return Err(unsupported(*what));
+        refuse_unset_linux(spec, linux)?;
+        refuse_unset_process(process)?;
+        if !root.path().is_absolute() {
+            return Err(unsupported(format!("root path {}", root.path().display())));
         }
 
-        let user = process.user();
-        if user.uid() != 0
-            || user.gid() != 0
-            || user
-                .additional_gids()
-                .as_ref()
-                .is_some_and(|g| !g.is_empty())
-        {
-            return Err(unsupported("a user other than container root"));
-        }
-        if process.no_new_privileges() != Some(true) {
-            return Err(unsupported("a process without noNewPrivileges"));
-        }
-        if process.terminal() == Some(true) {
-            return Err(unsupported("a terminal"));
-        }
-        if let Some(c) = process.capabilities() {
-            let sets = [
-                c.bounding(),
-                c.effective(),
-                c.inheritable(),
-                c.permitted(),
-                c.ambient(),
-            ];
-            if sets
-                .iter()
-                .any(|s| s.as_ref().is_some_and(|s| !s.is_empty()))
-            {
-                return Err(unsupported("capabilities (every set must be empty)"));
-            }
-        }
         let rlimits = process
             .rlimits()
             .iter()
@@ -193,6 +142,95 @@ impl Blueprint {
             limits: limits(linux.resources())?,
         })
     }
+}
+
+/// Refuses every `linux` (and top-level) setting the direct start does not apply.
+fn refuse_unset_linux(spec: &Spec, linux: &oci_spec::runtime::Linux) -> Result<(), StartError> {
+    let refused = [
+        (
+            "sysctl",
+            linux.sysctl().as_ref().is_some_and(|s| !s.is_empty()),
+        ),
+        (
+            "devices",
+            linux.devices().as_ref().is_some_and(|d| !d.is_empty()),
+        ),
+        (
+            "seccomp (the init installs its own)",
+            linux.seccomp().is_some(),
+        ),
+        ("intelRdt", linux.intel_rdt().is_some()),
+        ("mountLabel", linux.mount_label().is_some()),
+        ("memoryPolicy", linux.memory_policy().is_some()),
+        ("hooks", spec.hooks().is_some()),
+        ("domainname", spec.domainname().is_some()),
+        ("personality", linux.personality().is_some()),
+        ("timeOffsets", linux.time_offsets().is_some()),
+        (
+            "netDevices",
+            linux.net_devices().as_ref().is_some_and(|d| !d.is_empty()),
+        ),
+        ("rootfsPropagation", linux.rootfs_propagation().is_some()),
+    ];
+    if let Some((what, _)) = refused.iter().find(|(_, set)| *set) {
+        return Err(unsupported(*what));
+    }
+    Ok(())
+}
+
+/// Refuses a process the direct start would not run as asked: another user, privileges, a terminal, or settings
+/// it does not apply.
+fn refuse_unset_process(process: &oci_spec::runtime::Process) -> Result<(), StartError> {
+    let user = process.user();
+    if user.uid() != 0
+        || user.gid() != 0
+        || user
+            .additional_gids()
+            .as_ref()
+            .is_some_and(|g| !g.is_empty())
+    {
+        return Err(unsupported("a user other than container root"));
+    }
+    if process.no_new_privileges() != Some(true) {
+        return Err(unsupported("a process without noNewPrivileges"));
+    }
+    if process.terminal() == Some(true) {
+        return Err(unsupported("a terminal"));
+    }
+    let process_refused = [
+        ("process.oomScoreAdj", process.oom_score_adj().is_some()),
+        (
+            "process.apparmorProfile",
+            process.apparmor_profile().is_some(),
+        ),
+        ("process.selinuxLabel", process.selinux_label().is_some()),
+        ("process.ioPriority", process.io_priority().is_some()),
+        ("process.scheduler", process.scheduler().is_some()),
+        (
+            "process.execCPUAffinity",
+            process.exec_cpu_affinity().is_some(),
+        ),
+        ("process.user.umask", user.umask().is_some()),
+    ];
+    if let Some((what, _)) = process_refused.iter().find(|(_, set)| *set) {
+        return Err(unsupported(*what));
+    }
+    if let Some(c) = process.capabilities() {
+        let sets = [
+            c.bounding(),
+            c.effective(),
+            c.inheritable(),
+            c.permitted(),
+            c.ambient(),
+        ];
+        if sets
+            .iter()
+            .any(|s| s.as_ref().is_some_and(|s| !s.is_empty()))
+        {
+            return Err(unsupported("capabilities (every set must be empty)"));
+        }
+    }
+    Ok(())
 }
 
 /// The single id mapping `0 -> host id, size 1`.
@@ -249,6 +287,21 @@ fn limits(r: &Option<oci_spec::runtime::LinuxResources>) -> Result<CgroupLimits,
             "resources other than memory, pids and cpu shares",
         ));
     }
+    // Nothing but the fields read below: anything else would be silently left unset.
+    let mut only_shares = oci_spec::runtime::LinuxCpu::default();
+    only_shares.set_shares(r.cpu().as_ref().and_then(|c| c.shares()));
+    let mut only_limits = oci_spec::runtime::LinuxMemory::default();
+    if let Some(m) = r.memory() {
+        only_limits.set_limit(m.limit());
+        only_limits.set_swap(m.swap());
+    }
+    if r.cpu().as_ref().is_some_and(|c| *c != only_shares)
+        || r.memory().as_ref().is_some_and(|m| *m != only_limits)
+    {
+        return Err(unsupported(
+            "cpu or memory settings other than cpu shares and the memory limit",
+        ));
+    }
     let memory = r.memory().as_ref().and_then(|m| {
         let limit = u64::try_from(m.limit()?).ok()?;
         (m.swap() == m.limit()).then_some(limit)
@@ -301,7 +354,7 @@ fn mount_step(m: &Mount) -> Result<MountStep, StartError> {
         Some("bind") => {
             for o in &options {
                 match (*o, flag(o)) {
-                    ("rbind" | "bind", _) => {}
+                    ("rbind", _) => {}
                     (_, Some(f)) => flags |= f,
                     _ => return Err(unsupported(format!("bind mount option {o}"))),
                 }
@@ -309,9 +362,21 @@ fn mount_step(m: &Mount) -> Result<MountStep, StartError> {
             if !source.is_absolute() {
                 return Err(unsupported(format!("bind source {}", source.display())));
             }
+            // Whatever the spec says: no host file brings a set-uid bit or a device into the container.
+            flags |= MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+            if destination == Path::new("/dev") {
+                return Err(unsupported(
+                    "a bind mount at /dev (it must be a fresh tmpfs)",
+                ));
+            }
             MountKind::Bind { source }
         }
         Some(t @ ("proc" | "tmpfs" | "devpts")) => {
+            if destination == Path::new("/dev") && t != "tmpfs" {
+                return Err(unsupported(format!(
+                    "{t} at /dev (it must be a fresh tmpfs)"
+                )));
+            }
             for o in &options {
                 match flag(o) {
                     Some(f) => flags |= f,
@@ -425,6 +490,48 @@ mod tests {
         mounts[0].set_typ(Some("sysfs".into()));
         s.set_mounts(Some(mounts));
         refused(&s, "mount type");
+
+        let mut s = good.clone();
+        let mut mounts = s.mounts().clone().unwrap();
+        mounts[4].set_options(Some(vec!["bind".into(), "ro".into()]));
+        s.set_mounts(Some(mounts));
+        refused(&s, "bind mount option bind");
+
+        let mut s = good.clone();
+        let mut mounts = s.mounts().clone().unwrap();
+        mounts[4].set_destination("/dev".into());
+        s.set_mounts(Some(mounts));
+        refused(&s, "at /dev");
+
+        let mut s = good.clone();
+        let mut linux = s.linux().clone().unwrap();
+        let mut r = linux.resources().clone().unwrap();
+        let mut cpu = r.cpu().clone().unwrap();
+        cpu.set_quota(Some(50_000));
+        r.set_cpu(Some(cpu));
+        linux.set_resources(Some(r));
+        s.set_linux(Some(linux));
+        refused(&s, "cpu or memory settings");
+
+        let mut s = good.clone();
+        let mut p = s.process().clone().unwrap();
+        p.set_oom_score_adj(Some(-1000));
+        s.set_process(Some(p));
+        refused(&s, "oomScoreAdj");
+
+        let mut s = good.clone();
+        s.set_domainname(Some("evil".into()));
+        refused(&s, "domainname");
+
+        // A bind without nosuid and nodev gets them anyway.
+        let mut s = good.clone();
+        let mut mounts = s.mounts().clone().unwrap();
+        mounts[4].set_options(Some(vec!["rbind".into(), "rw".into()]));
+        s.set_mounts(Some(mounts));
+        let b = Blueprint::from_spec(&s, "/sandboxd/e1").unwrap();
+        assert!(b.mounts[4]
+            .flags
+            .contains(MsFlags::MS_NOSUID | MsFlags::MS_NODEV));
 
         let mut s = good;
         let mut linux = s.linux().clone().unwrap();

@@ -161,14 +161,20 @@ impl Helper {
         }
     }
 
-    fn send(&self, event: &Event, fds: &[std::os::fd::BorrowedFd<'_>]) {
+    /// Sends an event; false when it could not be sent.
+    fn send(&self, event: &Event, fds: &[std::os::fd::BorrowedFd<'_>]) -> bool {
         match serde_json::to_vec(event) {
-            Ok(bytes) => {
-                if let Err(e) = ipc::send(self.sock.as_fd(), &bytes, fds) {
+            Ok(bytes) => match ipc::send(self.sock.as_fd(), &bytes, fds) {
+                Ok(()) => true,
+                Err(e) => {
                     tracing::debug!(error = %e, "helper could not send an event");
+                    false
                 }
+            },
+            Err(e) => {
+                tracing::error!(error = %e, "helper could not encode an event");
+                false
             }
-            Err(e) => tracing::error!(error = %e, "helper could not encode an event"),
         }
     }
 
@@ -179,15 +185,26 @@ impl Helper {
                 bundle,
                 landlock,
             } => match self.create(&id, bundle, landlock) {
-                Ok((pid, [launch, status, pidfd])) => self.send(
-                    &Event::Created {
-                        id,
-                        pid: pid.as_raw(),
-                    },
-                    &[launch.as_fd(), status.as_fd(), pidfd.as_fd()],
-                ),
+                Ok((pid, [launch, status, pidfd])) => {
+                    let sent = self.send(
+                        &Event::Created {
+                            id: id.clone(),
+                            pid: pid.as_raw(),
+                        },
+                        &[launch.as_fd(), status.as_fd(), pidfd.as_fd()],
+                    );
+                    // The daemon never learnt of it: nobody would ask for its removal.
+                    if !sent {
+                        if let Some(e) = self.remove(&id) {
+                            tracing::error!(%id, error = %e, "removing an unannounced container failed");
+                        }
+                    }
+                }
                 Err(e) => {
-                    self.cleanup_failed(&id);
+                    // An id that is taken names somebody else's container: it is not ours to clean up.
+                    if !matches!(e, Error::Start(StartError::Exists(_))) {
+                        self.cleanup_failed(&id);
+                    }
                     self.send(
                         &Event::Failed {
                             id,
@@ -228,6 +245,17 @@ impl Helper {
         bundle: PathBuf,
         landlock: crate::landlock::Policy,
     ) -> Result<(Pid, [OwnedFd; 3])> {
+        let taken = self.running.contains_key(id)
+            || self.config.state_root.join(id).exists()
+            || self
+                .config
+                .cgroups
+                .hierarchies()
+                .iter()
+                .any(|h| h.join(self.config.cgroups.parent()).join(id).exists());
+        if taken {
+            return Err(StartError::Exists(id.to_owned()).into());
+        }
         let (status_r, status_w) =
             nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| Error::sys("pipe2", e))?;
         let (launch_daemon, launch_init) = ipc::pair()?;
