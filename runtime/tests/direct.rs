@@ -265,19 +265,7 @@ impl Test {
             [("kernel.domainname".to_string(), "x".to_string())].into(),
         ));
         spec.set_linux(Some(linux));
-        match helper
-            .create(id, self.bundle(id, &spec), self.policy())
-            .await
-        {
-            Ok(_) => Err("a spec with a sysctl was started".into()),
-            Err(e) if runtime::error::Chain(&e).to_string().contains("sysctl") => {
-                self.nothing_left(id)
-            }
-            Err(e) => Err(format!(
-                "refused for another reason: {}",
-                runtime::error::Chain(&e)
-            )),
-        }
+        self.refused_with(helper, id, &spec, "sysctl").await
     }
 
     async fn failed_step(&self, helper: &HelperClient) -> Result<(), String> {
@@ -289,18 +277,32 @@ impl Test {
             readonly: true,
         });
         let spec = build(&plan).map_err(|e| e.to_string())?;
+        self.refused_with(helper, id, &spec, "mount /tmp").await
+    }
+
+    /// Creating `id` from `spec` must fail with an error naming `want`, and leave nothing behind.
+    async fn refused_with(
+        &self,
+        helper: &HelperClient,
+        id: &str,
+        spec: &oci_spec::runtime::Spec,
+        want: &str,
+    ) -> Result<(), String> {
         match helper
-            .create(id, self.bundle(id, &spec), self.policy())
+            .create(id, self.bundle(id, spec), self.policy())
             .await
         {
-            Ok(_) => Err("a bind of a missing source was started".into()),
-            Err(e) if runtime::error::Chain(&e).to_string().contains("mount /tmp") => {
-                self.nothing_left(id)
-            }
-            Err(e) => Err(format!(
-                "failed for another reason: {}",
-                runtime::error::Chain(&e)
+            Ok(_) => Err(format!(
+                "{id} was started; expected a failure naming {want:?}"
             )),
+            Err(e) => {
+                let e = runtime::error::Chain(&e).to_string();
+                if e.contains(want) {
+                    self.nothing_left(id)
+                } else {
+                    Err(format!("{id} failed for another reason: {e}"))
+                }
+            }
         }
     }
 

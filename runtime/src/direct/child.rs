@@ -240,9 +240,7 @@ fn mount_one(root: &OwnedFd, m: &MountStep) -> Result<(), Failed> {
                     none,
                 ),
             )?;
-            if m.flags.is_empty() {
-                return Ok(());
-            }
+            // Every bind is remounted: the blueprint gives each at least `nosuid,nodev`.
             // The descriptor still names what was under the new mount: resolve again to reach the mount itself.
             let mounted = resolve(root, &m.destination, false)?;
             remount(Path::new(&fd_path(&mounted)), m.flags)

@@ -462,6 +462,14 @@ mod tests {
             assert!(e.contains(want), "{e}");
         };
         let _ = Blueprint::from_spec(&good, "/sandboxd/e2").unwrap_err();
+        // The good spec with mount `i` edited.
+        let with_mount = |i: usize, edit: &dyn Fn(&mut Mount)| {
+            let mut s = good.clone();
+            let mut mounts = s.mounts().clone().unwrap();
+            edit(&mut mounts[i]);
+            s.set_mounts(Some(mounts));
+            s
+        };
 
         let mut s = good.clone();
         let mut linux = s.linux().clone().unwrap();
@@ -479,28 +487,24 @@ mod tests {
         s.set_process(Some(p));
         refused(&s, "capabilities");
 
-        let mut s = good.clone();
-        let mut mounts = s.mounts().clone().unwrap();
-        mounts[4].set_options(Some(vec!["rbind".into(), "shared".into()]));
-        s.set_mounts(Some(mounts));
+        let s = with_mount(4, &|m| {
+            m.set_options(Some(vec!["rbind".into(), "shared".into()]));
+        });
         refused(&s, "bind mount option shared");
 
-        let mut s = good.clone();
-        let mut mounts = s.mounts().clone().unwrap();
-        mounts[0].set_typ(Some("sysfs".into()));
-        s.set_mounts(Some(mounts));
+        let s = with_mount(0, &|m| {
+            m.set_typ(Some("sysfs".into()));
+        });
         refused(&s, "mount type");
 
-        let mut s = good.clone();
-        let mut mounts = s.mounts().clone().unwrap();
-        mounts[4].set_options(Some(vec!["bind".into(), "ro".into()]));
-        s.set_mounts(Some(mounts));
+        let s = with_mount(4, &|m| {
+            m.set_options(Some(vec!["bind".into(), "ro".into()]));
+        });
         refused(&s, "bind mount option bind");
 
-        let mut s = good.clone();
-        let mut mounts = s.mounts().clone().unwrap();
-        mounts[4].set_destination("/dev".into());
-        s.set_mounts(Some(mounts));
+        let s = with_mount(4, &|m| {
+            m.set_destination("/dev".into());
+        });
         refused(&s, "at /dev");
 
         let mut s = good.clone();
@@ -524,10 +528,9 @@ mod tests {
         refused(&s, "domainname");
 
         // A bind without nosuid and nodev gets them anyway.
-        let mut s = good.clone();
-        let mut mounts = s.mounts().clone().unwrap();
-        mounts[4].set_options(Some(vec!["rbind".into(), "rw".into()]));
-        s.set_mounts(Some(mounts));
+        let s = with_mount(4, &|m| {
+            m.set_options(Some(vec!["rbind".into(), "rw".into()]));
+        });
         let b = Blueprint::from_spec(&s, "/sandboxd/e1").unwrap();
         assert!(b.mounts[4]
             .flags
