@@ -612,7 +612,7 @@ async fn recipe_images_run_fsp_executions() {
 }
 
 /// One HTTP/1.1 request with the daemon's token (`Connection: close`): status and JSON body.
-async fn agent_http(d: &Daemon, method: &str, path: &str, body: &Value) -> (u16, Value) {
+pub(super) async fn agent_http(d: &Daemon, method: &str, path: &str, body: &Value) -> (u16, Value) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
         .await

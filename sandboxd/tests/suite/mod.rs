@@ -19,6 +19,7 @@ mod images;
 mod isolation;
 mod lifecycle;
 mod limits;
+mod neighbours;
 mod ops;
 mod output;
 mod pool;
