@@ -36,8 +36,10 @@ const HOLD_TIMEOUT_MS: u64 = 30_000;
 const RELEASE_DEADLINE: Duration = Duration::from_secs(15);
 
 /// Shared by every program: `MARK` names the process (`/proc/self/comm`, inherited by children, so
-/// [`KillOnDrop`] finds them), `hold` reports what was taken and keeps it, `ok_or` prints `ok` or what failed, and
-/// `mq` opens a POSIX message queue of 10 messages of 8 KiB.
+/// [`KillOnDrop`] finds them), `hold` reports what was taken and keeps it, `ok_or` prints `ok` or what failed,
+/// `mq` opens a POSIX message queue of 10 messages of 8 KiB and `mq_create` creates one: 0, or the errno. Landlock
+/// refuses the open that follows the creation (EACCES: the queue's file is under no allowed path) but the queue,
+/// and its charge against `RLIMIT_MSGQUEUE`, stay; a second exclusive create answering EEXIST proves it.
 const PRELUDE: &str = r#"
 import ctypes, json, os, signal, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
@@ -55,8 +57,15 @@ class MqAttr(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_long), ("maxmsg", ctypes.c_long), ("msgsize", ctypes.c_long),
                 ("curmsgs", ctypes.c_long), ("pad", ctypes.c_long * 4)]
 MQ_ATTR = MqAttr(0, 10, 8192, 0)
-def mq(name):
-    return libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, ctypes.byref(MQ_ATTR))
+def mq(name, flags=0):
+    return libc.mq_open(name, os.O_CREAT | os.O_RDWR | flags, 0o600, ctypes.byref(MQ_ATTR))
+def mq_create(name):
+    if mq(name) >= 0:
+        return 0
+    e = ctypes.get_errno()
+    if e == 13 and mq(name, os.O_EXCL) < 0 and ctypes.get_errno() == 17:
+        return 0
+    return e
 "#;
 
 /// A: inotify instances until refused.
@@ -100,19 +109,22 @@ fd = libc.inotify_init1(0)
 ok_or(libc.inotify_add_watch(fd, b"/tmp", 2) if fd >= 0 else fd, "inotify")
 "#;
 
-/// A: message queues of 80 KiB until refused (`RLIMIT_MSGQUEUE`, 800 KiB by default).
+/// A: message queues of 80 KiB until refused (`RLIMIT_MSGQUEUE`, 800 KiB by default). They live as long as the
+/// container's ipc namespace.
 const HOLD_MQUEUES: &str = r#"
-qs, err = [], 0
-while len(qs) < 1000:
-    q = mq(b"/nb%d" % len(qs))
-    if q < 0:
-        err = ctypes.get_errno()
+n, err = 0, 0
+while n < 1000:
+    err = mq_create(b"/nb%d" % n)
+    if err:
         break
-    qs.append(q)
-hold(len(qs), err)
+    n += 1
+hold(n, err)
 "#;
 /// B: one message queue.
-const ONE_MQUEUE: &str = "ok_or(mq(b'/neighbour'), 'mq_open')\n";
+const ONE_MQUEUE: &str = r#"
+e = mq_create(b"/neighbour")
+print("ok" if e == 0 else "mq_open: %s" % os.strerror(e))
+"#;
 
 /// A: a real-time signal queued to itself (blocked) until refused (`RLIMIT_SIGPENDING`).
 const HOLD_SIGNALS: &str = r#"
@@ -777,6 +789,18 @@ async fn artifacts_fill_the_state_disk_only_up_to_max_total_bytes() {
     assert_eq!(b.stdout_text(), "ok\n", "artifacts: B: {}", b.dump());
 }
 
+/// The first file named `name` under `dir`, at most `depth` levels down.
+fn find_file(dir: &Path, name: &str, depth: usize) -> Option<std::path::PathBuf> {
+    let entries: Vec<_> = std::fs::read_dir(dir).ok()?.flatten().collect();
+    if let Some(e) = entries.iter().find(|e| e.file_name() == name) {
+        return Some(e.path());
+    }
+    let mut dirs = entries
+        .iter()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()));
+    dirs.find_map(|e| find_file(&e.path(), name, depth.checked_sub(1)?))
+}
+
 /// An agent sandbox's `POST /sandboxes` body: host image, no backend (nothing is uploaded).
 fn agent_sandbox() -> Value {
     json!({
@@ -834,15 +858,14 @@ async fn neighbours_get_inotify_instances_while_an_agent_holds_all_it_can() {
         json!({"agentId": "a", "providerConfig": {"command": ["/usr/bin/python3", "-c", code]}});
     let (status, h) = agent_http(&d, "POST", &format!("/sandboxes/{id}/spawn"), &brief).await;
     assert_eq!(status, 200, "{h}");
-    let log = d
-        .state_dir
-        .join("agents")
-        .join(&id)
-        .join("scratch/agent.log");
+    // The sandbox's tmpfs is mounted in the daemon's mount namespace.
+    let in_daemon = Path::new(&format!("/proc/{}/root", d.pid()))
+        .join(d.state_dir.strip_prefix("/").unwrap_or(&d.state_dir));
     let held = wait_until(
         "the agent to hold its inotify instances",
         Duration::from_secs(30),
         || async {
+            let log = find_file(&in_daemon, "agent.log", 5).ok_or("no agent.log yet")?;
             let text =
                 std::fs::read_to_string(&log).map_err(|e| format!("{}: {e}", log.display()))?;
             Some(held_line(&text)).filter(|v| !v.is_null()).ok_or(text)
