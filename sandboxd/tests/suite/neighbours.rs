@@ -208,13 +208,14 @@ for i in range(8):
 print("ok" if all(os.waitpid(p, 0)[1] == 0 for p in kids) else "a child failed")
 "#;
 
-/// A: 60000 one-byte files in /dev/shm (tmpfs inodes; stops earlier when refused).
+/// A: 100000 empty files in /dev/shm (inodes, no pages). Nothing refuses them before the memory cgroup does (the
+/// inodes are charged to it: 300000 end in `oom` at 256 MiB), and the /dev/shm of each container is a tmpfs of its
+/// own (one-byte files get ENOSPC at `disk_mb` of pages).
 const HOLD_SHM_INODES: &str = r#"
 n, err = 0, 0
 try:
-    while n < 60000:
-        with open("/dev/shm/f%d" % n, "wb") as f:
-            f.write(b"x")
+    while n < 100000:
+        os.close(os.open("/dev/shm/f%d" % n, os.O_CREAT | os.O_WRONLY, 0o600))
         n += 1
 except OSError as e:
     err = e.errno
@@ -671,7 +672,7 @@ async fn neighbours_create_tmpfs_files_while_one_execution_fills_dev_shm_with_in
     let case = Case {
         name: "/dev/shm inodes",
         hold: HOLD_SHM_INODES,
-        limits: json!({"memory_mb": 256, "disk_mb": 64}),
+        limits: json!({"memory_mb": 512, "disk_mb": 64}),
         until_refused: false,
         neighbour: HUNDRED_TMPFS_FILES,
         host: host_shm_file,
