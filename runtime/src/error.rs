@@ -144,6 +144,16 @@ pub enum StartError {
     /// A container with this id exists already (its cgroup leaf, state or process): nothing of it is touched.
     #[error("A container {0} exists already")]
     Exists(String),
+    /// The helper could not take the container's host ids (or its effective capabilities back) to create the
+    /// container's user namespace as its owner.
+    #[error("Cannot create the container's namespaces as its host uid: {step}")]
+    Owner {
+        /// The step (`setresuid`, `raise the effective capabilities`, ...).
+        step: &'static str,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
     /// `clone3` refused to create the container's init.
     #[error("clone3 of the container's init failed")]
     Clone(#[source] nix::Error),

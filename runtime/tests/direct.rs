@@ -100,6 +100,29 @@ fn main() {
     }
 }
 
+/// The host uid owning the user namespace of process `pid` (`ioctl(NS_GET_OWNER_UID)`).
+fn user_namespace_owner(pid: i32) -> Result<u32, String> {
+    use std::os::fd::AsRawFd;
+    const NS_GET_OWNER_UID: libc::c_ulong = 0xb7 << 8 | 4;
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/user")).map_err(|e| e.to_string())?;
+    let mut uid: libc::uid_t = 0;
+    // SAFETY: NS_GET_OWNER_UID writes one uid_t through the pointer, which points at a live uid_t; `ns` is open.
+    let rc = unsafe {
+        libc::ioctl(
+            ns.as_raw_fd(),
+            NS_GET_OWNER_UID,
+            &mut uid as *mut libc::uid_t,
+        )
+    };
+    if rc != 0 {
+        return Err(format!(
+            "NS_GET_OWNER_UID: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(uid)
+}
+
 struct Test {
     tmp: PathBuf,
     image: HostImage,
@@ -189,6 +212,14 @@ impl Test {
             if procs.trim() != created.pid.to_string() {
                 return Err(format!("{} holds {procs:?}, not the init", leaf.display()));
             }
+        }
+        // Its user namespace is owned by the container's host uid, not by root: the kernel charges the namespace's
+        // per-user counters (inotify, message queues, queued signals) to that owner.
+        let owner = user_namespace_owner(created.pid)?;
+        if owner != 3_900_001 {
+            return Err(format!(
+                "the init's user namespace is owned by uid {owner}, not its host uid 3900001"
+            ));
         }
         // The waiting init holds /dev/null as its own stdio, nothing of the helper's.
         for fd in 0..=2 {

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::Signal;
-use nix::unistd::Pid;
+use nix::unistd::{Gid, Pid, Uid};
 
 pub use plan::Blueprint;
 
@@ -90,18 +90,8 @@ pub fn start(
         exit_signal: libc::SIGCHLD as u64,
         ..CloneArgs::default()
     };
-    // SAFETY: clone3 without CLONE_VM and without a stack behaves like fork: the child gets a copy of this
-    // single-threaded process and returns 0 on its own copy of the stack. `args` is a valid clone_args of the
-    // size passed.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_clone3,
-            &args as *const CloneArgs,
-            std::mem::size_of::<CloneArgs>(),
-        )
-    };
+    let rc = clone_owned_by(blueprint.host_uid, blueprint.host_gid, &args)?;
     match rc {
-        -1 => Err(StartError::Clone(nix::Error::last()).into()),
         0 => {
             drop(ours);
             // A panic must not unwind through the helper's (and the daemon's) frames in this process.
@@ -122,6 +112,83 @@ pub fn start(
             Ok(pid)
         }
     }
+}
+
+/// `clone3` with `args` while this process's effective ids are the container's host ids, so the new user
+/// namespace is owned by the container's host uid; the helper's own ids are back when this returns in it.
+///
+/// Why: the kernel charges a user namespace's per-user counters (inotify instances and watches, POSIX message
+/// queue bytes, queued signals, processes, locked memory) to the namespace's *owner* at every level above it. A
+/// namespace created by root would charge every container's use to host root, so one container holding all of
+/// `fs.inotify.max_user_instances` would leave the host's own root (systemd, journald, udev) without any. Owned by
+/// the container's own host uid (no two containers share one), a container exhausts only its own share.
+///
+/// The effective capability set, which the kernel empties when the effective uid leaves 0, is raised again from
+/// the permitted set (kept: the real and saved uids stay 0), so creating the namespaces needs no unprivileged
+/// user namespaces on the host. The kernel clears the parent death signal and the dumpable flag when the
+/// effective ids change: both are put back. In the child, nothing is restored (its ids are its own, set by
+/// [`child`] once the maps are written).
+fn clone_owned_by(uid: u32, gid: u32, args: &CloneArgs) -> Result<libc::c_long> {
+    let owner = |step: &'static str| {
+        move |e: nix::Error| StartError::Owner {
+            step,
+            source: e.into(),
+        }
+    };
+    let ids = nix::unistd::getresuid().map_err(owner("getresuid"))?;
+    let gids = nix::unistd::getresgid().map_err(owner("getresgid"))?;
+    let dumpable = nix::sys::prctl::get_dumpable().map_err(owner("prctl(PR_GET_DUMPABLE)"))?;
+    let pdeath = nix::sys::prctl::get_pdeathsig().map_err(owner("prctl(PR_GET_PDEATHSIG)"))?;
+    // -1: leave that id as it is.
+    let keep = Uid::from_raw(u32::MAX);
+    let keep_gid = Gid::from_raw(u32::MAX);
+    nix::unistd::setresgid(keep_gid, Gid::from_raw(gid), keep_gid)
+        .map_err(owner("setresgid(container gid)"))?;
+    let cloned = nix::unistd::setresuid(keep, Uid::from_raw(uid), keep)
+        .map_err(owner("setresuid(container uid)"))
+        .and_then(|()| {
+            let raised = ::caps::read(None, ::caps::CapSet::Permitted)
+                .and_then(|permitted| ::caps::set(None, ::caps::CapSet::Effective, &permitted));
+            raised.map_err(|e| StartError::Owner {
+                step: "raise the effective capabilities",
+                source: std::io::Error::other(e.to_string()),
+            })
+        })
+        .map_err(Error::from)
+        .and_then(|()| {
+            // SAFETY: clone3 without CLONE_VM and without a stack behaves like fork: the child gets a copy of
+            // this single-threaded process and returns 0 on its own copy of the stack. `args` is a valid
+            // clone_args of the size passed.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_clone3,
+                    args as *const CloneArgs,
+                    std::mem::size_of::<CloneArgs>(),
+                )
+            };
+            match rc {
+                -1 => Err(StartError::Clone(nix::Error::last()).into()),
+                rc => Ok(rc),
+            }
+        });
+    if matches!(cloned, Ok(0)) {
+        return cloned;
+    }
+    // The helper's own ids, capabilities (copied from permitted when the effective uid is 0 again), parent death
+    // signal and dumpable flag. A helper that cannot get them back must not go on creating containers.
+    let restored = nix::unistd::setresuid(keep, ids.effective, keep)
+        .and_then(|()| nix::unistd::setresgid(keep_gid, gids.effective, keep_gid))
+        .and_then(|()| nix::sys::prctl::set_dumpable(dumpable))
+        .and_then(|()| match pdeath {
+            Some(signal) => nix::sys::prctl::set_pdeathsig(signal),
+            None => Ok(()),
+        });
+    if let Err(e) = restored {
+        tracing::error!(error = %e, "the helper cannot restore its own ids after a clone; it exits");
+        // SAFETY: ends the helper at once: it cannot go on with the wrong credentials. The daemon sees it gone.
+        unsafe { libc::_exit(1) }
+    }
+    cloned
 }
 
 /// The helper's half of the set-up: id maps, cgroups, go; then waits for the init's report.
