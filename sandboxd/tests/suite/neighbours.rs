@@ -12,6 +12,17 @@
 //! the resource and release it; then A is cancelled and host root tries once more (the resource came back). A is
 //! also killed by pid when the case ends early ([`KillOnDrop`]), and its timeout (30 s) bounds it if even that
 //! fails. Host-root probes release what they take (descriptors closed, queues unlinked, files removed).
+//!
+//! What bounds each one:
+//! - inotify instances and watches, POSIX message queue bytes, queued signals: the per-user counters, charged to
+//!   the container's host uid because that uid owns its user namespace;
+//! - ptys: the container's devpts instance (`max=64`); all instances but the host's share
+//!   `kernel.pty.max - kernel.pty.reserve`, and the host's keeps the reserve;
+//! - pids: the pids cgroup (`pids_max`);
+//! - /dev/shm: a tmpfs per container (`disk_mb` of pages); its inodes are charged to the memory cgroup;
+//! - keyrings: seccomp refuses `add_key` and `keyctl` (EPERM);
+//! - the state disk: `artifacts.max_files` and `artifacts.max_total_bytes` per execution (`max_store_bytes` for
+//!   the store).
 
 use std::ffi::CString;
 use std::os::fd::{FromRawFd, OwnedFd};
