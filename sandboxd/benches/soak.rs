@@ -17,7 +17,8 @@
 //! Every [`SAMPLE_EVERY`] a row: RSS, open fds and threads of the daemon and its helper processes (from /proc),
 //! cgroup directories under the daemon's cgroup parent in every hierarchy, mounts under the state dir in the
 //! daemon's mount namespace (it unshares one, so `/proc/<daemon>/mountinfo`, not the bench's own), processes
-//! running as the daemon's sandbox uids, executions done and executions per second.
+//! running as the daemon's sandbox uids, executions done and executions per second in the last interval, and the
+//! executions done so far by outcome ([`OUTCOME_COLUMNS`]).
 //!
 //! Verdict (exit status 1 when it fails):
 //! - flat: the first [`WARMUP_FRACTION`] of the samples are warm-up and left out; the rest is cut in thirds. For
@@ -33,8 +34,9 @@
 //!   parent, no mount under its state dir, no process in its uid range or in its cgroups;
 //! - no request went unanswered past [`REQUEST_DEADLINE`] and the daemon never died.
 //!
-//! Executions that end otherwise than their kind expects (e.g. an OOM case that completes) are counted and shown
-//! (first few verbatim), but do not fail the verdict: they are a functional matter for the tests.
+//! Executions that end otherwise than their kind expects (e.g. an OOM case that completes) and agent cycles that
+//! fail a step are counted and shown (the first few verbatim), but do not fail the verdict: they are a functional
+//! matter for the tests. A request stuck past [`REQUEST_DEADLINE`] does fail it.
 //!
 //! Needs root (the daemon creates containers).
 
@@ -96,7 +98,21 @@ struct Sample {
     mounts: u64,
     sandbox_procs: u64,
     done: u64,
+    /// Executions done so far by outcome, in the order of [`OUTCOME_COLUMNS`].
+    outcomes: [u64; 8],
 }
+
+/// The per-sample outcome columns: heading and the labels counted in it (the last column: everything else).
+const OUTCOME_COLUMNS: [(&str, &[&str]); 8] = [
+    ("ok", &["completed", "tools ok"]),
+    ("fail", &["failed"]),
+    ("tmo", &["timeout"]),
+    ("oom", &["oom"]),
+    ("olim", &["output_limit"]),
+    ("canc", &["cancelled"]),
+    ("drop", &["dropped"]),
+    ("other", &[]),
+];
 
 /// The metrics judged for flatness: name, accessor, absolute slack (noise a busy daemon shows without leaking).
 type Metric = (&'static str, fn(&Sample) -> f64, f64);
@@ -161,6 +177,21 @@ impl Stats {
     /// Executions that reached an end (any outcome, errors included).
     fn done(&self) -> u64 {
         self.0.lock().unwrap().execs.values().sum()
+    }
+
+    /// Executions done by outcome, in the order of [`OUTCOME_COLUMNS`]; the last counts every other label
+    /// (errors, stuck, endings no kind expects).
+    fn outcomes(&self) -> [u64; 8] {
+        let t = self.0.lock().unwrap();
+        let mut out = [0u64; 8];
+        for (label, n) in &t.execs {
+            let col = OUTCOME_COLUMNS[..7]
+                .iter()
+                .position(|(_, labels)| labels.contains(&label.as_str()))
+                .unwrap_or(7);
+            out[col] += n;
+        }
+        out
     }
 }
 
@@ -269,6 +300,7 @@ impl Daemon {
         let mut s = Sample {
             at,
             done: stats.done(),
+            outcomes: stats.outcomes(),
             ..Sample::default()
         };
         for pid in std::iter::once(self.pid()).chain(self.helpers.iter().copied()) {
@@ -1016,7 +1048,7 @@ fn print_row(s: &Sample, prev: Option<&Sample>) {
     let rate = prev.map_or(s.done as f64 / s.at.as_secs_f64().max(0.001), |p| {
         (s.done - p.done) as f64 / (s.at - p.at).as_secs_f64().max(0.001)
     });
-    println!(
+    print!(
         "{:>7.0} {:>10.1} {:>12.1} {:>6} {:>8} {:>8} {:>7} {:>7} {:>9} {:>8.1}",
         s.at.as_secs_f64(),
         s.rss_kib as f64 / 1024.0,
@@ -1029,10 +1061,14 @@ fn print_row(s: &Sample, prev: Option<&Sample>) {
         s.done,
         rate
     );
+    for n in s.outcomes {
+        print!(" {n:>6}");
+    }
+    println!();
 }
 
 fn header() {
-    println!(
+    print!(
         "{:>7} {:>10} {:>12} {:>6} {:>8} {:>8} {:>7} {:>7} {:>9} {:>8}",
         "t (s)",
         "RSS MiB",
@@ -1045,6 +1081,10 @@ fn header() {
         "done",
         "exec/s"
     );
+    for (heading, _) in OUTCOME_COLUMNS {
+        print!(" {heading:>6}");
+    }
+    println!();
 }
 
 /// Waits (bounded) until the warm pool is full.
