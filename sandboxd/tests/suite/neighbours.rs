@@ -272,22 +272,24 @@ struct Outcome {
     host: Result<(), String>,
 }
 
-/// Kills, when dropped, every process named `comm` (A's processes: the daemon this test started runs them), so a
-/// failing case releases host root's resources at once.
+/// Kills, when dropped, every process named `comm` inside the cgroup parent of the daemon this test started (A's
+/// processes, by pid), so a failing case releases host root's resources at once.
 struct KillOnDrop {
     comm: String,
+    cgroup_parent: String,
 }
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        for pid in pids_named(&self.comm) {
+        for pid in pids_named(&self.comm, &self.cgroup_parent) {
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
         }
     }
 }
 
-/// Processes whose `/proc/<pid>/comm` is `comm`.
-fn pids_named(comm: &str) -> Vec<i32> {
+/// Processes whose `/proc/<pid>/comm` is `comm` and whose cgroup is under `cgroup_parent`.
+fn pids_named(comm: &str, cgroup_parent: &str) -> Vec<i32> {
+    let inside = format!("/{cgroup_parent}/");
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -296,6 +298,8 @@ fn pids_named(comm: &str) -> Vec<i32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .filter(|pid| {
             std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == comm)
+                && std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+                    .is_ok_and(|c| c.contains(&inside))
         })
         .collect()
 }
@@ -344,7 +348,10 @@ fn held_line(text: &str) -> Value {
 async fn while_held(d: &Daemon, case: &Case) -> Outcome {
     let mut c = Client::connect(d).await;
     let comm = fresh_comm();
-    let _kill = KillOnDrop { comm: comm.clone() };
+    let _kill = KillOnDrop {
+        comm: comm.clone(),
+        cgroup_parent: d.cgroup_parent.clone(),
+    };
     let held = start_holder(&mut c, "a", &program(&comm, case.hold), &case.limits).await;
     let host = (case.host)();
     let b = c
@@ -864,7 +871,10 @@ async fn neighbours_get_inotify_instances_while_an_agent_holds_all_it_can() {
         id: id.clone(),
     };
     let comm = fresh_comm();
-    let _kill = KillOnDrop { comm: comm.clone() };
+    let _kill = KillOnDrop {
+        comm: comm.clone(),
+        cgroup_parent: d.cgroup_parent.clone(),
+    };
     let code = program(&comm, HOLD_INOTIFY_INSTANCES);
     let brief =
         json!({"agentId": "a", "providerConfig": {"command": ["/usr/bin/python3", "-c", code]}});
