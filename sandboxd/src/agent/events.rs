@@ -509,4 +509,80 @@ mod tests {
         hub.detach(g1);
         assert!(hub.next(g2).is_ok());
     }
+
+    fn padded(i: u64, pad: usize) -> Map<String, Value> {
+        let mut m = status(i);
+        m.insert("message".into(), format!("m{i} {}", "p".repeat(pad)).into());
+        m
+    }
+
+    fn dir_bytes(dir: &std::path::Path) -> u64 {
+        fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.metadata().unwrap().len())
+            .sum()
+    }
+
+    #[test]
+    fn without_a_gateway_the_queue_is_bounded_in_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        for i in 0..300 {
+            hub.emit("r", padded(i, 64 << 10));
+        }
+        // 4 MiB (agents.queue_bytes) of 64 KiB events.
+        assert!(
+            hub.pending() as u64 * (64 << 10) <= 4 << 20,
+            "{} events of 64 KiB queued",
+            hub.pending()
+        );
+    }
+
+    #[test]
+    fn the_log_rolls_by_bytes_and_keeps_the_newest_half() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        let g = hub.attach();
+        for i in 0..800 {
+            hub.emit("r", padded(i, 64 << 10));
+            let _ = drain(&hub, g);
+        }
+        // 32 MiB (agents.replay_bytes) on disk at most, the newest 16 MiB always there.
+        let on_disk = dir_bytes(&dir.path().join("ev"));
+        assert!(on_disk <= 32 << 20, "{on_disk} bytes on disk");
+        let r = hub
+            .replay(SequenceRange {
+                from_sequence: 1,
+                to_sequence: 800,
+            })
+            .unwrap();
+        assert!(r.events.len() as u64 * (64 << 10) >= 16 << 20, "{}", r.events.len());
+        assert_eq!(r.events.last().unwrap().source_sequence, 800);
+    }
+
+    #[test]
+    fn a_drop_count_is_exact_and_arrives_when_the_queue_drains() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        for i in 0..1500 {
+            hub.emit("r", padded(i, 4 << 10));
+        }
+        let g = hub.attach();
+        let got = drain(&hub, g);
+        let (warnings, events): (Vec<_>, Vec<_>) = got
+            .iter()
+            .partition(|e| e.event.get("errorCode") == Some(&Value::from("events_dropped")));
+        let counted: u64 = warnings
+            .iter()
+            .map(|w| {
+                let m = w.event["message"].as_str().unwrap();
+                m.split(' ').next().unwrap().parse::<u64>().unwrap()
+            })
+            .sum();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert_eq!(counted + events.len() as u64, 1500);
+        // Delivered last, after every queued event.
+        assert_eq!(got.last().unwrap().event["errorCode"], "events_dropped");
+    }
 }
