@@ -1447,7 +1447,9 @@ async fn dropped_events_are_counted_exactly_and_delivered() {
     let warning: AdapterEvent = loop {
         let frame = tokio::time::timeout(Duration::from_secs(30), ws.next())
             .await
-            .unwrap_or_else(|_| panic!("no events_dropped warning within 30 s ({delivered} events)"))
+            .unwrap_or_else(|_| {
+                panic!("no events_dropped warning within 30 s ({delivered} events)")
+            })
             .unwrap()
             .unwrap();
         let e: AdapterEvent = serde_json::from_str(frame.to_text().unwrap()).unwrap();
