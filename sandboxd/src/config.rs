@@ -802,6 +802,10 @@ mod tests {
                 "sandbox: {cgroup_parent: \"../escape\"}",
                 "sandbox.cgroup_parent",
             ),
+            ("agents: {max_line_bytes: 0}", "agents.max_line_bytes"),
+            // Budgets that could not hold one event of max_line_bytes are refused, not left to drop everything.
+            ("agents: {queue_bytes: 1048576}", "agents.queue_bytes"),
+            ("agents: {replay_bytes: 2097152}", "agents.replay_bytes"),
         ] {
             let e = Config::parse(yaml).unwrap_err().to_string();
             assert!(e.contains(key), "{yaml}: {e}");
