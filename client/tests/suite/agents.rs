@@ -995,6 +995,7 @@ async fn unknown_paths_and_methods_get_plugin_errors(gw: &Gateway, base: &str, t
     let cases = [
         ("POST", format!("{base}/teleport"), 404),
         ("GET", format!("{base}/spawn/extra"), 404),
+        ("POST", format!("{base}/"), 404),
         ("GET", format!("{base}/spawn"), 405),
         ("POST", format!("{base}/health"), 405),
         ("GET", base.to_owned(), 405),

@@ -53,6 +53,7 @@ pub fn router() -> Router<AgentState> {
         .route("/sandboxes/{id}/replay", only(post(replay), "POST"))
         .route("/sandboxes/{id}/health", only(get(health), "GET"))
         .route("/sandboxes/{id}/events", only(get(events), "GET"))
+        .route("/sandboxes/{id}/", any(unknown_path))
         .route("/sandboxes/{id}/{*rest}", any(unknown_path))
 }
 
