@@ -19,14 +19,9 @@ use crate::client::FileSpec;
 
 /// Default grace period of `POST /kill`, milliseconds.
 pub const DEFAULT_GRACE_TIMEOUT_MS: u64 = 10_000;
-/// Events kept for `POST /replay` (at least this many of the most recent).
-pub const REPLAY_LOG_EVENTS: u64 = 5000;
-/// Events buffered while no gateway is connected.
-pub const DISCONNECTED_BUFFER_EVENTS: usize = 1000;
-/// Age after which a buffered event is dropped while no gateway is connected, milliseconds.
+/// Age after which a buffered event is dropped while no gateway is connected, milliseconds. (The queue's and the
+/// replay log's budgets are in bytes, set by the daemon's `agents:` configuration.)
 pub const DISCONNECTED_BUFFER_MS: u64 = 60_000;
-/// Events queued for a connected gateway before low-priority ones are dropped.
-pub const CONNECTED_QUEUE_EVENTS: usize = 500;
 
 /// A mount from the project into the sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

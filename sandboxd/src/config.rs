@@ -78,6 +78,15 @@ pub struct Config {
 
 /// Sandboxes at once by default.
 pub const DEFAULT_MAX_SANDBOXES: usize = 16;
+/// Longest control line an agent may write, bytes.
+pub const DEFAULT_AGENT_MAX_LINE_BYTES: u64 = 1 << 20;
+/// Event bytes queued for a sandbox's gateway.
+pub const DEFAULT_AGENT_QUEUE_BYTES: u64 = 4 << 20;
+/// Bytes of a sandbox's on-disk replay log.
+pub const DEFAULT_AGENT_REPLAY_BYTES: u64 = 32 << 20;
+/// Room for sandboxd's stamps (`sourceEventId`, `sourceSequence`, `sourceOccurredAt`, `runId`) around an agent's
+/// line: an event over `max_line_bytes` plus this is replaced by an `ErrorEvent`.
+pub const AGENT_STAMP_BYTES: u64 = 16 << 10;
 
 /// `agents:`
 #[derive(Debug, Clone, Deserialize)]
@@ -100,6 +109,14 @@ pub struct AgentsConfig {
     pub max_body_bytes: usize,
     /// Upload attempts per artifact.
     pub upload_attempts: u32,
+    /// Longest control line an agent may write; a longer one is skipped with a warning `ErrorEvent`
+    /// (`control_line_too_long`) and the run goes on.
+    pub max_line_bytes: u64,
+    /// Event bytes (JSON, plus a small overhead per event) queued for a sandbox's gateway, connected or not; over
+    /// it, low-priority events are dropped first, else the oldest (they stay in the replay log).
+    pub queue_bytes: u64,
+    /// Bytes of a sandbox's on-disk replay log: two segments of half of it; the newest half is always there.
+    pub replay_bytes: u64,
 }
 
 impl Default for AgentsConfig {
@@ -113,6 +130,9 @@ impl Default for AgentsConfig {
             pids_max: 512,
             max_body_bytes: 1 << 20,
             upload_attempts: 4,
+            max_line_bytes: DEFAULT_AGENT_MAX_LINE_BYTES,
+            queue_bytes: DEFAULT_AGENT_QUEUE_BYTES,
+            replay_bytes: DEFAULT_AGENT_REPLAY_BYTES,
         }
     }
 }
@@ -455,6 +475,24 @@ impl Config {
         positive("agents.pids_max", a.pids_max)?;
         positive("agents.max_body_bytes", a.max_body_bytes as u64)?;
         positive("agents.upload_attempts", a.upload_attempts as u64)?;
+        positive("agents.max_line_bytes", a.max_line_bytes)?;
+        // A budget smaller than one event could never hold it: refused rather than silently dropping everything.
+        let event = a.max_line_bytes.saturating_add(AGENT_STAMP_BYTES);
+        if a.queue_bytes < event {
+            return Err(ConfigError::Value {
+                key: "agents.queue_bytes",
+                reason: format!("must hold one event: at least agents.max_line_bytes + {AGENT_STAMP_BYTES} ({event})"),
+            });
+        }
+        if a.replay_bytes / 2 < event {
+            return Err(ConfigError::Value {
+                key: "agents.replay_bytes",
+                reason: format!(
+                    "each half must hold one event: at least 2 x (agents.max_line_bytes + {AGENT_STAMP_BYTES}) ({})",
+                    event.saturating_mul(2)
+                ),
+            });
+        }
         if !(a.cpu_cores.is_finite() && a.cpu_cores >= 0.01) {
             return Err(ConfigError::Value {
                 key: "agents.cpu_cores",
@@ -689,6 +727,9 @@ mod tests {
                     ("pids_max", c.agents.pids_max.to_string()),
                     ("max_body_bytes", c.agents.max_body_bytes.to_string()),
                     ("upload_attempts", c.agents.upload_attempts.to_string()),
+                    ("max_line_bytes", c.agents.max_line_bytes.to_string()),
+                    ("queue_bytes", c.agents.queue_bytes.to_string()),
+                    ("replay_bytes", c.agents.replay_bytes.to_string()),
                 ]
                 .into(),
             }
@@ -761,6 +802,10 @@ mod tests {
                 "sandbox: {cgroup_parent: \"../escape\"}",
                 "sandbox.cgroup_parent",
             ),
+            ("agents: {max_line_bytes: 0}", "agents.max_line_bytes"),
+            // Budgets that could not hold one event of max_line_bytes are refused, not left to drop everything.
+            ("agents: {queue_bytes: 1048576}", "agents.queue_bytes"),
+            ("agents: {replay_bytes: 2097152}", "agents.replay_bytes"),
         ] {
             let e = Config::parse(yaml).unwrap_err().to_string();
             assert!(e.contains(key), "{yaml}: {e}");

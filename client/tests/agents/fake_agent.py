@@ -4,7 +4,10 @@
 It connects to the control socket ($SANDBOXD_CONTROL_SOCKET), reads its brief, then follows the script in
 brief.providerConfig.script: a list of steps, each one of
   {"emit": EVENT}                  write an AgentEvent (agentId filled in)
-  {"emit_many": N, "every_ms": M}  N status events, M ms apart ("every_ms": 0 for a burst)
+  {"emit_many": N, "every_ms": M, "pad": B}  N status events, M ms apart ("every_ms": 0 for a burst), each
+                                   message padded with B bytes (0 by default)
+  {"mkfifo": P}                    make a FIFO at /workspace/P
+  {"big_line": N}                  write a line of N bytes (not JSON)
   {"write": {"path": P, "content": C}}   write a file under /workspace
   {"artifact": {"path": P, "artifactId": A}}  write nothing, emit an ArtifactEvent with uri /workspace/P
   {"wait": "resolve"|"inject_context"|"update_brief"|"shutdown"}  wait for that command, echo it as a status event
@@ -81,8 +84,9 @@ for position, step in enumerate(script):
     if "emit" in step:
         emit(step["emit"])
     elif "emit_many" in step:
+        pad = "p" * step.get("pad", 0)
         for i in range(step["emit_many"]):
-            status("tick %d" % i)
+            status("tick %d%s" % (i, pad))
             if step.get("every_ms"):
                 time.sleep(step["every_ms"] / 1000.0)
     elif "write" in step:
@@ -109,6 +113,10 @@ for position, step in enumerate(script):
             n += 1
     elif "sleep_ms" in step:
         time.sleep(step["sleep_ms"] / 1000.0)
+    elif "mkfifo" in step:
+        os.mkfifo(os.path.join("/workspace", step["mkfifo"]))
+    elif "big_line" in step:
+        sock.sendall(b"x" * step["big_line"] + b"\n")
     elif "raw" in step:
         sock.sendall((step["raw"] + "\n").encode())
     elif "exit" in step:

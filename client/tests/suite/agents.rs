@@ -827,7 +827,7 @@ const MALFORMED_CREATE_BODIES: [&[u8]; 3] = [
 const REFUSED_SANDBOX_COMMANDS: [(&str, &[u8], u16); 6] = [
     ("spawn", b"{}", 400),
     ("resolve", b"{\"decisionId\": 5}", 400),
-    ("replay", b"{\"fromSequence\": 5, \"toSequence\": 1}", 409),
+    ("replay", b"{\"fromSequence\": 5, \"toSequence\": 1}", 400),
     (
         "resolve",
         b"{\"decisionId\": \"d\", \"resolution\": {}}",
@@ -986,6 +986,39 @@ async fn a_sandbox_without_an_agent_refuses_bad_commands(
         .await
         .unwrap();
     assert!(a.status >= 400);
+    let _ = plugin_error_body(a);
+    unknown_paths_and_methods_get_plugin_errors(gw, &base, tok).await;
+}
+
+/// An unknown path under a sandbox is 404, a known path with the wrong method 405, both with a PluginError body.
+async fn unknown_paths_and_methods_get_plugin_errors(gw: &Gateway, base: &str, tok: Option<&str>) {
+    let cases = [
+        ("POST", format!("{base}/teleport"), 404),
+        ("GET", format!("{base}/spawn/extra"), 404),
+        ("POST", format!("{base}/"), 404),
+        ("GET", format!("{base}/spawn"), 405),
+        ("POST", format!("{base}/health"), 405),
+        ("GET", base.to_owned(), 405),
+    ];
+    for (m, path, want) in cases {
+        let a = gw.raw(m, &path, b"{}".to_vec(), tok).await.unwrap();
+        assert_eq!(
+            a.status,
+            want,
+            "{m} {path}: {}",
+            String::from_utf8_lossy(&a.body)
+        );
+        assert!(matches!(
+            plugin_error_body(a),
+            PluginError::InvalidState { .. }
+        ));
+    }
+    // Without a token the answer is 401, whatever the path.
+    let a = gw
+        .raw("POST", &format!("{base}/teleport"), vec![], None)
+        .await
+        .unwrap();
+    assert_eq!(a.status, 401);
     let _ = plugin_error_body(a);
 }
 
@@ -1322,4 +1355,188 @@ async fn sandboxctl_sandbox_commands() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(77));
+}
+
+/// Waits until the sandbox's log ends with a status event whose message contains `text`; returns its sequence.
+async fn logged(sb: &SandboxClient, text: &str) -> u64 {
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        let last = sb.replay(1, 1).await.unwrap().last_sequence;
+        if last > 0 {
+            let r = sb.replay(last, last).await.unwrap();
+            if r.events.iter().any(|e| status_contains(e, text)) {
+                return last;
+            }
+        }
+        assert!(Instant::now() < end, "no {text:?} in the log within 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A control line over `agents.max_line_bytes` is refused with a warning ErrorEvent carrying the agent's id; the
+/// run goes on and its next line is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversize_control_line_is_refused_and_the_run_goes_on() {
+    let Some((_d, gw)) = start().await else {
+        return;
+    };
+    let backend = Backend::start().await;
+    let sb = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    let mut events = sb.events(0);
+    sb.spawn(&brief(json!([
+        {"big_line": (1 << 20) + 100},
+        {"emit": {"type": "status", "message": "still alive"}},
+    ])))
+    .await
+    .unwrap();
+    let seen = until(&mut events, "still alive", Duration::from_secs(30), |e| {
+        status_contains(e, "still alive")
+    })
+    .await;
+    let refused = seen
+        .iter()
+        .find(|e| e.event.get("errorCode") == Some(&json!("control_line_too_long")))
+        .unwrap_or_else(|| panic!("no control_line_too_long ErrorEvent: {seen:#?}"));
+    assert_eq!(refused.event["agentId"], "agent-1");
+    assert_eq!(refused.event["severity"], "warning");
+    assert_eq!(
+        sb.health().await.unwrap().agent_status,
+        AgentStatus::Running
+    );
+    gw.delete(sb.id()).await.unwrap();
+}
+
+/// Events dropped while no gateway is connected are counted exactly, and the count reaches the next gateway
+/// without the agent emitting again: every logged event is either delivered or counted. The warning names the
+/// agent, not the sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_events_are_counted_exactly_and_delivered() {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+    let Some((d, gw)) = start().await else {
+        return;
+    };
+    let backend = Backend::start().await;
+    let sb = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    // 3000 events of 4 KiB: over the queue's budget in events and in bytes.
+    sb.spawn(&brief(json!([
+        {"emit_many": 3000, "every_ms": 0, "pad": 4096},
+        {"emit": {"type": "status", "message": "burst done"}},
+    ])))
+    .await
+    .unwrap();
+    let last = logged(&sb, "burst done").await;
+    let url = format!(
+        "{}/sandboxes/{}/events",
+        d.http_base().replacen("http://", "ws://", 1),
+        sb.id()
+    );
+    let mut req = url.into_client_request().unwrap();
+    req.headers_mut().insert(
+        "authorization",
+        format!("Bearer {}", d.token).parse().unwrap(),
+    );
+    let (mut ws, _) = tokio_tungstenite::connect_async(req).await.unwrap();
+    let mut delivered = 0u64;
+    let warning: AdapterEvent = loop {
+        let frame = tokio::time::timeout(Duration::from_secs(30), ws.next())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("no events_dropped warning within 30 s ({delivered} events)")
+            })
+            .unwrap()
+            .unwrap();
+        let e: AdapterEvent = serde_json::from_str(frame.to_text().unwrap()).unwrap();
+        if e.event.get("errorCode") == Some(&json!("events_dropped")) {
+            break e;
+        }
+        delivered += 1;
+    };
+    let message = warning.event["message"].as_str().unwrap();
+    let dropped: u64 = message.split(' ').next().unwrap().parse().unwrap();
+    // Every logged event is delivered or counted, and the warning names the agent (not the sandbox).
+    assert_eq!(
+        (dropped + delivered, warning.event["agentId"].as_str()),
+        (last, Some("agent-1")),
+        "{message:?}: {delivered} delivered of {last} logged"
+    );
+    drop(ws);
+    gw.delete(sb.id()).await.unwrap();
+}
+
+/// An ArtifactEvent naming a FIFO in the workspace is refused (not a regular file) without blocking the sandbox:
+/// kill and delete work and leave no cgroup, process or state behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_artifact_is_refused_and_kill_and_delete_still_work() {
+    let Some((d, gw)) = start().await else {
+        return;
+    };
+    let backend = Backend::start().await;
+    let sb = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    let mut events = sb.events(0);
+    sb.spawn(&brief(json!([
+        {"mkfifo": "pipe"},
+        {"artifact": {"path": "pipe", "artifactId": "art-fifo"}},
+        {"emit": {"type": "status", "message": "after the fifo"}},
+    ])))
+    .await
+    .unwrap();
+    // Up to the status after the artifact (which a blocked sandbox never forwards), then the kill either way.
+    let mut seen = Vec::new();
+    let end = Instant::now() + Duration::from_secs(20);
+    while !seen.iter().any(|e| status_contains(e, "after the fifo")) {
+        let left = end.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, events.next()).await {
+            Ok(Ok(e)) => seen.push(e),
+            Ok(Err(e)) => panic!("event stream failed: {e}"),
+            Err(_) => break,
+        }
+    }
+    let killed = sb
+        .kill(&KillRequest {
+            grace: false,
+            grace_timeout_ms: None,
+        })
+        .await;
+    assert!(killed.is_ok(), "kill: {killed:?}");
+    seen.extend(
+        until(&mut events, "killed", Duration::from_secs(30), |e| {
+            action(e) == Some("killed")
+        })
+        .await,
+    );
+    let failed = seen
+        .iter()
+        .find(|e| e.event.get("errorCode") == Some(&json!("artifact_upload_failed")))
+        .unwrap_or_else(|| panic!("no artifact_upload_failed: {seen:#?}"));
+    assert!(
+        failed.event["message"]
+            .as_str()
+            .unwrap()
+            .contains("not a regular file"),
+        "{failed:?}"
+    );
+    let art = seen.iter().find(|e| is(e, "artifact")).unwrap();
+    assert!(art.event.get("uri").is_none(), "{art:?}");
+    assert!(seen.iter().any(|e| status_contains(e, "after the fifo")));
+    gw.delete(sb.id()).await.unwrap();
+    let agents = d.state_dir().join("agents");
+    assert_eq!(std::fs::read_dir(&agents).unwrap().count(), 0);
+    assert!(
+        cgroup_leaves(&d.cgroup_parent).is_empty(),
+        "{:?}",
+        cgroup_leaves(&d.cgroup_parent)
+    );
+    assert!(processes_with_uid(d.uid_base..d.uid_base + 64).is_empty());
+    assert!(backend.seen().iter().all(|s| s.path != "/api/artifacts"));
 }

@@ -316,10 +316,15 @@ async fn store_from_workspace(
     );
     tokio::task::spawn_blocking(move || {
         let dir = std::fs::File::open(&ws).map_err(ArtifactError::Workspace)?;
-        let fd = runtime::sys::open_beneath(dir.as_raw_fd(), rel.as_ref(), OFlag::O_RDONLY)
-            .map_err(|source| ArtifactError::Open {
-                path: rel.clone(),
-                source,
+        // O_NONBLOCK: a FIFO (or a device) named by the agent must not block the open, it is refused just below
+        // (on a regular file the flag changes nothing); open_beneath adds O_NOFOLLOW and refuses symlinks.
+        let flags = OFlag::O_RDONLY | OFlag::O_NONBLOCK;
+        let fd =
+            runtime::sys::open_beneath(dir.as_raw_fd(), rel.as_ref(), flags).map_err(|source| {
+                ArtifactError::Open {
+                    path: rel.clone(),
+                    source,
+                }
             })?;
         let mut file = std::fs::File::from(fd);
         let md = file.metadata().map_err(|source| ArtifactError::Stat {

@@ -1,14 +1,19 @@
 //! A sandbox's event pipeline: stamping (UUID v7 `sourceEventId`, monotonic `sourceSequence`,
 //! `sourceOccurredAt`, `runId`), the rolling on-disk log behind `POST /replay`, and the queue a gateway's
-//! `WS /events` drains.
+//! `WS /events` drains. Every budget is in bytes ([`Budgets`], from `agents:` in the configuration).
 //!
-//! Every event is logged before it is queued. The queue holds at most [`DISCONNECTED_BUFFER_EVENTS`] events (none
-//! older than [`DISCONNECTED_BUFFER_MS`]) while no gateway is connected and [`CONNECTED_QUEUE_EVENTS`] while one is;
-//! over the bound, low-priority events go first (else the oldest), and a warning `ErrorEvent` says how many were
-//! dropped. Dropped events stay in the log, so a gateway that sees a sequence gap replays them.
+//! Every event is logged before it is queued. The queue holds at most [`Budgets::queue_bytes`] of events (each
+//! counts its JSON plus [`QUEUED_OVERHEAD`]), none older than [`DISCONNECTED_BUFFER_MS`] while no gateway is
+//! connected; over the budget, low-priority events go first (else the oldest). Dropped events stay in the log, so
+//! a gateway that sees a sequence gap replays them. How many were dropped is counted exactly and told in a warning
+//! `ErrorEvent` (`events_dropped`): while a gateway is connected at most one a second as drops happen, and in any
+//! case as soon as a gateway has drained the queue, so the count arrives without the agent emitting again. No
+//! warning is queued while no gateway is connected (it would only take the place of an event).
 //!
-//! The log is two segment files of [`SEGMENT`] events each: when the current one is full the older one is deleted
-//! and the current one becomes the older, so at least the last [`REPLAY_LOG_EVENTS`] events are always on disk.
+//! The log is two segment files of half of [`Budgets::replay_bytes`] each: when the current one would grow past
+//! its half, the older one is deleted and the current one becomes the older, so the newest half of the budget is
+//! always on disk. [`Hub::replay`] reads it line by line from descriptors opened under the hub's lock, so a
+//! replay neither holds the lock nor the log in memory.
 
 use std::collections::VecDeque;
 use std::fs;
@@ -18,14 +23,52 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use protocol::agent::{
-    error_event, is_low_priority, AdapterEvent, ReplayResponse, SequenceRange,
-    CONNECTED_QUEUE_EVENTS, DISCONNECTED_BUFFER_EVENTS, DISCONNECTED_BUFFER_MS, REPLAY_LOG_EVENTS,
+    error_event, is_low_priority, AdapterEvent, SequenceRange, DISCONNECTED_BUFFER_MS,
 };
 use serde_json::{Map, Value};
 use tokio::sync::watch;
 
-/// Events per log segment.
-pub const SEGMENT: u64 = REPLAY_LOG_EVENTS;
+use crate::config::{
+    AGENT_STAMP_BYTES, DEFAULT_AGENT_MAX_LINE_BYTES, DEFAULT_AGENT_QUEUE_BYTES,
+    DEFAULT_AGENT_REPLAY_BYTES,
+};
+
+/// What an event costs in the queue beyond its JSON (its slot, pointer and bookkeeping).
+pub const QUEUED_OVERHEAD: u64 = 64;
+/// A replay's answer goes out in chunks of about this size.
+const REPLAY_CHUNK: usize = 64 << 10;
+
+/// The byte budgets of one sandbox's events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budgets {
+    /// Bytes queued for the gateway.
+    pub queue_bytes: u64,
+    /// Bytes of the on-disk log (two halves).
+    pub replay_bytes: u64,
+    /// Largest stamped event; a larger one is replaced by an `ErrorEvent`.
+    pub max_event_bytes: u64,
+}
+
+impl Budgets {
+    /// The budgets of `agents:` in the configuration.
+    pub fn from_config(a: &crate::config::AgentsConfig) -> Self {
+        Self {
+            queue_bytes: a.queue_bytes,
+            replay_bytes: a.replay_bytes,
+            max_event_bytes: a.max_line_bytes.saturating_add(AGENT_STAMP_BYTES),
+        }
+    }
+}
+
+impl Default for Budgets {
+    fn default() -> Self {
+        Self {
+            queue_bytes: DEFAULT_AGENT_QUEUE_BYTES,
+            replay_bytes: DEFAULT_AGENT_REPLAY_BYTES,
+            max_event_bytes: DEFAULT_AGENT_MAX_LINE_BYTES + AGENT_STAMP_BYTES,
+        }
+    }
+}
 
 /// One queued event: its JSON, whether it may be dropped first, when it was queued.
 struct Queued {
@@ -34,26 +77,41 @@ struct Queued {
     at: Instant,
 }
 
+impl Queued {
+    fn cost(&self) -> u64 {
+        self.json.len() as u64 + QUEUED_OVERHEAD
+    }
+}
+
 struct Inner {
     next_seq: u64,
     queue: VecDeque<Queued>,
+    /// What the queue costs ([`Queued::cost`] summed).
+    queued_bytes: u64,
     /// Generation of the connected gateway; `None` while none is.
     gateway: Option<u64>,
     generations: u64,
-    /// Events dropped since the last warning.
+    /// Events dropped and not told yet.
     dropped: u64,
     /// When events were last dropped.
     last_drop: Option<Instant>,
+    /// When the last `events_dropped` warning was queued.
+    last_warning: Option<Instant>,
+    /// The run of the latest event (for a warning queued when the queue drains).
+    run_id: String,
     log: Log,
 }
 
 struct Log {
     dir: PathBuf,
+    /// Bytes a segment may reach.
+    segment_bytes: u64,
     /// First sequence of the older segment, if there is one.
     older_first: Option<u64>,
-    /// First sequence of the current segment and how many events it holds.
+    /// First sequence of the current segment, how many events and bytes it holds.
     current_first: u64,
     current_len: u64,
+    current_bytes: u64,
     file: Option<fs::File>,
 }
 
@@ -67,12 +125,13 @@ impl Log {
     }
 
     fn append(&mut self, seq: u64, json: &str) -> std::io::Result<()> {
-        if self.current_len >= SEGMENT {
+        let size = json.len() as u64 + 1;
+        if self.current_len > 0 && self.current_bytes + size > self.segment_bytes {
             self.file = None;
             fs::rename(self.current(), self.older())?;
             self.older_first = Some(self.current_first);
-            self.current_first = seq;
             self.current_len = 0;
+            self.current_bytes = 0;
         }
         if self.current_len == 0 {
             self.current_first = seq;
@@ -91,6 +150,7 @@ impl Log {
         line.push(b'\n');
         file.write_all(&line)?;
         self.current_len += 1;
+        self.current_bytes += size;
         Ok(())
     }
 
@@ -103,24 +163,87 @@ impl Log {
         }
     }
 
-    fn read(&self, from: u64, to: u64) -> std::io::Result<Vec<AdapterEvent>> {
-        let mut out = Vec::new();
-        for path in [self.older(), self.current()] {
-            let f = match fs::File::open(&path) {
-                Ok(f) => f,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+    /// The segments that may hold `from..`, opened now (a later roll renames or deletes the names, not what these
+    /// descriptors read).
+    fn open_from(&self, from: u64) -> std::io::Result<Vec<fs::File>> {
+        let mut files = Vec::with_capacity(2);
+        let older_needed = self.older_first.is_some() && from < self.current_first;
+        let paths = [
+            older_needed.then(|| self.older()),
+            (self.current_len > 0).then(|| self.current()),
+        ];
+        for path in paths.into_iter().flatten() {
+            match fs::File::open(&path) {
+                Ok(f) => files.push(f),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(e),
-            };
-            for line in std::io::BufReader::new(f).lines() {
-                let line = line?;
-                let ev: AdapterEvent =
-                    serde_json::from_str(&line).map_err(std::io::Error::other)?;
-                if (from..=to).contains(&ev.source_sequence) {
-                    out.push(ev);
+            }
+        }
+        Ok(files)
+    }
+}
+
+/// A `POST /replay` answer being read from the log: [`Replay::write`] streams it as the JSON of a
+/// `ReplayResponse` (`{"lastSequence", "evicted"?, "events": [...]}`).
+pub struct Replay {
+    files: Vec<fs::File>,
+    from: u64,
+    to: u64,
+    evicted: Option<SequenceRange>,
+    last_sequence: u64,
+}
+
+/// Just the sequence of a logged event (the rest of the line is skipped, not kept).
+#[derive(serde::Deserialize)]
+struct LoggedSequence {
+    #[serde(rename = "sourceSequence")]
+    source_sequence: u64,
+}
+
+impl Replay {
+    /// Writes the answer in chunks of about [`REPLAY_CHUNK`] bytes (one event line more at most) to `out`, which
+    /// returns `false` when the reader has gone; reads one line at a time.
+    pub fn write(self, mut out: impl FnMut(Vec<u8>) -> bool) -> std::io::Result<()> {
+        let mut chunk = format!("{{\"lastSequence\":{}", self.last_sequence).into_bytes();
+        if let Some(ev) = &self.evicted {
+            chunk.extend_from_slice(b",\"evicted\":");
+            serde_json::to_writer(&mut chunk, ev).map_err(std::io::Error::other)?;
+        }
+        chunk.extend_from_slice(b",\"events\":[");
+        let mut first = true;
+        let mut line = Vec::new();
+        'files: for f in self.files {
+            let mut reader = std::io::BufReader::new(f);
+            loop {
+                line.clear();
+                // A line without its newline is being written: it is past `to`, whose events were all complete
+                // when the files were opened.
+                if reader.read_until(b'\n', &mut line)? == 0 || line.last() != Some(&b'\n') {
+                    break;
+                }
+                line.pop();
+                let seq = serde_json::from_slice::<LoggedSequence>(&line)
+                    .map_err(std::io::Error::other)?
+                    .source_sequence;
+                if seq > self.to {
+                    break 'files;
+                }
+                if seq < self.from {
+                    continue;
+                }
+                if !first {
+                    chunk.push(b',');
+                }
+                first = false;
+                chunk.extend_from_slice(&line);
+                if chunk.len() >= REPLAY_CHUNK && !out(std::mem::take(&mut chunk)) {
+                    return Ok(());
                 }
             }
         }
-        Ok(out)
+        chunk.extend_from_slice(b"]}");
+        out(chunk);
+        Ok(())
     }
 }
 
@@ -130,32 +253,49 @@ pub struct Hub {
     /// Bumped on every change a gateway writer must look at (new event, new gateway).
     changed: watch::Sender<u64>,
     agent_id: String,
+    budgets: Budgets,
     /// Age after which a buffered event is dropped while no gateway is connected.
     max_age: Duration,
 }
 
 impl Hub {
-    /// A hub logging under `dir` (created).
+    /// A hub logging under `dir` (created), with the default budgets.
+    #[cfg(test)]
     pub fn new(dir: PathBuf, agent_id: &str) -> std::io::Result<Arc<Self>> {
+        Self::with_budgets(dir, agent_id, Budgets::default())
+    }
+
+    /// A hub logging under `dir` (created); `agent_id` names the agent in sandboxd's own warnings.
+    pub fn with_budgets(
+        dir: PathBuf,
+        agent_id: &str,
+        budgets: Budgets,
+    ) -> std::io::Result<Arc<Self>> {
         fs::create_dir_all(&dir)?;
         Ok(Arc::new(Self {
             inner: Mutex::new(Inner {
                 next_seq: 1,
                 queue: VecDeque::new(),
+                queued_bytes: 0,
                 gateway: None,
                 generations: 0,
                 dropped: 0,
                 last_drop: None,
+                last_warning: None,
+                run_id: String::new(),
                 log: Log {
                     dir,
+                    segment_bytes: budgets.replay_bytes / 2,
                     older_first: None,
                     current_first: 1,
                     current_len: 0,
+                    current_bytes: 0,
                     file: None,
                 },
             }),
             changed: watch::channel(0).0,
             agent_id: agent_id.to_owned(),
+            budgets,
             max_age: Duration::from_millis(DISCONNECTED_BUFFER_MS),
         }))
     }
@@ -167,56 +307,37 @@ impl Hub {
     /// Stamps, logs and queues an event payload; returns its sequence.
     pub fn emit(&self, run_id: &str, event: Map<String, Value>) -> u64 {
         let mut inner = self.lock();
+        if inner.run_id != run_id {
+            inner.run_id = run_id.to_owned();
+        }
         let seq = self.push(&mut inner, run_id, event);
         let now = Instant::now();
-        let cap = if inner.gateway.is_some() {
-            CONNECTED_QUEUE_EVENTS
-        } else {
-            DISCONNECTED_BUFFER_EVENTS
-        };
         let mut dropped = 0u64;
         if inner.gateway.is_none() {
-            let max_age = self.max_age;
             while inner
                 .queue
                 .front()
-                .is_some_and(|q| now.duration_since(q.at) > max_age)
+                .is_some_and(|q| now.duration_since(q.at) > self.max_age)
             {
-                inner.queue.pop_front();
+                Self::remove(&mut inner, 0);
                 dropped += 1;
             }
         }
-        while inner.queue.len() > cap {
-            match inner.queue.iter().position(|q| q.low) {
-                Some(i) => {
-                    inner.queue.remove(i);
-                }
-                None => {
-                    inner.queue.pop_front();
-                }
-            }
+        while inner.queued_bytes > self.budgets.queue_bytes {
+            let i = inner.queue.iter().position(|q| q.low).unwrap_or(0);
+            Self::remove(&mut inner, i);
             dropped += 1;
         }
         if dropped > 0 {
             inner.dropped += dropped;
-            // At most one warning a second, so the warnings cannot flood the queue themselves.
+            inner.last_drop = Some(now);
+            // With a gateway connected, at most one warning a second, so the warnings cannot flood the queue
+            // themselves; without one, the count waits for the next gateway to drain the queue.
             let due = inner
-                .last_drop
+                .last_warning
                 .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1));
-            if due {
-                let n = std::mem::take(&mut inner.dropped);
-                inner.last_drop = Some(now);
-                let warning = error_event(
-                    &self.agent_id,
-                    "warning",
-                    &format!(
-                        "{n} events dropped: the gateway did not keep up (low-priority events go first); POST /replay recovers them"
-                    ),
-                    true,
-                    Some("events_dropped"),
-                    "internal",
-                );
-                self.push(&mut inner, run_id, warning);
+            if inner.gateway.is_some() && due {
+                self.warn_dropped(&mut inner, now);
             }
         }
         drop(inner);
@@ -224,32 +345,74 @@ impl Hub {
         seq
     }
 
+    fn remove(inner: &mut Inner, i: usize) {
+        if let Some(q) = inner.queue.remove(i) {
+            inner.queued_bytes -= q.cost();
+        }
+    }
+
+    /// Queues the `events_dropped` warning with the exact count not told yet.
+    fn warn_dropped(&self, inner: &mut Inner, now: Instant) {
+        let n = std::mem::take(&mut inner.dropped);
+        inner.last_warning = Some(now);
+        let warning = error_event(
+            &self.agent_id,
+            "warning",
+            &format!(
+                "{n} events dropped: the gateway did not keep up or was not connected (low-priority events go first); POST /replay recovers them"
+            ),
+            true,
+            Some("events_dropped"),
+            "internal",
+        );
+        let run_id = inner.run_id.clone();
+        self.push(inner, &run_id, warning);
+    }
+
     fn push(&self, inner: &mut Inner, run_id: &str, event: Map<String, Value>) -> u64 {
         let seq = inner.next_seq;
         inner.next_seq += 1;
         let low = is_low_priority(&event);
-        let ev = AdapterEvent {
+        let mut ev = AdapterEvent {
             source_event_id: uuid::Uuid::now_v7().to_string(),
             source_sequence: seq,
             source_occurred_at: protocol::now_ts(),
             run_id: run_id.to_owned(),
             event,
         };
-        let json: Arc<str> = match serde_json::to_string(&ev) {
-            Ok(s) => s.into(),
+        let mut json = match serde_json::to_string(&ev) {
+            Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, "event not serializable");
                 return seq;
             }
         };
+        if json.len() as u64 > self.budgets.max_event_bytes {
+            // Re-encoding can grow a line (`1e15` becomes `1000000000000000.0`): the budget holds anyway.
+            let kind = ev.event.get("type").and_then(Value::as_str).unwrap_or("?");
+            ev.event = error_event(
+                &self.agent_id,
+                "warning",
+                &format!(
+                    "A {kind:.32} event of {} bytes was dropped: over agents.max_line_bytes",
+                    json.len()
+                ),
+                true,
+                Some("control_line_too_long"),
+                "internal",
+            );
+            json = serde_json::to_string(&ev).unwrap_or_default();
+        }
         if let Err(e) = inner.log.append(seq, &json) {
             tracing::error!(error = %e, seq, "cannot append to the event log");
         }
-        inner.queue.push_back(Queued {
-            json,
+        let q = Queued {
+            json: json.into(),
             low,
             at: Instant::now(),
-        });
+        };
+        inner.queued_bytes += q.cost();
+        inner.queue.push_back(q);
         seq
     }
 
@@ -261,6 +424,12 @@ impl Hub {
     /// Events waiting for a gateway.
     pub fn pending(&self) -> usize {
         self.lock().queue.len()
+    }
+
+    /// Bytes waiting for a gateway (what counts against `agents.queue_bytes`).
+    #[cfg(test)]
+    pub fn pending_bytes(&self) -> u64 {
+        self.lock().queued_bytes
     }
 
     /// Whether events were dropped in the last minute.
@@ -296,13 +465,20 @@ impl Hub {
     }
 
     /// The next event for gateway `g`: `Ok(Some(json))`, `Ok(None)` when none is queued, `Err(())` when a newer
-    /// gateway replaced `g`.
+    /// gateway replaced `g`. Once the queue is drained, drops not told yet are told (the warning comes next).
     pub fn next(&self, g: u64) -> Result<Option<Arc<str>>, ()> {
         let mut inner = self.lock();
         if inner.gateway != Some(g) {
             return Err(());
         }
-        Ok(inner.queue.pop_front().map(|q| q.json))
+        if inner.queue.is_empty() && inner.dropped > 0 {
+            self.warn_dropped(&mut inner, Instant::now());
+        }
+        let q = inner.queue.pop_front();
+        if let Some(q) = &q {
+            inner.queued_bytes -= q.cost();
+        }
+        Ok(q.map(|q| q.json))
     }
 
     /// Waits for a change (new event or new gateway).
@@ -310,42 +486,53 @@ impl Hub {
         self.changed.subscribe()
     }
 
-    /// `POST /replay`: the range's events still in the log, and the evicted part.
-    pub fn replay(&self, range: SequenceRange) -> std::io::Result<ReplayResponse> {
+    /// `POST /replay`: the range's events still in the log, and the evicted part, to be read by
+    /// [`Replay::write`] (blocking reads). The range must not be inverted (the route refuses that).
+    pub fn replay(&self, range: SequenceRange) -> std::io::Result<Replay> {
         let inner = self.lock();
         let last = inner.next_seq - 1;
         let to = range.to_sequence.min(last);
         let from = range.from_sequence.max(1);
+        let mut replay = Replay {
+            files: Vec::new(),
+            from,
+            to,
+            evicted: None,
+            last_sequence: last,
+        };
         if from > to {
-            return Ok(ReplayResponse {
-                events: Vec::new(),
-                evicted: None,
-                last_sequence: last,
-            });
+            return Ok(replay);
         }
         let first = inner.log.first_available(last);
-        let evicted = (from < first).then(|| SequenceRange {
+        replay.evicted = (from < first).then(|| SequenceRange {
             from_sequence: from,
             to_sequence: to.min(first - 1),
         });
-        let events = if to >= first {
-            inner.log.read(from.max(first), to)?
-        } else {
-            Vec::new()
-        };
-        Ok(ReplayResponse {
-            events,
-            evicted,
-            last_sequence: last,
-        })
+        if to >= first {
+            replay.files = inner.log.open_from(from.max(first))?;
+        }
+        Ok(replay)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use protocol::agent::lifecycle_event;
+    use protocol::agent::{lifecycle_event, ReplayResponse};
 
     use super::*;
+
+    impl Replay {
+        /// The whole answer, parsed (which also checks that the streamed JSON is a `ReplayResponse`).
+        fn collect(self) -> ReplayResponse {
+            let mut out = Vec::new();
+            self.write(|c| {
+                out.extend_from_slice(&c);
+                true
+            })
+            .unwrap();
+            serde_json::from_slice(&out).unwrap()
+        }
+    }
 
     fn status(i: u64) -> Map<String, Value> {
         let mut m = Map::new();
@@ -384,7 +571,8 @@ mod tests {
                 from_sequence: 3,
                 to_sequence: 5,
             })
-            .unwrap();
+            .unwrap()
+            .collect();
         assert_eq!(r.events, got[2..5].to_vec());
         assert_eq!((r.evicted, r.last_sequence), (None, 10));
         // Past the end: answered up to the last sequence.
@@ -393,26 +581,38 @@ mod tests {
                 from_sequence: 9,
                 to_sequence: 50,
             })
-            .unwrap();
+            .unwrap()
+            .collect();
         assert_eq!(r.events.len(), 2);
     }
 
+    /// Small budgets: 64 KiB of queue, 64 KiB of log, 16 KiB events.
+    fn small() -> Budgets {
+        Budgets {
+            queue_bytes: 64 << 10,
+            replay_bytes: 64 << 10,
+            max_event_bytes: 16 << 10,
+        }
+    }
+
     #[test]
-    fn the_log_keeps_at_least_the_last_5000_and_names_the_evicted_range() {
+    fn the_log_keeps_the_newest_half_of_its_bytes_and_names_the_evicted_range() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        let hub = Hub::with_budgets(dir.path().join("ev"), "a", small()).unwrap();
         let g = hub.attach();
-        for i in 0..(2 * SEGMENT + 10) {
+        let last = 2000;
+        for i in 0..last {
             hub.emit("r", status(i));
             let _ = drain(&hub, g);
         }
-        let last = 2 * SEGMENT + 10;
+        assert!(dir_bytes(&dir.path().join("ev")) <= 64 << 10);
         let r = hub
             .replay(SequenceRange {
                 from_sequence: 1,
                 to_sequence: last,
             })
-            .unwrap();
+            .unwrap()
+            .collect();
         let first = r.events[0].source_sequence;
         assert_eq!(
             r.evicted,
@@ -421,41 +621,82 @@ mod tests {
                 to_sequence: first - 1
             })
         );
-        assert!(r.events.len() as u64 >= REPLAY_LOG_EVENTS);
+        let kept: usize = r
+            .events
+            .iter()
+            .map(|e| serde_json::to_string(e).unwrap().len() + 1)
+            .sum();
+        assert!(kept >= 32 << 10, "{kept} bytes kept");
         assert_eq!(r.events.last().unwrap().source_sequence, last);
         let seqs: Vec<u64> = r.events.iter().map(|e| e.source_sequence).collect();
         assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1));
+        // A range starting in the current segment reads only that one, and a range wholly gone is all evicted.
+        let r = hub
+            .replay(SequenceRange {
+                from_sequence: last - 1,
+                to_sequence: last,
+            })
+            .unwrap()
+            .collect();
+        assert_eq!((r.events.len(), r.evicted), (2, None));
+        let r = hub
+            .replay(SequenceRange {
+                from_sequence: 1,
+                to_sequence: 2,
+            })
+            .unwrap()
+            .collect();
+        assert!(r.events.is_empty());
+        assert_eq!(r.evicted.unwrap().to_sequence, 2);
+    }
+
+    #[test]
+    fn an_event_over_the_budget_is_replaced_by_a_warning() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::with_budgets(dir.path().join("ev"), "agent-1", small()).unwrap();
+        let seq = hub.emit("r", padded(0, 20 << 10));
+        let g = hub.attach();
+        let got = drain(&hub, g);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].source_sequence, seq);
+        assert_eq!(got[0].event["errorCode"], "control_line_too_long");
+        assert_eq!(got[0].event["agentId"], "agent-1");
     }
 
     #[test]
     fn a_slow_gateway_loses_low_priority_events_first_with_a_warning() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        let budgets = Budgets {
+            replay_bytes: 1 << 20,
+            ..small()
+        };
+        let hub = Hub::with_budgets(dir.path().join("ev"), "a", budgets).unwrap();
         let g = hub.attach();
         hub.emit("r", lifecycle_event("a", "started", None));
-        for i in 0..(CONNECTED_QUEUE_EVENTS as u64 + 50) {
+        for i in 0..1000 {
             hub.emit("r", status(i));
         }
+        assert!(hub.pending_bytes() <= 64 << 10);
         let got = drain(&hub, g);
-        assert!(got.len() <= CONNECTED_QUEUE_EVENTS + 1);
         assert_eq!(
             got[0].event["type"], "lifecycle",
             "the high-priority event was kept"
         );
-        let warning = got
-            .iter()
-            .find(|e| e.event["type"] == "error")
-            .expect("a warning ErrorEvent");
-        assert_eq!(warning.event["severity"], "warning");
-        assert_eq!(warning.event["errorCode"], "events_dropped");
-        // Everything is still in the log.
+        let warnings: Vec<_> = got.iter().filter(|e| e.event["type"] == "error").collect();
+        assert!(!warnings.is_empty());
+        assert_eq!(warnings[0].event["severity"], "warning");
+        assert_eq!(warnings[0].event["errorCode"], "events_dropped");
+        // Every event is delivered or counted, and everything is still in the log.
+        let counted: u64 = warnings.iter().map(|w| count(w)).sum();
         let last = hub.last_sequence();
+        assert_eq!(counted + (got.len() - warnings.len()) as u64, 1001);
         let r = hub
             .replay(SequenceRange {
                 from_sequence: 1,
                 to_sequence: last,
             })
-            .unwrap();
+            .unwrap()
+            .collect();
         assert_eq!(r.events.len() as u64, last);
     }
 
@@ -486,6 +727,7 @@ mod tests {
                 to_sequence: 10
             })
             .unwrap()
+            .collect()
             .events
             .len(),
             10
@@ -493,14 +735,15 @@ mod tests {
     }
 
     #[test]
-    fn without_a_gateway_1000_events_are_buffered() {
+    fn without_a_gateway_the_queue_keeps_its_budget() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        let hub = Hub::with_budgets(dir.path().join("ev"), "a", small()).unwrap();
         for i in 0..1500 {
             hub.emit("r", status(i));
         }
-        assert!(hub.pending() <= DISCONNECTED_BUFFER_EVENTS + 1);
-        assert!(hub.pending() >= DISCONNECTED_BUFFER_EVENTS);
+        let event = hub.lock().queue.back().unwrap().cost();
+        assert!(hub.pending_bytes() <= 64 << 10);
+        assert!(hub.pending_bytes() > (64 << 10) - event);
         // A newer gateway replaces an older one.
         let g1 = hub.attach();
         let g2 = hub.attach();
@@ -508,5 +751,86 @@ mod tests {
         assert!(hub.next(g2).unwrap().is_some());
         hub.detach(g1);
         assert!(hub.next(g2).is_ok());
+    }
+
+    /// The count of an `events_dropped` warning.
+    fn count(w: &AdapterEvent) -> u64 {
+        let m = w.event["message"].as_str().unwrap();
+        m.split(' ').next().unwrap().parse().unwrap()
+    }
+
+    fn padded(i: u64, pad: usize) -> Map<String, Value> {
+        let mut m = status(i);
+        m.insert("message".into(), format!("m{i} {}", "p".repeat(pad)).into());
+        m
+    }
+
+    fn dir_bytes(dir: &std::path::Path) -> u64 {
+        fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.metadata().unwrap().len())
+            .sum()
+    }
+
+    #[test]
+    fn without_a_gateway_the_queue_is_bounded_in_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        for i in 0..300 {
+            hub.emit("r", padded(i, 64 << 10));
+        }
+        // 4 MiB (agents.queue_bytes) of 64 KiB events.
+        assert!(
+            hub.pending() as u64 * (64 << 10) <= 4 << 20,
+            "{} events of 64 KiB queued",
+            hub.pending()
+        );
+    }
+
+    #[test]
+    fn the_log_rolls_by_bytes_and_keeps_the_newest_half() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        let g = hub.attach();
+        for i in 0..800 {
+            hub.emit("r", padded(i, 64 << 10));
+            let _ = drain(&hub, g);
+        }
+        // 32 MiB (agents.replay_bytes) on disk at most, the newest 16 MiB always there.
+        let on_disk = dir_bytes(&dir.path().join("ev"));
+        assert!(on_disk <= 32 << 20, "{on_disk} bytes on disk");
+        let r = hub
+            .replay(SequenceRange {
+                from_sequence: 1,
+                to_sequence: 800,
+            })
+            .unwrap()
+            .collect();
+        assert!(
+            r.events.len() as u64 * (64 << 10) >= 16 << 20,
+            "{}",
+            r.events.len()
+        );
+        assert_eq!(r.events.last().unwrap().source_sequence, 800);
+    }
+
+    #[test]
+    fn a_drop_count_is_exact_and_arrives_when_the_queue_drains() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        for i in 0..1500 {
+            hub.emit("r", padded(i, 4 << 10));
+        }
+        let g = hub.attach();
+        let got = drain(&hub, g);
+        let (warnings, events): (Vec<_>, Vec<_>) = got
+            .iter()
+            .partition(|e| e.event.get("errorCode") == Some(&Value::from("events_dropped")));
+        let counted: u64 = warnings.iter().map(|w| count(w)).sum();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert_eq!(counted + events.len() as u64, 1500);
+        // Delivered last, after every queued event.
+        assert_eq!(got.last().unwrap().event["errorCode"], "events_dropped");
     }
 }

@@ -28,7 +28,7 @@ use runtime::rootfs::{InputFile, RootSource, Scratch};
 use tracing::{info, warn};
 
 use self::backend::Backend;
-use self::events::Hub;
+use self::events::{Budgets, Hub};
 use self::sandbox::{Limits, Sandbox};
 use crate::engine::Engine;
 use crate::images::{RootImage, RootKind};
@@ -149,7 +149,14 @@ impl Agents {
         .to_string();
         let disk_bytes = limits.disk_mb << 20;
         let (scratch, hub) = match self
-            .prepare(&id, &image, disk_bytes, host_id, manifest, files)
+            .prepare(
+                (&id, &req.bootstrap.agent_id),
+                &image,
+                disk_bytes,
+                host_id,
+                manifest,
+                files,
+            )
             .await
         {
             Ok(x) => x,
@@ -247,10 +254,11 @@ impl Agents {
         }
     }
 
-    /// The sandbox's scratch space (workspace tmpfs, root), its input files with `agent.json`, and its event hub.
+    /// The sandbox's scratch space (workspace tmpfs, root), its input files with `agent.json`, and its event hub
+    /// (whose own warnings name the agent).
     async fn prepare(
         &self,
-        id: &str,
+        (id, agent_id): (&str, &str),
         image: &Arc<RootImage>,
         disk_bytes: u64,
         host_id: u32,
@@ -258,6 +266,8 @@ impl Agents {
         files: Vec<InputFile>,
     ) -> Result<(Scratch, Arc<Hub>), PluginError> {
         let (dir, id2, image2) = (self.dir.clone(), id.to_owned(), image.clone());
+        let agent_id = agent_id.to_owned();
+        let budgets = Budgets::from_config(&self.engine.config.agents);
         let made = tokio::task::spawn_blocking(move || -> runtime::Result<(Scratch, Arc<Hub>)> {
             let root = match &image2.kind {
                 RootKind::Host(_) => RootSource::Shared,
@@ -267,7 +277,7 @@ impl Agents {
             scratch
                 .inputs()
                 .write("agent.json", manifest.as_bytes(), &files)?;
-            let hub = Hub::new(scratch.dir().join("events"), &id2)
+            let hub = Hub::with_budgets(scratch.dir().join("events"), &agent_id, budgets)
                 .map_err(|e| runtime::Error::io(scratch.dir(), e))?;
             Ok((scratch, hub))
         })

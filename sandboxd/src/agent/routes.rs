@@ -1,15 +1,16 @@
 //! The axum routes of agent sandboxes: `POST /sandboxes`, `DELETE /sandboxes/<id>`, and the adapter-shim endpoints
 //! under `/sandboxes/<id>`. Every route checks the same bearer token as `/ws` before anything else, reads at most
-//! `agents.max_body_bytes` of body, and answers every refusal with a `PluginError` JSON body.
+//! `agents.max_body_bytes` of body, and answers every refusal with a `PluginError` JSON body (an unknown path under
+//! `/sandboxes/<id>/` too: 404, and a wrong method: 405). `POST /replay` streams its answer from the log.
 
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{any, delete, get, post, MethodRouter};
 use axum::{Json, Router};
 use futures_util::{SinkExt, StreamExt};
 use protocol::agent::{
@@ -37,18 +38,53 @@ pub struct AgentState {
 /// The agent routes, merged into the daemon's router once given their state.
 pub fn router() -> Router<AgentState> {
     Router::new()
-        .route("/sandboxes", post(create))
-        .route("/sandboxes/{id}", delete(remove))
-        .route("/sandboxes/{id}/spawn", post(spawn))
-        .route("/sandboxes/{id}/pause", post(pause))
-        .route("/sandboxes/{id}/resume", post(resume))
-        .route("/sandboxes/{id}/kill", post(kill))
-        .route("/sandboxes/{id}/resolve", post(resolve))
-        .route("/sandboxes/{id}/inject-context", post(inject))
-        .route("/sandboxes/{id}/update-brief", post(update_brief))
-        .route("/sandboxes/{id}/replay", post(replay))
-        .route("/sandboxes/{id}/health", get(health))
-        .route("/sandboxes/{id}/events", get(events))
+        .route("/sandboxes", only(post(create), "POST"))
+        .route("/sandboxes/{id}", only(delete(remove), "DELETE"))
+        .route("/sandboxes/{id}/spawn", only(post(spawn), "POST"))
+        .route("/sandboxes/{id}/pause", only(post(pause), "POST"))
+        .route("/sandboxes/{id}/resume", only(post(resume), "POST"))
+        .route("/sandboxes/{id}/kill", only(post(kill), "POST"))
+        .route("/sandboxes/{id}/resolve", only(post(resolve), "POST"))
+        .route("/sandboxes/{id}/inject-context", only(post(inject), "POST"))
+        .route(
+            "/sandboxes/{id}/update-brief",
+            only(post(update_brief), "POST"),
+        )
+        .route("/sandboxes/{id}/replay", only(post(replay), "POST"))
+        .route("/sandboxes/{id}/health", only(get(health), "GET"))
+        .route("/sandboxes/{id}/events", only(get(events), "GET"))
+        .route("/sandboxes/{id}/", any(unknown_path))
+        .route("/sandboxes/{id}/{*rest}", any(unknown_path))
+}
+
+/// A route that answers other methods with 405, a PluginError body and `Allow` (after the token check).
+fn only(route: MethodRouter<AgentState>, allow: &'static str) -> MethodRouter<AgentState> {
+    route.fallback(
+        move |State(st): State<AgentState>, method: Method, headers: HeaderMap| async move {
+            if !crate::auth::authorized(&headers, &st.tokens) {
+                return unauthorized();
+            }
+            let mut r = refuse(
+                StatusCode::METHOD_NOT_ALLOWED,
+                PluginError::invalid(format!("Method {method} not allowed here (only {allow})")),
+            );
+            r.headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static(allow));
+            r
+        },
+    )
+}
+
+/// Any path under `/sandboxes/<id>/` that is no endpoint: 404 (after the token check).
+async fn unknown_path(State(st): State<AgentState>, headers: HeaderMap, uri: Uri) -> Response {
+    if !crate::auth::authorized(&headers, &st.tokens) {
+        return unauthorized();
+    }
+    let shown: String = uri.path().chars().take(128).collect();
+    refuse(
+        StatusCode::NOT_FOUND,
+        PluginError::invalid(format!("No endpoint {shown:?}")),
+    )
 }
 
 fn refuse(status: StatusCode, e: PluginError) -> Response {
@@ -207,22 +243,58 @@ command!(update_brief, UpdateBriefRequest, |sb, r| async {
         .await
         .map(|()| serde_json::json!({}))
 });
-command!(replay, ReplayRequest, |sb, r| async {
+/// `POST /replay`: 400 for an inverted range; the answer is streamed from the log in chunks (never the whole
+/// range in memory). A read error midway ends the body early (the client sees a truncated JSON).
+async fn replay(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    b: Body,
+) -> Response {
+    let sb = match lookup(&st, &headers, &id) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let r: ReplayRequest = match body(&st, b).await {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
     if r.from_sequence > r.to_sequence {
-        return Err(PluginError::invalid("fromSequence is after toSequence"));
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            PluginError::invalid("fromSequence is after toSequence"),
+        );
     }
     let hub = sb.hub.clone();
-    tokio::task::spawn_blocking(move || hub.replay(r))
-        .await
-        .map_err(|e| PluginError::ProviderUnavailable {
-            message: format!("Replay failed: {e}"),
-            retryable: true,
-        })?
-        .map_err(|e| PluginError::ProviderUnavailable {
-            message: format!("Cannot read the event log: {e}"),
-            retryable: true,
-        })
-});
+    let opened = match tokio::task::spawn_blocking(move || hub.replay(r)).await {
+        Ok(Ok(replay)) => replay,
+        Ok(Err(e)) => return plugin(unavailable(format!("Cannot read the event log: {e}"))),
+        Err(e) => return plugin(unavailable(format!("Replay failed: {e}"))),
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(2);
+    tokio::task::spawn_blocking(move || {
+        let chunks = tx.clone();
+        if let Err(e) = opened.write(|chunk| chunks.blocking_send(Ok(chunk)).is_ok()) {
+            tracing::warn!(error = %e, "replay stopped: the event log is unreadable");
+            let _ = tx.blocking_send(Err(e));
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+fn unavailable(message: String) -> PluginError {
+    PluginError::ProviderUnavailable {
+        message,
+        retryable: true,
+    }
+}
 
 async fn health(
     State(st): State<AgentState>,

@@ -3,8 +3,11 @@
 //! `POST /spawn` whose program talks to sandboxd over the control socket `/sandbox/control.sock`.
 //!
 //! Operations on a sandbox are serialized by one async lock; the run's supervisor task owns the container and the
-//! control connection, turns the agent's lines into stamped events, and detects the end of the run (container exit
-//! or control socket drop: a crash unless the agent exited with status 0 or was killed).
+//! control connection and detects the end of the run (container exit or control socket drop: a crash unless the
+//! agent exited with status 0 or was killed). The agent's lines are read (at most `agents.max_line_bytes` each; a
+//! longer one is skipped with a warning) and turned into stamped events by two tasks of their own, one line in
+//! flight between them, so neither a slow upload nor a file that blocks on open can stall the supervisor: a kill
+//! or a removal is always served.
 
 use std::collections::BTreeSet;
 use std::os::fd::AsFd;
@@ -36,13 +39,14 @@ use crate::images::{RootImage, RootKind};
 
 /// Name of the control socket in the code directory (`/sandbox` inside).
 pub const CONTROL_SOCKET: &str = "control.sock";
-/// Longest line the agent may write.
-const MAX_LINE: u64 = 1 << 20;
 /// Commands queued for the agent before callers are told to retry.
 const COMMAND_QUEUE: usize = 64;
 /// How long a dropped control connection may precede the container's exit before the run counts as crashed and
 /// is killed.
 const EOF_GRACE: Duration = Duration::from_millis(500);
+/// How long after the container's exit its last lines may still be read and processed (uploads included) before
+/// the run ends without them (also what a descriptor leaked past the exit costs).
+const DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// The plugin name in handles and states.
 pub const PLUGIN_NAME: &str = "sandboxd";
 
@@ -500,11 +504,11 @@ impl Sandbox {
         let _ = done_tx.send(true);
     }
 
-    /// Serves the run until the container has exited and the control connection is closed (or never opened, or
-    /// left open a second past the exit by a leaked descriptor). A control line that is too long, or a connection
-    /// that drops while the agent keeps running, kills the container and is the crash reason.
+    /// Serves the run until the container has exited and the control connection's last line is processed (or
+    /// never opened, or [`DRAIN_GRACE`] past the exit). A connection that drops while the agent keeps running kills
+    /// the container and is the crash reason.
     async fn watch_run(
-        &self,
+        self: &Arc<Self>,
         c: &mut Container,
         listener: tokio::net::UnixListener,
         brief_line: String,
@@ -512,7 +516,7 @@ impl Sandbox {
         run_id: &str,
         killing: &AtomicBool,
     ) -> RunEnd {
-        let (line_tx, mut line_rx) = mpsc::channel::<Incoming>(64);
+        let (processed_tx, mut processed_rx) = mpsc::channel::<()>(1);
         let mut commands_rx = Some(commands_rx);
         let mut connected = false;
         let mut helpers: Vec<tokio::task::JoinHandle<()>> = Vec::new();
@@ -530,43 +534,40 @@ impl Sandbox {
                         Some(ex) => end.exit = Some(ex),
                         None => { end.helper_gone = true; end.exit = Some(None); }
                     }
-                    drain_deadline = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                    drain_deadline = Some(tokio::time::Instant::now() + DRAIN_GRACE);
                 }
                 acc = listener.accept(), if !connected => match acc {
                     Ok((stream, _)) => {
                         connected = true;
                         let (r, w) = stream.into_split();
-                        helpers.push(tokio::spawn(read_lines(r, line_tx.clone())));
+                        // One line in flight: the reader waits while the processor works (backpressure).
+                        let (line_tx, line_rx) = mpsc::channel::<Incoming>(1);
+                        let max = self.engine.config.agents.max_line_bytes;
+                        helpers.push(tokio::spawn(read_lines(r, line_tx, max)));
+                        helpers.push(tokio::spawn(self.clone().process_lines(
+                            run_id.to_owned(), line_rx, processed_tx.clone(),
+                        ).in_current_span()));
                         if let Some(rx) = commands_rx.take() {
                             helpers.push(tokio::spawn(write_lines(w, brief_line.clone(), rx)));
                         }
                     }
                     Err(e) => warn!(error = %e, "control socket accept failed"),
                 },
-                msg = line_rx.recv(), if connected && !eof => match msg {
-                    Some(Incoming::Line(bytes)) => self.handle_line(run_id, &bytes).await,
-                    Some(Incoming::TooLong) => {
-                        self.hub.emit(run_id, error_event(&self.agent_id, "high",
-                            &format!("The agent wrote a control line over {MAX_LINE} bytes; the run is stopped"),
-                            false, Some("control_line_too_long"), "internal"));
-                        end.crash.get_or_insert_with(|| "control line too long".into());
-                        let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(self), libc::SIGKILL).await;
-                        eof = true;
+                _ = processed_rx.recv(), if connected && !eof => {
+                    eof = true;
+                    if end.exit.is_none() && !killing.load(Ordering::SeqCst) {
+                        eof_deadline = Some(tokio::time::Instant::now() + EOF_GRACE);
                     }
-                    Some(Incoming::Eof) | None => {
-                        eof = true;
-                        if end.exit.is_none() && !killing.load(Ordering::SeqCst) {
-                            eof_deadline = Some(tokio::time::Instant::now() + EOF_GRACE);
-                        }
-                    }
-                },
+                }
                 _ = sleep_until(eof_deadline), if eof_deadline.is_some() && end.exit.is_none() => {
                     eof_deadline = None;
                     end.crash.get_or_insert_with(|| "the control connection dropped while the agent kept running".into());
                     let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(self), libc::SIGKILL).await;
                 }
                 _ = sleep_until(drain_deadline), if drain_deadline.is_some() => {
-                    // The container is gone but the connection never closed (a leaked descriptor): stop reading.
+                    // The container is gone but its last lines are still being read or processed (a slow upload,
+                    // a leaked descriptor): the run ends without them.
+                    warn!("the agent's last control lines were not all processed in time");
                     break;
                 }
             }
@@ -575,6 +576,39 @@ impl Sandbox {
             h.abort();
         }
         end
+    }
+
+    /// Turns the agent's lines into events one at a time, artifact uploads included; says when the connection's
+    /// last line is processed.
+    async fn process_lines(
+        self: Arc<Self>,
+        run_id: String,
+        mut lines: mpsc::Receiver<Incoming>,
+        processed: mpsc::Sender<()>,
+    ) {
+        while let Some(msg) = lines.recv().await {
+            match msg {
+                Incoming::Line(bytes) => self.handle_line(&run_id, &bytes).await,
+                Incoming::TooLong(n) => {
+                    let max = self.engine.config.agents.max_line_bytes;
+                    self.hub.emit(
+                        &run_id,
+                        error_event(
+                            &self.agent_id,
+                            "warning",
+                            &format!(
+                                "A control line of {n} bytes was skipped: over agents.max_line_bytes ({max})"
+                            ),
+                            true,
+                            Some("control_line_too_long"),
+                            "internal",
+                        ),
+                    );
+                }
+                Incoming::Eof => break,
+            }
+        }
+        let _ = processed.send(()).await;
     }
 
     async fn handle_line(&self, run_id: &str, bytes: &[u8]) {
@@ -1045,26 +1079,33 @@ fn line(cmd: &AgentCommand) -> String {
 
 enum Incoming {
     Line(Vec<u8>),
-    TooLong,
+    /// A line over the limit, skipped: its length.
+    TooLong(u64),
     Eof,
 }
 
-async fn read_lines(r: tokio::net::unix::OwnedReadHalf, tx: mpsc::Sender<Incoming>) {
+/// Reads the agent's lines (at most `max` bytes each; a longer one is skipped to its newline) and hands them to the
+/// processor one at a time.
+async fn read_lines(r: tokio::net::unix::OwnedReadHalf, tx: mpsc::Sender<Incoming>, max: u64) {
     let mut reader = tokio::io::BufReader::new(r);
     loop {
         let mut buf = Vec::new();
         let n = (&mut reader)
-            .take(MAX_LINE + 1)
+            .take(max + 1)
             .read_until(b'\n', &mut buf)
             .await
             .unwrap_or_default();
         if n == 0 {
-            let _ = tx.send(Incoming::Eof).await;
-            return;
+            break;
         }
-        if buf.last() != Some(&b'\n') && buf.len() as u64 > MAX_LINE {
-            let _ = tx.send(Incoming::TooLong).await;
-            return;
+        if buf.last() != Some(&b'\n') && buf.len() as u64 > max {
+            let len = buf.len() as u64;
+            drop(buf);
+            let skipped = len + skip_line(&mut reader).await;
+            if tx.send(Incoming::TooLong(skipped)).await.is_err() {
+                return;
+            }
+            continue;
         }
         while buf.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
             buf.pop();
@@ -1074,6 +1115,29 @@ async fn read_lines(r: tokio::net::unix::OwnedReadHalf, tx: mpsc::Sender<Incomin
         }
         if tx.send(Incoming::Line(buf)).await.is_err() {
             return;
+        }
+    }
+    let _ = tx.send(Incoming::Eof).await;
+}
+
+/// Discards the rest of a line without keeping it; returns how many bytes that was (with the newline).
+async fn skip_line(r: &mut tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>) -> u64 {
+    let mut skipped = 0u64;
+    loop {
+        let buf = match r.fill_buf().await {
+            Ok(b) if !b.is_empty() => b,
+            _ => return skipped,
+        };
+        match buf.iter().position(|b| *b == b'\n') {
+            Some(i) => {
+                r.consume(i + 1);
+                return skipped + i as u64 + 1;
+            }
+            None => {
+                let n = buf.len();
+                r.consume(n);
+                skipped += n as u64;
+            }
         }
     }
 }
