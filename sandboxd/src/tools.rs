@@ -58,6 +58,8 @@ pub struct ToolsConfig {
     pub max_calls: u64,
     /// The longest request line from the sandbox, bytes.
     pub max_line_bytes: usize,
+    /// Bytes of requests one execution's broker may hold at once.
+    pub max_memory_bytes: usize,
 }
 
 impl Default for ToolsConfig {
@@ -67,6 +69,7 @@ impl Default for ToolsConfig {
             max_connections: 8,
             max_calls: 10_000,
             max_line_bytes: 1 << 20,
+            max_memory_bytes: 16 << 20,
         }
     }
 }
@@ -240,6 +243,9 @@ impl Broker {
     pub fn started(&self) {
         self.running.send_replace(true);
     }
+
+    /// The execution ended.
+    pub fn close(&self) {}
 
     /// Calls forwarded to the client as `tool_call`.
     pub fn calls(&self) -> u64 {
@@ -640,5 +646,119 @@ mod tests {
         }
         let r = ask(&mut conn, "{\"op\":\"call\",\"name\":\"nope\"}\n").await;
         assert_eq!(r["error"]["code"], "limit", "{r}");
+    }
+
+    /// The reply to a line, within a bound (a reply that never comes fails the test instead of hanging it).
+    async fn reply(conn: &mut BufReader<UnixStream>) -> Value {
+        let mut reply = String::new();
+        let n = tokio::time::timeout(Duration::from_secs(20), conn.read_line(&mut reply))
+            .await
+            .expect("no reply line")
+            .unwrap();
+        assert!(n > 0, "the connection closed without a reply");
+        serde_json::from_str(&reply).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_line_that_is_not_utf8_gets_invalid_and_the_next_line_is_served() {
+        let s = setup(&ToolsConfig::default(), 1000);
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        conn.get_mut()
+            .write_all(b"{\"op\":\"call\",\"name\":\"\xff\xfe\"}\n\xc3\n{\"op\":\"call\",\"name\":\"nope\"}\n")
+            .await
+            .unwrap();
+        for _ in 0..2 {
+            let bad = reply(&mut conn).await;
+            assert_eq!(bad["error"]["code"], "invalid", "{bad}");
+        }
+        let next = reply(&mut conn).await;
+        assert_eq!(next["error"]["code"], "not_allowed", "{next}");
+    }
+
+    /// Calls the client does not answer hold their bytes; beyond `max_memory_bytes` a request gets `limit`, and
+    /// the bytes come back once the calls are answered.
+    #[tokio::test]
+    async fn requests_beyond_the_memory_budget_get_limit() {
+        let config = ToolsConfig {
+            max_line_bytes: 16 << 10,
+            max_memory_bytes: 64 << 10,
+            ..ToolsConfig::default()
+        };
+        let mut s = setup(&config, 60_000);
+        let line = format!(
+            "{{\"op\":\"call\",\"name\":\"echo\",\"args\":{{\"x\":\"{}\"}}}}\n",
+            "y".repeat(12 << 10)
+        );
+        let mut conns = Vec::new();
+        for _ in 0..8 {
+            let mut c = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+            c.get_mut().write_all(line.as_bytes()).await.unwrap();
+            conns.push(c);
+        }
+        // At most 5 lines of 12 KiB fit in 64 KiB: the others are refused at once.
+        let mut forwarded = Vec::new();
+        let mut refused = 0;
+        let mut waiting: Vec<_> = conns.iter_mut().map(|c| Box::pin(reply(c))).collect();
+        while forwarded.len() + refused < 8 {
+            tokio::select! {
+                Some(m) = s.calls.recv() => forwarded.push(m),
+                (r, i, _) = futures_util::future::select_all(waiting.iter_mut()) => {
+                    assert_eq!(r["error"]["code"], "limit", "{r}");
+                    drop(waiting.remove(i));
+                    refused += 1;
+                }
+            }
+        }
+        assert!(refused >= 3, "{refused} refused");
+        for m in &forwarded {
+            let ServerMessage::ToolCall(call) = m else {
+                panic!("{m:?}")
+            };
+            assert!(s.inbox.deliver(ToolResult::success("exec_u", &call.call_id, json!(1))));
+        }
+        for r in futures_util::future::join_all(waiting).await {
+            assert_eq!(r, json!({"ok": true, "result": 1}));
+        }
+        // Answered: the bytes are free again.
+        let mut c = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        c.get_mut().write_all(line.as_bytes()).await.unwrap();
+        let Some(ServerMessage::ToolCall(call)) = s.calls.recv().await else {
+            panic!("no tool_call");
+        };
+        assert!(s.inbox.deliver(ToolResult::success("exec_u", &call.call_id, json!(2))));
+        assert_eq!(reply(&mut c).await, json!({"ok": true, "result": 2}));
+    }
+
+    /// Once the execution ended, a call waiting for room in the client's queue, a call waiting for its answer and
+    /// a new call all get `closed`, and none of them reaches the client after the end.
+    #[tokio::test]
+    async fn after_the_end_calls_get_closed_and_are_never_forwarded() {
+        let mut s = setup(&ToolsConfig::default(), 60_000);
+        let call = "{\"op\":\"call\",\"name\":\"echo\"}\n";
+        // The client's queue holds 4 messages and nobody reads it: 4 calls fill it, the others wait for room.
+        let mut conns = Vec::new();
+        for _ in 0..6 {
+            let mut c = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+            c.get_mut().write_all(call.as_bytes()).await.unwrap();
+            conns.push(c);
+        }
+        while s.calls.len() < 4 {
+            tokio::task::yield_now().await;
+        }
+        s.broker.close();
+        for c in &mut conns {
+            let r = reply(c).await;
+            assert_eq!(r["error"]["code"], "closed", "{r}");
+        }
+        let mut late = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        let r = ask(&mut late, call).await;
+        assert_eq!(r["error"]["code"], "closed", "{r}");
+        let mut seen = 0;
+        while let Ok(m) = s.calls.try_recv() {
+            assert!(matches!(m, ServerMessage::ToolCall(_)), "{m:?}");
+            seen += 1;
+        }
+        assert_eq!(seen, 4, "only the calls queued before the end reached the client");
+        assert_eq!(s.broker.calls(), 4);
     }
 }
