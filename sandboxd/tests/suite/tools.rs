@@ -499,12 +499,18 @@ print("flood done")
 }
 
 /// Runs `code` with the tool `echo` (answered with its `args`) within `timeout_ms`; the run and the calls seen.
-async fn run_echo(id: &str, language: &str, code: &str, timeout_ms: u64) -> (Collected, Vec<ToolCall>) {
+async fn run_echo(
+    id: &str,
+    language: &str,
+    code: &str,
+    timeout_ms: u64,
+) -> (Collected, Vec<ToolCall>) {
     let d = Daemon::start(DaemonOpts::default()).await;
     let mut c = Client::connect(&d).await;
     let exec = with(
         exec_tools(id, language, code, &["echo"]),
-        json!({"limits": {"timeout_ms": timeout_ms}}),
+        // Room for 64 threads.
+        json!({"limits": {"timeout_ms": timeout_ms, "pids_max": 128}}),
     );
     run_answering(&mut c, exec, |call| Some(Ok(call.args.clone()))).await
 }
@@ -542,7 +548,8 @@ print("answers", len(answers), all(answers))
             run.dump()
         );
         assert!(
-            run.stdout_text().contains(&format!("answers {} True", threads * 3)),
+            run.stdout_text()
+                .contains(&format!("answers {} True", threads * 3)),
             "{}",
             run.dump()
         );
@@ -626,7 +633,11 @@ attempt("daemon")
     let (run, calls) = run_echo("ov1", "python", python, 30_000).await;
     let out = run.stdout_text();
     assert!(out.contains("sdk invalid\nsdk next 1"), "{}", run.dump());
-    assert!(out.contains("daemon invalid\ndaemon next 1"), "{}", run.dump());
+    assert!(
+        out.contains("daemon invalid\ndaemon next 1"),
+        "{}",
+        run.dump()
+    );
     assert_eq!(calls.len(), 2);
     let js = r#"
 const sdk = require("sandbox_tools");
@@ -646,13 +657,18 @@ await attempt("daemon");
     let (run, calls) = run_echo("ov2", "javascript", js, 30_000).await;
     let out = run.stdout_text();
     assert!(out.contains("sdk invalid\nsdk next 1"), "{}", run.dump());
-    assert!(out.contains("daemon invalid\ndaemon next 1"), "{}", run.dump());
+    assert!(
+        out.contains("daemon invalid\ndaemon next 1"),
+        "{}",
+        run.dump()
+    );
     assert_eq!(calls.len(), 2);
 }
 
 /// A program queues many calls on every connection, then hits its timeout while the client answers what it
-/// gets: every `tool_call` the client sees is counted in the result, i.e. was sent before the end, and none
-/// comes after the execution's terminal status.
+/// gets: the execution ends with `timeout`, every `tool_call` the client sees is counted in the result, and none
+/// comes after it. (That no call is queued once the end is decided is checked deterministically by the broker's
+/// unit test `after_the_end_calls_get_closed_and_are_never_forwarded`; here the daemon wires it up.)
 #[tokio::test]
 async fn calls_queued_at_the_timeout_are_not_forwarded_after_it() {
     let Some(_g) = privileged("calls_queued_at_the_timeout_are_not_forwarded_after_it").await
