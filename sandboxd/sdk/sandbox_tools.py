@@ -68,12 +68,27 @@ def _jsonable(value):
 _cond = _threading.Condition()
 _idle = []
 _state = {"open": 0, "waiting": 0}
+# Every open connection, idle or in flight.
+_conns = set()
+# Connections inherited by a forked child: detached from their descriptors and kept, never closed (a thread of the
+# parent may have held the reader's lock at the fork).
+_orphans = []
 
 
 def _reset_after_fork():
-    # The child must not share the parent's sockets: it starts without connections.
+    # The child must not keep the parent's connections open (the daemon would see them as busy until the child
+    # exits): it closes its copies of the descriptors and starts without connections.
     global _cond
     _cond = _threading.Condition()
+    for conn in list(_conns):
+        try:
+            fd = conn[0].detach()
+            if fd >= 0:
+                _os.close(fd)
+        except OSError:
+            pass
+        _orphans.append(conn)
+    _conns.clear()
     _idle.clear()
     _state.update(open=0, waiting=0)
 
@@ -100,12 +115,15 @@ def _take():
         except BaseException:
             sock.close()
             raise
+        conn = (sock, sock.makefile("rb"))
+        with _cond:
+            _conns.add(conn)
     except BaseException as e:
         _give(None)
         if isinstance(e, OSError):
             raise ToolError("closed", f"Cannot connect to the tool socket: {e}") from None
         raise
-    return (sock, sock.makefile("rb"))
+    return conn
 
 
 def _give(conn, reusable=False):
@@ -117,6 +135,7 @@ def _give(conn, reusable=False):
             return
         _state["open"] -= 1
         _cond.notify()
+        _conns.discard(conn)
     if conn is not None:
         conn[1].close()
         conn[0].close()

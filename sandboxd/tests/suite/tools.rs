@@ -555,6 +555,42 @@ print("answers", len(answers), all(answers))
         );
         assert_eq!(calls.len(), threads * 3);
     }
+    // Forked processes: each calls, then waits idle until all are done; a thread of the parent is in a call when
+    // they fork, and the parent still calls after.
+    let code = r#"
+import os, threading
+N = 16
+done_r, done_w = os.pipe()
+go_r, go_w = os.pipe()
+echo(i=-1)
+inflight = threading.Thread(target=lambda: echo(i=-2))
+inflight.start()
+kids = []
+for i in range(N):
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_w)
+        ok = all(echo(i=i, round=r)["i"] == i for r in range(2))
+        os.write(done_w, b"1" if ok else b"0")
+        os.read(go_r, 1)
+        os._exit(0)
+    kids.append(pid)
+inflight.join()
+got = b""
+while len(got) < N:
+    got += os.read(done_r, N)
+os.close(go_w)
+for pid in kids:
+    os.waitpid(pid, 0)
+print("processes", got.count(b"1"), echo(i=-3)["i"])
+"#;
+    let (run, calls) = run_echo("fk1", "python", code, 30_000).await;
+    assert!(
+        run.stdout_text().contains("processes 16 -3"),
+        "{}",
+        run.dump()
+    );
+    assert_eq!(calls.len(), 16 * 2 + 3);
 }
 
 /// Javascript workers (each loads its own SDK) beyond the connection limit, each calling and then waiting idle
