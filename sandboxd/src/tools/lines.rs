@@ -4,8 +4,8 @@
 //! broker answers with `invalid`). Its buffer is charged to the execution's [`Budget`] as it grows, and the
 //! [`Lease`] that holds the bytes travels with the request until its reply is written. A line that does not fit
 //! in what is left of the budget is read to its end and dropped ([`Frame::OverBudget`]); a line longer than
-//! `max_line_bytes` ends the connection ([`Frame::TooLong`]). Besides leases, a connection holds one read buffer
-//! of [`CHUNK`] bytes.
+//! `max_line_bytes` is read on to its end (or twice the limit) without being kept and ends the connection
+//! ([`Frame::TooLong`]). Besides leases, a connection holds one read buffer of [`CHUNK`] bytes.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -145,25 +145,28 @@ impl<R: AsyncRead + Unpin> Lines<R> {
                 }
                 (self.start, self.end) = (0, n);
             }
-            let avail = &self.chunk[self.start..self.end];
-            let newline = avail.iter().position(|b| *b == b'\n');
-            let take = newline.unwrap_or(avail.len());
+            let newline = self.chunk[self.start..self.end]
+                .iter()
+                .position(|b| *b == b'\n');
+            let take = newline.unwrap_or(self.end - self.start);
             len += take;
-            if len > self.max_line {
-                self.start = self.end;
-                return Ok(Some(Frame::TooLong));
-            }
-            if !over {
-                if reserve(&mut line, &mut lease, take, self.max_line) {
-                    line.extend_from_slice(&avail[..take]);
-                } else {
-                    over = true;
-                    line = Vec::new();
-                    lease = self.budget.lease();
-                }
+            let too_long = len > self.max_line;
+            if !over && !too_long && reserve(&mut line, &mut lease, take, self.max_line) {
+                line.extend_from_slice(&self.chunk[self.start..self.start + take]);
+            } else if !over {
+                // Not kept: give back what the line held.
+                over = true;
+                line = Vec::new();
+                lease = self.budget.lease();
             }
             self.start += take + usize::from(newline.is_some());
-            if newline.is_some() {
+            if too_long {
+                // Read on to the end of the line (at most as much again), so that a sender blocked writing it
+                // reads the reply.
+                if newline.is_some() || len > self.max_line.saturating_mul(2) {
+                    return Ok(Some(Frame::TooLong));
+                }
+            } else if newline.is_some() {
                 return Ok(Some(if over {
                     Frame::OverBudget
                 } else {
@@ -231,13 +234,25 @@ mod tests {
             ]
         );
         assert_eq!(budget.used(), 0, "every lease was given back");
-        let got = frames(
-            &[&[b'y'; 2000][..], b"\nz\n"].concat(),
-            1000,
-            &Budget::new(1 << 20),
-        )
-        .await;
+        let budget = Budget::new(1 << 20);
+        let got = frames(&[&[b'y'; 2000][..], b"\nz\n"].concat(), 1000, &budget).await;
         assert_eq!(got, vec![Err("long")]);
+        // Read to its end: nothing of the line is left to read.
+        let input = [&[b'y'; 1500][..], b"\nz\n"].concat();
+        let mut lines = Lines::new(&input[..], 1000, budget.clone());
+        assert!(matches!(lines.next().await.unwrap(), Some(Frame::TooLong)));
+        assert!(matches!(lines.next().await.unwrap(), Some(Frame::Line(l, _)) if l == b"z"));
+        // An endless line is cut off after twice the limit.
+        let mut endless = Lines::new(&[b'y'; 100_000][..], 1000, budget.clone());
+        assert!(matches!(
+            endless.next().await.unwrap(),
+            Some(Frame::TooLong)
+        ));
+        assert!(
+            !endless.read.is_empty(),
+            "read to the end of an endless line"
+        );
+        assert_eq!(budget.used(), 0);
     }
 
     #[test]
