@@ -429,7 +429,7 @@ async fn no_tool_call_is_queued_after_the_timeout_kill() {
     let answer = |n: usize| {
         inbox.deliver(protocol::ToolResult::success(
             "tq",
-            &format!("c{n}"),
+            format!("c{n}"),
             serde_json::Value::Null,
         ))
     };
