@@ -417,18 +417,22 @@ def flood(line, answers):
                 r.readline()
         n += 32
     return n
+connected = threading.Event()
 def endless():
     s = socket.socket(socket.AF_UNIX)
     s.connect("/sandbox/tools.sock")
+    connected.set()
     try:
         while True:
             s.sendall(b"x" * 65536)
     except OSError:
         print("endless line cut off")
+# The endless line connects first: connections are accepted in order, 8 at once, and it must be among them.
+threading.Thread(target=endless, daemon=True).start()
+connected.wait()
 threads = [threading.Thread(target=flood, args=(b'{"op":"call","name":"echo","args":{"x":1}}\n', True)) for _ in range(6)]
 threads.append(threading.Thread(target=flood, args=(b'{"op":"call","name":"nope"}\n', True)))
 threads.append(threading.Thread(target=flood, args=(b'garbage\n', False)))
-threads.append(threading.Thread(target=endless))
 for t in threads:
     t.daemon = True  # the garbage thread never reads its replies and blocks once the socket is full
     t.start()
