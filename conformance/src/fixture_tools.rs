@@ -197,6 +197,7 @@ impl Shared {
             call_id: call_id.clone(),
             name,
             args: req.get("args").cloned().unwrap_or_else(|| json!({})),
+            raw_args: None,
             timeout_ms: Some(self.timeout.as_millis() as u64),
         };
         if self.out.send(ServerMessage::ToolCall(call)).await.is_err() {

@@ -47,5 +47,5 @@ pub use server::{
     ErrorMessage, ExecStatus, Isolation, Load, OutputChunk, Pong, Reason, ResourceUsage,
     ResultMessage, ServerEnvelope, ServerMessage, SANDBOXD_EXTENSIONS,
 };
-pub use tools::{ToolCall, ToolResult, ToolSpec, DEFAULT_TOOL_TIMEOUT_MS, MAX_TOOLS};
+pub use tools::{RawArgs, ToolCall, ToolResult, ToolSpec, DEFAULT_TOOL_TIMEOUT_MS, MAX_TOOLS};
 pub use validate::{validate_env_var, validate_relative_path, EnvError, PathError, MAX_PATH_LEN};

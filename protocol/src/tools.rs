@@ -5,6 +5,7 @@
 //! and hands the client's `tool_result` back to the code. Only the tools the request lists may be called.
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::envelope::{is_valid_id, now_ts};
@@ -303,7 +304,11 @@ impl ToolResult {
 }
 
 /// The body of `tool_call` (server → client): code in the execution called a tool.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// A client reads the arguments from [`args`](Self::args). A server may instead keep them as the text the code
+/// sent ([`raw_args`](Self::raw_args), see [`ToolCall::raw`]): they are then written out as they are, without
+/// building a JSON tree of what may be a large request (a tree costs many times its text).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct ToolCall {
     /// The execution id.
     pub id: String,
@@ -311,12 +316,96 @@ pub struct ToolCall {
     pub call_id: String,
     /// One of the tools the `execute` listed.
     pub name: String,
-    /// The arguments, a JSON object.
+    /// The arguments, a JSON object (`null` when [`raw_args`](Self::raw_args) holds them).
     pub args: Value,
+    /// The arguments as JSON text; when set, they are what is sent as `args`. Never read from the wire.
+    #[serde(skip)]
+    pub raw_args: Option<RawArgs>,
     /// How long the server waits for the `tool_result` before the code gets a timeout error.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub timeout_ms: Option<u64>,
 }
+
+impl ToolCall {
+    /// A `tool_call` whose arguments are kept as the text the code sent.
+    pub fn raw(
+        id: String,
+        call_id: String,
+        name: String,
+        args: RawArgs,
+        timeout_ms: Option<u64>,
+    ) -> Self {
+        Self {
+            id,
+            call_id,
+            name,
+            args: Value::Null,
+            raw_args: Some(args),
+            timeout_ms,
+        }
+    }
+}
+
+impl Serialize for ToolCall {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+
+        let mut s = serializer.serialize_struct("ToolCall", 5)?;
+        s.serialize_field("id", &self.id)?;
+        s.serialize_field("call_id", &self.call_id)?;
+        s.serialize_field("name", &self.name)?;
+        match &self.raw_args {
+            Some(raw) => s.serialize_field("args", raw)?,
+            None => s.serialize_field("args", &self.args)?,
+        }
+        match self.timeout_ms {
+            Some(t) => s.serialize_field("timeout_ms", &t)?,
+            None => s.skip_field("timeout_ms")?,
+        }
+        s.end()
+    }
+}
+
+/// The arguments of a [`ToolCall`] as JSON text: always a JSON object.
+#[derive(Debug, Clone)]
+pub struct RawArgs(Option<Box<RawValue>>);
+
+impl RawArgs {
+    /// `{}`.
+    pub fn empty() -> Self {
+        Self(None)
+    }
+
+    /// `value` if it is a JSON object, else `None`.
+    pub fn object(value: &RawValue) -> Option<Self> {
+        value
+            .get()
+            .starts_with('{')
+            .then(|| Self(Some(value.to_owned())))
+    }
+
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        self.0.as_deref().map_or("{}", RawValue::get)
+    }
+}
+
+impl Serialize for RawArgs {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match &self.0 {
+            Some(raw) => raw.serialize(serializer),
+            None => serde_json::Map::new().serialize(serializer),
+        }
+    }
+}
+
+impl PartialEq for RawArgs {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl Eq for RawArgs {}
 
 #[cfg(test)]
 mod tests {

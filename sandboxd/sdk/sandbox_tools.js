@@ -26,44 +26,102 @@ class ToolError extends Error {
   }
 }
 
-// One connection; the daemon answers its requests one at a time and in order, so replies match a FIFO of waiters.
-let conn = null;
-let buffered = "";
-const waiting = [];
+const listed = JSON.parse(fs.readFileSync(path.join(__dirname, "sandbox_tools.json"), "utf8"));
+// The socket's limits: connections served at once per execution, and the longest request line.
+const _limits = {
+  maxConnections: Math.max(1, listed.max_connections || 8),
+  maxLine: listed.max_line_bytes || 1 << 20,
+};
 
-function connection() {
-  if (conn) return conn;
-  conn = net.createConnection(SOCKET);
-  conn.setEncoding("utf8");
-  conn.on("data", (chunk) => {
-    buffered += chunk;
-    let nl;
-    while ((nl = buffered.indexOf("\n")) >= 0) {
-      const line = buffered.slice(0, nl);
-      buffered = buffered.slice(nl + 1);
-      const w = waiting.shift();
-      if (w) w.resolve(JSON.parse(line));
-    }
-    if (waiting.length === 0) conn.unref();
-  });
-  const fail = (err) => {
-    const e = new ToolError("closed", err ? `The tool socket failed: ${err.message}` : "The tool socket closed");
-    conn = null;
-    buffered = "";
-    while (waiting.length) waiting.shift().reject(e);
-  };
-  conn.on("error", fail);
-  conn.on("close", () => fail(null));
-  return conn;
-}
+// The daemon serves one request at a time per connection and at most `maxConnections` connections per execution.
+// Requests wait in `queue`; each open connection takes the next one after its reply, and closes when none is left,
+// so an idle program (or worker) never keeps a connection from the others.
+const queue = [];
+let open = 0;
+let connecting = 0;
 
 function request(message) {
   return new Promise((resolve, reject) => {
-    const c = connection();
-    c.ref();
-    waiting.push({ resolve, reject });
-    c.write(JSON.stringify(message) + "\n");
+    const line = JSON.stringify(message) + "\n";
+    const size = Buffer.byteLength(line) - 1;
+    if (size > _limits.maxLine) {
+      reject(new ToolError("invalid", `The request is ${size} bytes, over the tool socket's limit of ${_limits.maxLine}`));
+      return;
+    }
+    queue.push({ line, resolve, reject });
+    pump();
   });
+}
+
+function pump() {
+  // A connection being opened takes a request once connected: open more only for requests beyond those.
+  while (queue.length > connecting && open < _limits.maxConnections) {
+    open += 1;
+    connecting += 1;
+    connect();
+  }
+}
+
+function connect() {
+  const sock = net.createConnection(SOCKET);
+  let current = null;
+  let buffered = "";
+  let done = false;
+  let connected = false;
+  const next = () => {
+    current = queue.shift() || null;
+    if (current) sock.write(current.line);
+    else finish();
+  };
+  const finish = () => {
+    if (done) return;
+    done = true;
+    if (!connected) connecting -= 1;
+    open -= 1;
+    sock.destroy();
+    pump();
+  };
+  sock.setEncoding("utf8");
+  sock.on("connect", () => {
+    connected = true;
+    connecting -= 1;
+    next();
+  });
+  sock.on("data", (chunk) => {
+    buffered += chunk;
+    let nl;
+    while ((nl = buffered.indexOf("\n")) >= 0) {
+      const text = buffered.slice(0, nl);
+      buffered = buffered.slice(nl + 1);
+      const w = current;
+      current = null;
+      if (!w) continue;
+      let reply;
+      try {
+        reply = JSON.parse(text);
+      } catch (e) {
+        w.reject(new ToolError("invalid", `Unreadable reply from the tool socket: ${text.slice(0, 200)}`));
+        finish();
+        return;
+      }
+      w.resolve(reply);
+      // After `invalid` the daemon may have closed the connection: later requests use a fresh one.
+      if (!reply.ok && reply.error && reply.error.code === "invalid") {
+        finish();
+        return;
+      }
+      next();
+    }
+  });
+  const fail = (err) => {
+    // The request in flight fails; so does the next one when no connection could be made.
+    const w = current || (connected || done ? null : queue.shift());
+    current = null;
+    if (w) w.reject(new ToolError("closed", err ? `The tool socket failed: ${err.message}` : "The tool socket closed"));
+    finish();
+  };
+  sock.on("error", fail);
+  sock.on("close", () => fail(null));
 }
 
 async function call(name, args = {}, options = {}) {
@@ -84,7 +142,7 @@ async function _return(value) {
 }
 
 function _close() {
-  if (conn) conn.end();
+  // Connections close by themselves once no request is left.
 }
 
 function isPlainObject(v) {
@@ -108,8 +166,7 @@ function make(name, params, description) {
   return tool;
 }
 
-const listed = JSON.parse(fs.readFileSync(path.join(__dirname, "sandbox_tools.json"), "utf8")).tools;
 const tools = {};
-for (const t of listed) tools[t.name] = make(t.name, t.params || [], t.description || "");
+for (const t of listed.tools) tools[t.name] = make(t.name, t.params || [], t.description || "");
 
-module.exports = { ...tools, call, ToolError, _tools: tools, _return, _close };
+module.exports = { ...tools, call, ToolError, _tools: tools, _return, _close, _limits };

@@ -23,6 +23,11 @@ __all__ = ["call", "ToolError", "Result"]
 
 _SOCKET = _os.environ.get("SANDBOX_TOOLS_SOCKET", "/sandbox/tools.sock")
 _HERE = _os.path.dirname(_os.path.abspath(__file__))
+with open(_os.path.join(_HERE, "sandbox_tools.json"), encoding="utf-8") as _f:
+    _LISTED = _json.load(_f)
+# The socket's limits: connections served at once per execution, and the longest request line.
+_MAX_CONNECTIONS = max(1, int(_LISTED.get("max_connections") or 8))
+_MAX_LINE = int(_LISTED.get("max_line_bytes") or (1 << 20))
 
 
 class ToolError(Exception):
@@ -56,29 +61,120 @@ def _jsonable(value):
     return repr(value)
 
 
-# One connection per thread: the daemon answers one request at a time per connection, so threads calling tools at
-# once each get their own.
-_local = _threading.local()
+# Connections to the daemon: it serves one request at a time per connection and at most `max_connections`
+# connections per execution, so a thread holds a connection only while its call is in flight. A thread takes an idle
+# connection or opens one (at most _MAX_CONNECTIONS), else waits; after the reply it hands the connection to a
+# waiting thread or closes it, so an idle thread (or process) never keeps one from the others.
+_cond = _threading.Condition()
+_idle = []
+_state = {"open": 0, "waiting": 0}
+# Every open connection, idle or in flight.
+_conns = set()
+# Connections inherited by a forked child: detached from their descriptors and kept, never closed (a thread of the
+# parent may have held the reader's lock at the fork).
+_orphans = []
+
+
+def _reset_after_fork():
+    # The child must not keep the parent's connections open (the daemon would see them as busy until the child
+    # exits): it closes its copies of the descriptors and starts without connections.
+    global _cond
+    _cond = _threading.Condition()
+    for conn in list(_conns):
+        try:
+            fd = conn[0].detach()
+            if fd >= 0:
+                _os.close(fd)
+        except OSError:
+            pass
+        _orphans.append(conn)
+    _conns.clear()
+    _idle.clear()
+    _state.update(open=0, waiting=0)
+
+
+if hasattr(_os, "register_at_fork"):
+    _os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _take():
+    with _cond:
+        while not _idle and _state["open"] >= _MAX_CONNECTIONS:
+            _state["waiting"] += 1
+            try:
+                _cond.wait()
+            finally:
+                _state["waiting"] -= 1
+        if _idle:
+            return _idle.pop()
+        _state["open"] += 1
+    try:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        try:
+            sock.connect(_SOCKET)
+        except BaseException:
+            sock.close()
+            raise
+        conn = (sock, sock.makefile("rb"))
+        with _cond:
+            _conns.add(conn)
+    except BaseException as e:
+        _give(None)
+        if isinstance(e, OSError):
+            raise ToolError("closed", f"Cannot connect to the tool socket: {e}") from None
+        raise
+    return conn
+
+
+def _give(conn, reusable=False):
+    """Hands `conn` to a waiting thread if it is still good, else closes it and frees its place."""
+    with _cond:
+        if conn is not None and reusable and _state["waiting"] > len(_idle):
+            _idle.append(conn)
+            _cond.notify()
+            return
+        _state["open"] -= 1
+        _cond.notify()
+        _conns.discard(conn)
+    if conn is not None:
+        conn[1].close()
+        conn[0].close()
 
 
 def _request(message):
     line = (_json.dumps(message, separators=(",", ":"), default=_jsonable) + "\n").encode()
-    conn = getattr(_local, "conn", None)
-    if conn is None:
-        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-        sock.connect(_SOCKET)
-        conn = _local.conn = (sock, sock.makefile("rb"))
+    if len(line) - 1 > _MAX_LINE:
+        raise ToolError("invalid", f"The request is {len(line) - 1} bytes, over the tool socket's limit of {_MAX_LINE}")
+    conn = _take()
     sock, reader = conn
+    reusable = False
     try:
-        sock.sendall(line)
-        reply = reader.readline()
-    except OSError as e:
-        _local.conn = None
-        raise ToolError("closed", f"The tool socket failed: {e}") from None
-    if not reply:
-        _local.conn = None
-        raise ToolError("closed", "The tool socket closed")
-    return _json.loads(reply)
+        try:
+            sock.sendall(line)
+            reply = reader.readline()
+        except OSError as e:
+            # The daemon may have answered before it closed the connection (a line over its limit).
+            reply = _read_left(reader)
+            if not reply:
+                raise ToolError("closed", f"The tool socket failed: {e}") from None
+        if not reply:
+            raise ToolError("closed", "The tool socket closed")
+        try:
+            decoded = _json.loads(reply)
+        except ValueError:
+            raise ToolError("invalid", f"Unreadable reply from the tool socket: {reply[:200]!r}") from None
+        # After `invalid` the daemon may have closed the connection: the next call uses a fresh one.
+        reusable = (decoded.get("error") or {}).get("code") != "invalid"
+        return decoded
+    finally:
+        _give(conn, reusable)
+
+
+def _read_left(reader):
+    try:
+        return reader.readline()
+    except OSError:
+        return b""
 
 
 def call(name, args=None, timeout_ms=None, **kwargs):
@@ -122,10 +218,8 @@ def _make(name, params, doc):
 
 
 def _load():
-    with open(_os.path.join(_HERE, "sandbox_tools.json"), encoding="utf-8") as f:
-        listed = _json.load(f)["tools"]
     tools = {}
-    for t in listed:
+    for t in _LISTED["tools"]:
         tools[t["name"]] = _make(t["name"], list(t.get("params") or []), t.get("description"))
     return tools
 

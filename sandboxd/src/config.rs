@@ -508,6 +508,13 @@ impl Config {
         positive("tools.max_connections", self.tools.max_connections as u64)?;
         positive("tools.max_calls", self.tools.max_calls)?;
         positive("tools.max_line_bytes", self.tools.max_line_bytes as u64)?;
+        if self.tools.max_memory_bytes < self.tools.max_line_bytes {
+            // A request of the longest allowed line could never be held.
+            return Err(ConfigError::Value {
+                key: "tools.max_memory_bytes",
+                reason: "must be at least tools.max_line_bytes".into(),
+            });
+        }
         if m.cpu_shares < 2 {
             return Err(ConfigError::Value {
                 key: "limits.max.cpu_shares",
@@ -806,6 +813,10 @@ mod tests {
             // Budgets that could not hold one event of max_line_bytes are refused, not left to drop everything.
             ("agents: {queue_bytes: 1048576}", "agents.queue_bytes"),
             ("agents: {replay_bytes: 2097152}", "agents.replay_bytes"),
+            (
+                "tools: {max_line_bytes: 4096, max_memory_bytes: 4095}",
+                "tools.max_memory_bytes",
+            ),
         ] {
             let e = Config::parse(yaml).unwrap_err().to_string();
             assert!(e.contains(key), "{yaml}: {e}");

@@ -1,21 +1,30 @@
 //! The tool-call broker of the `tool_calls` extension (`docs/spec/tool-calls.md`).
 //!
 //! When an `execute` lists `tools`, the daemon writes the SDK next to the code file (`/sandbox/sandbox_tools.py`,
-//! `/sandbox/sandbox_tools.js`, their runners, and `/sandbox/sandbox_tools.json` with the tool list), binds a unix
-//! socket at `/sandbox/tools.sock` (host side: `<scratch>/code/tools.sock`, owned by the execution's uid, mode
-//! 0600) before the program starts, and serves it until the execution ends:
+//! `/sandbox/sandbox_tools.js`, their runners, and `/sandbox/sandbox_tools.json` with the tool list and the
+//! socket's limits), binds a unix socket at `/sandbox/tools.sock` (host side: `<scratch>/code/tools.sock`, owned
+//! by the execution's uid, mode 0600) before the program starts, and serves it until the execution ends:
 //!
 //! - The sandbox speaks JSON lines: `{"op":"call","name":..,"args":{..},"timeout_ms"?:n}` or
-//!   `{"op":"return","value":..}`; each line gets one reply line, `{"ok":true,"result":..}` or
-//!   `{"ok":false,"error":{"code":..,"message":..}}`, in order. One request is served at a time per connection, and
-//!   at most [`ToolsConfig::max_connections`] connections are served at once, so at most that many calls are in
-//!   flight; a longer line than [`ToolsConfig::max_line_bytes`] closes the connection.
+//!   `{"op":"return","value":..}`; each line gets exactly one reply line, `{"ok":true,"result":..}` or
+//!   `{"ok":false,"error":{"code":..,"message":..}}`, in order. A line that is not a request (not JSON, not UTF-8)
+//!   gets `invalid` and the next line is served. One request is served at a time per connection, and at most
+//!   [`ToolsConfig::max_connections`] connections are served at once, so at most that many calls are in flight; a
+//!   longer line than [`ToolsConfig::max_line_bytes`] gets `invalid` and closes the connection.
+//! - Memory: lines are read as bytes ([`lines`]) and the arguments stay JSON text ([`protocol::RawArgs`]), never a
+//!   JSON tree; every request's bytes are charged to the execution's budget
+//!   ([`ToolsConfig::max_memory_bytes`]) from the moment they are read until the reply is written (a return value
+//!   until the execution ends). A request that does not fit gets `limit`.
 //! - A tool the request did not list is refused inside the sandbox (`not_allowed`), never forwarded. A listed one
 //!   becomes a `tool_call` on the connection's ordered execution queue (bounded: a flooding program waits, the
 //!   WebSocket's priority queue still answers `ping`), and the `tool_result` the connection routes back through
 //!   [`Inbox::deliver`] is the reply. No answer within the per-call timeout: `timeout`.
+//! - Once the execution ends ([`Broker::close`]: timeout, cancel, kill or exit), every waiting and every new call
+//!   gets `closed`; a call is put on the client's queue before the end is decided or never.
 //! - Dropping the [`Broker`] ends every task (the accept loop owns the connection tasks), forgets pending calls and
 //!   removes the socket file.
+
+mod lines;
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
@@ -25,16 +34,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use protocol::{ExecuteRequest, Language, ServerMessage, ToolCall, ToolResult};
+use protocol::{ExecuteRequest, Language, RawArgs, ServerMessage, ToolCall, ToolResult};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
-use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
 use tracing::{debug, warn};
+
+use self::lines::{Budget, Frame, Lease, Lines};
 
 /// The socket's name in the code directory.
 pub const SOCKET_NAME: &str = "tools.sock";
@@ -58,6 +68,9 @@ pub struct ToolsConfig {
     pub max_calls: u64,
     /// The longest request line from the sandbox, bytes.
     pub max_line_bytes: usize,
+    /// Bytes of requests one execution's broker holds at most at once (read and not yet answered, plus the
+    /// return value); at least `max_line_bytes`. Each connection also holds an 8 KiB read buffer.
+    pub max_memory_bytes: usize,
 }
 
 impl Default for ToolsConfig {
@@ -67,6 +80,7 @@ impl Default for ToolsConfig {
             max_connections: 8,
             max_calls: 10_000,
             max_line_bytes: 1 << 20,
+            max_memory_bytes: 16 << 20,
         }
     }
 }
@@ -154,39 +168,56 @@ struct Shared {
     allowed: HashSet<String>,
     timeout_ms: u64,
     max_calls: u64,
-    out: tokio::sync::mpsc::Sender<ServerMessage>,
+    out: mpsc::Sender<ServerMessage>,
     inbox: Inbox,
     seq: AtomicU64,
     requests: AtomicU64,
     forwarded: AtomicU64,
-    return_value: Mutex<Option<Value>>,
+    budget: Budget,
+    /// The return value and the lease holding its bytes.
+    return_value: Mutex<Option<(Box<RawValue>, Lease)>>,
     /// Set once `status: running` is queued: no `tool_call` may come before it.
-    running: tokio::sync::watch::Receiver<bool>,
+    running: watch::Receiver<bool>,
+    /// Set when the execution ends: no `tool_call` may come after it.
+    closed: watch::Receiver<bool>,
 }
 
 /// One execution's tool socket and its tasks; dropping it tears everything down.
 pub struct Broker {
     shared: Arc<Shared>,
-    running: tokio::sync::watch::Sender<bool>,
+    running: watch::Sender<bool>,
+    closed: watch::Sender<bool>,
     socket: PathBuf,
     accept: tokio::task::JoinHandle<()>,
 }
 
-/// A request line from the sandbox.
+/// A request line from the sandbox. Arguments and return values stay JSON text, borrowed from the line.
 #[derive(Deserialize)]
-#[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
-enum Request {
-    Call {
-        name: String,
-        #[serde(default)]
-        args: Option<Value>,
-        #[serde(default)]
-        timeout_ms: Option<u64>,
-    },
-    Return {
-        #[serde(default)]
-        value: Value,
-    },
+#[serde(deny_unknown_fields)]
+struct Request<'a> {
+    op: Op,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default, borrow)]
+    args: Option<&'a RawValue>,
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+    #[serde(default, borrow)]
+    value: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Op {
+    Call,
+    Return,
+}
+
+/// How putting a `tool_call` on the client's queue went.
+enum Sent {
+    Queued,
+    ClientGone,
+    Ended,
 }
 
 impl Broker {
@@ -198,16 +229,17 @@ impl Broker {
         host_id: u32,
         timeout_ms: u64,
         config: &ToolsConfig,
-        out: tokio::sync::mpsc::Sender<ServerMessage>,
+        out: mpsc::Sender<ServerMessage>,
         inbox: Inbox,
     ) -> Result<Option<Broker>, ToolsError> {
         if req.tools.is_empty() {
             return Ok(None);
         }
-        write_sdk(req, code_dir)?;
+        write_sdk(req, code_dir, config)?;
         let socket = code_dir.join(SOCKET_NAME);
         let listener = bind(code_dir, &socket, host_id)?;
-        let (running, running_rx) = tokio::sync::watch::channel(false);
+        let (running, running_rx) = watch::channel(false);
+        let (closed, closed_rx) = watch::channel(false);
         let shared = Arc::new(Shared {
             exec_id: req.id.clone(),
             allowed: req.tools.iter().map(|t| t.name.clone()).collect(),
@@ -218,8 +250,10 @@ impl Broker {
             seq: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             forwarded: AtomicU64::new(0),
+            budget: Budget::new(config.max_memory_bytes),
             return_value: Mutex::new(None),
             running: running_rx,
+            closed: closed_rx,
         });
         let accept = tokio::spawn(accept_loop(
             listener,
@@ -230,6 +264,7 @@ impl Broker {
         Ok(Some(Broker {
             shared,
             running,
+            closed,
             socket,
             accept,
         }))
@@ -241,6 +276,17 @@ impl Broker {
         self.running.send_replace(true);
     }
 
+    /// The execution ended (timeout, cancel, kill or exit): waiting calls get `closed` now, and so does every
+    /// later request; no `tool_call` is queued after this returns.
+    pub fn close(&self) {
+        if *self.closed.borrow() {
+            return;
+        }
+        // Waits for a call that is putting its `tool_call` on the queue right now (it holds the flag's read lock).
+        self.closed.send_replace(true);
+        self.shared.inbox.lock().clear();
+    }
+
     /// Calls forwarded to the client as `tool_call`.
     pub fn calls(&self) -> u64 {
         self.shared.forwarded.load(Ordering::Relaxed)
@@ -248,11 +294,13 @@ impl Broker {
 
     /// The value the code returned, if it returned one.
     pub fn return_value(&self) -> Option<Value> {
-        self.shared
+        let kept = self
+            .shared
             .return_value
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .unwrap_or_else(|p| p.into_inner());
+        kept.as_ref()
+            .and_then(|(raw, _)| serde_json::from_str(raw.get()).ok())
     }
 }
 
@@ -270,7 +318,11 @@ impl Drop for Broker {
 
 /// The SDK files: the tool list as JSON, the SDK and the runner of the request's language. Read-only for the
 /// container (the directory is bind-mounted read-only too).
-fn write_sdk(req: &ExecuteRequest, code_dir: &Path) -> Result<(), ToolsError> {
+fn write_sdk(
+    req: &ExecuteRequest,
+    code_dir: &Path,
+    config: &ToolsConfig,
+) -> Result<(), ToolsError> {
     let tools: Vec<Value> = req
         .tools
         .iter()
@@ -282,7 +334,13 @@ fn write_sdk(req: &ExecuteRequest, code_dir: &Path) -> Result<(), ToolsError> {
             })
         })
         .collect();
-    let list = serde_json::to_string(&json!({ "tools": tools })).unwrap_or_default();
+    // The SDKs use at most `max_connections` connections and check a request's size before sending it.
+    let list = serde_json::to_string(&json!({
+        "tools": tools,
+        "max_connections": config.max_connections.max(1),
+        "max_line_bytes": config.max_line_bytes,
+    }))
+    .unwrap_or_default();
     let mut files = vec![("sandbox_tools.json", list.as_str())];
     match req.language {
         Language::Python => files.extend([
@@ -356,24 +414,38 @@ async fn accept_loop(
     }
 }
 
-/// Serves one connection: one request at a time, each answered by one line.
+/// Serves one connection: one request at a time, each line answered by one line.
 async fn serve(stream: tokio::net::UnixStream, shared: &Shared, max_line: usize) {
     let (read, mut write) = stream.into_split();
-    let mut lines = FramedRead::new(read, LinesCodec::new_with_max_length(max_line));
-    while let Some(line) = lines.next().await {
-        let (reply, last) = match line {
-            Ok(line) => (shared.handle(&line).await, false),
-            Err(LinesCodecError::MaxLineLengthExceeded) => (
+    let mut lines = Lines::new(read, max_line, shared.budget.clone());
+    loop {
+        let frame = match lines.next().await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return,
+            Err(e) => {
+                debug!(error = %e, "tool connection read failed");
+                return;
+            }
+        };
+        let (reply, last) = match frame {
+            Frame::Line(line, lease) => (shared.handle(line, lease).await, false),
+            Frame::OverBudget => (
+                refusal(
+                    "limit",
+                    &format!(
+                        "The tool requests of this execution may hold at most {} bytes at once",
+                        shared.budget.max()
+                    ),
+                ),
+                false,
+            ),
+            Frame::TooLong => (
                 refusal(
                     "invalid",
                     &format!("A request line is longer than {max_line} bytes"),
                 ),
                 true,
             ),
-            Err(LinesCodecError::Io(e)) => {
-                debug!(error = %e, "tool connection read failed");
-                return;
-            }
         };
         let mut text = reply.to_string();
         text.push('\n');
@@ -387,8 +459,20 @@ fn refusal(code: &str, message: &str) -> Value {
     json!({"ok": false, "error": {"code": code, "message": message}})
 }
 
+fn ending() -> Value {
+    refusal("closed", "The execution is ending")
+}
+
 impl Shared {
-    async fn handle(&self, line: &str) -> Value {
+    fn ended(&self) -> bool {
+        *self.closed.borrow()
+    }
+
+    /// Answers one line; `lease` holds its bytes until the reply is written.
+    async fn handle(&self, line: Vec<u8>, mut lease: Lease) -> Value {
+        if self.ended() {
+            return ending();
+        }
         let n = self.requests.fetch_add(1, Ordering::Relaxed);
         if n >= self.max_calls {
             return refusal(
@@ -399,25 +483,58 @@ impl Shared {
                 ),
             );
         }
-        let request: Request = match serde_json::from_str(line) {
+        let request: Request<'_> = match serde_json::from_slice(&line) {
             Ok(r) => r,
             Err(e) => return refusal("invalid", &format!("Invalid request: {e}")),
         };
-        match request {
-            Request::Return { value } => {
+        match request.op {
+            Op::Return => {
+                if let Some(field) = [
+                    ("name", request.name.is_some()),
+                    ("args", request.args.is_some()),
+                    ("timeout_ms", request.timeout_ms.is_some()),
+                ]
+                .iter()
+                .find_map(|(f, set)| set.then_some(f))
+                {
+                    return refusal(
+                        "invalid",
+                        &format!("Invalid request: field {field} is not allowed with op return"),
+                    );
+                }
+                let value = request.value.map(RawValue::to_owned);
+                drop(line);
+                lease.shrink_to(value.as_ref().map_or(0, |v| v.get().len()));
                 *self.return_value.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(value).filter(|v| !v.is_null());
+                    value.map(|v| (v, lease));
                 json!({"ok": true, "result": null})
             }
-            Request::Call {
-                name,
-                args,
-                timeout_ms,
-            } => self.call(name, args, timeout_ms).await,
+            Op::Call => {
+                if request.value.is_some() {
+                    return refusal(
+                        "invalid",
+                        "Invalid request: field value is not allowed with op call",
+                    );
+                }
+                let Some(name) = request.name else {
+                    return refusal("invalid", "Invalid request: missing field name");
+                };
+                let args = match request.args {
+                    None => RawArgs::empty(),
+                    Some(raw) => match RawArgs::object(raw) {
+                        Some(args) => args,
+                        None => return refusal("invalid", "Tool arguments must be a JSON object"),
+                    },
+                };
+                let timeout_ms = request.timeout_ms;
+                drop(line);
+                lease.shrink_to(args.get().len());
+                self.call(name, args, timeout_ms).await
+            }
         }
     }
 
-    async fn call(&self, name: String, args: Option<Value>, timeout_ms: Option<u64>) -> Value {
+    async fn call(&self, name: String, args: RawArgs, timeout_ms: Option<u64>) -> Value {
         if !self.allowed.contains(&name) {
             let mut offered: Vec<&str> = self.allowed.iter().map(String::as_str).collect();
             offered.sort_unstable();
@@ -429,10 +546,6 @@ impl Shared {
                 ),
             );
         }
-        let args = args.unwrap_or_else(|| json!({}));
-        if !args.is_object() {
-            return refusal("invalid", "Tool arguments must be a JSON object");
-        }
         // A call may ask for less time than the execution's per-call timeout, never more.
         let timeout_ms = timeout_ms
             .filter(|t| *t > 0)
@@ -440,43 +553,66 @@ impl Shared {
         let call_id = format!("c{}", self.seq.fetch_add(1, Ordering::Relaxed) + 1);
         let answer = self.inbox.expect(&call_id);
         let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
-        let message = ServerMessage::ToolCall(ToolCall {
-            id: self.exec_id.clone(),
-            call_id: call_id.clone(),
-            name: name.clone(),
+        let message = ServerMessage::ToolCall(ToolCall::raw(
+            self.exec_id.clone(),
+            call_id.clone(),
+            name.clone(),
             args,
-            timeout_ms: Some(timeout_ms),
-        });
+            Some(timeout_ms),
+        ));
         // The ordered execution queue is bounded: a client that does not read makes the call wait, within its
-        // timeout. Nothing goes before `status: running`.
+        // timeout. Nothing goes before `status: running` or after the end.
         let mut running = self.running.clone();
+        let mut closed = self.closed.clone();
         let send = async {
-            running.wait_for(|r| *r).await.ok();
-            self.out.send(message).await
+            if running.wait_for(|r| *r).await.is_err() {
+                return Sent::Ended;
+            }
+            match self.out.reserve().await {
+                Ok(permit) => self.queue_unless_ended(permit, message),
+                Err(_) => Sent::ClientGone,
+            }
         };
-        match tokio::time::timeout_at(deadline, send).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
+        let sent = tokio::select! {
+            biased;
+            _ = closed.wait_for(|c| *c) => Sent::Ended,
+            sent = tokio::time::timeout_at(deadline, send) => match sent {
+                Ok(sent) => sent,
+                Err(_) => {
+                    self.inbox.forget(&call_id);
+                    return refusal(
+                        "timeout",
+                        &format!("Tool {name:?} could not be sent to the client within {timeout_ms} ms"),
+                    );
+                }
+            },
+        };
+        match sent {
+            Sent::Queued => {}
+            Sent::ClientGone => {
                 self.inbox.forget(&call_id);
                 return refusal("closed", "The client is gone");
             }
-            Err(_) => {
+            Sent::Ended => {
                 self.inbox.forget(&call_id);
-                return refusal(
-                    "timeout",
-                    &format!(
-                        "Tool {name:?} could not be sent to the client within {timeout_ms} ms"
-                    ),
-                );
+                return ending();
             }
         }
         self.forwarded.fetch_add(1, Ordering::Relaxed);
-        match tokio::time::timeout_at(deadline, answer).await {
+        let answered = tokio::select! {
+            biased;
+            _ = closed.wait_for(|c| *c) => Ok(Err(())),
+            answer = tokio::time::timeout_at(deadline, answer) => answer.map(|a| a.map_err(|_| ())),
+        };
+        match answered {
             Ok(Ok(result)) if result.ok => {
                 json!({"ok": true, "result": result.result.unwrap_or(Value::Null)})
             }
             Ok(Ok(result)) => refusal("tool_error", result.error.as_deref().unwrap_or("")),
-            Ok(Err(_)) => refusal("closed", "The execution is ending"),
+            Ok(Err(())) => {
+                self.inbox.forget(&call_id);
+                ending()
+            }
             Err(_) => {
                 self.inbox.forget(&call_id);
                 refusal(
@@ -485,6 +621,21 @@ impl Shared {
                 )
             }
         }
+    }
+
+    /// Queues `message` unless the execution ended, under the end flag's read lock: [`Broker::close`] waits for
+    /// it, so a `tool_call` is on the queue before the end is decided, or never.
+    fn queue_unless_ended(
+        &self,
+        permit: mpsc::Permit<'_, ServerMessage>,
+        message: ServerMessage,
+    ) -> Sent {
+        let ended = self.closed.borrow();
+        if *ended {
+            return Sent::Ended;
+        }
+        permit.send(message);
+        Sent::Queued
     }
 }
 
@@ -517,7 +668,7 @@ mod tests {
 
     fn setup(config: &ToolsConfig, timeout_ms: u64) -> Setup {
         let dir = tempfile::tempdir().unwrap();
-        let (tx, calls) = tokio::sync::mpsc::channel(4);
+        let (tx, calls) = mpsc::channel(4);
         let inbox = Inbox::default();
         let uid = nix::unistd::getuid().as_raw();
         let broker = Broker::start(
@@ -573,10 +724,8 @@ mod tests {
             let Some(ServerMessage::ToolCall(call)) = s.calls.recv().await else {
                 panic!("no tool_call");
             };
-            assert_eq!(
-                (call.name.as_str(), call.args.clone()),
-                ("echo", json!({"a": 1}))
-            );
+            let args: Value = serde_json::from_str(call.raw_args.as_ref().unwrap().get()).unwrap();
+            assert_eq!((call.name.as_str(), args), ("echo", json!({"a": 1})));
             assert!(inbox.deliver(ToolResult::success("exec_u", &call.call_id, json!(2))));
             // The next one is never answered.
             let Some(ServerMessage::ToolCall(late)) = s.calls.recv().await else {
@@ -640,5 +789,128 @@ mod tests {
         }
         let r = ask(&mut conn, "{\"op\":\"call\",\"name\":\"nope\"}\n").await;
         assert_eq!(r["error"]["code"], "limit", "{r}");
+    }
+
+    /// The reply to a line, within a bound (a reply that never comes fails the test instead of hanging it).
+    async fn reply(conn: &mut BufReader<UnixStream>) -> Value {
+        let mut reply = String::new();
+        let n = tokio::time::timeout(Duration::from_secs(20), conn.read_line(&mut reply))
+            .await
+            .expect("no reply line")
+            .unwrap();
+        assert!(n > 0, "the connection closed without a reply");
+        serde_json::from_str(&reply).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_line_that_is_not_utf8_gets_invalid_and_the_next_line_is_served() {
+        let s = setup(&ToolsConfig::default(), 1000);
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        conn.get_mut()
+            .write_all(b"{\"op\":\"call\",\"name\":\"\xff\xfe\"}\n\xc3\n{\"op\":\"call\",\"name\":\"nope\"}\n")
+            .await
+            .unwrap();
+        for _ in 0..2 {
+            let bad = reply(&mut conn).await;
+            assert_eq!(bad["error"]["code"], "invalid", "{bad}");
+        }
+        let next = reply(&mut conn).await;
+        assert_eq!(next["error"]["code"], "not_allowed", "{next}");
+    }
+
+    /// Calls the client does not answer hold their bytes; beyond `max_memory_bytes` a request gets `limit`, and
+    /// the bytes come back once the calls are answered.
+    #[tokio::test]
+    async fn requests_beyond_the_memory_budget_get_limit() {
+        let config = ToolsConfig {
+            max_line_bytes: 16 << 10,
+            max_memory_bytes: 64 << 10,
+            ..ToolsConfig::default()
+        };
+        let mut s = setup(&config, 60_000);
+        let line = format!(
+            "{{\"op\":\"call\",\"name\":\"echo\",\"args\":{{\"x\":\"{}\"}}}}\n",
+            "y".repeat(12 << 10)
+        );
+        let mut conns = Vec::new();
+        for _ in 0..8 {
+            let mut c = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+            c.get_mut().write_all(line.as_bytes()).await.unwrap();
+            conns.push(c);
+        }
+        // At most 5 lines of 12 KiB fit in 64 KiB: the others are refused at once.
+        let mut forwarded = Vec::new();
+        let mut refused = 0;
+        let mut waiting: Vec<_> = conns.iter_mut().map(|c| Box::pin(reply(c))).collect();
+        while forwarded.len() + refused < 8 {
+            tokio::select! {
+                Some(m) = s.calls.recv() => forwarded.push(m),
+                (r, i, _) = futures_util::future::select_all(waiting.iter_mut()) => {
+                    assert_eq!(r["error"]["code"], "limit", "{r}");
+                    drop(waiting.remove(i));
+                    refused += 1;
+                }
+            }
+        }
+        assert!(refused >= 3, "{refused} refused");
+        for m in &forwarded {
+            let ServerMessage::ToolCall(call) = m else {
+                panic!("{m:?}")
+            };
+            assert!(s
+                .inbox
+                .deliver(ToolResult::success("exec_u", &call.call_id, json!(1))));
+        }
+        for r in futures_util::future::join_all(waiting).await {
+            assert_eq!(r, json!({"ok": true, "result": 1}));
+        }
+        assert_eq!(s.broker.shared.budget.used(), 0);
+        drop(conns);
+        // Answered: the bytes are free again.
+        let mut c = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        c.get_mut().write_all(line.as_bytes()).await.unwrap();
+        let Some(ServerMessage::ToolCall(call)) = s.calls.recv().await else {
+            panic!("no tool_call");
+        };
+        assert!(s
+            .inbox
+            .deliver(ToolResult::success("exec_u", &call.call_id, json!(2))));
+        assert_eq!(reply(&mut c).await, json!({"ok": true, "result": 2}));
+    }
+
+    /// Once the execution ended, a call waiting for room in the client's queue, a call waiting for its answer and
+    /// a new call all get `closed`, and none of them reaches the client after the end.
+    #[tokio::test]
+    async fn after_the_end_calls_get_closed_and_are_never_forwarded() {
+        let mut s = setup(&ToolsConfig::default(), 60_000);
+        let call = "{\"op\":\"call\",\"name\":\"echo\"}\n";
+        // The client's queue holds 4 messages and nobody reads it: 4 calls fill it, the others wait for room.
+        let mut conns = Vec::new();
+        for _ in 0..6 {
+            let mut c = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+            c.get_mut().write_all(call.as_bytes()).await.unwrap();
+            conns.push(c);
+        }
+        while s.calls.len() < 4 {
+            tokio::task::yield_now().await;
+        }
+        s.broker.close();
+        for c in &mut conns {
+            let r = reply(c).await;
+            assert_eq!(r["error"]["code"], "closed", "{r}");
+        }
+        let mut late = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        let r = ask(&mut late, call).await;
+        assert_eq!(r["error"]["code"], "closed", "{r}");
+        let mut seen = 0;
+        while let Ok(m) = s.calls.try_recv() {
+            assert!(matches!(m, ServerMessage::ToolCall(_)), "{m:?}");
+            seen += 1;
+        }
+        assert_eq!(
+            seen, 4,
+            "only the calls queued before the end reached the client"
+        );
+        assert_eq!(s.broker.calls(), 4);
     }
 }

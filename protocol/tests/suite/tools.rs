@@ -74,6 +74,7 @@ fn the_tool_call_example_parses_and_encodes_the_same() {
             call_id: "c1".into(),
             name: "read_file".into(),
             args: json!({"path": "notes.txt"}),
+            raw_args: None,
             timeout_ms: Some(10_000),
         }
     );
@@ -83,6 +84,19 @@ fn the_tool_call_example_parses_and_encodes_the_same() {
         encoded,
         serde_json::from_str::<Value>(DOC_TOOL_CALL).unwrap()
     );
+    // Arguments kept as text are written out as they are.
+    let raw: Box<serde_json::value::RawValue> =
+        serde_json::from_str(r#"{"path": "notes.txt"}"#).unwrap();
+    let kept = ServerMessage::ToolCall(ToolCall::raw(
+        call.id.clone(),
+        call.call_id.clone(),
+        call.name.clone(),
+        protocol::RawArgs::object(&raw).unwrap(),
+        call.timeout_ms,
+    ));
+    let text = encode_with_ts(&kept, &env.ts);
+    assert!(text.contains(r#""args":{"path": "notes.txt"}"#), "{text}");
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), encoded);
 }
 
 #[test]

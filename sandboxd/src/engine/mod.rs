@@ -451,6 +451,13 @@ impl Engine {
                 msgs = s.stream.read(), if want_output => s.output(msgs),
             }
             s.after_event();
+            if let Some(b) = run
+                .tools
+                .filter(|_| s.kill_reason.is_some() || s.exited.is_some() || s.shut_down)
+            {
+                // Decided or over: waiting and queued tool calls get `closed`, none is forwarded from now on.
+                b.close();
+            }
         }
         let drained = started.elapsed();
         let messages = self.conclude(run, s, launched.sent_ns).await?;

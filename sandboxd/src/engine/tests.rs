@@ -369,3 +369,98 @@ async fn executions_take_warm_containers_each_used_once() {
     assert_eq!(pool["hits"], 4, "{pool}");
     assert_eq!(pool["misses"], 0, "{pool}");
 }
+
+/// A program's tool calls are waiting for room in the client's queue (full of its output) when it is cancelled:
+/// none of them reaches the client after the kill, not even once the client reads again. (Timeout, cancel, a gone
+/// client and the program's exit all end the broker the same way; a cancel makes the moment the test's.)
+#[tokio::test]
+async fn no_tool_call_is_queued_after_the_kill() {
+    if !nix::unistd::geteuid().is_root() {
+        // The tool socket is given to the container's uid.
+        test_support::cannot_run(
+            "no_tool_call_is_queued_after_the_kill",
+            "needs root to chown the tool socket",
+        );
+        return;
+    }
+    use tokio::io::AsyncWriteExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let h = Harness::new(dir.path(), 0);
+    let mut req = request("tq", "while :; do echo x; done", 30_000);
+    req.tools = vec![protocol::ToolSpec::new("echo")];
+    let registry = Registry::default();
+    let (registration, control) = registry.register(&req.id).unwrap();
+    let inbox = registration.tool_inbox();
+    let limits = req.resolve_limits(&h.max_limits()).unwrap();
+    let (tx, rx) = mpsc::channel(64);
+    let task = tokio::spawn(h.engine.clone().run(
+        req,
+        limits,
+        h.engine.admit(),
+        tx,
+        control,
+        registration,
+    ));
+    let mut run = Running { registry, rx, task };
+    run.until_running().await;
+    let cid = h.recorder.created()[0].clone();
+    let socket = dir
+        .path()
+        .join("containers")
+        .join(&cid)
+        .join("code")
+        .join(crate::tools::SOCKET_NAME);
+    // 8 connections, each with 40 calls waiting to be read.
+    let mut conns = Vec::new();
+    for _ in 0..8 {
+        let mut c = tokio::net::UnixStream::connect(&socket).await.unwrap();
+        c.write_all(
+            "{\"op\":\"call\",\"name\":\"echo\"}\n"
+                .repeat(40)
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        conns.push(c);
+    }
+    // Calls are answered (by call_id, without reading them) but nobody reads: the queue fills up with output and
+    // calls, then the calls after the answered ones wait for room.
+    let mut next = 1;
+    let answer = |n: usize| {
+        inbox.deliver(protocol::ToolResult::success(
+            "tq",
+            format!("c{n}"),
+            serde_json::Value::Null,
+        ))
+    };
+    while run.rx.len() < run.rx.max_capacity() {
+        if answer(next) {
+            next += 1;
+        } else {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    while answer(next) {
+        next += 1;
+    }
+    assert_eq!(run.registry.cancel("tq"), Some(true));
+    // The kill is decided: on this thread the engine's task has gone on past it.
+    while kills(&h.recorder.calls_of(&cid)).is_empty() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let queued = run.rx.len();
+    let messages = run.finish(&h).await;
+    let late: Vec<_> = messages[queued..]
+        .iter()
+        .filter(|m| matches!(m, ServerMessage::ToolCall(_)))
+        .collect();
+    assert!(late.is_empty(), "{} tool_call after the kill", late.len());
+    let sent = messages
+        .iter()
+        .filter(|m| matches!(m, ServerMessage::ToolCall(_)))
+        .count();
+    assert_eq!(result(&messages).tool_calls, Some(sent as u64));
+    assert_eq!(terminal_status(&messages), Some(ExecStatus::Cancelled));
+    drop(conns);
+}

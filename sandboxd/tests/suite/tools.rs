@@ -417,18 +417,22 @@ def flood(line, answers):
                 r.readline()
         n += 32
     return n
+connected = threading.Event()
 def endless():
     s = socket.socket(socket.AF_UNIX)
     s.connect("/sandbox/tools.sock")
+    connected.set()
     try:
         while True:
             s.sendall(b"x" * 65536)
     except OSError:
         print("endless line cut off")
+# The endless line connects first: connections are accepted in order, 8 at once, and it must be among them.
+threading.Thread(target=endless, daemon=True).start()
+connected.wait()
 threads = [threading.Thread(target=flood, args=(b'{"op":"call","name":"echo","args":{"x":1}}\n', True)) for _ in range(6)]
 threads.append(threading.Thread(target=flood, args=(b'{"op":"call","name":"nope"}\n', True)))
 threads.append(threading.Thread(target=flood, args=(b'garbage\n', False)))
-threads.append(threading.Thread(target=endless))
 for t in threads:
     t.daemon = True  # the garbage thread never reads its replies and blocks once the socket is full
     t.start()
@@ -496,4 +500,257 @@ print("flood done")
         worst < Duration::from_millis(500),
         "a ping took {worst:?} during the flood"
     );
+}
+
+/// Runs `code` with the tool `echo` (answered with its `args`) within `timeout_ms`; the run and the calls seen.
+async fn run_echo(
+    id: &str,
+    language: &str,
+    code: &str,
+    timeout_ms: u64,
+) -> (Collected, Vec<ToolCall>) {
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let exec = with(
+        exec_tools(id, language, code, &["echo"]),
+        // Room for 64 threads.
+        json!({"limits": {"timeout_ms": timeout_ms, "pids_max": 128}}),
+    );
+    run_answering(&mut c, exec, |call| Some(Ok(call.args.clone()))).await
+}
+
+/// More threads than the daemon serves connections, each making calls between barriers (so finished threads
+/// wait idle for the others): every thread gets its answers, none waits for a connection an idle thread holds.
+#[tokio::test]
+async fn python_threads_beyond_the_connection_limit_all_get_answers() {
+    let Some(_g) = privileged("python_threads_beyond_the_connection_limit_all_get_answers").await
+    else {
+        return;
+    };
+    for threads in [16, 64] {
+        let code = format!(
+            r#"
+import threading
+N = {threads}
+barrier = threading.Barrier(N)
+answers = []
+def work(i):
+    for round in range(3):
+        answers.append(echo(i=i, round=round)["i"] == i)
+        barrier.wait()
+ts = [threading.Thread(target=work, args=(i,)) for i in range(N)]
+for t in ts: t.start()
+for t in ts: t.join()
+print("answers", len(answers), all(answers))
+"#
+        );
+        let (run, calls) = run_echo("th1", "python", &code, 30_000).await;
+        assert_eq!(
+            run.terminal_status(),
+            Some(protocol::ExecStatus::Completed),
+            "{threads} threads: {}",
+            run.dump()
+        );
+        assert!(
+            run.stdout_text()
+                .contains(&format!("answers {} True", threads * 3)),
+            "{}",
+            run.dump()
+        );
+        assert_eq!(calls.len(), threads * 3);
+    }
+    // Forked processes: each calls, then waits idle until all are done; a thread of the parent is in a call when
+    // they fork, and the parent still calls after.
+    let code = r#"
+import os, threading
+N = 16
+done_r, done_w = os.pipe()
+go_r, go_w = os.pipe()
+echo(i=-1)
+inflight = threading.Thread(target=lambda: echo(i=-2))
+inflight.start()
+kids = []
+for i in range(N):
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_w)
+        ok = all(echo(i=i, round=r)["i"] == i for r in range(2))
+        os.write(done_w, b"1" if ok else b"0")
+        os.read(go_r, 1)
+        os._exit(0)
+    kids.append(pid)
+inflight.join()
+got = b""
+while len(got) < N:
+    got += os.read(done_r, N)
+os.close(go_w)
+for pid in kids:
+    os.waitpid(pid, 0)
+print("processes", got.count(b"1"), echo(i=-3)["i"])
+"#;
+    let (run, calls) = run_echo("fk1", "python", code, 30_000).await;
+    assert!(
+        run.stdout_text().contains("processes 16 -3"),
+        "{}",
+        run.dump()
+    );
+    assert_eq!(calls.len(), 16 * 2 + 3);
+}
+
+/// Javascript workers (each loads its own SDK) beyond the connection limit, each calling and then waiting idle
+/// until every worker is done: all get their answers.
+#[tokio::test]
+async fn javascript_workers_beyond_the_connection_limit_all_get_answers() {
+    let Some(_g) =
+        privileged("javascript_workers_beyond_the_connection_limit_all_get_answers").await
+    else {
+        return;
+    };
+    let code = r#"
+const { Worker } = require("worker_threads");
+const N = 16;
+const body = `
+const { parentPort, workerData } = require("worker_threads");
+const sdk = require("sandbox_tools");
+(async () => {
+  let ok = 0;
+  for (let round = 0; round < 3; round++) {
+    const r = await sdk.call("echo", {i: workerData, round});
+    if (r.i === workerData) ok++;
+  }
+  parentPort.postMessage(ok);
+  // Stays alive, idle, until told to go.
+  parentPort.on("message", () => process.exit(0));
+})();
+`;
+const workers = [];
+const results = await new Promise((resolve) => {
+  const got = [];
+  for (let i = 0; i < N; i++) {
+    const w = new Worker(body, { eval: true, workerData: i });
+    workers.push(w);
+    w.on("message", (ok) => { got.push(ok); if (got.length === N) resolve(got); });
+  }
+});
+for (const w of workers) w.postMessage("go");
+console.log("answers", results.reduce((a, b) => a + b, 0));
+const many = await Promise.all(Array.from({length: 64}, (_, i) => echo({i})));
+console.log("all at once", many.filter((r, i) => r.i === i).length);
+"#;
+    let (run, calls) = run_echo("jw1", "javascript", code, 30_000).await;
+    assert_eq!(
+        run.terminal_status(),
+        Some(protocol::ExecStatus::Completed),
+        "{}",
+        run.dump()
+    );
+    let out = run.stdout_text();
+    assert!(out.contains("answers 48"), "{}", run.dump());
+    assert!(out.contains("all at once 64"), "{}", run.dump());
+    assert_eq!(calls.len(), 48 + 64);
+}
+
+/// A request over `max_line_bytes` fails with a clear error, and the next call works: the SDK does not reuse the
+/// connection the daemon closed. Also with the SDK's own size check out of the way, so the daemon refuses it.
+#[tokio::test]
+async fn after_an_oversize_request_the_next_call_works() {
+    let Some(_g) = privileged("after_an_oversize_request_the_next_call_works").await else {
+        return;
+    };
+    let python = r#"
+import sandbox_tools
+def attempt(label):
+    try:
+        echo(x="y" * (1 << 20))
+        print(label, "answered")
+    except ToolError as e:
+        print(label, e.code)
+    print(label, "next", echo(x=1)["x"])
+attempt("sdk")
+sandbox_tools._MAX_LINE = 1 << 40
+attempt("daemon")
+"#;
+    let (run, calls) = run_echo("ov1", "python", python, 30_000).await;
+    let out = run.stdout_text();
+    assert!(out.contains("sdk invalid\nsdk next 1"), "{}", run.dump());
+    assert!(
+        out.contains("daemon invalid\ndaemon next 1"),
+        "{}",
+        run.dump()
+    );
+    assert_eq!(calls.len(), 2);
+    let js = r#"
+const sdk = require("sandbox_tools");
+async function attempt(label) {
+  try {
+    await echo({x: "y".repeat(1 << 20)});
+    console.log(label, "answered");
+  } catch (e) {
+    console.log(label, e.code);
+  }
+  console.log(label, "next", (await echo({x: 1})).x);
+}
+await attempt("sdk");
+sdk._limits.maxLine = 2 ** 40;
+await attempt("daemon");
+"#;
+    let (run, calls) = run_echo("ov2", "javascript", js, 30_000).await;
+    let out = run.stdout_text();
+    assert!(out.contains("sdk invalid\nsdk next 1"), "{}", run.dump());
+    assert!(
+        out.contains("daemon invalid\ndaemon next 1"),
+        "{}",
+        run.dump()
+    );
+    assert_eq!(calls.len(), 2);
+}
+
+/// A program queues many calls on every connection, then hits its timeout while the client answers what it
+/// gets: the execution ends with `timeout`, every `tool_call` the client sees is counted in the result, and none
+/// comes after it. (That no call is queued once the end is decided is checked deterministically by the broker's
+/// unit test `after_the_end_calls_get_closed_and_are_never_forwarded`; here the daemon wires it up.)
+#[tokio::test]
+async fn calls_queued_at_the_timeout_are_not_forwarded_after_it() {
+    let Some(_g) = privileged("calls_queued_at_the_timeout_are_not_forwarded_after_it").await
+    else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts {
+        extra_config: Some(json!({"tools": {"max_calls": 100_000_000}})),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    let code = r#"
+import socket, threading
+def flood():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/sandbox/tools.sock")
+    r = s.makefile("rb")
+    def drain():
+        while r.readline():
+            pass
+    threading.Thread(target=drain, daemon=True).start()
+    while True:
+        s.sendall(b'{"op":"call","name":"echo","args":{"x":1}}\n' * 256)
+for _ in range(8):
+    threading.Thread(target=flood, daemon=True).start()
+threading.Event().wait()
+"#;
+    let exec = with(
+        exec_tools("q1", "python", code, &["echo"]),
+        json!({"limits": {"timeout_ms": 2_000}}),
+    );
+    let (run, calls) = run_answering(&mut c, exec, |call| Some(Ok(call.args.clone()))).await;
+    assert_eq!(
+        run.terminal_status(),
+        Some(protocol::ExecStatus::Timeout),
+        "{}",
+        run.dump()
+    );
+    assert!(!calls.is_empty());
+    assert_eq!(run.result().tool_calls, Some(calls.len() as u64));
+    // Nothing of the execution after its result.
+    let late = c.next_frame(Duration::from_millis(500)).await;
+    assert!(late.is_none(), "{late:?}");
 }
