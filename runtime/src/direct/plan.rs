@@ -500,8 +500,8 @@ mod tests {
             .unwrap()
     }
 
-    /// Found by fuzzing (fuzz/ target `blueprint_from_spec`): an idmapped mount (a mount's own uid/gid mappings)
-    /// was read as a plain mount, its mapping silently dropped.
+    /// An idmapped mount (a mount's own uid/gid mappings) was read as a plain mount, its mapping silently dropped
+    /// (found writing the property fuzz/ target `blueprint_from_spec` checks).
     #[test]
     fn idmapped_mounts_are_refused() {
         let mut s = build(&plan()).unwrap();
@@ -511,8 +511,8 @@ mod tests {
         refused(&s, "idmapped mount");
     }
 
-    /// Found by fuzzing: spec::build maps uid and gid to the same host id; a gid mapping to another host id (a
-    /// host group such as `disk` or `shadow`) was accepted.
+    /// spec::build maps uid and gid to the same host id; a gid mapping to another host id (a host group such as
+    /// `disk` or `shadow`) was accepted (found writing the property fuzz/ target `blueprint_from_spec` checks).
     #[test]
     fn uid_and_gid_map_to_the_same_host_id() {
         let mut s = build(&plan()).unwrap();
@@ -522,7 +522,7 @@ mod tests {
         refused(&s, "gid mapped to host id 42");
     }
 
-    /// Found by fuzzing: spec::build masks and write-protects the OCI default paths; a spec without some of them
+    /// Found by fuzzing (fuzz/ target `blueprint_from_spec`): spec::build masks and write-protects the OCI default paths; a spec without some of them
     /// (`/proc/sched_debug` lists the host's tasks) was accepted.
     #[test]
     fn the_default_masked_and_readonly_paths_stay() {
