@@ -828,6 +828,16 @@ mod tests {
         );
     }
 
+    /// Found by fuzzing (fuzz/ target `agent_request_body`): a brief's number came back one bit off after a
+    /// re-encode (serde_json's fast float parsing), so the brief handed to the agent was not the one sent.
+    #[test]
+    fn brief_numbers_survive_a_round_trip() {
+        let body = r#"{"agentId":"a1","workstream":1088888888888888888888888888888888888888888888888888888824}"#;
+        let b: AgentBrief = serde_json::from_str(body).unwrap();
+        let again: AgentBrief = serde_json::from_str(&serde_json::to_string(&b).unwrap()).unwrap();
+        assert_eq!(again, b);
+    }
+
     #[test]
     fn brief_keeps_unknown_fields_and_reads_the_command() {
         let b: AgentBrief = serde_json::from_value(json!({

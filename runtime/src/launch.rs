@@ -77,14 +77,20 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
     file.seek(SeekFrom::Start(0))
         .and_then(|_| file.take(MAX_LAUNCH as u64 + 1).read_to_end(&mut bytes))
         .map_err(|e| Error::io("launch payload", e))?;
+    Ok(Some((decode(&bytes)?, [stdin, stdout, stderr])))
+}
+
+/// Decodes and checks the payload [`recv`] read from the memfd: at most [`MAX_LAUNCH`] bytes of JSON, an
+/// absolute program path.
+pub fn decode(bytes: &[u8]) -> Result<Launch> {
     if bytes.len() > MAX_LAUNCH {
         return Err(LaunchError::TooLarge { max: MAX_LAUNCH }.into());
     }
-    let launch: Launch = serde_json::from_slice(&bytes).map_err(LaunchError::Decode)?;
+    let launch: Launch = serde_json::from_slice(bytes).map_err(LaunchError::Decode)?;
     if launch.args.first().is_none_or(|a| !a.starts_with('/')) {
         return Err(LaunchError::RelativeProgram.into());
     }
-    Ok(Some((launch, [stdin, stdout, stderr])))
+    Ok(launch)
 }
 
 #[cfg(test)]

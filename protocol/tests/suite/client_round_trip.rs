@@ -107,3 +107,21 @@ fn validate_catches_what_a_client_builds_wrong() {
     req.id = "no spaces allowed".into();
     assert_eq!(req.validate().unwrap_err().id, None);
 }
+
+/// Found by fuzzing (fuzz/ target `tool_request_line`): a number too large for an integer was parsed to an f64
+/// one bit away from the nearest one, so the value sandboxd relays (a `tool_call`'s args, a `tool_result`) was
+/// not the value it was sent: re-encoded and parsed again it changed.
+#[test]
+fn numbers_in_relayed_values_survive_a_round_trip() {
+    for number in [
+        "240400000000000000000000000000000001403121483905207864",
+        "1088888888888888888888888888888888888888888888888888888824",
+    ] {
+        let text = format!(
+            r#"{{"v":1,"type":"tool_result","id":"exec_1","ts":"...","call_id":"c1","ok":true,"result":{{"q":{number}}}}}"#
+        );
+        let msg = parse_client_message(&text).unwrap();
+        let again = parse_client_message(&serde_json::to_string(&msg).unwrap()).unwrap();
+        assert_eq!(again, msg, "{number}");
+    }
+}

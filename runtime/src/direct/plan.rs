@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 
 use nix::mount::MsFlags;
 use nix::sys::resource::Resource;
-use oci_spec::runtime::{LinuxNamespaceType, Mount, PosixRlimitType, Spec};
+use oci_spec::runtime::{
+    get_default_maskedpaths, get_default_readonly_paths, LinuxNamespaceType, Mount,
+    PosixRlimitType, Spec,
+};
 
 use crate::cgroups::CgroupLimits;
 use crate::error::StartError;
@@ -103,6 +106,11 @@ impl Blueprint {
         }
         let host_uid = one_mapping(linux.uid_mappings(), "uid")?;
         let host_gid = one_mapping(linux.gid_mappings(), "gid")?;
+        if host_gid != host_uid {
+            return Err(unsupported(format!(
+                "gid mapped to host id {host_gid}, uid to {host_uid} (one id for both)"
+            )));
+        }
         if linux.cgroups_path().as_deref() != Some(Path::new(cgroups_path)) {
             return Err(unsupported(format!(
                 "cgroupsPath {:?}, not {cgroups_path}",
@@ -136,8 +144,12 @@ impl Blueprint {
                 .flatten()
                 .map(mount_step)
                 .collect::<Result<_, _>>()?,
-            masked: absolute_paths(linux.masked_paths())?,
-            readonly: absolute_paths(linux.readonly_paths())?,
+            masked: with_defaults(linux.masked_paths(), get_default_maskedpaths(), "masked")?,
+            readonly: with_defaults(
+                linux.readonly_paths(),
+                get_default_readonly_paths(),
+                "read-only",
+            )?,
             rlimits,
             limits: limits(linux.resources())?,
         })
@@ -273,6 +285,20 @@ fn absolute_paths(paths: &Option<Vec<String>>) -> Result<Vec<PathBuf>, StartErro
         .collect()
 }
 
+/// [`absolute_paths`], which must include every one of `defaults` (the OCI default masked or read-only paths
+/// spec::build always gives).
+fn with_defaults(
+    paths: &Option<Vec<String>>,
+    defaults: Vec<String>,
+    what: &str,
+) -> Result<Vec<PathBuf>, StartError> {
+    let paths = absolute_paths(paths)?;
+    match defaults.iter().find(|d| !paths.contains(&PathBuf::from(d))) {
+        Some(d) => Err(unsupported(format!("not {what}: {d}"))),
+        None => Ok(paths),
+    }
+}
+
 /// Memory (with memory+swap equal: no swap), pids and cpu shares; nothing else may be set.
 fn limits(r: &Option<oci_spec::runtime::LinuxResources>) -> Result<CgroupLimits, StartError> {
     let r = r.as_ref().ok_or_else(|| unsupported("no resources"))?;
@@ -343,6 +369,12 @@ fn mount_step(m: &Mount) -> Result<MountStep, StartError> {
     if !destination.is_absolute() || destination.components().any(|c| c.as_os_str() == "..") {
         return Err(unsupported(format!(
             "mount destination {}",
+            destination.display()
+        )));
+    }
+    if m.uid_mappings().is_some() || m.gid_mappings().is_some() {
+        return Err(unsupported(format!(
+            "an idmapped mount at {}",
             destination.display()
         )));
     }
@@ -450,6 +482,64 @@ mod tests {
         assert!(b.masked.contains(&PathBuf::from("/proc/kcore")));
         assert!(b.readonly.contains(&PathBuf::from("/proc/sys")));
         assert!(b.rlimits.contains(&(Resource::RLIMIT_CORE, 0, 0)));
+    }
+
+    fn refused(spec: &Spec, want: &str) {
+        let e = Blueprint::from_spec(spec, "/sandboxd/e1")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{e}");
+    }
+
+    fn id_map(host_id: u32) -> oci_spec::runtime::LinuxIdMapping {
+        oci_spec::runtime::LinuxIdMappingBuilder::default()
+            .host_id(host_id)
+            .container_id(0u32)
+            .size(1u32)
+            .build()
+            .unwrap()
+    }
+
+    /// An idmapped mount (a mount's own uid/gid mappings) was read as a plain mount, its mapping silently dropped
+    /// (found writing the property fuzz/ target `blueprint_from_spec` checks).
+    #[test]
+    fn idmapped_mounts_are_refused() {
+        let mut s = build(&plan()).unwrap();
+        let mut mounts = s.mounts().clone().unwrap();
+        mounts[4].set_uid_mappings(Some(vec![id_map(0)]));
+        s.set_mounts(Some(mounts));
+        refused(&s, "idmapped mount");
+    }
+
+    /// spec::build maps uid and gid to the same host id; a gid mapping to another host id (a host group such as
+    /// `disk` or `shadow`) was accepted (found writing the property fuzz/ target `blueprint_from_spec` checks).
+    #[test]
+    fn uid_and_gid_map_to_the_same_host_id() {
+        let mut s = build(&plan()).unwrap();
+        let mut linux = s.linux().clone().unwrap();
+        linux.set_gid_mappings(Some(vec![id_map(42)]));
+        s.set_linux(Some(linux));
+        refused(&s, "gid mapped to host id 42");
+    }
+
+    /// Found by fuzzing (fuzz/ target `blueprint_from_spec`): spec::build masks and write-protects the OCI default paths; a spec without some of them
+    /// (`/proc/sched_debug` lists the host's tasks) was accepted.
+    #[test]
+    fn the_default_masked_and_readonly_paths_stay() {
+        let good = build(&plan()).unwrap();
+        let mut s = good.clone();
+        let mut linux = s.linux().clone().unwrap();
+        let mut masked = linux.masked_paths().clone().unwrap();
+        masked.retain(|p| p != "/proc/sched_debug");
+        linux.set_masked_paths(Some(masked));
+        s.set_linux(Some(linux));
+        refused(&s, "/proc/sched_debug");
+
+        let mut s = good;
+        let mut linux = s.linux().clone().unwrap();
+        linux.set_readonly_paths(None);
+        s.set_linux(Some(linux));
+        refused(&s, "not read-only: /proc/");
     }
 
     #[test]
