@@ -131,8 +131,19 @@ async fn body<T: DeserializeOwned>(st: &AgentState, body: Body) -> Result<T, Box
     } else {
         &bytes
     };
+    parse_body(bytes).map_err(|message| {
+        Box::new(refuse(
+            StatusCode::BAD_REQUEST,
+            PluginError::invalid(message),
+        ))
+    })
+}
+
+/// Parses one JSON value and nothing after it (trailing bytes other than white space are refused); the error
+/// names the field at fault.
+fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let value = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         let at = if path == "." {
@@ -140,11 +151,11 @@ async fn body<T: DeserializeOwned>(st: &AgentState, body: Body) -> Result<T, Box
         } else {
             format!(" at {path}")
         };
-        Box::new(refuse(
-            StatusCode::BAD_REQUEST,
-            PluginError::invalid(format!("Malformed request body{at}: {inner}")),
-        ))
-    })
+        format!("Malformed request body{at}: {inner}")
+    })?;
+    de.end()
+        .map_err(|e| format!("Malformed request body: {e}"))?;
+    Ok(value)
 }
 
 async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Response {
@@ -375,4 +386,25 @@ async fn stream_events(sb: Arc<Sandbox>, ws: WebSocket) {
         }
     }
     hub.detach(g);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Kill {
+        #[allow(dead_code)]
+        grace: bool,
+    }
+
+    #[test]
+    fn a_body_with_bytes_after_its_value_is_refused() {
+        assert!(parse_body::<Kill>(b"{\"grace\":false}  \n").is_ok());
+        let e = parse_body::<Kill>(b"{\"grace\":false}xyz").unwrap_err();
+        assert!(e.contains("trailing characters"), "{e}");
+        let e = parse_body::<Kill>(b"{\"grace\":1}").unwrap_err();
+        assert!(e.contains("at grace"), "{e}");
+    }
 }
