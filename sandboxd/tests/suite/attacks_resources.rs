@@ -778,13 +778,13 @@ async fn rlimits_hold_and_large_inputs_and_artifacts_keep_the_daemon_responsive(
     a.finish();
 }
 
-/// rlimits: core 0, nofile 1024, fsize disk_mb; none can be raised; a crash leaves no core file.
+/// rlimits: core 1, nofile 1024, fsize disk_mb; none can be raised; a crash leaves no core file.
 async fn rlimits_cannot_be_raised(a: &mut Arena) {
     let case = "rlimits cannot be raised";
     let out = a
         .attack_py(case, RLIMIT_PROBE, json!({"disk_mb": 32, "memory_mb": 128}))
         .await;
-    assert_eq!(out["RLIMIT_CORE"], json!([0, 0]), "{case}: {out}");
+    assert_eq!(out["RLIMIT_CORE"], json!([1, 1]), "{case}: {out}");
     assert_eq!(out["RLIMIT_NOFILE"], json!([1024, 1024]), "{case}: {out}");
     assert_eq!(
         out["RLIMIT_FSIZE"],
@@ -978,24 +978,23 @@ time.sleep(3)
 /// runs a helper as root on the host) and cannot be lowered to 0; a crash leaves no core file; devpts holds at
 /// most 64 ptys and every tmpfs a bounded number of inodes. The host's `core_pattern` is left as it is.
 const BOUNDS_PROBE: &str = r#"
-import errno, json, os, resource, signal, subprocess
+import ctypes, errno, json, os, resource, signal, subprocess
 out = {}
 out["RLIMIT_CORE"] = list(resource.getrlimit(resource.RLIMIT_CORE))
+# Through libc: python's resource.setrlimit turns EPERM into a ValueError.
+libc = ctypes.CDLL(None, use_errno=True)
 for name, lim in (("setrlimit(core, 0/0)", (0, 0)), ("setrlimit(core, 0/1)", (0, 1))):
-    try:
-        resource.setrlimit(resource.RLIMIT_CORE, lim)
-        out[name] = "OK"
-    except OSError as e:
-        out[name] = errno.errorcode[e.errno]
-    except ValueError as e:
-        out[name] = "python: " + str(e)
+    r = libc.setrlimit(4, (ctypes.c_ulong * 2)(*lim))
+    out[name] = "OK" if r == 0 else errno.errorcode[ctypes.get_errno()]
 try:
     resource.prlimit(0, resource.RLIMIT_CORE, (0, 0))
     out["prlimit(core, 0/0)"] = "OK"
 except OSError as e:
     out["prlimit(core, 0/0)"] = errno.errorcode[e.errno]
 out["RLIMIT_CORE after"] = list(resource.getrlimit(resource.RLIMIT_CORE))
-sh = subprocess.run(["/bin/bash", "-c", "ulimit -c; ulimit -Hc; ulimit -c 0 2>/dev/null; echo rc=$?; ulimit -c"],
+# bash's ulimit counts 1024-byte blocks (1 byte shows as 0): prlimit(1) shows bytes.
+sh = subprocess.run(["/bin/bash", "-c", "ulimit -c 0 2>/dev/null; echo rc=$?; ulimit -Sc 0 2>/dev/null; echo rc=$?; "
+                     "prlimit --pid $$ --core --output SOFT,HARD --noheadings"],
                     capture_output=True, text=True)
 out["ulimit"] = sh.stdout.split()
 # A crash in /workspace and one in /tmp: the kernel must not dump.
@@ -1047,8 +1046,8 @@ async fn core_dumps_ptys_and_tmpfs_inodes_are_bounded() {
     expect("setrlimit(core, 0/1)", json!("EPERM"));
     expect("prlimit(core, 0/0)", json!("EPERM"));
     expect("RLIMIT_CORE after", json!([1, 1]));
-    // bash: soft, hard, `ulimit -c 0` fails, soft unchanged.
-    expect("ulimit", json!(["1", "1", "rc=1", "1"]));
+    // bash: `ulimit -c 0` and `ulimit -Sc 0` fail, soft and hard stay 1 byte.
+    expect("ulimit", json!(["rc=1", "rc=1", "1", "1"]));
     expect(
         "crashes",
         json!([["/workspace", true, false], ["/tmp", true, false]]),
