@@ -250,6 +250,9 @@ mod tests {
         }
     }
 
+    /// A call by argument: case name, syscall numbers of (x86_64, aarch64), arguments, expected answer.
+    type ArgCase = (&'static str, (u32, u32), &'static [u64], &'static str);
+
     /// Syscall numbers of (x86_64, aarch64).
     const SOCKET: (u32, u32) = (41, 198);
     const IOCTL: (u32, u32) = (16, 29);
@@ -258,6 +261,116 @@ mod tests {
     const PRLIMIT64: (u32, u32) = (302, 261);
     const EPERM: u32 = 0x0005_0001;
     const ALLOW: u32 = 0x7fff_0000;
+
+    const HI: u64 = 1 << 32;
+    const ARG_CASES: &[ArgCase] = &[
+        ("socket(AF_UNIX, SOCK_STREAM)", SOCKET, &[1, 1, 0], "allow"),
+        ("socket(AF_INET, SOCK_STREAM)", SOCKET, &[2, 1, 0], "allow"),
+        ("socket(AF_INET6, SOCK_DGRAM)", SOCKET, &[10, 2, 0], "allow"),
+        ("socket(AF_INET, SOCK_RAW)", SOCKET, &[2, 3, 1], "EPERM"),
+        (
+            "socket(AF_PACKET, SOCK_DGRAM)",
+            SOCKET,
+            &[17, 2, 0],
+            "EPERM",
+        ),
+        ("socket(AF_VSOCK)", SOCKET, &[40, 1, 0], "EPERM"),
+        (
+            "socket(AF_NETLINK, SOCK_RAW, NETLINK_ROUTE)",
+            SOCKET,
+            &[16, 3 | 0x80000, 0],
+            "allow",
+        ),
+        (
+            "socket(AF_NETLINK, SOCK_DGRAM, NETLINK_ROUTE)",
+            SOCKET,
+            &[16, 2, 0],
+            "allow",
+        ),
+        (
+            "socket(AF_NETLINK, SOCK_RAW, NETLINK_AUDIT)",
+            SOCKET,
+            &[16, 3, 9],
+            "EPERM",
+        ),
+        (
+            "socket(AF_NETLINK, .., NETLINK_KOBJECT_UEVENT)",
+            SOCKET,
+            &[16, 2, 15],
+            "EPERM",
+        ),
+        (
+            "socket(AF_NETLINK, .., NETLINK_AUDIT | 1<<32)",
+            SOCKET,
+            &[16, 2, HI | 9],
+            "EPERM",
+        ),
+        (
+            "socket(AF_NETLINK | 1<<32, .., NETLINK_AUDIT)",
+            SOCKET,
+            &[HI | 16, 2, 9],
+            "EPERM",
+        ),
+        ("ioctl(TIOCSTI)", IOCTL, &[0, 0x5412], "EPERM"),
+        ("ioctl(TIOCSETD)", IOCTL, &[0, 0x5423], "EPERM"),
+        ("ioctl(TIOCSETD | 1<<32)", IOCTL, &[0, HI | 0x5423], "EPERM"),
+        ("ioctl(TIOCGETD)", IOCTL, &[0, 0x5424], "allow"),
+        ("ioctl(FIONREAD)", IOCTL, &[0, 0x541B], "allow"),
+        ("personality(query)", PERSONALITY, &[0xffff_ffff], "allow"),
+        ("personality(PER_LINUX)", PERSONALITY, &[0], "allow"),
+        ("personality(PER_LINUX32)", PERSONALITY, &[8], "allow"),
+        (
+            "personality(ADDR_NO_RANDOMIZE)",
+            PERSONALITY,
+            &[0x0040000],
+            "EPERM",
+        ),
+        (
+            "personality(READ_IMPLIES_EXEC)",
+            PERSONALITY,
+            &[0x0400000],
+            "EPERM",
+        ),
+        ("personality(UNAME26)", PERSONALITY, &[0x0020000], "EPERM"),
+        (
+            "personality(ADDR_NO_RANDOMIZE | 1<<32)",
+            PERSONALITY,
+            &[HI | 0x0040000],
+            "EPERM",
+        ),
+        ("setrlimit(RLIMIT_CORE)", SETRLIMIT, &[4, 0x1000], "EPERM"),
+        (
+            "setrlimit(RLIMIT_CORE | 1<<32)",
+            SETRLIMIT,
+            &[HI | 4, 0x1000],
+            "EPERM",
+        ),
+        ("setrlimit(RLIMIT_NOFILE)", SETRLIMIT, &[7, 0x1000], "allow"),
+        (
+            "prlimit64(0, RLIMIT_CORE, new)",
+            PRLIMIT64,
+            &[0, 4, 0x1000, 0],
+            "EPERM",
+        ),
+        (
+            "prlimit64(0, RLIMIT_CORE, new at 1<<32)",
+            PRLIMIT64,
+            &[0, 4, HI, 0],
+            "EPERM",
+        ),
+        (
+            "prlimit64(0, RLIMIT_CORE, NULL, old)",
+            PRLIMIT64,
+            &[0, 4, 0, 0x1000],
+            "allow",
+        ),
+        (
+            "prlimit64(0, RLIMIT_NOFILE, new)",
+            PRLIMIT64,
+            &[0, 7, 0x1000, 0],
+            "allow",
+        ),
+    ];
 
     /// The compiled filters' answers to calls by argument: what the denylist refuses (`EPERM`) and what both
     /// filters let through. High bits of 32-bit arguments must not hide a value from the filter.
@@ -281,116 +394,7 @@ mod tests {
                     "other"
                 }
             };
-            let hi = 1u64 << 32;
-            let cases: &[(&str, (u32, u32), &[u64], &str)] = &[
-                ("socket(AF_UNIX, SOCK_STREAM)", SOCKET, &[1, 1, 0], "allow"),
-                ("socket(AF_INET, SOCK_STREAM)", SOCKET, &[2, 1, 0], "allow"),
-                ("socket(AF_INET6, SOCK_DGRAM)", SOCKET, &[10, 2, 0], "allow"),
-                ("socket(AF_INET, SOCK_RAW)", SOCKET, &[2, 3, 1], "EPERM"),
-                (
-                    "socket(AF_PACKET, SOCK_DGRAM)",
-                    SOCKET,
-                    &[17, 2, 0],
-                    "EPERM",
-                ),
-                ("socket(AF_VSOCK)", SOCKET, &[40, 1, 0], "EPERM"),
-                (
-                    "socket(AF_NETLINK, SOCK_RAW, NETLINK_ROUTE)",
-                    SOCKET,
-                    &[16, 3 | 0x80000, 0],
-                    "allow",
-                ),
-                (
-                    "socket(AF_NETLINK, SOCK_DGRAM, NETLINK_ROUTE)",
-                    SOCKET,
-                    &[16, 2, 0],
-                    "allow",
-                ),
-                (
-                    "socket(AF_NETLINK, SOCK_RAW, NETLINK_AUDIT)",
-                    SOCKET,
-                    &[16, 3, 9],
-                    "EPERM",
-                ),
-                (
-                    "socket(AF_NETLINK, .., NETLINK_KOBJECT_UEVENT)",
-                    SOCKET,
-                    &[16, 2, 15],
-                    "EPERM",
-                ),
-                (
-                    "socket(AF_NETLINK, .., NETLINK_AUDIT | 1<<32)",
-                    SOCKET,
-                    &[16, 2, hi | 9],
-                    "EPERM",
-                ),
-                (
-                    "socket(AF_NETLINK | 1<<32, .., NETLINK_AUDIT)",
-                    SOCKET,
-                    &[hi | 16, 2, 9],
-                    "EPERM",
-                ),
-                ("ioctl(TIOCSTI)", IOCTL, &[0, 0x5412], "EPERM"),
-                ("ioctl(TIOCSETD)", IOCTL, &[0, 0x5423], "EPERM"),
-                ("ioctl(TIOCSETD | 1<<32)", IOCTL, &[0, hi | 0x5423], "EPERM"),
-                ("ioctl(TIOCGETD)", IOCTL, &[0, 0x5424], "allow"),
-                ("ioctl(FIONREAD)", IOCTL, &[0, 0x541B], "allow"),
-                ("personality(query)", PERSONALITY, &[0xffff_ffff], "allow"),
-                ("personality(PER_LINUX)", PERSONALITY, &[0], "allow"),
-                ("personality(PER_LINUX32)", PERSONALITY, &[8], "allow"),
-                (
-                    "personality(ADDR_NO_RANDOMIZE)",
-                    PERSONALITY,
-                    &[0x0040000],
-                    "EPERM",
-                ),
-                (
-                    "personality(READ_IMPLIES_EXEC)",
-                    PERSONALITY,
-                    &[0x0400000],
-                    "EPERM",
-                ),
-                ("personality(UNAME26)", PERSONALITY, &[0x0020000], "EPERM"),
-                (
-                    "personality(ADDR_NO_RANDOMIZE | 1<<32)",
-                    PERSONALITY,
-                    &[hi | 0x0040000],
-                    "EPERM",
-                ),
-                ("setrlimit(RLIMIT_CORE)", SETRLIMIT, &[4, 0x1000], "EPERM"),
-                (
-                    "setrlimit(RLIMIT_CORE | 1<<32)",
-                    SETRLIMIT,
-                    &[hi | 4, 0x1000],
-                    "EPERM",
-                ),
-                ("setrlimit(RLIMIT_NOFILE)", SETRLIMIT, &[7, 0x1000], "allow"),
-                (
-                    "prlimit64(0, RLIMIT_CORE, new)",
-                    PRLIMIT64,
-                    &[0, 4, 0x1000, 0],
-                    "EPERM",
-                ),
-                (
-                    "prlimit64(0, RLIMIT_CORE, new at 1<<32)",
-                    PRLIMIT64,
-                    &[0, 4, hi, 0],
-                    "EPERM",
-                ),
-                (
-                    "prlimit64(0, RLIMIT_CORE, NULL, old)",
-                    PRLIMIT64,
-                    &[0, 4, 0, 0x1000],
-                    "allow",
-                ),
-                (
-                    "prlimit64(0, RLIMIT_NOFILE, new)",
-                    PRLIMIT64,
-                    &[0, 7, 0x1000, 0],
-                    "allow",
-                ),
-            ];
-            let wrong: Vec<String> = cases
+            let wrong: Vec<String> = ARG_CASES
                 .iter()
                 .filter_map(|(case, nr, args, want)| {
                     let got = answer(*nr, args);

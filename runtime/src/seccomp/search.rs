@@ -80,9 +80,9 @@ fn run(prog: &[sock_filter], arch: u32, nr: u32, args: &[u64; 6]) -> Option<(u32
                     NR => nr,
                     ARCH => arch,
                     // `args[i]` at 16 + 8i, low half first (x86_64 and aarch64 are little-endian).
-                    ARGS..=ARGS_END if k % 4 == 0 => {
+                    ARGS..=ARGS_END if k.is_multiple_of(4) => {
                         let i = ((k - ARGS) / 8) as usize;
-                        let half = if (k - ARGS) % 8 == 0 { 0 } else { 32 };
+                        let half = if (k - ARGS).is_multiple_of(8) { 0 } else { 32 };
                         (args[i] >> half) as u32
                     }
                     _ => return None,

@@ -228,13 +228,9 @@ print(json.dumps(out))
     a.finish();
 }
 
-#[tokio::test]
-async fn only_loopback_exists_and_works_inside() {
-    let Some(_g) = privileged("only_loopback_exists_and_works_inside").await else {
-        return;
-    };
-    let mut a = Arena::start("network", DaemonOpts::default()).await;
-
+/// The interfaces as libc, netlink (`NETLINK_ROUTE`, read-only without `CAP_NET_ADMIN`), `ip`, `/proc` and node
+/// list them: `lo` only.
+async fn only_loopback_is_listed(a: &mut Arena) {
     let case = "interfaces";
     let code = format!(
         r#"{PY_NET}
@@ -294,6 +290,16 @@ print(json.dumps(out))
     let out = json_of(case, &r);
     assert_eq!(out["ifaces"], json!(["lo"]), "{case}: {out}");
     a.contained(case);
+}
+
+#[tokio::test]
+async fn only_loopback_exists_and_works_inside() {
+    let Some(_g) = privileged("only_loopback_exists_and_works_inside").await else {
+        return;
+    };
+    let mut a = Arena::start("network", DaemonOpts::default()).await;
+
+    only_loopback_is_listed(&mut a).await;
 
     // A server and a client inside one execution, TCP and UDP, IPv4 and IPv6.
     let case = "loopback inside";

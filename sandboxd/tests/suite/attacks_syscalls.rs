@@ -489,6 +489,21 @@ async fn raw_and_foreign_sockets_and_terminal_injection_fail_with_eperm() {
     a.finish();
 }
 
+/// Every key of `want` has its value in `out`; otherwise fails with `what` and every difference.
+fn assert_matches(out: &Value, want: &Value, what: &str) {
+    let mut wrong = Vec::new();
+    for (k, v) in want.as_object().unwrap() {
+        if &out[k] != v {
+            wrong.push(format!("{k}: {} (expected {v})", out[k]));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{what}:\n  {}\n(all: {out})",
+        wrong.join("\n  ")
+    );
+}
+
 #[tokio::test]
 async fn allowed_syscalls_with_allowed_arguments_still_work() {
     let Some((_g, mut a)) = arena("allowed_syscalls_with_allowed_arguments_still_work").await
@@ -597,17 +612,7 @@ print(json.dumps(out))
         "setuid(1)": "EINVAL",
         "_pty": "pty",
     });
-    let mut wrong = Vec::new();
-    for (k, v) in want.as_object().unwrap() {
-        if &out[k] != v {
-            wrong.push(format!("{k}: {} (expected {v})", out[k]));
-        }
-    }
-    assert!(
-        wrong.is_empty(),
-        "allowed calls broken by the hardening:\n  {}\n(all: {out})",
-        wrong.join("\n  ")
-    );
+    assert_matches(&out, &want, "allowed calls broken by the hardening");
     a.contained("allowed calls still work");
     a.finish();
 }
