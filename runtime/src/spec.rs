@@ -64,9 +64,10 @@ pub struct ContainerPlan {
 pub const PTY_MAX: u32 = 64;
 /// Inodes of the container's `/dev` tmpfs: it holds a dozen entries.
 pub const DEV_INODES: u64 = 256;
-/// A tmpfs gets one inode per this many bytes of its size: without `nr_inodes` the kernel allows half the host's
-/// RAM pages, whatever the size, and empty files take no space.
-pub const BYTES_PER_INODE: u64 = 8 << 10;
+/// A tmpfs gets one inode per page of its size: without `nr_inodes` the kernel allows half the host's RAM pages,
+/// whatever the size, since empty files and directories take no space. A non-empty file takes at least a page, so
+/// the bound only ever stops empty files and directories.
+pub const BYTES_PER_INODE: u64 = 4 << 10;
 /// The fewest inodes a sized tmpfs gets.
 pub const MIN_INODES: u64 = 1024;
 
@@ -320,8 +321,8 @@ pub(crate) mod tests {
         assert_eq!((core.soft(), core.hard()), (1, 1));
         let pts = options_of(&spec, "/dev/pts");
         assert!(pts.iter().any(|o| o == "max=64"), "/dev/pts: {pts:?}");
-        // `/dev` holds a dozen entries; `/dev/shm` one inode per 8 KiB of its 64 MiB.
-        for (dest, inodes) in [("/dev", "nr_inodes=256"), ("/dev/shm", "nr_inodes=8192")] {
+        // `/dev` holds a dozen entries; `/dev/shm` one inode per 4 KiB page of its 64 MiB.
+        for (dest, inodes) in [("/dev", "nr_inodes=256"), ("/dev/shm", "nr_inodes=16384")] {
             let o = options_of(&spec, dest);
             assert!(o.iter().any(|o| o == inodes), "{dest}: {o:?}");
         }

@@ -446,7 +446,7 @@ mod tests {
         assert!(usr
             .flags
             .contains(MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV));
-        assert_eq!(b.mounts[3].data, "mode=1777,size=67108864,nr_inodes=8192");
+        assert_eq!(b.mounts[3].data, "mode=1777,size=67108864,nr_inodes=16384");
         assert_eq!(
             b.mounts[2].data,
             "newinstance,ptmxmode=0666,mode=0620,max=64"

@@ -1054,10 +1054,10 @@ async fn core_dumps_ptys_and_tmpfs_inodes_are_bounded() {
     );
     expect("core files", json!([]));
     expect("ptys", json!([64, "ENOSPC"]));
-    // 64 MiB of disk (and /dev/shm): one inode per 8 KiB; /dev a dozen entries.
+    // 64 MiB of disk (and /dev/shm): one inode per 4 KiB page; /dev a dozen entries.
     expect(
         "inodes",
-        json!({"/workspace": 8192, "/tmp": 8192, "/dev": 256, "/dev/shm": 8192}),
+        json!({"/workspace": 16384, "/tmp": 16384, "/dev": 256, "/dev/shm": 16384}),
     );
     let devpts = out["devpts options"].to_string();
     if !devpts.contains("max=64") {
