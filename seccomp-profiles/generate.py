@@ -26,7 +26,7 @@ ALLOW = [
     ("sendfile", "copy between descriptors in the kernel"), ("copy_file_range", "copy between files in the kernel"),
     ("splice", "move data between a pipe and a descriptor"), ("tee", "duplicate pipe content"),
     ("vmsplice", "map user pages into a pipe"), ("pipe", "create a pipe"), ("pipe2", "create a pipe with flags"),
-    ("ioctl", "device control (TIOCSTI and TIOCLINUX are denied separately)"),
+    ("ioctl", "device control (TIOCSTI, TIOCLINUX and TIOCSETD are denied separately)"),
     # file metadata and directories
     ("stat", "file status by path"), ("fstat", "file status of a descriptor"), ("lstat", "file status, not following links"),
     ("newfstatat", "file status relative to a directory fd"), ("statx", "extended file status"),
@@ -86,9 +86,9 @@ ALLOW = [
     ("sched_get_priority_max", "priority range"), ("sched_get_priority_min", "priority range"),
     ("sched_rr_get_interval", "round-robin interval"), ("sched_getattr", "scheduling attributes"),
     ("sched_setattr", "scheduling attributes"), ("getpriority", "nice value"), ("setpriority", "nice value (raise only)"),
-    ("getrlimit", "resource limits"), ("setrlimit", "resource limits (lower only without caps)"),
-    ("prlimit64", "resource limits of a process"), ("getrusage", "resource usage"), ("times", "process times"),
-    ("personality", "execution domain (used by some runtimes)"), ("pidfd_open", "descriptor for a process"),
+    ("getrlimit", "resource limits"), ("setrlimit", "resource limits (lower only without caps; RLIMIT_CORE denied separately)"),
+    ("prlimit64", "resource limits of a process (setting RLIMIT_CORE denied separately)"), ("getrusage", "resource usage"), ("times", "process times"),
+    ("personality", "execution domain: querying, PER_LINUX and PER_LINUX32 only (the rest denied separately)"), ("pidfd_open", "descriptor for a process"),
     ("pidfd_send_signal", "signal through a process descriptor"), ("pidfd_getfd", "copy a descriptor (ptrace rules apply)"),
     ("ioprio_get", "I/O priority"), ("ioprio_set", "I/O priority"), ("getcpu", "current cpu"),
     # signals
@@ -110,7 +110,7 @@ ALLOW = [
     ("epoll_ctl", "event poll"), ("epoll_wait", "event poll"), ("epoll_pwait", "event poll"), ("epoll_pwait2", "event poll"),
     ("eventfd", "event counter"), ("eventfd2", "event counter"),
     # sockets (the network namespace has only loopback)
-    ("socket", "create a socket (other families and SOCK_RAW are denied separately)"),
+    ("socket", "create a socket (families but AF_UNIX, AF_INET, AF_INET6 and NETLINK_ROUTE, and SOCK_RAW IP, are denied separately)"),
     ("socketpair", "connected unix socket pair (other families are denied separately)"), ("bind", "bind a socket"), ("listen", "listen on a socket"),
     ("accept", "accept a connection"), ("accept4", "accept a connection with flags"), ("connect", "connect a socket"),
     ("getsockname", "socket address"), ("getpeername", "peer address"), ("sendto", "send"), ("recvfrom", "receive"),
@@ -174,12 +174,35 @@ DENY = [
     ("set_mempolicy_home_node", "NUMA policy of ranges"),
 ]
 
-AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
+NETLINK_ROUTE = 0
 SOCK_RAW, SOCK_PACKET, SOCK_TYPE_MASK = 3, 10, 0xF
-TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+TIOCSTI, TIOCLINUX, TIOCSETD = 0x5412, 0x541C, 0x5423
+PERSONALITY_QUERY, PER_LINUX, PER_LINUX32 = 0xFFFFFFFF, 0x0000, 0x0008
+RLIMIT_CORE = 4
 
 def cond(index, typ, op, val, comment):
     return {"index": index, "type": typ, "op": op, "val": val, "comment": comment}
+
+def socket_rules():
+    """AF_UNIX, AF_INET, AF_INET6 and, of netlink, NETLINK_ROUTE only (getifaddrs(3), if_nameindex(3), node's
+    os.networkInterfaces(), `ip` read the loopback-only namespace through it; changes need CAP_NET_ADMIN, which no
+    program has). Family, type and protocol are ints to the kernel: compared as 32-bit values."""
+    return [
+        {"syscall": "socket", "comment": "socket families other than AF_UNIX, AF_INET, AF_INET6, AF_NETLINK (AF_PACKET, AF_VSOCK, AF_ALG, ...)",
+         "args": [cond(0, "dword", "ne", AF_UNIX, "not AF_UNIX"), cond(0, "dword", "ne", AF_INET, "not AF_INET"),
+                  cond(0, "dword", "ne", AF_INET6, "not AF_INET6"), cond(0, "dword", "ne", AF_NETLINK, "not AF_NETLINK")]},
+        {"syscall": "socket", "comment": "netlink protocols other than NETLINK_ROUTE (audit, sock_diag, uevents, generic, netfilter, ...)",
+         "args": [cond(0, "dword", "eq", AF_NETLINK, "AF_NETLINK"), cond(2, "dword", "ne", NETLINK_ROUTE, "not NETLINK_ROUTE")]},
+        {"syscall": "socketpair", "comment": "socket pairs of any family but AF_UNIX (the family code would be reached)",
+         "args": [cond(0, "dword", "ne", AF_UNIX, "not AF_UNIX")]},
+        # Netlink sockets are SOCK_RAW (or SOCK_DGRAM) by definition: the raw-socket rule is for the IP families.
+        {"syscall": "socket", "comment": "SOCK_RAW IP sockets: forge packets",
+         "args": [cond(0, "dword", "ne", AF_NETLINK, "not AF_NETLINK"),
+                  cond(1, "dword", {"masked_eq": SOCK_TYPE_MASK}, SOCK_RAW, "type is SOCK_RAW (flags masked off)")]},
+        {"syscall": "socket", "comment": "SOCK_PACKET sockets: forge packets",
+         "args": [cond(1, "dword", {"masked_eq": SOCK_TYPE_MASK}, SOCK_PACKET, "type is SOCK_PACKET (flags masked off)")]},
+    ]
 
 def build(names, arch):
     have = set(names)
@@ -188,17 +211,22 @@ def build(names, arch):
     for flag, bit in CLONE_NEW:
         deny.append({"syscall": "clone", "comment": f"clone with {flag}: no new namespaces",
                      "args": [cond(0, "qword", {"masked_eq": bit}, bit, f"flags & {flag}")]})
-    deny.append({"syscall": "socket", "comment": "socket families other than AF_UNIX, AF_INET, AF_INET6 (AF_PACKET, AF_NETLINK, AF_VSOCK, ...)",
-                 "args": [cond(0, "dword", "ne", AF_UNIX, "not AF_UNIX"), cond(0, "dword", "ne", AF_INET, "not AF_INET"),
-                          cond(0, "dword", "ne", AF_INET6, "not AF_INET6")]})
-    deny.append({"syscall": "socketpair", "comment": "socket pairs of any family but AF_UNIX (the family code would be reached)",
-                 "args": [cond(0, "dword", "ne", AF_UNIX, "not AF_UNIX")]})
-    for name, t in (("SOCK_RAW", SOCK_RAW), ("SOCK_PACKET", SOCK_PACKET)):
-        deny.append({"syscall": "socket", "comment": f"{name} sockets: forge packets",
-                     "args": [cond(1, "dword", {"masked_eq": SOCK_TYPE_MASK}, t, f"type is {name} (flags masked off)")]})
-    for name, cmd in (("TIOCSTI", TIOCSTI), ("TIOCLINUX", TIOCLINUX)):
-        deny.append({"syscall": "ioctl", "comment": f"{name}: inject input into a terminal; compared as a 32-bit value so the high-bits variants match too",
+    deny.extend(socket_rules())
+    for name, cmd, why in (("TIOCSTI", TIOCSTI, "inject input into a terminal"),
+                           ("TIOCLINUX", TIOCLINUX, "inject input into a terminal"),
+                           ("TIOCSETD", TIOCSETD, "attach another line discipline (n_gsm, n_hdlc, ...: kernel code with a history of bugs)")):
+        deny.append({"syscall": "ioctl", "comment": f"{name}: {why}; compared as a 32-bit value so the high-bits variants match too",
                      "args": [cond(1, "dword", "eq", cmd, f"request == {name}")]})
+    deny.append({"syscall": "personality", "comment": "personality flags (ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC, UNAME26, ...): only querying, PER_LINUX and PER_LINUX32 (uname's machine only); the kernel reads an unsigned int",
+                 "args": [cond(0, "dword", "ne", PERSONALITY_QUERY, "not a query (0xffffffff)"),
+                          cond(0, "dword", "ne", PER_LINUX, "not PER_LINUX"), cond(0, "dword", "ne", PER_LINUX32, "not PER_LINUX32")]})
+    # RLIMIT_CORE is 1: below a page, so no core file is written, and the value the kernel reads as "no piped
+    # dump" when core_pattern is a pipe (0 is ignored there). A program must not set 0 (nor anything else).
+    deny.append({"syscall": "setrlimit", "comment": "setting RLIMIT_CORE: its value 1 stops piped core dumps (0 would not)",
+                 "args": [cond(0, "dword", "eq", RLIMIT_CORE, "resource == RLIMIT_CORE")]})
+    deny.append({"syscall": "prlimit64", "comment": "setting RLIMIT_CORE (reading it, with a NULL new limit, stays allowed)",
+                 "args": [cond(1, "dword", "eq", RLIMIT_CORE, "resource == RLIMIT_CORE"),
+                          cond(2, "qword", "ne", 0, "new limit is not NULL")]})
     return {
         "allowlist": {
             "mismatch_action": {"errno": 38},

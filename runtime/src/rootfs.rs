@@ -5,7 +5,7 @@
 //! `/sbin` directories) bind-mounted read-only, and a generated `/etc` with nothing of the host's but the dynamic
 //! linker cache and the alternatives links. The skeleton is built once at start-up and shared read-only.
 //!
-//! Each execution gets a [`Scratch`]: a size-limited tmpfs (`disk_mb`) mounted in the daemon's private mount
+//! Each execution gets a [`Scratch`]: a size- and inode-limited tmpfs (`disk_mb`) mounted in the daemon's private mount
 //! namespace, holding the writable working directory and `/tmp`, plus a read-only directory with the code. On an
 //! OCI image ([`crate::image`]) the same tmpfs also holds the upper and work directories of the execution's overlay
 //! root (the image's unpacked layers as read-only lowers), so `disk_mb` bounds everything the program writes and
@@ -278,7 +278,11 @@ impl Scratch {
     fn mount(&mut self, disk_bytes: u64, host_id: u32) -> Result<()> {
         let tmpfs = self.dir.join("scratch");
         mkdir(&tmpfs, 0o755)?;
-        let data = format!("size={disk_bytes},mode=0755,uid={host_id},gid={host_id}");
+        // Inodes bounded with the size: empty files (and directories) take no space.
+        let data = format!(
+            "size={disk_bytes},nr_inodes={},mode=0755,uid={host_id},gid={host_id}",
+            crate::spec::inodes_for(disk_bytes)
+        );
         nix::mount::mount(
             Some("sandboxd-scratch"),
             &tmpfs,

@@ -59,6 +59,29 @@ pub struct ContainerPlan {
     pub shm_bytes: u64,
 }
 
+/// Ptys one container's devpts may hold (`max=`): the host's `kernel.pty.max` (4096 by default, 1024 of them
+/// reserved for the host's own devpts) is shared by every container.
+pub const PTY_MAX: u32 = 64;
+/// Inodes of the container's `/dev` tmpfs: it holds a dozen entries.
+pub const DEV_INODES: u64 = 256;
+/// A tmpfs gets one inode per page of its size: without `nr_inodes` the kernel allows half the host's RAM pages,
+/// whatever the size, since empty files and directories take no space. A non-empty file takes at least a page, so
+/// the bound only ever stops empty files and directories.
+pub const BYTES_PER_INODE: u64 = 4 << 10;
+/// The fewest inodes a sized tmpfs gets.
+pub const MIN_INODES: u64 = 1024;
+
+/// `nr_inodes` of a tmpfs of `bytes`.
+pub fn inodes_for(bytes: u64) -> u64 {
+    (bytes / BYTES_PER_INODE).max(MIN_INODES)
+}
+
+/// `RLIMIT_CORE`, soft and hard: 1, not 0. Below a page, so no core file is ever written, and the one value the
+/// kernel reads as "no dump" when `core_pattern` pipes to a helper (systemd-coredump, apport), which it would
+/// otherwise start as root on the host, outside every cgroup, for each crash; 0 is ignored for pipes. The seccomp
+/// profile refuses every change of it.
+pub const CORE_LIMIT: u64 = 1;
+
 fn mount(dest: &str, typ: &str, source: &str, options: &[&str]) -> Result<Mount> {
     Ok(MountBuilder::default()
         .destination(dest)
@@ -87,7 +110,8 @@ pub fn build(plan: &ContainerPlan) -> Result<Spec> {
         .build()?)
 }
 
-/// `/proc`, a small `/dev` with `pts` and `shm`, then the plan's bind mounts in order.
+/// `/proc`, a small `/dev` with `pts` (at most [`PTY_MAX`] ptys) and `shm`, then the plan's bind mounts in order.
+/// Every tmpfs has a size and an inode bound.
 fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>> {
     let mut mounts = vec![
         mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])?,
@@ -95,7 +119,13 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>> {
             "/dev",
             "tmpfs",
             "tmpfs",
-            &["nosuid", "strictatime", "mode=755", "size=65536k"],
+            &[
+                "nosuid",
+                "strictatime",
+                "mode=755",
+                "size=65536k",
+                &format!("nr_inodes={DEV_INODES}"),
+            ],
         )?,
         mount(
             "/dev/pts",
@@ -110,6 +140,7 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>> {
                 // default): without a cap of its own, one container takes them all and no other can open a pty.
                 "max=64",
                 "mode=0620",
+                &format!("max={PTY_MAX}"),
             ],
         )?,
         mount(
@@ -122,6 +153,7 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>> {
                 "nodev",
                 "mode=1777",
                 &format!("size={}", plan.shm_bytes),
+                &format!("nr_inodes={}", inodes_for(plan.shm_bytes)),
             ],
         )?,
     ];
@@ -140,7 +172,8 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>> {
     Ok(mounts)
 }
 
-/// The program as root of the user namespace with no capabilities, `no_new_privs` and rlimits (no core dumps).
+/// The program as root of the user namespace with no capabilities, `no_new_privs` and rlimits (no core dumps:
+/// [`CORE_LIMIT`]).
 fn process(plan: &ContainerPlan) -> Result<oci_spec::runtime::Process> {
     let no_caps = Capabilities::new();
     Ok(ProcessBuilder::default()
@@ -162,8 +195,8 @@ fn process(plan: &ContainerPlan) -> Result<oci_spec::runtime::Process> {
         .rlimits(vec![
             PosixRlimitBuilder::default()
                 .typ(PosixRlimitType::RlimitCore)
-                .hard(0u64)
-                .soft(0u64)
+                .hard(CORE_LIMIT)
+                .soft(CORE_LIMIT)
                 .build()?,
             PosixRlimitBuilder::default()
                 .typ(PosixRlimitType::RlimitNofile)
@@ -258,6 +291,43 @@ pub(crate) mod tests {
             nofile: 1024,
             fsize_bytes: 64 << 20,
             shm_bytes: 64 << 20,
+        }
+    }
+
+    fn options_of<'a>(spec: &'a Spec, dest: &str) -> &'a Vec<String> {
+        spec.mounts()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|m| m.destination() == &PathBuf::from(dest))
+            .unwrap_or_else(|| panic!("no mount at {dest}"))
+            .options()
+            .as_ref()
+            .unwrap()
+    }
+
+    /// Core dumps: soft and hard 1 (0 does not stop a piped `core_pattern`); one container cannot take the host's
+    /// ptys or a tmpfs's inodes without bound.
+    #[test]
+    fn core_limit_is_one_and_ptys_and_inodes_are_bounded() {
+        let spec = build(&plan()).unwrap();
+        let core = spec
+            .process()
+            .as_ref()
+            .unwrap()
+            .rlimits()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|r| r.typ() == PosixRlimitType::RlimitCore)
+            .unwrap();
+        assert_eq!((core.soft(), core.hard()), (1, 1));
+        let pts = options_of(&spec, "/dev/pts");
+        assert!(pts.iter().any(|o| o == "max=64"), "/dev/pts: {pts:?}");
+        // `/dev` holds a dozen entries; `/dev/shm` one inode per 4 KiB page of its 64 MiB.
+        for (dest, inodes) in [("/dev", "nr_inodes=256"), ("/dev/shm", "nr_inodes=16384")] {
+            let o = options_of(&spec, dest);
+            assert!(o.iter().any(|o| o == inodes), "{dest}: {o:?}");
         }
     }
 

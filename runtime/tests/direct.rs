@@ -77,6 +77,14 @@ fn main() {
             "a_taken_id_is_refused_and_its_cgroup_left_alone",
             rt.block_on(t.taken(&helper)),
         ),
+        (
+            "a_symlink_at_proc_is_refused",
+            rt.block_on(t.proc_symlink(&helper)),
+        ),
+        (
+            "bind_flags_hold_on_every_submount",
+            rt.block_on(t.recursive_bind_flags(&helper)),
+        ),
     ];
     let _ = rt.block_on(helper.shutdown());
     let _ = nix::sys::wait::waitpid(pid, None);
@@ -229,35 +237,10 @@ impl Test {
                 return Err(format!("the init's fd {fd} is {}", link.display()));
             }
         }
-        let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
-        let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
         let script =
             "grep -E '^(Cap|NoNewPrivs|Seccomp:|Uid|Gid|Groups)' /proc/self/status; hostname; \
                       cat /proc/self/cgroup | grep -c ':/$'; wc -l < /proc/self/cgroup";
-        runtime::launch::send(
-            created.launch.as_fd(),
-            &Launch {
-                args: vec!["/bin/sh".into(), "-c".into(), script.into()],
-                env: vec!["PATH=/usr/bin:/bin".into()],
-            },
-            [null.as_fd(), out_w.as_fd(), out_w.as_fd()],
-        )
-        .map_err(|e| format!("launch: {e}"))?;
-        drop(out_w);
-        let mut out = String::new();
-        std::fs::File::from(out_r)
-            .read_to_string(&mut out)
-            .map_err(|e| e.to_string())?;
-        let mut status = String::new();
-        std::fs::File::from(created.status)
-            .read_to_string(&mut status)
-            .map_err(|e| e.to_string())?;
-        let report = runtime::init::Report::decode(&status);
-        if report.exit != Some(runtime::init::ProgramExit::Code(0)) {
-            return Err(format!(
-                "program did not exit 0: {status:?}; output {out:?}"
-            ));
-        }
+        let out = launch(created, script)?;
         for want in [
             "CapInh:\t0000000000000000",
             "CapPrm:\t0000000000000000",
@@ -364,4 +347,102 @@ impl Test {
             Err(_) => self.nothing_left(id),
         }
     }
+
+    /// An image whose `/proc` is a symlink (here to its `/tmp`): the start must refuse it rather than mount proc
+    /// wherever the link points.
+    async fn proc_symlink(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-proc-link";
+        let image = HostImage::prepare(&self.tmp.join("image-proc-link"), Path::new("/"))
+            .map_err(|e| e.to_string())?;
+        let proc_dir = image.rootfs.join("proc");
+        std::fs::remove_dir(&proc_dir).map_err(|e| e.to_string())?;
+        std::os::unix::fs::symlink("tmp", &proc_dir).map_err(|e| e.to_string())?;
+        let mut plan = self.plan(id, 3_900_005);
+        plan.rootfs = image.rootfs.clone();
+        plan.binds = image.binds.clone();
+        let spec = build(&plan).map_err(|e| e.to_string())?;
+        self.refused_with(helper, id, &spec, "mount /proc: not a plain directory")
+            .await
+    }
+
+    /// A read-only bind whose source has a mount below it: the submount is read-only, nosuid and nodev in the
+    /// container too (the flags are set on the whole detached tree before it is attached).
+    async fn recursive_bind_flags(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-rbind";
+        let source = self.tmp.join("rbind-source");
+        let sub = source.join("sub");
+        std::fs::create_dir_all(&sub).map_err(|e| e.to_string())?;
+        nix::mount::mount(
+            Some("tmpfs"),
+            &sub,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=64k"),
+        )
+        .map_err(|e| format!("mount a tmpfs on {}: {e}", sub.display()))?;
+        let mut plan = self.plan(id, 3_900_006);
+        plan.binds.push(runtime::spec::BindMount {
+            source: source.clone(),
+            destination: "/sandbox".into(),
+            readonly: true,
+        });
+        let spec = build(&plan).map_err(|e| e.to_string())?;
+        let created = helper
+            .create(id, self.bundle(id, &spec), self.policy())
+            .await
+            .map_err(|e| format!("create: {}", runtime::error::Chain(&e)));
+        let checked = created.and_then(|c| {
+            launch(
+                c,
+                "awk '$5 == \"/sandbox\" || $5 == \"/sandbox/sub\" { print $5, $6 }' /proc/self/mountinfo",
+            )
+        });
+        let _ = helper.remove(id).await;
+        let _ = nix::mount::umount2(&sub, nix::mount::MntFlags::MNT_DETACH);
+        let out = checked?;
+        let mounts: Vec<(&str, &str)> = out.lines().filter_map(|l| l.split_once(' ')).collect();
+        if mounts.len() != 2 {
+            return Err(format!("expected /sandbox and /sandbox/sub: {out:?}"));
+        }
+        for (point, opts) in mounts {
+            let opts: Vec<&str> = opts.split(',').collect();
+            for want in ["ro", "nosuid", "nodev"] {
+                if !opts.contains(&want) {
+                    return Err(format!("{point} is mounted {opts:?}, without {want}"));
+                }
+            }
+        }
+        self.nothing_left(id)
+    }
+}
+
+/// Launches `/bin/sh -c script` in a created container; its output, once it exited 0.
+fn launch(created: runtime::helper::Created, script: &str) -> Result<String, String> {
+    let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
+    let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
+    runtime::launch::send(
+        created.launch.as_fd(),
+        &Launch {
+            args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            env: vec!["PATH=/usr/bin:/bin".into()],
+        },
+        [null.as_fd(), out_w.as_fd(), out_w.as_fd()],
+    )
+    .map_err(|e| format!("launch: {e}"))?;
+    drop(out_w);
+    let mut out = String::new();
+    std::fs::File::from(out_r)
+        .read_to_string(&mut out)
+        .map_err(|e| e.to_string())?;
+    let mut status = String::new();
+    std::fs::File::from(created.status)
+        .read_to_string(&mut status)
+        .map_err(|e| e.to_string())?;
+    let report = runtime::init::Report::decode(&status);
+    if report.exit != Some(runtime::init::ProgramExit::Code(0)) {
+        return Err(format!(
+            "program did not exit 0: {status:?}; output {out:?}"
+        ));
+    }
+    Ok(out)
 }

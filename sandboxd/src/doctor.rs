@@ -51,8 +51,41 @@ pub fn run(config: &Config) -> Vec<Check> {
     out.push(cgroup_check(config));
     out.extend(confinement_checks(config));
     out.extend(filesystem_checks());
+    out.push(core_dump_check(
+        std::fs::read_to_string("/proc/sys/kernel/core_pattern")
+            .ok()
+            .as_deref(),
+    ));
     out.extend(language_checks());
     out
+}
+
+/// What a crash inside an execution would do with the host's `core_pattern` (`None`: unreadable). A pattern that
+/// pipes (`|/usr/lib/systemd/systemd-coredump ...`, apport) makes the kernel start that helper as root on the host,
+/// outside every cgroup, for each crash, and ignores `RLIMIT_CORE=0` for it; executions run with `RLIMIT_CORE=1`,
+/// the value the kernel reads as "no piped dump" (and below a page, so no core file either), which their seccomp
+/// profile does not let them change. Reported, not refused: sandboxd does not change the host's setting.
+fn core_dump_check(pattern: Option<&str>) -> Check {
+    let Some(pattern) = pattern.map(str::trim) else {
+        return check(
+            "core dumps",
+            false,
+            "kernel.core_pattern unreadable".into(),
+            "check /proc/sys/kernel/core_pattern; executions run with RLIMIT_CORE=1 whatever it says",
+            false,
+        );
+    };
+    let detail = match pattern.strip_prefix('|') {
+        Some(helper) => format!(
+            "kernel.core_pattern pipes to {}: a crash would start it as root on the host; executions run with \
+             RLIMIT_CORE=1 (fixed by seccomp), which stops a piped dump (0 would not)",
+            helper.split_whitespace().next().unwrap_or("a helper")
+        ),
+        None => format!(
+            "kernel.core_pattern {pattern:?}: executions run with RLIMIT_CORE=1 (below a page: no core file)"
+        ),
+    };
+    check("core dumps", true, detail, "", false)
 }
 
 /// Root and the kernel version.
@@ -249,6 +282,33 @@ mod tests {
         assert_eq!(parse_kernel("6.18.44-fc-v657"), (6, 18));
         assert_eq!(parse_kernel("5.4.0-150-generic"), (5, 4));
         assert_eq!(parse_kernel("garbage"), (0, 0));
+    }
+
+    /// A piped `core_pattern` is reported, with what stops it; a file pattern is fine as it is.
+    #[test]
+    fn a_piped_core_pattern_is_reported() {
+        let checks = run(&Config::default());
+        let core = checks
+            .iter()
+            .find(|c| c.name == "core dumps")
+            .expect("a core dumps check");
+        assert_eq!(core.verdict, Verdict::Ok, "{core:?}");
+        assert!(core.detail.contains("core_pattern"), "{core:?}");
+        let piped = core_dump_check(Some(
+            "|/usr/lib/systemd/systemd-coredump %P %u %g %s %t %c %h\n",
+        ));
+        assert_eq!(piped.verdict, Verdict::Ok, "{piped:?}");
+        assert!(
+            piped
+                .detail
+                .contains("pipes to /usr/lib/systemd/systemd-coredump")
+                && piped.detail.contains("RLIMIT_CORE=1"),
+            "{piped:?}"
+        );
+        let file = core_dump_check(Some("core\n"));
+        assert!(!file.detail.contains("pipes"), "{file:?}");
+        let unreadable = core_dump_check(None);
+        assert_eq!(unreadable.verdict, Verdict::Warn, "{unreadable:?}");
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! (`<step>: <error>`) and ends the process. Each step fails closed: nothing is skipped but a masked or read-only
 //! path the kernel does not have.
 
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::ffi::{CStr, CString};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path};
 
 use caps::CapSet;
@@ -210,12 +212,32 @@ fn resolve(root: &OwnedFd, path: &Path, file: bool) -> Result<OwnedFd, Failed> {
     resolve(root, path, file)
 }
 
+/// [`resolve`] for a mount point that must be a plain directory: its last component may not be a symlink (an
+/// image's `/proc -> elsewhere` would put proc, and so the masked and read-only paths, where the image chose) nor
+/// anything but a directory.
+fn resolve_plain_dir(root: &OwnedFd, path: &Path) -> Result<OwnedFd, Failed> {
+    // Creates a missing directory (and parents); an existing entry is checked below.
+    drop(resolve(root, path, false)?);
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    match nix::fcntl::openat2(root.as_raw_fd(), path, how) {
+        // SAFETY: openat2 returned a new descriptor nothing else owns.
+        Ok(fd) => Ok(unsafe { OwnedFd::from_raw_fd(fd) }),
+        // O_PATH | O_NOFOLLOW on a symlink opens the link itself, which O_DIRECTORY refuses.
+        Err(nix::Error::ENOTDIR | nix::Error::ELOOP) => Err(Failed(format!(
+            "mount {}: not a plain directory in the image (a symlink or a file)",
+            path.display()
+        ))),
+        Err(e) => Err(Failed(format!("resolve {}: {e}", path.display()))),
+    }
+}
+
 fn mount_one(root: &OwnedFd, m: &MountStep) -> Result<(), Failed> {
-    let none: Option<&str> = None;
     let what = format_args!("mount {}", m.destination.display()).to_string();
     match &m.kind {
         MountKind::Fresh { fstype, source } => {
-            let target = resolve(root, &m.destination, false)?;
+            let target = resolve_plain_dir(root, &m.destination)?;
             let data = (!m.data.is_empty()).then_some(m.data.as_str());
             step(
                 what,
@@ -230,22 +252,135 @@ fn mount_one(root: &OwnedFd, m: &MountStep) -> Result<(), Failed> {
         }
         MountKind::Bind { source } => {
             let target = resolve(root, &m.destination, !source.is_dir())?;
-            step(
-                &what,
-                nix::mount::mount(
-                    Some(source),
-                    fd_path(&target).as_str(),
-                    none,
-                    MsFlags::MS_BIND | MsFlags::MS_REC,
-                    none,
-                ),
-            )?;
-            // Every bind is remounted: the blueprint gives each at least `nosuid,nodev`.
-            // The descriptor still names what was under the new mount: resolve again to reach the mount itself.
-            let mounted = resolve(root, &m.destination, false)?;
-            remount(Path::new(&fd_path(&mounted)), m.flags)
+            let attrs = mount_attrs(m.flags).map_err(|f| Failed(format!("{what}: {f}")))?;
+            let source = path_cstring(source)?;
+            bind_tree(libc::AT_FDCWD, &source, attrs, &target, &what)
         }
     }
+}
+
+/// A path as the C string a syscall takes.
+fn path_cstring(path: &Path) -> Result<CString, Failed> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| Failed(format!("a NUL in {}", path.display())))
+}
+
+/// `MOUNT_ATTR_*` to set (and the atime bits to clear first) for the mount flags of a bind; the flags a bind may
+/// have are the ones [`super::plan`] reads from the spec.
+fn mount_attrs(flags: MsFlags) -> Result<(u64, u64), String> {
+    let mut set = 0;
+    let mut clear = 0;
+    let mut rest = flags;
+    for (ms, attr) in [
+        (MsFlags::MS_RDONLY, libc::MOUNT_ATTR_RDONLY),
+        (MsFlags::MS_NOSUID, libc::MOUNT_ATTR_NOSUID),
+        (MsFlags::MS_NODEV, libc::MOUNT_ATTR_NODEV),
+        (MsFlags::MS_NOEXEC, libc::MOUNT_ATTR_NOEXEC),
+    ] {
+        if flags.contains(ms) {
+            set |= attr;
+            rest.remove(ms);
+        }
+    }
+    // At most one atime mode; it replaces the source's.
+    for (ms, attr) in [
+        (MsFlags::MS_NOATIME, libc::MOUNT_ATTR_NOATIME),
+        (MsFlags::MS_STRICTATIME, libc::MOUNT_ATTR_STRICTATIME),
+        (MsFlags::MS_RELATIME, libc::MOUNT_ATTR_RELATIME),
+    ] {
+        if flags.contains(ms) {
+            if clear != 0 {
+                return Err("more than one atime mode".into());
+            }
+            set |= attr;
+            clear = libc::MOUNT_ATTR__ATIME;
+            rest.remove(ms);
+        }
+    }
+    if rest.is_empty() {
+        Ok((set, clear))
+    } else {
+        Err(format!("bind flags without a mount attribute: {rest:?}"))
+    }
+}
+
+/// Binds the whole mount tree at `source` (relative to `dirfd`) onto `target` with `attrs` (set, clear) in force
+/// before it is attached: `open_tree` makes a detached copy of the tree, `mount_setattr` changes every mount of
+/// that copy, which nothing can reach, and only then does `move_mount` attach it. No bind is ever visible
+/// writable or with set-uid bits, and every submount of the source gets the same flags (a remount after a
+/// recursive bind changes the top mount only). Flags the kernel locked on a copied mount are only ever added to.
+fn bind_tree(
+    dirfd: RawFd,
+    source: &CStr,
+    attrs: (u64, u64),
+    target: &OwnedFd,
+    what: &str,
+) -> Result<(), Failed> {
+    let tree = step(format_args!("{what}: open_tree"), open_tree(dirfd, source))?;
+    step(
+        format_args!("{what}: mount_setattr"),
+        set_tree_attrs(&tree, attrs),
+    )?;
+    step(format_args!("{what}: move_mount"), attach(&tree, target))
+}
+
+/// `open_tree(dirfd, path, OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC)`: a detached copy of the mount
+/// tree at `path` (at `dirfd` itself for an empty path).
+fn open_tree(dirfd: RawFd, path: &CStr) -> nix::Result<OwnedFd> {
+    let mut flags =
+        libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as libc::c_uint;
+    if path.is_empty() {
+        // The mount `dirfd` itself.
+        flags |= libc::AT_EMPTY_PATH as libc::c_uint;
+    }
+    // SAFETY: `path` is a NUL-terminated string that outlives the call; the kernel only reads it.
+    let fd = unsafe { libc::syscall(libc::SYS_open_tree, dirfd, path.as_ptr(), flags) };
+    let fd = nix::errno::Errno::result(fd)?;
+    let fd = RawFd::try_from(fd).map_err(|_| nix::Error::EBADF)?;
+    // SAFETY: open_tree returned a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `mount_setattr(tree, "", AT_EMPTY_PATH | AT_RECURSIVE)`: sets (and clears) attributes on every mount of the
+/// detached tree.
+fn set_tree_attrs(tree: &OwnedFd, (set, clear): (u64, u64)) -> nix::Result<()> {
+    let attr = libc::mount_attr {
+        attr_set: set,
+        attr_clr: clear,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: `attr` is a valid `struct mount_attr` of the size passed and the empty path a NUL-terminated string;
+    // both outlive the call and the kernel only reads them.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_RECURSIVE,
+            &attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    nix::errno::Errno::result(rc).map(drop)
+}
+
+/// `move_mount(tree, "", target, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH)`: attaches the detached
+/// tree on what `target` names.
+fn attach(tree: &OwnedFd, target: &OwnedFd) -> nix::Result<()> {
+    // SAFETY: both paths are the empty NUL-terminated string, which the kernel only reads; the descriptors are
+    // open for the whole call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            target.as_raw_fd(),
+            c"".as_ptr(),
+            libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    };
+    nix::errno::Errno::result(rc).map(drop)
 }
 
 /// Remounts a bind mount with `flags` added to the flags it must keep: a mount copied from the helper's
@@ -326,23 +461,29 @@ fn mask(path: &Path) -> Result<(), Failed> {
     step(format_args!("mask {}", path.display()), r)
 }
 
-/// Makes `path` read-only (a bind of itself, remounted); a path the kernel does not have is skipped.
+/// Makes `path` read-only (a bind of itself, read-only before it is attached, [`bind_tree`]); a path the kernel
+/// does not have is skipped.
 fn make_readonly(path: &Path) -> Result<(), Failed> {
-    let none: Option<&str> = None;
-    match nix::mount::mount(
-        Some(path),
+    let target = match nix::fcntl::open(
         path,
-        none,
-        MsFlags::MS_BIND | MsFlags::MS_REC,
-        none,
+        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
     ) {
-        Ok(()) => {}
+        // SAFETY: open returned a new descriptor nothing else owns.
+        Ok(fd) => unsafe { OwnedFd::from_raw_fd(fd) },
         Err(nix::Error::ENOENT) => return Ok(()),
-        Err(e) => return Err(Failed(format!("bind {}: {e}", path.display()))),
-    }
-    remount(
-        path,
-        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Err(e) => return Err(Failed(format!("open {}: {e}", path.display()))),
+    };
+    let attrs = libc::MOUNT_ATTR_RDONLY
+        | libc::MOUNT_ATTR_NOSUID
+        | libc::MOUNT_ATTR_NODEV
+        | libc::MOUNT_ATTR_NOEXEC;
+    bind_tree(
+        target.as_raw_fd(),
+        c"",
+        (attrs, 0),
+        &target,
+        &format!("bind {}", path.display()),
     )
 }
 

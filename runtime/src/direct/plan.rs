@@ -478,10 +478,14 @@ mod tests {
         assert!(usr
             .flags
             .contains(MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV));
-        assert_eq!(b.mounts[3].data, "mode=1777,size=67108864");
+        assert_eq!(b.mounts[3].data, "mode=1777,size=67108864,nr_inodes=16384");
+        assert_eq!(
+            b.mounts[2].data,
+            "newinstance,ptmxmode=0666,mode=0620,max=64"
+        );
         assert!(b.masked.contains(&PathBuf::from("/proc/kcore")));
         assert!(b.readonly.contains(&PathBuf::from("/proc/sys")));
-        assert!(b.rlimits.contains(&(Resource::RLIMIT_CORE, 0, 0)));
+        assert!(b.rlimits.contains(&(Resource::RLIMIT_CORE, 1, 1)));
     }
 
     fn refused(spec: &Spec, want: &str) {

@@ -43,6 +43,9 @@ const ALU_AND_K: u16 = 0x54;
 /// Offsets in `struct seccomp_data`.
 const NR: u32 = 0;
 const ARCH: u32 = 4;
+const ARGS: u32 = 16;
+/// The offset of the high half of `args[5]`.
+const ARGS_END: u32 = ARGS + 8 * 5 + 4;
 
 /// Why a relayout was not done (the original program is then kept as it is).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,11 +56,17 @@ pub enum Skip {
 
 /// What a program does with one syscall: the return value, or `None` when the emulator cannot tell.
 pub fn emulate(prog: &[sock_filter], arch: u32, nr: u32) -> Option<u32> {
-    run(prog, arch, nr).map(|(ret, _)| ret)
+    run(prog, arch, nr, &[0; 6]).map(|(ret, _)| ret)
+}
+
+#[cfg(test)]
+/// What a program does with one syscall and its arguments (a program that loads them, like the denylist).
+pub fn emulate_call(prog: &[sock_filter], arch: u32, nr: u32, args: &[u64; 6]) -> Option<u32> {
+    run(prog, arch, nr, args).map(|(ret, _)| ret)
 }
 
 /// The return value and the number of instructions run.
-fn run(prog: &[sock_filter], arch: u32, nr: u32) -> Option<(u32, usize)> {
+fn run(prog: &[sock_filter], arch: u32, nr: u32, args: &[u64; 6]) -> Option<(u32, usize)> {
     let mut acc: u32 = 0;
     let mut pc: usize = 0;
     // Classic BPF only jumps forward, so a program ends within its length in steps.
@@ -70,6 +79,12 @@ fn run(prog: &[sock_filter], arch: u32, nr: u32) -> Option<(u32, usize)> {
                 acc = match k {
                     NR => nr,
                     ARCH => arch,
+                    // `args[i]` at 16 + 8i, low half first (x86_64 and aarch64 are little-endian).
+                    ARGS..=ARGS_END if k.is_multiple_of(4) => {
+                        let i = ((k - ARGS) / 8) as usize;
+                        let half = if (k - ARGS).is_multiple_of(8) { 0 } else { 32 };
+                        (args[i] >> half) as u32
+                    }
                     _ => return None,
                 }
             }
@@ -280,7 +295,7 @@ mod tests {
         .unwrap();
         let worst = |prog: &[sock_filter]| {
             (0..500)
-                .map(|nr| run(prog, ARCH_X86_64, nr).unwrap().1)
+                .map(|nr| run(prog, ARCH_X86_64, nr, &[0; 6]).unwrap().1)
                 .max()
                 .unwrap()
         };

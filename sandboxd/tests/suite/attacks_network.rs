@@ -13,7 +13,7 @@ use std::time::Duration;
 use protocol::ExecStatus;
 use serde_json::json;
 
-use super::attack::Arena;
+use super::attack::{json_of, Arena};
 use super::harness::{exec_json, privileged, stdout_contains, DaemonOpts};
 
 /// A TCP and a UDP port and an abstract unix socket on the host, counting whatever reaches them.
@@ -228,21 +228,25 @@ print(json.dumps(out))
     a.finish();
 }
 
-#[tokio::test]
-async fn only_loopback_exists_and_works_inside() {
-    let Some(_g) = privileged("only_loopback_exists_and_works_inside").await else {
-        return;
-    };
-    let mut a = Arena::start("network", DaemonOpts::default()).await;
-
+/// The interfaces as libc, netlink (`NETLINK_ROUTE`, read-only without `CAP_NET_ADMIN`), `ip`, `/proc` and node
+/// list them: `lo` only.
+async fn only_loopback_is_listed(a: &mut Arena) {
     let case = "interfaces";
     let code = format!(
         r#"{PY_NET}
-# if_nameindex(3) asks netlink, which the profile denies: list the interfaces with SIOCGIFCONF instead.
+# if_nameindex(3) asks netlink (NETLINK_ROUTE, which the profile allows); SIOCGIFCONF asks the kernel directly.
 try:
     out["if_nameindex"] = [n for _, n in socket.if_nameindex()]
 except OSError as e:
     out["if_nameindex"] = errno.errorcode[e.errno]
+import subprocess
+ip = lambda *a: subprocess.run(["ip", *a], capture_output=True, text=True)
+out["ip -o link"] = [l.split(":")[1].strip() for l in ip("-o", "link").stdout.splitlines()]
+# Changes through NETLINK_ROUTE need CAP_NET_ADMIN, which the program does not have.
+r = ip("link", "add", "d0", "type", "dummy")
+out["ip link add"] = [r.returncode, r.stderr.strip()]
+r = ip("link", "set", "lo", "down")
+out["ip link set lo down"] = [r.returncode, r.stderr.strip()]
 import array, fcntl, struct
 s = socket.socket()
 buf = array.array("B", b"\0" * 40 * 32)
@@ -257,10 +261,15 @@ print(json.dumps(out))
 "#
     );
     let out = a.attack_py(case, &code, json!({})).await;
-    assert_eq!(
-        out["if_nameindex"], "EPERM",
-        "{case}: if_nameindex(3) needs netlink, which the profile denies: {out}"
-    );
+    assert_eq!(out["if_nameindex"], json!(["lo"]), "{case}: {out}");
+    assert_eq!(out["ip -o link"], json!(["lo"]), "{case}: {out}");
+    for change in ["ip link add", "ip link set lo down"] {
+        assert_eq!(
+            out[change],
+            json!([2, "RTNETLINK answers: Operation not permitted"]),
+            "{case}: {change}: {out}"
+        );
+    }
     assert_eq!(out["ifconf"], json!(["lo"]), "{case}: {out}");
     assert_eq!(out["proc_net_dev"], json!(["lo"]), "{case}: {out}");
     assert_eq!(
@@ -270,6 +279,27 @@ print(json.dumps(out))
     );
     assert_eq!(out["lo_up"], true, "{case}: {out}");
     a.contained(case);
+
+    // node's os.networkInterfaces() reads NETLINK_ROUTE (through getifaddrs(3)); it throws without it.
+    let case = "node os.networkInterfaces()";
+    let code = "let o = {}; try { o.ifaces = Object.keys(require('os').networkInterfaces()) } \
+                catch (e) { o.ifaces = e.message } console.log(JSON.stringify(o))";
+    let r = a
+        .attack(case, |id| exec_json(id, "javascript", code, 60_000, 256))
+        .await;
+    let out = json_of(case, &r);
+    assert_eq!(out["ifaces"], json!(["lo"]), "{case}: {out}");
+    a.contained(case);
+}
+
+#[tokio::test]
+async fn only_loopback_exists_and_works_inside() {
+    let Some(_g) = privileged("only_loopback_exists_and_works_inside").await else {
+        return;
+    };
+    let mut a = Arena::start("network", DaemonOpts::default()).await;
+
+    only_loopback_is_listed(&mut a).await;
 
     // A server and a client inside one execution, TCP and UDP, IPv4 and IPv6.
     let case = "loopback inside";

@@ -732,7 +732,7 @@ fn typed_exec_refusal(case: &str, r: &Collected) {
 /// Reads the core, nofile and fsize rlimits and tries to raise each, opens files until refused, and looks for a
 /// core file after a crash.
 const RLIMIT_PROBE: &str = r#"
-import json, os, resource, signal, subprocess
+import errno, json, os, resource, signal, subprocess
 out = {}
 for name in ("RLIMIT_CORE", "RLIMIT_NOFILE", "RLIMIT_FSIZE"):
     lim = getattr(resource, name)
@@ -778,13 +778,13 @@ async fn rlimits_hold_and_large_inputs_and_artifacts_keep_the_daemon_responsive(
     a.finish();
 }
 
-/// rlimits: core 0, nofile 1024, fsize disk_mb; none can be raised; a crash leaves no core file.
+/// rlimits: core 1, nofile 1024, fsize disk_mb; none can be raised; a crash leaves no core file.
 async fn rlimits_cannot_be_raised(a: &mut Arena) {
     let case = "rlimits cannot be raised";
     let out = a
         .attack_py(case, RLIMIT_PROBE, json!({"disk_mb": 32, "memory_mb": 128}))
         .await;
-    assert_eq!(out["RLIMIT_CORE"], json!([0, 0]), "{case}: {out}");
+    assert_eq!(out["RLIMIT_CORE"], json!([1, 1]), "{case}: {out}");
     assert_eq!(out["RLIMIT_NOFILE"], json!([1024, 1024]), "{case}: {out}");
     assert_eq!(
         out["RLIMIT_FSIZE"],
@@ -969,6 +969,104 @@ time.sleep(3)
          fails for every other process on the host while it runs (a host process got: {host_io_setup}); {}",
         held.saturating_sub(before),
         r.dump()
+    );
+    a.contained(case);
+    a.finish();
+}
+
+/// Core dumps, ptys and inodes: `RLIMIT_CORE` is 1 soft and hard (0 would not stop a piped `core_pattern`, which
+/// runs a helper as root on the host) and cannot be lowered to 0; a crash leaves no core file; devpts holds at
+/// most 64 ptys and every tmpfs a bounded number of inodes. The host's `core_pattern` is left as it is.
+const BOUNDS_PROBE: &str = r#"
+import ctypes, errno, json, os, resource, signal, subprocess
+out = {}
+out["RLIMIT_CORE"] = list(resource.getrlimit(resource.RLIMIT_CORE))
+# Through libc: python's resource.setrlimit turns EPERM into a ValueError.
+libc = ctypes.CDLL(None, use_errno=True)
+for name, lim in (("setrlimit(core, 0/0)", (0, 0)), ("setrlimit(core, 0/1)", (0, 1))):
+    r = libc.setrlimit(4, (ctypes.c_ulong * 2)(*lim))
+    out[name] = "OK" if r == 0 else errno.errorcode[ctypes.get_errno()]
+try:
+    resource.prlimit(0, resource.RLIMIT_CORE, (0, 0))
+    out["prlimit(core, 0/0)"] = "OK"
+except OSError as e:
+    out["prlimit(core, 0/0)"] = errno.errorcode[e.errno]
+out["RLIMIT_CORE after"] = list(resource.getrlimit(resource.RLIMIT_CORE))
+# bash's ulimit counts 1024-byte blocks (1 byte shows as 0): prlimit(1) shows bytes.
+sh = subprocess.run(["/bin/bash", "-c", "ulimit -c 0 2>/dev/null; echo rc=$?; ulimit -Sc 0 2>/dev/null; echo rc=$?; "
+                     "prlimit --pid $$ --core --output SOFT,HARD --noheadings"],
+                    capture_output=True, text=True)
+out["ulimit"] = sh.stdout.split()
+# A crash in /workspace and one in /tmp: the kernel must not dump.
+dumped = []
+for d in ("/workspace", "/tmp"):
+    p = os.fork()
+    if p == 0:
+        os.chdir(d)
+        os.kill(os.getpid(), signal.SIGSEGV)
+        os._exit(0)
+    _, status = os.waitpid(p, 0)
+    dumped.append([d, os.WIFSIGNALED(status), os.WCOREDUMP(status)])
+out["crashes"] = dumped
+out["core files"] = [os.path.join(d, f) for d in ("/workspace", "/tmp") for f in os.listdir(d) if f.startswith("core")]
+# ptys: open until the kernel refuses (at most 200).
+ptys, err = [], None
+while len(ptys) < 200:
+    try:
+        ptys.append(os.openpty())
+    except OSError as e:
+        err = errno.errorcode[e.errno]
+        break
+out["ptys"] = [len(ptys), err]
+for m, s in ptys:
+    os.close(m); os.close(s)
+out["devpts options"] = [l.split(" - ")[1].split()[2] for l in open("/proc/self/mountinfo") if " - devpts " in l]
+out["inodes"] = {p: os.statvfs(p).f_files for p in ("/workspace", "/tmp", "/dev", "/dev/shm")}
+print(json.dumps(out))
+"#;
+
+#[tokio::test]
+async fn core_dumps_ptys_and_tmpfs_inodes_are_bounded() {
+    let Some(_g) = privileged("core_dumps_ptys_and_tmpfs_inodes_are_bounded").await else {
+        return;
+    };
+    let mut a = Arena::start("resources", opts()).await;
+    let case = "core dumps, ptys and inodes";
+    let out = a
+        .attack_py(case, BOUNDS_PROBE, json!({ "disk_mb": 64 }))
+        .await;
+    let mut wrong = Vec::new();
+    let mut expect = |key: &str, want: Value| {
+        if out[key] != want {
+            wrong.push(format!("{key}: {} (expected {want})", out[key]));
+        }
+    };
+    expect("RLIMIT_CORE", json!([1, 1]));
+    expect("setrlimit(core, 0/0)", json!("EPERM"));
+    expect("setrlimit(core, 0/1)", json!("EPERM"));
+    expect("prlimit(core, 0/0)", json!("EPERM"));
+    expect("RLIMIT_CORE after", json!([1, 1]));
+    // bash: `ulimit -c 0` and `ulimit -Sc 0` fail, soft and hard stay 1 byte.
+    expect("ulimit", json!(["rc=1", "rc=1", "1", "1"]));
+    expect(
+        "crashes",
+        json!([["/workspace", true, false], ["/tmp", true, false]]),
+    );
+    expect("core files", json!([]));
+    expect("ptys", json!([64, "ENOSPC"]));
+    // 64 MiB of disk (and /dev/shm): one inode per 4 KiB page; /dev a dozen entries.
+    expect(
+        "inodes",
+        json!({"/workspace": 16384, "/tmp": 16384, "/dev": 256, "/dev/shm": 16384}),
+    );
+    let devpts = out["devpts options"].to_string();
+    if !devpts.contains("max=64") {
+        wrong.push(format!("devpts options {devpts}: no max=64"));
+    }
+    assert!(
+        wrong.is_empty(),
+        "{case}:\n  {}\n(all: {out})",
+        wrong.join("\n  ")
     );
     a.contained(case);
     a.finish();

@@ -207,15 +207,31 @@ const SOCKET_PROBES: &[Probe] = &[
         "sc(41, 17, 2, 0x0300)",
         "EPERM",
     ),
-    // Netlink is allowed to anyone without the filter.
-    (
-        "socket(AF_NETLINK, SOCK_RAW, NETLINK_ROUTE)",
-        "sc(41, 16, 3, 0)",
-        "EPERM",
-    ),
+    // Netlink is allowed to anyone without the filter; the profile keeps NETLINK_ROUTE only (interface and
+    // address listings of the loopback-only namespace; changes need CAP_NET_ADMIN).
     (
         "socket(AF_NETLINK, SOCK_DGRAM, NETLINK_AUDIT)",
         "sc(41, 16, 2, 9)",
+        "EPERM",
+    ),
+    (
+        "socket(AF_NETLINK, SOCK_RAW, NETLINK_SOCK_DIAG)",
+        "sc(41, 16, 3, 4)",
+        "EPERM",
+    ),
+    (
+        "socket(AF_NETLINK, SOCK_RAW, NETLINK_KOBJECT_UEVENT)",
+        "sc(41, 16, 3, 15)",
+        "EPERM",
+    ),
+    (
+        "socket(AF_NETLINK, SOCK_RAW, NETLINK_GENERIC)",
+        "sc(41, 16, 3, 16)",
+        "EPERM",
+    ),
+    (
+        "socket(AF_NETLINK, SOCK_RAW, NETLINK_AUDIT | 1<<32)",
+        "sc(41, 16, 3, (1 << 32) | 9)",
         "EPERM",
     ),
     // The hypervisor's channel on a microVM host.
@@ -289,6 +305,64 @@ const IOCTL_PROBES: &[Probe] = &[
     (
         "ioctl(pty, TIOCLINUX | 1<<32)",
         "sc(16, pty_slave, 0x10000541C, buf)",
+        "EPERM",
+    ),
+    // Setting N_TTY again succeeds on one's own pty without the filter; other line disciplines are kernel code
+    // (n_gsm, n_hdlc, ...) with a history of bugs.
+    (
+        "ioctl(pty, TIOCSETD, N_TTY)",
+        "sc(16, pty_slave, 0x5423, ctypes.byref(ctypes.c_int(0)))",
+        "EPERM",
+    ),
+    (
+        "ioctl(pty, TIOCSETD | 1<<32, N_TTY)",
+        "sc(16, pty_slave, 0x100005423, ctypes.byref(ctypes.c_int(0)))",
+        "EPERM",
+    ),
+];
+
+/// `personality` beyond querying and `PER_LINUX`/`PER_LINUX32` (each succeeds without the filter), and
+/// `RLIMIT_CORE` changes (lowering to 0 succeeds without the filter, and 0 does not stop a piped `core_pattern`).
+const PERSONALITY_AND_CORE_PROBES: &[Probe] = &[
+    (
+        "personality(ADDR_NO_RANDOMIZE)",
+        "sc(135, 0x0040000)",
+        "EPERM",
+    ),
+    (
+        "personality(READ_IMPLIES_EXEC)",
+        "sc(135, 0x0400000)",
+        "EPERM",
+    ),
+    ("personality(UNAME26)", "sc(135, 0x0020000)", "EPERM"),
+    (
+        "personality(ADDR_COMPAT_LAYOUT)",
+        "sc(135, 0x0200000)",
+        "EPERM",
+    ),
+    (
+        "personality(PER_LINUX32 | ADDR_NO_RANDOMIZE)",
+        "sc(135, 0x0040008)",
+        "EPERM",
+    ),
+    (
+        "personality(ADDR_NO_RANDOMIZE | 1<<32)",
+        "sc(135, (1 << 32) | 0x0040000)",
+        "EPERM",
+    ),
+    (
+        "setrlimit(RLIMIT_CORE, 0/0)",
+        "sc(160, 4, (ctypes.c_ulong * 2)(0, 0))",
+        "EPERM",
+    ),
+    (
+        "prlimit64(0, RLIMIT_CORE, 0/0)",
+        "sc(302, 0, 4, (ctypes.c_ulong * 2)(0, 0), 0)",
+        "EPERM",
+    ),
+    (
+        "prlimit64(0, RLIMIT_CORE | 1<<32, 0/0)",
+        "sc(302, 0, (1 << 32) | 4, (ctypes.c_ulong * 2)(0, 0), 0)",
         "EPERM",
     ),
 ];
@@ -385,6 +459,7 @@ async fn raw_and_foreign_sockets_and_terminal_injection_fail_with_eperm() {
         return;
     };
     batch(&mut a, "sockets", SOCKET_PROBES).await;
+    batch(&mut a, "personality and core", PERSONALITY_AND_CORE_PROBES).await;
     let out = batch(&mut a, "ioctl", IOCTL_PROBES).await;
     assert_eq!(
         out["_pty"], "pty",
@@ -412,6 +487,21 @@ async fn raw_and_foreign_sockets_and_terminal_injection_fail_with_eperm() {
     );
     a.contained("socketpair(other families)");
     a.finish();
+}
+
+/// Every key of `want` has its value in `out`; otherwise fails with `what` and every difference.
+fn assert_matches(out: &Value, want: &Value, what: &str) {
+    let mut wrong = Vec::new();
+    for (k, v) in want.as_object().unwrap() {
+        if &out[k] != v {
+            wrong.push(format!("{k}: {} (expected {v})", out[k]));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{what}:\n  {}\n(all: {out})",
+        wrong.join("\n  ")
+    );
 }
 
 #[tokio::test]
@@ -477,6 +567,11 @@ check("mkfifo", lambda: (os.mkfifo("/tmp/fifo"), "OK")[1])
 check("prctl(PR_GET_NO_NEW_PRIVS)", lambda: sc(157, 39, 0, 0, 0, 0)[0])
 check("landlock_create_ruleset(version)", lambda: sc(444, 0, 0, 1)[0] >= 1)
 check("setuid(0)", lambda: (os.setuid(0), "OK")[1])
+check("personality(query)", lambda: sc(135, 0xffffffff)[0])
+check("personality(PER_LINUX32), then PER_LINUX", lambda: [sc(135, 8)[0], sc(135, 0)[0], sc(135, 0xffffffff)[0]])
+check("getrlimit(RLIMIT_CORE) via prlimit64", lambda: (lambda old: [sc(302, 0, 4, 0, old)[1] or "OK", list(old)])((ctypes.c_ulong * 2)()))
+check("setrlimit(RLIMIT_NOFILE, 64)", lambda: errname(sc(160, 7, (ctypes.c_ulong * 2)(64, 64))[1]))
+check("ioctl(pty, TIOCGETD)", lambda: struct.unpack("i", fcntl.ioctl(pty_slave, 0x5424, b"\0" * 4))[0])
 def setuid1():
     try:
         os.setuid(1)
@@ -508,21 +603,16 @@ print(json.dumps(out))
         "prctl(PR_GET_NO_NEW_PRIVS)": 1,
         "landlock_create_ruleset(version)": true,
         "setuid(0)": "OK",
+        "personality(query)": 0,
+        "personality(PER_LINUX32), then PER_LINUX": [0, 8, 0],
+        "getrlimit(RLIMIT_CORE) via prlimit64": ["OK", [1, 1]],
+        "setrlimit(RLIMIT_NOFILE, 64)": "OK",
+        "ioctl(pty, TIOCGETD)": 0,
         // Only uid 0 is mapped in the user namespace.
         "setuid(1)": "EINVAL",
         "_pty": "pty",
     });
-    let mut wrong = Vec::new();
-    for (k, v) in want.as_object().unwrap() {
-        if &out[k] != v {
-            wrong.push(format!("{k}: {} (expected {v})", out[k]));
-        }
-    }
-    assert!(
-        wrong.is_empty(),
-        "allowed calls broken by the hardening:\n  {}\n(all: {out})",
-        wrong.join("\n  ")
-    );
+    assert_matches(&out, &want, "allowed calls broken by the hardening");
     a.contained("allowed calls still work");
     a.finish();
 }
