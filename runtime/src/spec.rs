@@ -136,10 +136,9 @@ fn mounts(plan: &ContainerPlan) -> Result<Vec<Mount>> {
                 "noexec",
                 "newinstance",
                 "ptmxmode=0666",
+                "mode=0620",
                 // Every devpts instance but the host's shares kernel.pty.max less kernel.pty.reserve (3072 by
                 // default): without a cap of its own, one container takes them all and no other can open a pty.
-                "max=64",
-                "mode=0620",
                 &format!("max={PTY_MAX}"),
             ],
         )?,

@@ -138,7 +138,7 @@ impl Default for AgentsConfig {
 }
 
 /// The most languages a daemon serves (python, javascript, shell, elixir): bounds the pool's rounding.
-const MAX_LANGUAGES: usize = 4;
+pub const MAX_LANGUAGES: usize = 4;
 
 /// `pool:`
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -56,8 +56,49 @@ pub fn run(config: &Config) -> Vec<Check> {
             .ok()
             .as_deref(),
     ));
+    out.push(pty_check(
+        config,
+        read_number("/proc/sys/kernel/pty/max"),
+        read_number("/proc/sys/kernel/pty/reserve"),
+    ));
     out.extend(language_checks());
     out
+}
+
+fn read_number(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Whether every container this daemon may hold at once (running, pooled, agent sandboxes) can have its
+/// [`runtime::spec::PTY_MAX`] ptys: all devpts instances but the host's share `kernel.pty.max` less
+/// `kernel.pty.reserve`. Beyond it a container's pty may be refused while others hold theirs (never the host's:
+/// the reserve is the host's own). A warning: executions without ptys are not affected.
+fn pty_check(config: &Config, max: Option<u64>, reserve: Option<u64>) -> Check {
+    let containers = (config.capacity.max_concurrent
+        + config.pool_size()
+        + crate::config::MAX_LANGUAGES
+        + config.agents.max_sandboxes) as u64;
+    let wanted = containers * u64::from(runtime::spec::PTY_MAX);
+    let (Some(max), Some(reserve)) = (max, reserve) else {
+        return check(
+            "ptys",
+            false,
+            "kernel.pty.max or kernel.pty.reserve unreadable".into(),
+            "check /proc/sys/kernel/pty",
+            false,
+        );
+    };
+    let shared = max.saturating_sub(reserve);
+    check(
+        "ptys",
+        wanted <= shared,
+        format!(
+            "{containers} containers at once x {} ptys = {wanted}; kernel.pty.max {max} less reserve {reserve} = {shared}",
+            runtime::spec::PTY_MAX
+        ),
+        "raise kernel.pty.max (sysctl) or lower capacity.max_concurrent, pool.size or agents.max_sandboxes",
+        false,
+    )
 }
 
 /// What a crash inside an execution would do with the host's `core_pattern` (`None`: unreadable). A pattern that
@@ -285,6 +326,19 @@ mod tests {
     }
 
     /// A piped `core_pattern` is reported, with what stops it; a file pattern is fine as it is.
+    #[test]
+    fn a_pty_pool_too_small_for_the_containers_is_a_warning() {
+        let config = Config::default();
+        // Defaults: 8 running + 8 pooled + 4 rounding + 16 agent sandboxes = 36 containers x 64 = 2304.
+        let fits = pty_check(&config, Some(4096), Some(1024));
+        assert_eq!(fits.verdict, Verdict::Ok, "{}", fits.detail);
+        assert!(fits.detail.contains("= 2304"), "{}", fits.detail);
+        let short = pty_check(&config, Some(2048), Some(1024));
+        assert_eq!(short.verdict, Verdict::Warn, "{}", short.detail);
+        assert!(short.fix.contains("kernel.pty.max"));
+        assert_eq!(pty_check(&config, None, Some(1)).verdict, Verdict::Warn);
+    }
+
     #[test]
     fn a_piped_core_pattern_is_reported() {
         let checks = run(&Config::default());

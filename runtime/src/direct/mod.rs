@@ -11,7 +11,8 @@
 //! 3. The helper writes the one-id uid and gid maps, moves the init into the leaves and says go.
 //! 4. The init ([`child`]) enters a new cgroup namespace (rooted at its leaf), drops supplementary groups,
 //!    makes its mounts private, bind-mounts the root, mounts the spec's filesystems at paths resolved inside the
-//!    root, fills `/dev`, pivots, masks and write-protects the OCI default paths, remounts the root, sets the
+//!    root (fresh filesystems only on plain directories; binds as `open_tree` copies whose flags
+//!    `mount_setattr` sets on the whole tree before `move_mount` attaches them), fills `/dev`, pivots, masks and write-protects the OCI default paths, remounts the root, sets the
 //!    hostname, rlimits and loopback, drops every capability (bounding set included) and sets `no_new_privs`.
 //! 5. It reports `ok` (or the step that failed) and becomes the waiting init ([`InitExecutor::run`]), which
 //!    checks the capability sets empty again and installs landlock and seccomp itself, as on the libcontainer
