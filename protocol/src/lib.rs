@@ -47,5 +47,8 @@ pub use server::{
     ErrorMessage, ExecStatus, Isolation, Load, OutputChunk, Pong, Reason, ResourceUsage,
     ResultMessage, ServerEnvelope, ServerMessage, SANDBOXD_EXTENSIONS,
 };
-pub use tools::{RawArgs, ToolCall, ToolResult, ToolSpec, DEFAULT_TOOL_TIMEOUT_MS, MAX_TOOLS};
+pub use tools::{
+    parse_tool_request, RawArgs, ToolCall, ToolRequest, ToolRequestError, ToolResult, ToolSpec,
+    DEFAULT_TOOL_TIMEOUT_MS, MAX_TOOLS,
+};
 pub use validate::{validate_env_var, validate_relative_path, EnvError, PathError, MAX_PATH_LEN};

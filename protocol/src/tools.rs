@@ -407,9 +407,154 @@ impl PartialEq for RawArgs {
 
 impl Eq for RawArgs {}
 
+/// A request line that code in a sandbox writes to the tool socket, parsed as the daemon's broker parses it.
+/// Arguments and return values stay JSON text borrowed from the line: no JSON tree is built.
+#[derive(Debug)]
+pub enum ToolRequest<'a> {
+    /// `{"op": "call", "name": ..., "args": {...}, "timeout_ms": ...}`.
+    Call {
+        /// The tool.
+        name: String,
+        /// Its arguments (`{}` when absent).
+        args: RawArgs,
+        /// The timeout the code asked for, if any.
+        timeout_ms: Option<u64>,
+    },
+    /// `{"op": "return", "value": ...}`: the execution's return value.
+    Return {
+        /// The value (absent: none).
+        value: Option<&'a RawValue>,
+    },
+}
+
+/// Why a request line is refused (the text of its `invalid` reply).
+#[derive(Debug, thiserror::Error)]
+pub enum ToolRequestError {
+    /// Not JSON, not UTF-8, an unknown field or `op`, a field of the wrong type.
+    #[error("Invalid request: {0}")]
+    Malformed(#[source] serde_json::Error),
+    /// A field of the other operation.
+    #[error("Invalid request: field {field} is not allowed with op {op}")]
+    NotAllowed {
+        /// The field.
+        field: &'static str,
+        /// `call` or `return`.
+        op: &'static str,
+    },
+    /// A call without a tool name.
+    #[error("Invalid request: missing field name")]
+    MissingName,
+    /// A call whose arguments are not a JSON object.
+    #[error("Tool arguments must be a JSON object")]
+    ArgsNotObject,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequestLine<'a> {
+    op: Op,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default, borrow)]
+    args: Option<&'a RawValue>,
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+    #[serde(default, borrow)]
+    value: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Op {
+    Call,
+    Return,
+}
+
+/// Parses one request line (without its newline).
+pub fn parse_tool_request(line: &[u8]) -> Result<ToolRequest<'_>, ToolRequestError> {
+    let r: RequestLine<'_> = serde_json::from_slice(line).map_err(ToolRequestError::Malformed)?;
+    match r.op {
+        Op::Return => {
+            let field = [
+                ("name", r.name.is_some()),
+                ("args", r.args.is_some()),
+                ("timeout_ms", r.timeout_ms.is_some()),
+            ]
+            .into_iter()
+            .find_map(|(f, set)| set.then_some(f));
+            match field {
+                Some(field) => Err(ToolRequestError::NotAllowed {
+                    field,
+                    op: "return",
+                }),
+                None => Ok(ToolRequest::Return { value: r.value }),
+            }
+        }
+        Op::Call => {
+            if r.value.is_some() {
+                return Err(ToolRequestError::NotAllowed {
+                    field: "value",
+                    op: "call",
+                });
+            }
+            let name = r.name.ok_or(ToolRequestError::MissingName)?;
+            let args = match r.args {
+                None => RawArgs::empty(),
+                Some(raw) => RawArgs::object(raw).ok_or(ToolRequestError::ArgsNotObject)?,
+            };
+            Ok(ToolRequest::Call {
+                name,
+                args,
+                timeout_ms: r.timeout_ms,
+            })
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_lines_parse_as_the_broker_answers_them() {
+        let call =
+            parse_tool_request(br#"{"op":"call","name":"grep","args":{"a":[1,2]},"timeout_ms":5}"#);
+        match call {
+            Ok(ToolRequest::Call {
+                name,
+                args,
+                timeout_ms,
+            }) => assert_eq!(
+                (name.as_str(), args.get(), timeout_ms),
+                ("grep", r#"{"a":[1,2]}"#, Some(5))
+            ),
+            other => panic!("{other:?}"),
+        }
+        match parse_tool_request(br#"{"op":"return","value":[1]}"#) {
+            Ok(ToolRequest::Return { value }) => assert_eq!(value.map(RawValue::get), Some("[1]")),
+            other => panic!("{other:?}"),
+        }
+        for (line, want) in [
+            (
+                &br#"{"op":"call","name":"x","args":[1]}"#[..],
+                "must be a JSON object",
+            ),
+            (br#"{"op":"call"}"#, "missing field name"),
+            (
+                br#"{"op":"call","name":"x","value":1}"#,
+                "field value is not allowed with op call",
+            ),
+            (
+                br#"{"op":"return","name":"x"}"#,
+                "field name is not allowed with op return",
+            ),
+            (b"\xff{}", "Invalid request"),
+            (br#"{"op":"call","name":"x","extra":1}"#, "unknown field"),
+        ] {
+            let e = parse_tool_request(line).unwrap_err().to_string();
+            assert!(e.contains(want), "{}: {e}", String::from_utf8_lossy(line));
+        }
+    }
 
     #[test]
     fn parameters_follow_required_then_properties() {

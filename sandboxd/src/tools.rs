@@ -34,7 +34,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use protocol::{ExecuteRequest, Language, RawArgs, ServerMessage, ToolCall, ToolResult};
+use protocol::{
+    ExecuteRequest, Language, RawArgs, ServerMessage, ToolCall, ToolRequest, ToolResult,
+};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
@@ -189,28 +191,6 @@ pub struct Broker {
     closed: watch::Sender<bool>,
     socket: PathBuf,
     accept: tokio::task::JoinHandle<()>,
-}
-
-/// A request line from the sandbox. Arguments and return values stay JSON text, borrowed from the line.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Request<'a> {
-    op: Op,
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default, borrow)]
-    args: Option<&'a RawValue>,
-    #[serde(default)]
-    timeout_ms: Option<u64>,
-    #[serde(default, borrow)]
-    value: Option<&'a RawValue>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum Op {
-    Call,
-    Return,
 }
 
 /// How putting a `tool_call` on the client's queue went.
@@ -483,50 +463,24 @@ impl Shared {
                 ),
             );
         }
-        let request: Request<'_> = match serde_json::from_slice(&line) {
+        let request = match protocol::parse_tool_request(&line) {
             Ok(r) => r,
-            Err(e) => return refusal("invalid", &format!("Invalid request: {e}")),
+            Err(e) => return refusal("invalid", &e.to_string()),
         };
-        match request.op {
-            Op::Return => {
-                if let Some(field) = [
-                    ("name", request.name.is_some()),
-                    ("args", request.args.is_some()),
-                    ("timeout_ms", request.timeout_ms.is_some()),
-                ]
-                .iter()
-                .find_map(|(f, set)| set.then_some(f))
-                {
-                    return refusal(
-                        "invalid",
-                        &format!("Invalid request: field {field} is not allowed with op return"),
-                    );
-                }
-                let value = request.value.map(RawValue::to_owned);
+        match request {
+            ToolRequest::Return { value } => {
+                let value = value.map(RawValue::to_owned);
                 drop(line);
                 lease.shrink_to(value.as_ref().map_or(0, |v| v.get().len()));
                 *self.return_value.lock().unwrap_or_else(|p| p.into_inner()) =
                     value.map(|v| (v, lease));
                 json!({"ok": true, "result": null})
             }
-            Op::Call => {
-                if request.value.is_some() {
-                    return refusal(
-                        "invalid",
-                        "Invalid request: field value is not allowed with op call",
-                    );
-                }
-                let Some(name) = request.name else {
-                    return refusal("invalid", "Invalid request: missing field name");
-                };
-                let args = match request.args {
-                    None => RawArgs::empty(),
-                    Some(raw) => match RawArgs::object(raw) {
-                        Some(args) => args,
-                        None => return refusal("invalid", "Tool arguments must be a JSON object"),
-                    },
-                };
-                let timeout_ms = request.timeout_ms;
+            ToolRequest::Call {
+                name,
+                args,
+                timeout_ms,
+            } => {
                 drop(line);
                 lease.shrink_to(args.get().len());
                 self.call(name, args, timeout_ms).await
