@@ -368,31 +368,49 @@ impl Serialize for ToolCall {
 
 /// The arguments of a [`ToolCall`] as JSON text: always a JSON object.
 #[derive(Debug, Clone)]
-pub struct RawArgs(Option<Box<RawValue>>);
+pub struct RawArgs {
+    text: Option<Box<RawValue>>,
+    _hold: Option<Hold>,
+}
+
+/// Something a server keeps alive as long as the arguments exist (e.g. its memory budget's charge for them), so
+/// what they cost is given back when the last copy of the message holding them is dropped, after it is sent.
+pub type Hold = std::sync::Arc<dyn std::any::Any + Send + Sync>;
 
 impl RawArgs {
     /// `{}`.
     pub fn empty() -> Self {
-        Self(None)
+        Self {
+            text: None,
+            _hold: None,
+        }
     }
 
     /// `value` if it is a JSON object, else `None`.
     pub fn object(value: &RawValue) -> Option<Self> {
-        value
-            .get()
-            .starts_with('{')
-            .then(|| Self(Some(value.to_owned())))
+        value.get().starts_with('{').then(|| Self {
+            text: Some(value.to_owned()),
+            _hold: None,
+        })
+    }
+
+    /// The same arguments, keeping `hold` alive as long as they (or a copy) exist.
+    pub fn holding(self, hold: Hold) -> Self {
+        Self {
+            text: self.text,
+            _hold: Some(hold),
+        }
     }
 
     /// The JSON text.
     pub fn get(&self) -> &str {
-        self.0.as_deref().map_or("{}", RawValue::get)
+        self.text.as_deref().map_or("{}", RawValue::get)
     }
 }
 
 impl Serialize for RawArgs {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        match &self.0 {
+        match &self.text {
             Some(raw) => raw.serialize(serializer),
             None => serde_json::Map::new().serialize(serializer),
         }

@@ -158,7 +158,9 @@ pub fn open_beneath(dir: RawFd, name: &OsStr, flags: OFlag) -> nix::Result<Owned
         .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
     let fd = match nix::fcntl::openat2(dir, name, how) {
         Ok(fd) => fd,
-        // Kernels before 5.6: O_NOFOLLOW on a single component is as strict here.
+        // Kernels before 5.6: O_NOFOLLOW is as strict for a single component; for a longer path it would follow
+        // `..` and symlinks in the middle, so that is refused.
+        Err(nix::Error::ENOSYS) if !single_component(name) => return Err(nix::Error::ENOSYS),
         Err(nix::Error::ENOSYS) => nix::fcntl::openat(
             Some(dir),
             name,
@@ -169,6 +171,12 @@ pub fn open_beneath(dir: RawFd, name: &OsStr, flags: OFlag) -> nix::Result<Owned
     };
     // SAFETY: openat2/openat returned a new descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether `name` is one plain path component (no `/`, not `.` or `..`).
+fn single_component(name: &OsStr) -> bool {
+    let b = name.as_encoded_bytes();
+    !b.is_empty() && !b.contains(&b'/') && b != b"." && b != b".."
 }
 
 /// The kernel's `struct sigaction` for `rt_sigaction(2)` (x86_64 and arm64 share this layout).
@@ -213,4 +221,24 @@ pub fn default_all_signals() -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_plain_name_may_use_the_openat_fallback() {
+        for (name, single) in [
+            ("a.txt", true),
+            ("..a", true),
+            ("l/etc/shadow", false),
+            ("..", false),
+            (".", false),
+            ("", false),
+            ("a/", false),
+        ] {
+            assert_eq!(single_component(OsStr::new(name)), single, "{name:?}");
+        }
+    }
 }

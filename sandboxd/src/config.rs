@@ -87,6 +87,8 @@ pub const DEFAULT_AGENT_REPLAY_BYTES: u64 = 32 << 20;
 /// Room for sandboxd's stamps (`sourceEventId`, `sourceSequence`, `sourceOccurredAt`, `runId`) around an agent's
 /// line: an event over `max_line_bytes` plus this is replaced by an `ErrorEvent`.
 pub const AGENT_STAMP_BYTES: u64 = 16 << 10;
+/// What a queued agent event costs beyond its JSON (its slot, pointer and bookkeeping).
+pub const AGENT_QUEUED_OVERHEAD: u64 = 64;
 
 /// `agents:`
 #[derive(Debug, Clone, Deserialize)]
@@ -478,10 +480,14 @@ impl Config {
         positive("agents.max_line_bytes", a.max_line_bytes)?;
         // A budget smaller than one event could never hold it: refused rather than silently dropping everything.
         let event = a.max_line_bytes.saturating_add(AGENT_STAMP_BYTES);
-        if a.queue_bytes < event {
+        let queued = event.saturating_add(AGENT_QUEUED_OVERHEAD);
+        if a.queue_bytes < queued {
             return Err(ConfigError::Value {
                 key: "agents.queue_bytes",
-                reason: format!("must hold one event: at least agents.max_line_bytes + {AGENT_STAMP_BYTES} ({event})"),
+                reason: format!(
+                    "must hold one event: at least agents.max_line_bytes + {} ({queued})",
+                    AGENT_STAMP_BYTES + AGENT_QUEUED_OVERHEAD
+                ),
             });
         }
         if a.replay_bytes / 2 < event {

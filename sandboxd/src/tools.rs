@@ -448,7 +448,7 @@ impl Shared {
         *self.closed.borrow()
     }
 
-    /// Answers one line; `lease` holds its bytes until the reply is written.
+    /// Answers one line; `lease` holds its bytes until the reply (a call: until its tool_call message is dropped).
     async fn handle(&self, line: Vec<u8>, mut lease: Lease) -> Value {
         if self.ended() {
             return ending();
@@ -483,6 +483,10 @@ impl Shared {
             } => {
                 drop(line);
                 lease.shrink_to(args.get().len());
+                // The charge for the arguments goes with them: given back once the tool_call message holding them
+                // is sent (or dropped), not when this call returns; a call that timed out while its message still
+                // waits in the execution's queue keeps its bytes counted.
+                let args = args.holding(std::sync::Arc::new(lease));
                 self.call(name, args, timeout_ms).await
             }
         }
@@ -818,6 +822,9 @@ mod tests {
         for r in futures_util::future::join_all(waiting).await {
             assert_eq!(r, json!({"ok": true, "result": 1}));
         }
+        // The forwarded messages still hold their arguments: counted until they are dropped.
+        assert!(s.broker.shared.budget.used() > 0);
+        drop(forwarded);
         assert_eq!(s.broker.shared.budget.used(), 0);
         drop(conns);
         // Answered: the bytes are free again.
@@ -830,6 +837,34 @@ mod tests {
             .inbox
             .deliver(ToolResult::success("exec_u", &call.call_id, json!(2))));
         assert_eq!(reply(&mut c).await, json!({"ok": true, "result": 2}));
+    }
+
+    /// A call that timed out while its tool_call still waits in the client's queue keeps its arguments' bytes
+    /// counted until the message leaves the queue: a program cannot fill the queue with calls it gave up on.
+    #[tokio::test]
+    async fn a_timed_out_call_still_queued_keeps_its_bytes_counted() {
+        let mut s = setup(&ToolsConfig::default(), 60_000);
+        let line = format!(
+            "{{\"op\":\"call\",\"name\":\"echo\",\"timeout_ms\":1,\"args\":{{\"x\":\"{}\"}}}}\n",
+            "y".repeat(8 << 10)
+        );
+        let mut c = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        c.get_mut().write_all(line.as_bytes()).await.unwrap();
+        assert_eq!(reply(&mut c).await["error"]["code"], "timeout");
+        assert!(
+            s.broker.shared.budget.used() >= 8 << 10,
+            "{} bytes counted while the call waits in the queue",
+            s.broker.shared.budget.used()
+        );
+        let Some(ServerMessage::ToolCall(call)) = s.calls.recv().await else {
+            panic!("no tool_call");
+        };
+        assert_eq!(
+            s.broker.shared.budget.used(),
+            call.raw_args.as_ref().map_or(0, |a| a.get().len())
+        );
+        drop(call);
+        assert_eq!(s.broker.shared.budget.used(), 0);
     }
 
     /// Once the execution ended, a call waiting for room in the client's queue, a call waiting for its answer and

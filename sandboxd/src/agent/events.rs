@@ -28,13 +28,11 @@ use protocol::agent::{
 use serde_json::{Map, Value};
 use tokio::sync::watch;
 
+pub use crate::config::AGENT_QUEUED_OVERHEAD as QUEUED_OVERHEAD;
 use crate::config::{
     AGENT_STAMP_BYTES, DEFAULT_AGENT_MAX_LINE_BYTES, DEFAULT_AGENT_QUEUE_BYTES,
     DEFAULT_AGENT_REPLAY_BYTES,
 };
-
-/// What an event costs in the queue beyond its JSON (its slot, pointer and bookkeeping).
-pub const QUEUED_OVERHEAD: u64 = 64;
 /// A replay's answer goes out in chunks of about this size.
 const REPLAY_CHUNK: usize = 64 << 10;
 

@@ -254,6 +254,12 @@ command!(update_brief, UpdateBriefRequest, |sb, r| async {
         .await
         .map(|()| serde_json::json!({}))
 });
+/// Replays streaming at once (each holds one blocking thread while it reads the log).
+const MAX_REPLAYS: usize = 32;
+static REPLAYS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_REPLAYS);
+/// How long a replay waits for its reader to take the next chunk before it gives up (the body ends early).
+const REPLAY_STALL: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// `POST /replay`: 400 for an inverted range; the answer is streamed from the log in chunks (never the whole
 /// range in memory). A read error midway ends the body early (the client sees a truncated JSON).
 async fn replay(
@@ -276,6 +282,13 @@ async fn replay(
             PluginError::invalid("fromSequence is after toSequence"),
         );
     }
+    // Each replay holds a blocking thread while it streams: bounded in number, and a reader that stops reading
+    // for REPLAY_STALL lets its thread go.
+    let Ok(permit) = REPLAYS.try_acquire() else {
+        return plugin(unavailable(format!(
+            "{MAX_REPLAYS} replays are in progress; try again"
+        )));
+    };
     let hub = sb.hub.clone();
     let opened = match tokio::task::spawn_blocking(move || hub.replay(r)).await {
         Ok(Ok(replay)) => replay,
@@ -283,9 +296,15 @@ async fn replay(
         Err(e) => return plugin(unavailable(format!("Replay failed: {e}"))),
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(2);
+    let rt = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {
+        let _permit = permit;
         let chunks = tx.clone();
-        if let Err(e) = opened.write(|chunk| chunks.blocking_send(Ok(chunk)).is_ok()) {
+        let send = |chunk| {
+            let sent = rt.block_on(tokio::time::timeout(REPLAY_STALL, chunks.send(Ok(chunk))));
+            matches!(sent, Ok(Ok(())))
+        };
+        if let Err(e) = opened.write(send) {
             tracing::warn!(error = %e, "replay stopped: the event log is unreadable");
             let _ = tx.blocking_send(Err(e));
         }
