@@ -488,9 +488,77 @@ enum Op {
     Return,
 }
 
+/// A JSON value walked as `serde_json` parses it into a [`Value`] (so a number out of `f64`'s range is refused, as
+/// it would be there) without keeping any of it: what is forwarded as text must parse for the client.
+struct Checked;
+
+impl<'de> Deserialize<'de> for Checked {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(CheckedVisitor)
+    }
+}
+
+struct CheckedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for CheckedVisitor {
+    type Value = Checked;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Checked, E> {
+        if v.is_finite() {
+            Ok(Checked)
+        } else {
+            Err(E::custom("number out of range"))
+        }
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_unit<E>(self) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Checked, A::Error> {
+        while a.next_element::<Checked>()?.is_some() {}
+        Ok(Checked)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Checked, A::Error> {
+        while a.next_entry::<serde::de::IgnoredAny, Checked>()?.is_some() {}
+        Ok(Checked)
+    }
+}
+
+/// Whether `raw` parses as a [`Value`] would (its text is forwarded as it is).
+fn check(raw: &RawValue) -> Result<(), ToolRequestError> {
+    serde_json::from_str::<Checked>(raw.get())
+        .map(drop)
+        .map_err(ToolRequestError::Malformed)
+}
+
 /// Parses one request line (without its newline).
 pub fn parse_tool_request(line: &[u8]) -> Result<ToolRequest<'_>, ToolRequestError> {
     let r: RequestLine<'_> = serde_json::from_slice(line).map_err(ToolRequestError::Malformed)?;
+    for raw in [r.args, r.value].into_iter().flatten() {
+        check(raw)?;
+    }
     match r.op {
         Op::Return => {
             let field = [
@@ -568,6 +636,12 @@ mod tests {
             ),
             (b"\xff{}", "Invalid request"),
             (br#"{"op":"call","name":"x","extra":1}"#, "unknown field"),
+            // Found by fuzzing: RawValue checks syntax only; forwarded as it is, the client could not parse it.
+            (
+                br#"{"op":"call","name":"lookup","args":{"q":24400E00090000001}}"#,
+                "out of range",
+            ),
+            (br#"{"op":"return","value":[1e999]}"#, "out of range"),
         ] {
             let e = parse_tool_request(line).unwrap_err().to_string();
             assert!(e.contains(want), "{}: {e}", String::from_utf8_lossy(line));
