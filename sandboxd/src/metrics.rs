@@ -404,15 +404,17 @@ mod tests {
 
     #[test]
     fn an_execution_is_counted_once_by_its_reason_with_every_phase_observed() {
+        // The counters are global and other unit tests run executions at the same time (the engine's, on shell):
+        // elixir is a language no other unit test runs, so its count is this test's alone.
         let cid = "metrics-unit-1";
-        let t = ExecutionTimer::begin(Language::Shell);
+        let t = ExecutionTimer::begin(Language::Elixir);
         t.slot_acquired(cid);
         created(cid);
         exited(cid, Reason::Timeout, Duration::from_millis(30));
         finished(cid);
         finished(cid); // a second call finds nothing and counts nothing
         let labels = EndLabels {
-            language: "shell".into(),
+            language: "elixir".into(),
             reason: "timeout".into(),
         };
         assert_eq!(get().executions.get_or_create(&labels).get(), 1);
@@ -420,11 +422,11 @@ mod tests {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &get().registry).unwrap();
         for series in [
-            "sandboxd_executions_total{language=\"shell\",reason=\"timeout\"} 1",
-            "sandboxd_queue_wait_seconds_count{language=\"shell\"}",
-            "sandboxd_create_seconds_count{language=\"shell\"}",
-            "sandboxd_run_seconds_count{language=\"shell\"}",
-            "sandboxd_total_seconds_count{language=\"shell\"}",
+            "sandboxd_executions_total{language=\"elixir\",reason=\"timeout\"} 1",
+            "sandboxd_queue_wait_seconds_count{language=\"elixir\"}",
+            "sandboxd_create_seconds_count{language=\"elixir\"}",
+            "sandboxd_run_seconds_count{language=\"elixir\"}",
+            "sandboxd_total_seconds_count{language=\"elixir\"}",
             "sandboxd_pool_size 0",
         ] {
             assert!(text.contains(series), "{series} missing from:\n{text}");
