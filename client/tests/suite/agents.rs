@@ -202,6 +202,17 @@ fn plugin_err(r: Result<impl std::fmt::Debug, GatewayError>) -> (u16, PluginErro
     }
 }
 
+/// [`start`], a backend, and one sandbox created against it (an hour's lifetime).
+async fn start_with_sandbox() -> Option<(Daemon, Gateway, Backend, SandboxClient)> {
+    let (d, gw) = start().await?;
+    let backend = Backend::start().await;
+    let sb = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    Some((d, gw, backend, sb))
+}
+
 async fn start() -> Option<(Daemon, Gateway)> {
     let bin = require_daemon("agent sandboxes")?;
     let d = Daemon::start(&bin, DaemonOpts::default()).await;
@@ -632,14 +643,9 @@ async fn kill_9_of_the_agent_is_detected_within_1s() {
 /// consumer sees every sequence once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_after_a_forced_websocket_drop_returns_exactly_the_missing_sequences() {
-    let Some((_d, gw)) = start().await else {
+    let Some((_d, gw, _backend, sb)) = start_with_sandbox().await else {
         return;
     };
-    let backend = Backend::start().await;
-    let sb = gw
-        .create(&create_request(backend.port, 3600))
-        .await
-        .unwrap();
     let mut events = sb.events(0);
     const TICKS: u64 = 300;
     sb.spawn(&brief(
@@ -1377,14 +1383,9 @@ async fn logged(sb: &SandboxClient, text: &str) -> u64 {
 /// run goes on and its next line is read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversize_control_line_is_refused_and_the_run_goes_on() {
-    let Some((_d, gw)) = start().await else {
+    let Some((_d, gw, _backend, sb)) = start_with_sandbox().await else {
         return;
     };
-    let backend = Backend::start().await;
-    let sb = gw
-        .create(&create_request(backend.port, 3600))
-        .await
-        .unwrap();
     let mut events = sb.events(0);
     sb.spawn(&brief(json!([
         {"big_line": (1 << 20) + 100},
@@ -1417,14 +1418,9 @@ async fn dropped_events_are_counted_exactly_and_delivered() {
     use futures_util::StreamExt;
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
-    let Some((d, gw)) = start().await else {
+    let Some((d, gw, _backend, sb)) = start_with_sandbox().await else {
         return;
     };
-    let backend = Backend::start().await;
-    let sb = gw
-        .create(&create_request(backend.port, 3600))
-        .await
-        .unwrap();
     // 3000 events of 4 KiB: over the queue's budget in events and in bytes.
     sb.spawn(&brief(json!([
         {"emit_many": 3000, "every_ms": 0, "pad": 4096},
@@ -1475,14 +1471,9 @@ async fn dropped_events_are_counted_exactly_and_delivered() {
 /// kill and delete work and leave no cgroup, process or state behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fifo_artifact_is_refused_and_kill_and_delete_still_work() {
-    let Some((d, gw)) = start().await else {
+    let Some((d, gw, backend, sb)) = start_with_sandbox().await else {
         return;
     };
-    let backend = Backend::start().await;
-    let sb = gw
-        .create(&create_request(backend.port, 3600))
-        .await
-        .unwrap();
     let mut events = sb.events(0);
     sb.spawn(&brief(json!([
         {"mkfifo": "pipe"},
