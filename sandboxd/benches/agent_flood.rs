@@ -12,8 +12,11 @@
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
+// Only the free port is used here.
+#[allow(dead_code)]
+mod common;
+
 use std::io::{Read, Write};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,11 +71,7 @@ struct Daemon {
 impl Daemon {
     fn start(binary: &Path, n: u32) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = common::free_port();
         let config = dir.path().join("config.yaml");
         let state = dir.path().join("state");
         let parent = format!("sandboxd-flood-{}-{n}", std::process::id());

@@ -16,8 +16,9 @@
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::io::Read;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -107,11 +108,7 @@ impl Daemon {
     /// `sandbox` is added to the `sandbox:` section (`, start: libcontainer`).
     fn start_binary(binary: &Path, n: u32, extra: &str, sandbox: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = common::free_port();
         let config = dir.path().join("config.yaml");
         let parent = format!("sandboxd-bench-{}-{n}", std::process::id());
         let cpu = CpuMeter::new(&parent);
@@ -175,15 +172,7 @@ impl Daemon {
     }
 
     fn healthz(&self) -> Option<Value> {
-        use std::io::Write;
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
-        s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").ok()?;
-        let mut r = String::new();
-        let _ = s.read_to_string(&mut r);
-        if !(r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200")) {
-            return None;
-        }
-        serde_json::from_str(r.split("\r\n\r\n").nth(1)?).ok()
+        common::healthz(self.port)
     }
 
     /// The pool's (ready, hits, misses).

@@ -42,8 +42,9 @@
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -210,11 +211,7 @@ impl Daemon {
             .prefix("sandboxd-soak-")
             .tempdir()
             .unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = common::free_port();
         let pid = std::process::id();
         let parent = format!("sandboxd-soak-{pid}");
         // Apart from the tests' ranges (1,000,000 and 200,000,000 up) and the latency bench's (400,000 up).
@@ -278,16 +275,7 @@ impl Daemon {
     }
 
     fn healthz(&self) -> Option<Value> {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-        s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").ok()?;
-        let mut r = String::new();
-        let _ = s.read_to_string(&mut r);
-        if !(r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200")) {
-            return None;
-        }
-        serde_json::from_str(r.split("\r\n\r\n").nth(1)?).ok()
+        common::healthz(self.port)
     }
 
     fn log_tail(&self) -> String {

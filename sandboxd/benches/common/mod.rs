@@ -1,0 +1,29 @@
+//! What the benches share: a free loopback port for a daemon, and its `/healthz`.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// A loopback port free right now (the daemon binds it next).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The daemon's `/healthz` on `port`, or `None` until it answers 200.
+pub fn healthz(port: u16) -> Option<Value> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").ok()?;
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r);
+    if !(r.starts_with("HTTP/1.0 200") || r.starts_with("HTTP/1.1 200")) {
+        return None;
+    }
+    serde_json::from_str(r.split("\r\n\r\n").nth(1)?).ok()
+}
