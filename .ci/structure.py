@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
-"""Structure checks run by .ci/run (issue 15): no module cycle inside any crate, and no function longer than
-MAX_LINES in any crate (sources, tests and benches).
+"""Structure checks run by .ci/run: no module cycle inside any crate, no cycle between the files of any folder,
+and no function longer than MAX_LINES in any crate (sources, tests and benches).
 
 Module graph: a node per top-level module of a crate's src/ (a directory counts as one module, the crate root and
 src/bin are left out); an edge M -> X for every `crate::X` path in M's code (use lines, grouped uses and inline
 paths; comments and string literals ignored). A cycle is a strongly connected component with more than one node.
+
+File graph, per folder of a crate's src/: a node per file or subfolder, the folder's own module file (mod.rs or
+<folder>.rs) being `mod`; an edge A -> B for every path from A (or anything inside it) to B (or anything inside
+it): `super::b`, `crate::folder::b`, `self::b` and bare `b::` paths; a path to an item of the folder's module itself
+(`super::Engine`) goes to `mod`. Declaring a module (`mod b;`) is not an edge, using it is; `#[cfg(test)]` inline
+modules are left out.
 
 Function length: from the line of `fn` to its closing brace, braces counted outside comments, strings and chars.
 
@@ -95,6 +101,111 @@ def module_graph(src):
     return graph
 
 
+PATH_REF = re.compile(r"\b(crate|super|self)((?:\s*::\s*(?:\w+|\{[^{}]*\}|\*))+)")
+INLINE_MOD = re.compile(r"(#\[cfg\(test\)\]\s*)?\bmod\s+(\w+)\s*\{")
+
+
+def module_path(src, path):
+    """The module path of a source file: src/a/b.rs and src/a/b/mod.rs are ["a", "b"]; the crate root is []."""
+    rel = os.path.relpath(path, src)[:-3].split(os.sep)
+    if rel[-1] in ("mod", "lib", "main"):
+        rel = rel[:-1]
+    return rel
+
+
+def inline_scopes(code):
+    """(start, end, name) of every inline `mod name { ... }` block (nested ones too); a `#[cfg(test)]` one is named
+    None (test code is left out of the file graph)."""
+    scopes, stack, depth = [], [], 0
+    opens = {m.end() - 1: (None if m.group(1) else m.group(2)) for m in INLINE_MOD.finditer(code)}
+    for i, ch in enumerate(code):
+        if ch == "{":
+            depth += 1
+            if i in opens:
+                stack.append((i, depth, opens[i]))
+        elif ch == "}":
+            if stack and stack[-1][1] == depth:
+                start, _, name = stack.pop()
+                scopes.append((start, i, name))
+            depth -= 1
+    return scopes
+
+
+def expand(tail):
+    """The paths a `::a::{b, c::d}` tail names, each as a list of segments (one level of braces)."""
+    tail = re.sub(r"\s+", "", tail).lstrip(":")
+    m = re.match(r"((?:\w+::)*)\{(.*)\}$", tail)
+    if m:
+        head = [s for s in m.group(1).split("::") if s]
+        return [head + [s for s in part.split("::") if s] for part in m.group(2).split(",") if part]
+    return [[s for s in tail.split("::") if s]]
+
+
+def file_references(src, path):
+    """(the module the reference is made from, the absolute path it names) for every path in a file."""
+    base = module_path(src, path)
+    code = strip_code(open(path, encoding="utf-8").read())
+    scopes = inline_scopes(code)
+    for m in PATH_REF.finditer(code):
+        here = list(base)
+        for start, end, name in sorted(scopes):
+            if start < m.start() < end:
+                here.append(name)
+        if None in here:
+            continue
+        # `super` in an inline module: the inline module's parent; leading `super::super` chains climb further.
+        segments = [s.strip() for s in re.split(r"::", m.group(0), maxsplit=1)]
+        kind = m.group(1)
+        for names in expand(m.group(2)):
+            if kind == "crate":
+                target = names
+            else:
+                at = list(here)
+                if kind == "super":
+                    at = at[:-1]
+                while names and names[0] == "super":
+                    at = at[:-1]
+                    names = names[1:]
+                target = at + names
+            yield here, [n for n in target if n not in ("self", "*")]
+    # A bare path (`use plan::Blueprint`, `plan::check(..)`) names a child module of the file's own module.
+    for m in re.finditer(r"(?<![:\w])(\w+)\s*::", code):
+        if m.group(1) not in ("crate", "super", "self", "Self"):
+            yield base, base + [m.group(1)]
+
+
+def folder_cycles(src):
+    """Cycles between the files of one folder: a node per file (the folder's own mod.rs or <folder>.rs is `mod`),
+    an edge A -> B for every path from A (or from inside A) to B or something in it; a path to an item of the
+    folder's module itself goes to `mod`. Declaring `mod b;` is not an edge; using it is."""
+    folders = {}
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = [d for d in dirnames if d not in ("target", "bin")]
+        if os.path.abspath(dirpath) == os.path.abspath(src):
+            continue
+        prefix = module_path(src, os.path.join(dirpath, "mod.rs"))
+        children = {f[:-3] for f in filenames if f.endswith(".rs") and f != "mod.rs"} | set(dirnames)
+        folders[tuple(prefix)] = children
+    graphs = {p: {c: set() for c in kids | {"mod"}} for p, kids in folders.items()}
+    for path in rust_files(src):
+        if os.sep + "bin" + os.sep in path:
+            continue
+        for here, target in file_references(src, path):
+            for prefix, kids in folders.items():
+                n = len(prefix)
+                if list(here[:n]) != list(prefix) or list(target[:n]) != list(prefix):
+                    continue
+                source = here[n] if len(here) > n and here[n] in kids else "mod"
+                dest = target[n] if len(target) > n and target[n] in kids else "mod"
+                if source != dest:
+                    graphs[prefix][source].add(dest)
+    found = []
+    for prefix, graph in sorted(graphs.items()):
+        for comp in cycles(graph):
+            found.append("/".join(prefix) + ": " + " <-> ".join(comp))
+    return found, graphs
+
+
 def cycles(graph):
     index, low, stack, on, found = {}, {}, [], set(), []
 
@@ -159,6 +270,14 @@ def main():
                 print(f"  {crate}: {node} -> {', '.join(sorted(graph[node])) or '-'}")
         print(f"{crate}: {len(graph)} modules, " + (f"CYCLES {found}" if found else "no module cycle"))
         failed |= bool(found)
+        inner, graphs = folder_cycles(os.path.join(ROOT, crate, "src"))
+        if verbose:
+            for prefix, graph in sorted(graphs.items()):
+                for node in sorted(graph):
+                    print(f"  {crate}/{'/'.join(prefix)}: {node} -> {', '.join(sorted(graph[node])) or '-'}")
+        for c in inner:
+            print(f"{crate}: cycle between files of {c}")
+        failed |= bool(inner)
     longest = []
     for top in LONG_FUNCTION_DIRS:
         longest.extend(long_functions(os.path.join(ROOT, top)))

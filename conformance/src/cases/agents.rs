@@ -13,7 +13,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_tungstenite::tungstenite::Message;
 
-use super::{case, C};
+use super::common::{case, C};
 use crate::ctx::Ctx;
 use crate::framework::{Case, CaseResult, Stop};
 use crate::wire::short;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::{case, ended, sequence, C};
+use super::common::{case, ended, sequence, C};
 use crate::client::Conn;
 use crate::ctx::{load_of, Ctx};
 use crate::framework::{Case, CaseResult, Stop};

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::{case, refused, text, C};
+use super::common::{case, refused, text, C};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::msgs::{ts, with};
 use crate::wire::{check_ts, short, SERVER_TYPES};

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
+use super::common::{case, C, COUNT_MARKED_PROCESSES};
 use super::resources::COUNT_MARKED_FILES;
-use super::{case, C, COUNT_MARKED_PROCESSES};
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};
 pub use crate::observed::Posture;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::{case, ended, exit_null, text, C};
+use super::common::{case, ended, exit_null, text, C};
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{checked, Case, CaseResult, Stop};
 use crate::wire::{check_error_fields, short, Exec, LANGUAGES, LIMIT_NAMES};

@@ -9,7 +9,7 @@ use base64::engine::general_purpose::STANDARD;
 use base64::Engine;
 use serde_json::{json, Value};
 
-use super::{case, ended, exit_null, refused, sequence, text, wait_no_marked_processes, C};
+use super::common::{case, ended, exit_null, refused, sequence, text, wait_no_marked_processes, C};
 use crate::client::{Conn, Frame};
 use crate::ctx::{load_of, max_limits_json, Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};

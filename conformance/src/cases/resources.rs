@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use super::common::{case, idle, wait_no_marked_processes, C};
 use super::messages::{oom_exec, timeout_exec, TIMEOUT_LIMIT_MS};
-use super::{case, idle, wait_no_marked_processes, C};
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{checked, Case, CaseResult, Stop};
 use crate::msgs::with;
@@ -351,7 +351,7 @@ async fn default_output_limit(ctx: C) -> CaseResult {
         "{total} bytes were delivered without max_output_bytes (default 1 MiB = 1048576): {}",
         e.dump()
     );
-    super::ended(&e, "failed", "output_limit")?;
+    super::common::ended(&e, "failed", "output_limit")?;
     Ok(String::new())
 }
 

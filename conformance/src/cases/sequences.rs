@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use super::common::{case, ended, sequence, C};
 use super::messages::{completed_exec, exit_code_exec, signaled_exec, Scenario};
-use super::{case, ended, sequence, C};
 use crate::ctx::Ctx;
 use crate::framework::{Case, CaseResult};
 use crate::msgs::with;

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::{case, refused, sequence, text, C};
+use super::common::{case, refused, sequence, text, C};
 use crate::client::Conn;
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};

@@ -6,7 +6,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
 
-use super::{case, refused, sequence, text, C};
+use super::common::{case, refused, sequence, text, C};
 use crate::client::{upgrade, Closed, Frame, Upgrade};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::wire::Exec;

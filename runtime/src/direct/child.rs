@@ -17,8 +17,8 @@ use nix::sys::stat::Mode;
 use nix::sys::statvfs::FsFlags;
 use nix::unistd::{Gid, Uid};
 
+use super::handshake::{GO, OK, REPORT_MAX};
 use super::plan::{Blueprint, MountKind, MountStep};
-use super::{GO, OK};
 use crate::init::InitExecutor;
 use crate::ipc;
 
@@ -62,8 +62,8 @@ pub(super) fn run(sock: OwnedFd, blueprint: &Blueprint, init: &InitExecutor) -> 
         }
         Err(Failed(mut what)) => {
             // The helper reads one datagram of at most REPORT_MAX bytes.
-            if what.len() > super::REPORT_MAX {
-                let mut end = super::REPORT_MAX;
+            if what.len() > REPORT_MAX {
+                let mut end = REPORT_MAX;
                 while !what.is_char_boundary(end) {
                     end -= 1;
                 }

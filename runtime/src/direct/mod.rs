@@ -24,6 +24,7 @@
 //! into `/dev` and its own `devpts`.
 
 mod child;
+mod handshake;
 pub mod plan;
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -34,6 +35,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::Signal;
 use nix::unistd::{Gid, Pid, Uid};
 
+use handshake::{GO, OK, REPORT_MAX};
 pub use plan::Blueprint;
 
 use crate::cgroups::Cgroups;
@@ -44,11 +46,6 @@ use crate::ipc;
 
 /// How long the helper waits for a cloned init to report its set-up.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
-/// The go message (helper to init) and the success report (init to helper).
-const GO: &[u8] = b"go";
-const OK: &[u8] = b"ok";
-/// The longest set-up report the init sends (a failed step's text is cut to this).
-const REPORT_MAX: usize = 4096;
 
 /// `struct clone_args` of `clone3(2)` (the first version, 64 bytes, plus `set_tid` and `cgroup`).
 #[repr(C)]

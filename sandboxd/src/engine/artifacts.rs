@@ -8,24 +8,8 @@ use std::time::Instant;
 use protocol::{Artifact, ArtifactManifest, DroppedArtifacts, SkippedArtifact};
 use tracing::{debug, warn};
 
+use super::error::ArtifactError;
 use super::{Engine, ExecError};
-
-/// Why the requested artifacts could not be collected.
-#[derive(Debug, thiserror::Error)]
-pub enum ArtifactError {
-    /// The patterns are invalid (the server refuses them before the execution, so this is a bug).
-    #[error(transparent)]
-    Patterns(runtime::Error),
-    /// Walking the working directory failed.
-    #[error(transparent)]
-    Collect(runtime::Error),
-    /// The collected files could not be committed to the store.
-    #[error("cannot store artifacts")]
-    Store(#[source] std::io::Error),
-    /// The manifest could not be saved.
-    #[error("cannot save the manifest")]
-    Manifest(#[source] std::io::Error),
-}
 
 impl Engine {
     /// Collects the requested artifacts (blocking work on a blocking thread), uploads them when an endpoint is

@@ -2,7 +2,6 @@
 //! ([`runtime::error::Chain`]); refusals of the request itself (`INVALID_REQUEST`, `LANGUAGE_NOT_SUPPORTED`) are not
 //! errors of the daemon and do not come through here.
 
-use super::artifacts::ArtifactError;
 use super::outcome::Unexplained;
 use crate::containers::{CreateError, LaunchError};
 
@@ -51,4 +50,21 @@ pub enum ExecError {
     /// The requested artifacts could not be collected.
     #[error("Artifact collection failed")]
     Artifacts(#[source] ArtifactError),
+}
+
+/// Why the requested artifacts could not be collected.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    /// The patterns are invalid (the server refuses them before the execution, so this is a bug).
+    #[error(transparent)]
+    Patterns(runtime::Error),
+    /// Walking the working directory failed.
+    #[error(transparent)]
+    Collect(runtime::Error),
+    /// The collected files could not be committed to the store.
+    #[error("Cannot store artifacts")]
+    Store(#[source] std::io::Error),
+    /// The manifest could not be saved.
+    #[error("Cannot save the manifest")]
+    Manifest(#[source] std::io::Error),
 }
