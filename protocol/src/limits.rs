@@ -48,15 +48,41 @@ impl Limits {
         disk_mb: 64,
     };
 
+    /// Every limit's wire name, in declaration order.
+    pub const NAMES: [&'static str; 6] = [
+        "timeout_ms",
+        "memory_mb",
+        "cpu_shares",
+        "max_output_bytes",
+        "pids_max",
+        "disk_mb",
+    ];
+
+    /// Sets the limit named `name` (a wire name) to `value`; `false` if no limit has that name.
+    pub fn set(&mut self, name: &str, value: u64) -> bool {
+        let field = match name {
+            "timeout_ms" => &mut self.timeout_ms,
+            "memory_mb" => &mut self.memory_mb,
+            "cpu_shares" => &mut self.cpu_shares,
+            "max_output_bytes" => &mut self.max_output_bytes,
+            "pids_max" => &mut self.pids_max,
+            "disk_mb" => &mut self.disk_mb,
+            _ => return false,
+        };
+        *field = value;
+        true
+    }
+
     /// Each limit with its wire name, in declaration order.
     pub const fn entries(&self) -> [(&'static str, u64); 6] {
+        let n = Self::NAMES;
         [
-            ("timeout_ms", self.timeout_ms),
-            ("memory_mb", self.memory_mb),
-            ("cpu_shares", self.cpu_shares),
-            ("max_output_bytes", self.max_output_bytes),
-            ("pids_max", self.pids_max),
-            ("disk_mb", self.disk_mb),
+            (n[0], self.timeout_ms),
+            (n[1], self.memory_mb),
+            (n[2], self.cpu_shares),
+            (n[3], self.max_output_bytes),
+            (n[4], self.pids_max),
+            (n[5], self.disk_mb),
         ]
     }
 }

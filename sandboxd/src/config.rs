@@ -262,57 +262,43 @@ impl Default for CapacityConfig {
 }
 
 /// `limits:`
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LimitsConfig {
-    /// The largest value a request may ask for, per limit.
-    pub max: MaxLimits,
-}
-
-/// `limits.max:` (same keys as the protocol's `limits`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct MaxLimits {
-    /// Wall-clock timeout, ms.
-    pub timeout_ms: u64,
-    /// Memory, MiB.
-    pub memory_mb: u64,
-    /// CPU shares.
-    pub cpu_shares: u64,
-    /// Output bytes (stdout + stderr).
-    pub max_output_bytes: u64,
-    /// Processes and threads.
-    pub pids_max: u64,
-    /// Scratch space, MiB.
-    pub disk_mb: u64,
+pub struct LimitsConfig {
+    /// The largest value a request may ask for, per limit: the protocol's own [`Limits`] (what `pong` reports),
+    /// with the same keys; a key left out keeps its [`DEFAULT_MAX_LIMITS`] value.
+    #[serde(deserialize_with = "max_limits")]
+    pub max: Limits,
 }
 
-impl Default for MaxLimits {
+impl Default for LimitsConfig {
     fn default() -> Self {
-        let d = DEFAULT_MAX_LIMITS;
         Self {
-            timeout_ms: d.timeout_ms,
-            memory_mb: d.memory_mb,
-            cpu_shares: d.cpu_shares,
-            max_output_bytes: d.max_output_bytes,
-            pids_max: d.pids_max,
-            disk_mb: d.disk_mb,
+            max: DEFAULT_MAX_LIMITS,
         }
     }
 }
 
-impl MaxLimits {
-    /// As protocol limits.
-    pub fn to_limits(&self) -> Limits {
-        Limits {
-            timeout_ms: self.timeout_ms,
-            memory_mb: self.memory_mb,
-            cpu_shares: self.cpu_shares,
-            max_output_bytes: self.max_output_bytes,
-            pids_max: self.pids_max,
-            disk_mb: self.disk_mb,
+/// `limits.max`: a map of the protocol's limit names onto [`DEFAULT_MAX_LIMITS`]; an unknown key is refused.
+fn max_limits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Limits, D::Error> {
+    struct Maxima;
+    impl<'de> serde::de::Visitor<'de> for Maxima {
+        type Value = Limits;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a map of limit names to maximums")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Limits, A::Error> {
+            let mut limits = DEFAULT_MAX_LIMITS;
+            while let Some(key) = map.next_key::<String>()? {
+                let value = map.next_value::<u64>()?;
+                if !limits.set(&key, value) {
+                    return Err(serde::de::Error::unknown_field(&key, &Limits::NAMES));
+                }
+            }
+            Ok(limits)
         }
     }
+    d.deserialize_map(Maxima)
 }
 
 /// `sandbox:`
@@ -708,7 +694,7 @@ mod tests {
                     ("max_queue", c.capacity.max_queue),
                 ]
                 .into(),
-                limits: [("max", c.limits.max.to_limits())].into(),
+                limits: [("max", c.limits.max)].into(),
                 shutdown_grace_ms: c.shutdown_grace_ms,
                 max_frame_bytes: c.max_frame_bytes,
                 sandbox: [
@@ -765,7 +751,7 @@ mod tests {
         let c = Config::parse("").unwrap();
         assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(c.capacity.max_concurrent, DEFAULT_MAX_CONCURRENT);
-        assert_eq!(c.limits.max.to_limits(), DEFAULT_MAX_LIMITS);
+        assert_eq!(c.limits.max, DEFAULT_MAX_LIMITS);
     }
 
     #[test]
@@ -791,6 +777,13 @@ mod tests {
         assert!(e.contains("max_concurent") && e.contains("capacity"), "{e}");
         let e = Config::parse("lisen: 1.2.3.4:5\n").unwrap_err().to_string();
         assert!(e.contains("lisen"), "{e}");
+        let e = Config::parse("limits:\n  max:\n    memory_mib: 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("memory_mib") && e.contains("limits.max") && e.contains("line 3"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -800,6 +793,13 @@ mod tests {
             .to_string();
         assert!(
             e.contains("capacity.max_queue") && e.contains("line 3"),
+            "{e}"
+        );
+        let e = Config::parse("limits:\n  max:\n    pids_max: many\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("limits.max.pids_max") && e.contains("line 3"),
             "{e}"
         );
     }

@@ -369,7 +369,7 @@ impl Daemon {
             self.cgroups.clone(),
             self.run_dir.clone(),
             config.sandbox.nofile,
-            config.limits.max.to_limits(),
+            config.limits.max,
             pool::Uids::new(config.sandbox.uid_base, config.uid_count() as u32),
         ));
         let pool = Arc::new(pool::Pool::new(

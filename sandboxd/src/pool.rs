@@ -440,7 +440,7 @@ mod tests {
         let factory = Arc::new(Factory::with_backend(
             helpers,
             Box::new(FakeBackend::new(dir.path(), recorder.clone())),
-            crate::config::Config::default().limits.max.to_limits(),
+            crate::config::Config::default().limits.max,
             Uids::new(900_000, 8),
         ));
         let languages: BTreeMap<Language, _> = [(Language::Shell, shell())].into_iter().collect();

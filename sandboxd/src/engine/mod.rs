@@ -109,7 +109,7 @@ impl Engine {
 
     /// The configured maximum of every limit.
     pub fn max_limits(&self) -> Limits {
-        self.config.limits.max.to_limits()
+        self.config.limits.max
     }
 
     /// Protocol extensions this server implements.

@@ -40,7 +40,7 @@ impl Harness {
         let recorder = Arc::new(Recorder::default());
         let (helpers, peer) = placeholder_helpers();
         let config = Config::default();
-        let max = config.limits.max.to_limits();
+        let max = config.limits.max;
         let languages: BTreeMap<Language, LanguageRuntime> =
             [(Language::Shell, shell())].into_iter().collect();
         let factory = Arc::new(Factory::with_backend(
