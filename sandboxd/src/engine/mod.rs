@@ -27,7 +27,7 @@ use protocol::{
     Load, Pong, Reason, ResourceUsage, ResultMessage, ServerMessage,
 };
 use runtime::cgroups::{CgroupLimits, Cgroups};
-use runtime::init::Report;
+use runtime::init::{ProgramExit, Report};
 use runtime::launch::Launch;
 use runtime::rootfs::{InputFile, CODE_DIR, WORKDIR};
 use tokio::sync::mpsc::error::SendError;
@@ -35,7 +35,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn, Instrument};
 
 pub use self::error::ExecError;
-use self::outcome::{Exit, KillReason};
+use self::outcome::KillReason;
 use self::streams::{make_stdio, Stdio, Streams};
 use crate::capacity::{Admission, Capacity, Slot};
 use crate::config::Config;
@@ -780,7 +780,7 @@ fn cancelled_before_start(id: &str) -> Vec<ServerMessage> {
 
 fn result(
     id: &str,
-    exit: Option<Exit>,
+    exit: Option<ProgramExit>,
     reason: Reason,
     duration_ms: u64,
     resource_usage: ResourceUsage,
@@ -788,8 +788,8 @@ fn result(
     truncated: bool,
 ) -> ResultMessage {
     let (exit_code, signal) = match exit {
-        Some(Exit::Code(c)) => (Some(c), None),
-        Some(Exit::Signal(s)) => (None, Some(signal_name(s))),
+        Some(ProgramExit::Code(c)) => (Some(c), None),
+        Some(ProgramExit::Signal(s)) => (None, Some(signal_name(s))),
         None => (None, None),
     };
     ResultMessage {

@@ -15,22 +15,13 @@ pub enum KillReason {
     Cancelled,
 }
 
-/// How the program ended, as reported in the result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Exit {
-    /// Exit code.
-    Code(i32),
-    /// Signal number.
-    Signal(i32),
-}
-
 /// The classification of a finished execution.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome {
     /// The result's `reason`.
     pub reason: Reason,
     /// Exit code or signal.
-    pub exit: Exit,
+    pub exit: ProgramExit,
     /// The terminal `status`.
     pub status: ExecStatus,
 }
@@ -60,13 +51,13 @@ pub fn classify(
         },
     };
     let exit = match (reason, program) {
-        (Reason::Exited, Some(ProgramExit::Code(c))) => Exit::Code(c),
-        (_, Some(ProgramExit::Signal(s))) => Exit::Signal(s),
-        (_, Some(ProgramExit::Code(c))) if kill.is_none() => Exit::Code(c),
-        _ => Exit::Signal(9),
+        (Reason::Exited, Some(ProgramExit::Code(c))) => ProgramExit::Code(c),
+        (_, Some(ProgramExit::Signal(s))) => ProgramExit::Signal(s),
+        (_, Some(ProgramExit::Code(c))) if kill.is_none() => ProgramExit::Code(c),
+        _ => ProgramExit::Signal(9),
     };
     let status = match (reason, exit) {
-        (Reason::Exited, Exit::Code(0)) => ExecStatus::Completed,
+        (Reason::Exited, ProgramExit::Code(0)) => ExecStatus::Completed,
         (Reason::Exited | Reason::Signaled | Reason::OutputLimit, _) => ExecStatus::Failed,
         (Reason::Timeout, _) => ExecStatus::Timeout,
         (Reason::Oom, _) => ExecStatus::Oom,
@@ -92,17 +83,17 @@ mod tests {
         let o = ok(None, Some(ProgramExit::Code(0)), 0);
         assert_eq!(
             (o.reason, o.exit, o.status),
-            (Reason::Exited, Exit::Code(0), ExecStatus::Completed)
+            (Reason::Exited, ProgramExit::Code(0), ExecStatus::Completed)
         );
         let o = ok(None, Some(ProgramExit::Code(3)), 0);
         assert_eq!(
             (o.reason, o.exit, o.status),
-            (Reason::Exited, Exit::Code(3), ExecStatus::Failed)
+            (Reason::Exited, ProgramExit::Code(3), ExecStatus::Failed)
         );
         let o = ok(None, Some(ProgramExit::Signal(11)), 0);
         assert_eq!(
             (o.reason, o.exit, o.status),
-            (Reason::Signaled, Exit::Signal(11), ExecStatus::Failed)
+            (Reason::Signaled, ProgramExit::Signal(11), ExecStatus::Failed)
         );
         // A SIGKILL with no OOM kill counted is the program's own doing (kill -9 $$).
         let o = ok(None, Some(ProgramExit::Signal(9)), 0);
@@ -115,12 +106,12 @@ mod tests {
             let o = ok(None, program, 1);
             assert_eq!(
                 (o.reason, o.exit, o.status),
-                (Reason::Oom, Exit::Signal(9), ExecStatus::Oom)
+                (Reason::Oom, ProgramExit::Signal(9), ExecStatus::Oom)
             );
         }
         // A child was OOM-killed but the program exited by itself: its own exit code stands.
         let o = ok(None, Some(ProgramExit::Code(1)), 1);
-        assert_eq!((o.reason, o.exit), (Reason::Exited, Exit::Code(1)));
+        assert_eq!((o.reason, o.exit), (Reason::Exited, ProgramExit::Code(1)));
     }
 
     #[test]
@@ -149,12 +140,12 @@ mod tests {
                     (reason, status),
                     "{kill:?} {program:?}"
                 );
-                assert_eq!(o.exit, Exit::Signal(9), "{kill:?} {program:?}");
+                assert_eq!(o.exit, ProgramExit::Signal(9), "{kill:?} {program:?}");
             }
         }
         // The program died of another signal before our kill landed: that signal is reported.
         let o = ok(Some(KillReason::Timeout), Some(ProgramExit::Signal(15)), 0);
-        assert_eq!((o.reason, o.exit), (Reason::Timeout, Exit::Signal(15)));
+        assert_eq!((o.reason, o.exit), (Reason::Timeout, ProgramExit::Signal(15)));
     }
 
     #[test]
