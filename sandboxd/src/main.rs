@@ -9,6 +9,7 @@ mod auth;
 mod capacity;
 mod config;
 mod containers;
+mod daemon;
 mod doctor;
 mod engine;
 mod images;
@@ -262,7 +263,7 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         helpers.push((pid, sock));
     }
     let helper_pids: Vec<_> = helpers.iter().map(|(p, _)| *p).collect();
-    let daemon = Daemon {
+    let prepared = Prepared {
         isolation: isolation_report(&cgroups, landlock_abi),
         config,
         cgroups,
@@ -278,7 +279,7 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         .thread_name("sandboxd")
         .build()
         .context("cannot start the async runtime")?;
-    let result = rt.block_on(daemon.run());
+    let result = rt.block_on(prepared.run());
     // The helper exits on Shutdown (or when our socket closes); wait so nothing outlives us.
     drop(rt);
     for pid in helper_pids {
@@ -340,7 +341,7 @@ fn isolation_report(cgroups: &Cgroups, landlock_abi: i32) -> Isolation {
 }
 
 /// Everything `start` prepared while single-threaded, for the async part of the daemon.
-struct Daemon {
+struct Prepared {
     config: Config,
     cgroups: Cgroups,
     run_dir: PathBuf,
@@ -352,8 +353,8 @@ struct Daemon {
     helpers: Vec<(nix::unistd::Pid, std::os::fd::OwnedFd)>,
 }
 
-impl Daemon {
-    /// Builds the pool and the engine, runs the self-test, serves until shutdown, then stops every container.
+impl Prepared {
+    /// Builds the pool, the daemon's context and the engine, runs the self-test, serves until shutdown, then stops every container.
     async fn run(self) -> anyhow::Result<()> {
         let mut clients = self
             .helpers
@@ -378,19 +379,22 @@ impl Daemon {
             &self.languages,
         ));
         pool.start(&self.languages);
-        let engine = Arc::new(Engine::new(
+        let daemon = Arc::new(daemon::Daemon::new(
             config,
-            pool.clone(),
+            self.store.clone(),
             self.cgroups.clone(),
+        ));
+        let engine = Arc::new(Engine::new(
+            daemon.clone(),
+            pool.clone(),
             self.languages,
             self.isolation,
-            self.store.clone(),
             self.seccomp_digest,
         ));
         spawn_artifact_gc(self.store);
         if let Err(e) = selftest::self_test(engine.clone()).await {
             stop_containers(&engine).await;
-            let hint = untraversable_ancestor(&engine.config.state_dir)
+            let hint = untraversable_ancestor(&daemon.config().state_dir)
                 .map(|d| {
                     format!(
                         " (hint: {} is not searchable by other users; the container's unprivileged uid must traverse state_dir: chmod o+x it or choose another state_dir)",
@@ -401,7 +405,7 @@ impl Daemon {
             bail!("{}{hint}", runtime::error::Chain(&e));
         }
         // Serve only once the self-test's containers are removed: a ready daemon has nothing but its pool.
-        engine.pool.factory().removals_done().await;
+        engine.pool().factory().removals_done().await;
         info!("self-test execution passed");
         serve(engine.clone()).await?;
         stop_containers(&engine).await;
@@ -459,15 +463,16 @@ fn remove_leftover_dir(dir: &Path) -> anyhow::Result<()> {
 }
 
 async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(engine.config.listen)
+    let config = engine.daemon().config();
+    let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .with_context(|| format!("cannot listen on {}", engine.config.listen))?;
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
     info!(%addr, "listening");
     let agents = agent::Agents::new(engine.clone()).context("agent sandboxes")?;
     let state = server::AppState {
         engine: engine.clone(),
-        tokens: Arc::new(engine.config.auth.tokens.clone()),
+        tokens: Arc::new(config.auth.tokens.clone()),
         connections: Arc::new(AtomicU64::new(0)),
         agents: agents.clone(),
     };
@@ -488,7 +493,7 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
             .await
     });
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
-    let metrics_server = match engine.config.metrics_listen {
+    let metrics_server = match config.metrics_listen {
         Some(addr) => Some(
             metrics::serve_separately(engine.clone(), addr, async move {
                 let _ = metrics_stopped.await;
@@ -512,23 +517,16 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
     notify::stopping();
     // Stop accepting connections and executions; let running ones finish within the grace period.
     let _ = stop_tx.send(());
-    engine.capacity.close();
-    let grace = Duration::from_millis(engine.config.shutdown_grace_ms);
-    let drained = tokio::time::timeout(grace, wait_idle(&engine))
+    match engine
+        .drain(Duration::from_millis(config.shutdown_grace_ms))
         .await
-        .is_ok();
-    if !drained {
-        warn!(
-            active = engine.capacity.active(),
-            "grace period over; killing running executions"
-        );
-        engine.kill_all.send_replace(true);
-        if tokio::time::timeout(Duration::from_secs(30), wait_idle(&engine))
-            .await
-            .is_err()
-        {
-            error!("executions did not clean up within 30 s of being killed");
-        }
+    {
+        daemon::Drained::Finished => {}
+        daemon::Drained::Killed => warn!("grace period over; running executions were killed"),
+        daemon::Drained::Stuck => error!(
+            left = engine.daemon().executions(),
+            "executions did not clean up within 30 s of being killed"
+        ),
     }
     server.abort();
     agents.shutdown().await;
@@ -539,17 +537,11 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn wait_idle(engine: &Engine) {
-    while engine.capacity.active() > 0 || engine.capacity.queued() > 0 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Removes the pool and waits (bounded) for every container's removal, then stops the helpers.
 async fn stop_containers(engine: &Engine) {
-    engine.pool.close().await;
-    let factory = engine.pool.factory();
-    let all = engine.config.uid_count();
+    engine.pool().close().await;
+    let factory = engine.pool().factory();
+    let all = engine.daemon().config().uid_count();
     let removed = tokio::time::timeout(Duration::from_secs(10), async {
         while factory.uids.available() < all && factory.helpers.all_alive() {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -563,7 +555,7 @@ async fn stop_containers(engine: &Engine) {
 }
 
 async fn engine_dead(engine: &Engine) -> &'static str {
-    while engine.pool.factory().helpers.all_alive() {
+    while engine.healthy() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     "the container helper died; shutting down"

@@ -87,7 +87,7 @@ IO.puts(if s["Seccomp"] == "2" and s["CapEff"] == z and s["CapBnd"] == z and s["
 
 /// Runs one real execution per configured language before the daemon serves (see [`self_test_program`]).
 pub async fn self_test(engine: Arc<Engine>) -> Result<(), SelfTestError> {
-    let languages: Vec<Language> = engine.languages.keys().copied().collect();
+    let languages: Vec<Language> = engine.languages().keys().copied().collect();
     for language in languages {
         self_test_one(engine.clone(), language)
             .await

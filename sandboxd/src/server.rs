@@ -63,27 +63,7 @@ pub fn router(state: AppState) -> Router {
 }
 
 async fn healthz(State(state): State<AppState>) -> Response {
-    let e = &state.engine;
-    let healthy = e.pool.factory().helpers.all_alive();
-    let body = serde_json::json!({
-        "status": if healthy { "ok" } else { "unhealthy" },
-        "version": env!("CARGO_PKG_VERSION"),
-        "uptime_s": e.started.elapsed().as_secs(),
-        "active_executions": e.capacity.active(),
-        "queue_depth": e.capacity.queued(),
-        "max_concurrent": e.config.capacity.max_concurrent,
-        "max_queue": e.config.capacity.max_queue,
-        "languages": e.languages.keys().collect::<Vec<_>>(),
-        // Which image each language runs on, by manifest digest (what `environment.image_digest` says).
-        "images": e
-            .languages
-            .iter()
-            .map(|(l, r)| (l.as_str().to_owned(), serde_json::json!({"image": r.image.name, "digest": r.image.digest})))
-            .collect::<serde_json::Map<String, serde_json::Value>>(),
-        "isolation": e.isolation,
-        "pool": e.pool.status(),
-        "helpers": e.pool.factory().helpers.len(),
-    });
+    let (healthy, body) = state.engine.health();
     let code = if healthy {
         StatusCode::OK
     } else {
@@ -101,7 +81,7 @@ async fn artifact(
     if !authorized(&headers, &state.tokens) {
         return (StatusCode::UNAUTHORIZED, "unauthorized\n").into_response();
     }
-    let Some(path) = state.engine.store.blob(&hex) else {
+    let Some(path) = state.engine.daemon().store().blob(&hex) else {
         return (StatusCode::NOT_FOUND, "no such artifact\n").into_response();
     };
     let file = match tokio::fs::File::open(&path).await {
@@ -114,7 +94,7 @@ async fn artifact(
         [
             (
                 axum::http::header::CONTENT_TYPE,
-                state.engine.store.content_type(&hex),
+                state.engine.daemon().store().content_type(&hex),
             ),
             (axum::http::header::CONTENT_LENGTH, len.to_string()),
             (axum::http::header::ETAG, format!("\"sha256:{hex}\"")),
@@ -150,7 +130,7 @@ async fn ws(
         Ok(u) => u,
         Err(rejection) => return rejection.into_response(),
     };
-    let max = state.engine.config.max_frame_bytes;
+    let max = state.engine.daemon().config().max_frame_bytes;
     let n = state.connections.fetch_add(1, Ordering::Relaxed);
     upgrade
         .max_message_size(max)
@@ -290,7 +270,7 @@ fn execute(
         }
         admission => {
             let span = tracing::info_span!("execution", id = %req.id);
-            tokio::spawn(
+            engine.daemon().spawn_execution(
                 engine
                     .clone()
                     .run(
@@ -311,13 +291,13 @@ fn execute(
 /// Refusals that need the engine: language availability, unsupported extensions, files bigger than the scratch.
 fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessage> {
     let id = Some(req.id.clone());
-    if !engine.languages.contains_key(&req.language) {
+    if engine.language(req.language).is_none() {
         return Some(ErrorMessage::from(RequestError::language_not_supported(
             &req.id,
             req.language.as_str(),
         )));
     }
-    if let Err(e) = req.resolve_tool_timeout(engine.config.tools.max_call_timeout_ms) {
+    if let Err(e) = req.resolve_tool_timeout(engine.daemon().config().tools.max_call_timeout_ms) {
         return Some(e.into());
     }
     if let Some(a) = &req.artifacts {

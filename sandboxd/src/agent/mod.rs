@@ -57,10 +57,10 @@ pub struct Agents {
 impl Agents {
     /// The registry, with `<state_dir>/agents` emptied of a previous daemon's leftovers.
     pub fn new(engine: Arc<Engine>) -> std::io::Result<Arc<Self>> {
-        let dir = engine.config.state_dir.join("agents");
+        let dir = engine.daemon().config().state_dir.join("agents");
         remove_leftovers(&dir)?;
         std::fs::DirBuilder::new().mode(0o711).create(&dir)?;
-        let max = engine.config.agents.max_sandboxes;
+        let max = engine.daemon().config().agents.max_sandboxes;
         Ok(Arc::new(Self {
             engine,
             dir,
@@ -83,14 +83,14 @@ impl Agents {
     fn image(&self, name: Option<&str>) -> Option<Arc<RootImage>> {
         let name = name.unwrap_or("host");
         self.engine
-            .languages
+            .languages()
             .values()
             .map(|l| l.image.clone())
             .find(|i| i.name == name)
     }
 
     fn resolve_limits(&self, req: &CreateSandboxRequest) -> Result<Limits, PluginError> {
-        let max = &self.engine.config.agents;
+        let max = &self.engine.daemon().config().agents;
         let asked = req
             .workspace_requirements
             .resource_limits
@@ -134,7 +134,7 @@ impl Agents {
         let (limits, image, template, files) = self.admit(&req)?;
         // A host uid of its own; beyond max_sandboxes the caller retries later.
         let index = self.take_uid()?;
-        let cfg = &self.engine.config;
+        let cfg = &self.engine.daemon().config();
         let host_id = cfg.sandbox.uid_base + cfg.uid_count() as u32 + index as u32;
         let id = format!(
             "ags-{}-{}",
@@ -267,7 +267,7 @@ impl Agents {
     ) -> Result<(Scratch, Arc<Hub>), PluginError> {
         let (dir, id2, image2) = (self.dir.clone(), id.to_owned(), image.clone());
         let agent_id = agent_id.to_owned();
-        let budgets = Budgets::from_config(&self.engine.config.agents);
+        let budgets = Budgets::from_config(&self.engine.daemon().config().agents);
         let made = tokio::task::spawn_blocking(move || -> runtime::Result<(Scratch, Arc<Hub>)> {
             let root = match &image2.kind {
                 RootKind::Host(_) => RootSource::Shared,

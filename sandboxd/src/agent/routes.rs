@@ -119,7 +119,7 @@ fn lookup(st: &AgentState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>
 
 /// Reads a bounded body and parses it; an empty body reads as `{}`.
 async fn body<T: DeserializeOwned>(st: &AgentState, body: Body) -> Result<T, Box<Response>> {
-    let limit = st.engine.config.agents.max_body_bytes;
+    let limit = st.engine.daemon().config().agents.max_body_bytes;
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
         Box::new(refuse(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -171,7 +171,7 @@ async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Re
         .and_then(|h| h.to_str().ok())
         .filter(|h| h.bytes().all(|c| c.is_ascii_graphic()))
         .map(str::to_owned)
-        .unwrap_or_else(|| st.engine.config.listen.to_string());
+        .unwrap_or_else(|| st.engine.daemon().config().listen.to_string());
     match st.agents.create(req).await {
         Ok(sb) => {
             let base = format!("http://{host}/sandboxes/{}", sb.id);

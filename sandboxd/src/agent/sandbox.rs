@@ -364,7 +364,7 @@ impl Sandbox {
             .append(true)
             .open(self.dir.join("scratch/agent.log"))
             .map_err(|e| unavailable(format!("Cannot open the agent log: {e}"), false))?;
-        let helper = self.engine.pool.factory().helpers.primary();
+        let helper = self.engine.pool().factory().helpers.primary();
         let mut c = Container::create(
             helper,
             cid,
@@ -377,7 +377,8 @@ impl Sandbox {
         drop((stdin, log));
         let started = match self
             .engine
-            .cgroups
+            .daemon()
+            .cgroups()
             .set_cpu_quota(cid, self.limits.cpu_cores)
         {
             Err(e) => Err(ContainerError::CpuQuota(e)),
@@ -429,11 +430,11 @@ impl Sandbox {
             cwd: WORKDIR.into(),
             binds,
             host_id: self.host_id,
-            cgroups_path: self.engine.cgroups.cgroups_path(cid),
+            cgroups_path: self.engine.daemon().cgroups().cgroups_path(cid),
             memory_bytes: (self.limits.memory_mb << 20) as i64,
-            pids_max: self.engine.config.agents.pids_max as i64,
+            pids_max: self.engine.daemon().config().agents.pids_max as i64,
             cpu_shares: 1024,
-            nofile: self.engine.config.sandbox.nofile,
+            nofile: self.engine.daemon().config().sandbox.nofile,
             fsize_bytes: disk_bytes,
             shm_bytes: disk_bytes.min(64 << 20),
         };
@@ -542,7 +543,7 @@ impl Sandbox {
                         let (r, w) = stream.into_split();
                         // One line in flight: the reader waits while the processor works (backpressure).
                         let (line_tx, line_rx) = mpsc::channel::<Incoming>(1);
-                        let max = self.engine.config.agents.max_line_bytes;
+                        let max = self.engine.daemon().config().agents.max_line_bytes;
                         helpers.push(tokio::spawn(read_lines(r, line_tx, max)));
                         helpers.push(tokio::spawn(self.clone().process_lines(
                             run_id.to_owned(), line_rx, processed_tx.clone(),
@@ -562,7 +563,7 @@ impl Sandbox {
                 _ = sleep_until(eof_deadline), if eof_deadline.is_some() && end.exit.is_none() => {
                     eof_deadline = None;
                     end.crash.get_or_insert_with(|| "the control connection dropped while the agent kept running".into());
-                    let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(self), libc::SIGKILL).await;
+                    let _ = container::signal(self.engine.pool().factory().helpers.primary(), &c_cid(self), libc::SIGKILL).await;
                 }
                 _ = sleep_until(drain_deadline), if drain_deadline.is_some() => {
                     // The container is gone but its last lines are still being read or processed (a slow upload,
@@ -590,7 +591,7 @@ impl Sandbox {
             match msg {
                 Incoming::Line(bytes) => self.handle_line(&run_id, &bytes).await,
                 Incoming::TooLong(n) => {
-                    let max = self.engine.config.agents.max_line_bytes;
+                    let max = self.engine.daemon().config().agents.max_line_bytes;
                     self.hub.emit(
                         &run_id,
                         error_event(
@@ -653,9 +654,9 @@ impl Sandbox {
                     match self
                         .backend
                         .upload_artifact(
-                            &self.engine.store,
+                            &self.engine.daemon().store(),
                             &self.workspace(),
-                            self.engine.config.artifacts.max_file_bytes,
+                            self.engine.daemon().config().artifacts.max_file_bytes,
                             &mut event,
                         )
                         .await
@@ -793,7 +794,7 @@ impl Sandbox {
         ) {
             return Err(self.invalid("The agent is not running"));
         }
-        let (cg, cid) = (self.engine.cgroups.clone(), run.cid.clone());
+        let (cg, cid) = (self.engine.daemon().cgroups().clone(), run.cid.clone());
         tokio::task::spawn_blocking(move || cg.freeze(&cid))
             .await
             .map_err(|e| unavailable(format!("Freeze task failed: {e}"), false))?
@@ -852,7 +853,7 @@ impl Sandbox {
         if self.status() != Some(AgentStatus::Paused) {
             return Err(self.invalid("The agent is not paused"));
         }
-        let (cg, cid) = (self.engine.cgroups.clone(), run.cid.clone());
+        let (cg, cid) = (self.engine.daemon().cgroups().clone(), run.cid.clone());
         tokio::task::spawn_blocking(move || cg.thaw(&cid))
             .await
             .map_err(|e| unavailable(format!("Thaw task failed: {e}"), false))?
@@ -889,10 +890,10 @@ impl Sandbox {
         let (cid, mut done, killing) = (run.cid.clone(), run.done.clone(), run.killing.clone());
         killing.store(true, Ordering::SeqCst);
         let uploads_before = self.shared().uploads;
-        let helper = self.engine.pool.factory().helpers.primary();
+        let helper = self.engine.pool().factory().helpers.primary();
         if self.status() == Some(AgentStatus::Paused) {
             // Frozen tasks cannot act on signals (v1 cannot even die): thaw first.
-            let (cg, c2) = (self.engine.cgroups.clone(), cid.clone());
+            let (cg, c2) = (self.engine.daemon().cgroups().clone(), cid.clone());
             let _ = tokio::task::spawn_blocking(move || cg.thaw(&c2)).await;
         }
         let mut clean = false;
@@ -946,7 +947,7 @@ impl Sandbox {
         let mut degraded = self.hub.dropping();
         let (mut cpu_percent, mut memory_mb) = (0.0, 0.0);
         if let Some(cid) = &cid {
-            let cg = &self.engine.cgroups;
+            let cg = &self.engine.daemon().cgroups();
             match (cg.usage(cid), cg.memory_current(cid)) {
                 (Ok(u), Ok(m)) => {
                     memory_mb = m as f64 / (1u64 << 20) as f64;

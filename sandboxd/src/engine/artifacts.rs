@@ -32,7 +32,7 @@ impl Engine {
         .map_err(ExecError::ArtifactsPanicked)?
         .map_err(ExecError::Artifacts)?;
         debug!(ms = t0.elapsed().as_millis() as u64, "artifacts collected");
-        if let Some(cfg) = &self.config.artifacts.upload {
+        if let Some(cfg) = &self.config().artifacts.upload {
             self.upload_artifacts(cfg, &mut manifest).await;
         }
         Ok(manifest)
@@ -46,7 +46,7 @@ impl Engine {
         exec_id: &str,
         fingerprint: &str,
     ) -> Result<ArtifactManifest, ArtifactError> {
-        let cfg = &self.config.artifacts;
+        let cfg = &self.config().artifacts;
         let patterns = runtime::artifacts::Patterns::new(
             &wanted.paths,
             &wanted.types.clone().unwrap_or_default(),
@@ -60,7 +60,7 @@ impl Engine {
         };
         let collection = runtime::artifacts::collect(workspace, &patterns, limits)
             .map_err(ArtifactError::Collect)?;
-        let _writing = self.store.writing();
+        let _writing = self.daemon.store().writing();
         let mut skipped: Vec<SkippedArtifact> = collection
             .skipped
             .iter()
@@ -73,7 +73,8 @@ impl Engine {
         for mut f in collection.found {
             let path = f.path.clone();
             match self
-                .store
+                .daemon
+                .store()
                 .stage(&mut f.file, f.size, |head| content_type(&path, head))
             {
                 Ok(st) => staged.push((f.path, f.artifact_type, st)),
@@ -88,7 +89,11 @@ impl Engine {
         }
         let (meta, blobs): (Vec<_>, Vec<_>) =
             staged.into_iter().map(|(p, t, s)| ((p, t), s)).unzip();
-        let stored = self.store.commit(blobs).map_err(ArtifactError::Store)?;
+        let stored = self
+            .daemon
+            .store()
+            .commit(blobs)
+            .map_err(ArtifactError::Store)?;
         let artifacts = meta
             .into_iter()
             .zip(stored)
@@ -122,7 +127,8 @@ impl Engine {
             dropped,
             upload_failures: None,
         };
-        self.store
+        self.daemon
+            .store()
             .save_manifest(&manifest.manifest_id, &manifest.to_value())
             .map_err(ArtifactError::Manifest)?;
         Ok(manifest)
@@ -140,7 +146,7 @@ impl Engine {
             let Some(hex) = a.sha256_hex().map(str::to_owned) else {
                 continue;
             };
-            let Some(blob) = self.store.blob(&hex) else {
+            let Some(blob) = self.daemon.store().blob(&hex) else {
                 continue;
             };
             match crate::upload::upload(cfg, &blob, &hex, &a.mime_type).await {
@@ -158,7 +164,7 @@ impl Engine {
             manifest.upload_failures = Some(failures);
         }
         let (store, id, m) = (
-            self.store.clone(),
+            self.daemon.store().clone(),
             manifest.manifest_id.clone(),
             manifest.to_value(),
         );

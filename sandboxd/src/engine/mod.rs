@@ -26,7 +26,7 @@ use protocol::{
     Capabilities, ErrorCode, ErrorMessage, ExecStatus, ExecuteRequest, Isolation, Language, Limits,
     Load, Pong, Reason, ResourceUsage, ResultMessage, ServerMessage,
 };
-use runtime::cgroups::{CgroupLimits, Cgroups};
+use runtime::cgroups::CgroupLimits;
 use runtime::init::{ProgramExit, Report};
 use runtime::launch::Launch;
 use runtime::rootfs::{InputFile, CODE_DIR, WORKDIR};
@@ -40,10 +40,10 @@ use self::streams::{make_stdio, Stdio, Streams};
 use crate::capacity::{Admission, Capacity, Slot};
 use crate::config::Config;
 use crate::containers::{ContainerHandle, EndRecord, PrepareError};
+use crate::daemon::{Daemon, Drained};
 use crate::images::LanguageRuntime;
 use crate::pool::{Container, Pool};
 use crate::registry::{Control, Registration};
-use crate::store::Store;
 use runtime::error::Chain;
 
 /// Executions so far (keys of their metrics).
@@ -53,28 +53,20 @@ const DRAIN_AFTER_EXIT: Duration = Duration::from_secs(2);
 /// Messages an execution buffers while the connection is slow before it stops reading the program's output.
 const MAX_PENDING: usize = 4;
 
-/// Everything executions share.
+/// Everything executions share: the daemon's context, the containers, the languages and admission.
 pub struct Engine {
-    /// The configuration in force.
-    pub config: Config,
+    /// The daemon's context (configuration, store, cgroups, drain).
+    daemon: Arc<Daemon>,
     /// Containers: the warm pool and the cold path.
-    pub pool: Arc<Pool>,
-    /// Cgroup setup.
-    pub cgroups: Cgroups,
+    pool: Arc<Pool>,
     /// Languages, each with its image and interpreter.
-    pub languages: BTreeMap<Language, LanguageRuntime>,
+    languages: BTreeMap<Language, LanguageRuntime>,
     /// Admission control.
-    pub capacity: Capacity,
+    capacity: Capacity,
     /// Isolation layers in effect.
-    pub isolation: Isolation,
-    /// When the daemon started.
-    pub started: Instant,
-    /// Set at the end of the shutdown grace period: every running execution is killed.
-    pub kill_all: watch::Sender<bool>,
-    /// The artifact store.
-    pub store: Arc<Store>,
+    isolation: Isolation,
     /// sha256 of the seccomp profile in force (part of every environment fingerprint).
-    pub seccomp_digest: String,
+    seccomp_digest: String,
 }
 
 /// What an execution's body hands back: the messages to send (or the error), and the container to remove.
@@ -82,34 +74,99 @@ type Finished = (Option<Container>, Result<Vec<ServerMessage>, Failure>);
 
 impl Engine {
     /// Assembles the engine.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
-        config: Config,
+        daemon: Arc<Daemon>,
         pool: Arc<Pool>,
-        cgroups: Cgroups,
         languages: BTreeMap<Language, LanguageRuntime>,
         isolation: Isolation,
-        store: Arc<Store>,
         seccomp_digest: String,
     ) -> Self {
-        let capacity = Capacity::new(config.capacity.max_concurrent, config.capacity.max_queue);
+        let c = &daemon.config().capacity;
+        let capacity = Capacity::new(c.max_concurrent, c.max_queue);
         Self {
-            config,
+            daemon,
             pool,
-            cgroups,
             languages,
             capacity,
             isolation,
-            started: Instant::now(),
-            kill_all: watch::channel(false).0,
-            store,
             seccomp_digest,
         }
     }
 
+    /// The daemon's context.
+    pub fn daemon(&self) -> &Arc<Daemon> {
+        &self.daemon
+    }
+
+    /// The configuration in force.
+    fn config(&self) -> &Config {
+        self.daemon.config()
+    }
+
+    /// The containers: the warm pool and the factory behind it.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// The runtime of `language`, if this daemon runs it.
+    pub fn language(&self, language: Language) -> Option<&LanguageRuntime> {
+        self.languages.get(&language)
+    }
+
+    /// Every language this daemon runs, with its runtime.
+    pub fn languages(&self) -> &BTreeMap<Language, LanguageRuntime> {
+        &self.languages
+    }
+
     /// The configured maximum of every limit.
     pub fn max_limits(&self) -> Limits {
-        self.config.limits.max
+        self.config().limits.max
+    }
+
+    /// Whether the container layer can still create and run containers (every helper process alive).
+    pub fn healthy(&self) -> bool {
+        self.pool.factory().helpers.all_alive()
+    }
+
+    /// Executions running and queued.
+    pub fn load(&self) -> Load {
+        Load {
+            active_executions: self.capacity.active() as u64,
+            queue_depth: self.capacity.queued() as u64,
+        }
+    }
+
+    /// `GET /healthz`: whether the daemon is healthy, and what it reports.
+    pub fn health(&self) -> (bool, serde_json::Value) {
+        let healthy = self.healthy();
+        let c = &self.config().capacity;
+        let body = serde_json::json!({
+            "status": if healthy { "ok" } else { "unhealthy" },
+            "version": env!("CARGO_PKG_VERSION"),
+            "uptime_s": self.daemon.uptime().as_secs(),
+            "active_executions": self.capacity.active(),
+            "queue_depth": self.capacity.queued(),
+            "max_concurrent": c.max_concurrent,
+            "max_queue": c.max_queue,
+            "languages": self.languages.keys().collect::<Vec<_>>(),
+            // Which image each language runs on, by manifest digest (what `environment.image_digest` says).
+            "images": self
+                .languages
+                .iter()
+                .map(|(l, r)| (l.as_str().to_owned(), serde_json::json!({"image": r.image.name, "digest": r.image.digest})))
+                .collect::<serde_json::Map<String, serde_json::Value>>(),
+            "isolation": self.isolation,
+            "pool": self.pool.status(),
+            "helpers": self.pool.factory().helpers.len(),
+        });
+        (healthy, body)
+    }
+
+    /// Stops admitting executions (queued ones are refused) and drains the running ones within `grace`, killing
+    /// what is left at its end.
+    pub async fn drain(&self, grace: Duration) -> Drained {
+        self.capacity.close();
+        self.daemon.drain(grace).await
     }
 
     /// Protocol extensions this server implements.
@@ -125,10 +182,7 @@ impl Engine {
     /// The `pong` for a `ping`.
     pub fn pong(&self) -> Pong {
         Pong {
-            load: Load {
-                active_executions: self.capacity.active() as u64,
-                queue_depth: self.capacity.queued() as u64,
-            },
+            load: self.load(),
             capabilities: Some(Capabilities {
                 languages: self.languages.keys().copied().collect(),
                 max_limits: self.max_limits(),
@@ -294,9 +348,9 @@ impl Engine {
             req,
             &container.handle.dir().join("code"),
             container.host_id,
-            req.resolve_tool_timeout(self.config.tools.max_call_timeout_ms)
+            req.resolve_tool_timeout(self.config().tools.max_call_timeout_ms)
                 .unwrap_or(protocol::DEFAULT_TOOL_TIMEOUT_MS),
-            &self.config.tools,
+            &self.config().tools,
             out.clone(),
             tool_inbox,
         ) {
@@ -432,7 +486,8 @@ impl Engine {
         );
         let deadline = tokio::time::sleep(Duration::from_millis(run.limits.timeout_ms));
         tokio::pin!(deadline);
-        let mut kill_all = self.kill_all.subscribe();
+        let killed = self.daemon.killed();
+        tokio::pin!(killed);
         while !s.finished() {
             let want_output = s.pending.len() < MAX_PENDING && !s.stream.done();
             let running = s.kill_reason.is_none() && s.exited.is_none();
@@ -442,7 +497,7 @@ impl Engine {
                 permit = out.reserve(), if !s.pending.is_empty() && !s.client_gone => s.forward(permit),
                 _ = &mut deadline, if running => s.kill_for(KillReason::Timeout),
                 _ = cancelled(&mut control), if running => s.kill_for(KillReason::Cancelled),
-                _ = killed(&mut kill_all), if !s.shut_down && s.exited.is_none() => s.shut_down(),
+                _ = &mut killed, if !s.shut_down && s.exited.is_none() => s.shut_down(),
                 _ = sleep_until(s.drain_deadline), if s.drain_deadline.is_some() && !s.stream.done() => {
                     warn!("output pipes still open after the container exited; closing them");
                     let rest = s.stream.close();
@@ -561,13 +616,13 @@ impl crate::metrics::Source for Engine {
         crate::metrics::Gauges {
             queue_depth: self.capacity.queued(),
             slots_in_use: self.capacity.active(),
-            slots: self.config.capacity.max_concurrent,
+            slots: self.config().capacity.max_concurrent,
             pool_size: self.pool.ready(),
         }
     }
 
     fn tokens(&self) -> &[String] {
-        &self.config.auth.tokens
+        &self.config().auth.tokens
     }
 }
 
@@ -830,9 +885,6 @@ async fn cancelled(control: &mut watch::Receiver<Control>) {
 }
 
 /// Resolves when the daemon kills every execution (end of the shutdown grace period).
-async fn killed(kill_all: &mut watch::Receiver<bool>) {
-    let _ = kill_all.wait_for(|k| *k).await;
-}
 
 async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {

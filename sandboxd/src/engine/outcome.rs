@@ -93,7 +93,11 @@ mod tests {
         let o = ok(None, Some(ProgramExit::Signal(11)), 0);
         assert_eq!(
             (o.reason, o.exit, o.status),
-            (Reason::Signaled, ProgramExit::Signal(11), ExecStatus::Failed)
+            (
+                Reason::Signaled,
+                ProgramExit::Signal(11),
+                ExecStatus::Failed
+            )
         );
         // A SIGKILL with no OOM kill counted is the program's own doing (kill -9 $$).
         let o = ok(None, Some(ProgramExit::Signal(9)), 0);
@@ -145,7 +149,10 @@ mod tests {
         }
         // The program died of another signal before our kill landed: that signal is reported.
         let o = ok(Some(KillReason::Timeout), Some(ProgramExit::Signal(15)), 0);
-        assert_eq!((o.reason, o.exit), (Reason::Timeout, ProgramExit::Signal(15)));
+        assert_eq!(
+            (o.reason, o.exit),
+            (Reason::Timeout, ProgramExit::Signal(15))
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use super::Engine;
 use crate::config::Config;
 use crate::containers::fake::{placeholder_helpers, shell, Call, FakeBackend, Recorder, Script};
+use crate::daemon::Daemon;
 use crate::images::LanguageRuntime;
 use crate::pool::{Factory, Pool, Uids};
 use crate::registry::Registry;
@@ -61,15 +62,8 @@ impl Harness {
             user_namespace: false,
             network: "none".into(),
         };
-        let engine = Engine::new(
-            config,
-            pool,
-            cgroups,
-            languages,
-            isolation,
-            Arc::new(store),
-            "fake".into(),
-        );
+        let daemon = Arc::new(Daemon::new(config, Arc::new(store), cgroups));
+        let engine = Engine::new(daemon, pool, languages, isolation, "fake".into());
         Self {
             engine: Arc::new(engine),
             recorder,
@@ -142,7 +136,7 @@ impl Running {
             .await
             .unwrap()
             .unwrap();
-        h.engine.pool.factory().removals_done().await;
+        h.engine.pool().factory().removals_done().await;
         drop(self.registry);
         all
     }
@@ -277,11 +271,15 @@ async fn a_gone_client_gets_its_program_killed_and_its_container_removed() {
     let Running { rx, task, .. } = run;
     drop(rx);
     tokio::time::timeout(PATIENCE, task).await.unwrap().unwrap();
-    h.engine.pool.factory().removals_done().await;
+    h.engine.pool().factory().removals_done().await;
     let (_, calls) = only_container(&h);
     assert_eq!(kills(&calls), vec![Signal::SIGKILL], "{calls:?}");
     assert_eq!(removals(&calls), 1, "{calls:?}");
-    assert_eq!(h.engine.capacity.active(), 0, "the slot is free again");
+    assert_eq!(
+        h.engine.load().active_executions,
+        0,
+        "the slot is free again"
+    );
 }
 
 #[tokio::test]
@@ -336,7 +334,7 @@ async fn executions_take_warm_containers_each_used_once() {
     for i in 0..4 {
         // Each execution finds the pool refilled (the refill waits for the previous execution's end).
         tokio::time::timeout(PATIENCE, async {
-            while h.engine.pool.ready() < 2 {
+            while h.engine.pool().ready() < 2 {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
@@ -365,7 +363,7 @@ async fn executions_take_warm_containers_each_used_once() {
         );
         assert_eq!(removals(&mine), 1, "{mine:?}");
     }
-    let pool = h.engine.pool.status();
+    let pool = h.engine.pool().status();
     assert_eq!(pool["hits"], 4, "{pool}");
     assert_eq!(pool["misses"], 0, "{pool}");
 }
