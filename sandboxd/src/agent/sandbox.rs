@@ -654,7 +654,7 @@ impl Sandbox {
                     match self
                         .backend
                         .upload_artifact(
-                            &self.engine.daemon().store(),
+                            self.engine.daemon().store(),
                             &self.workspace(),
                             self.engine.daemon().config().artifacts.max_file_bytes,
                             &mut event,

@@ -498,7 +498,8 @@ impl Engine {
                 _ = &mut deadline, if running => s.kill_for(KillReason::Timeout),
                 _ = cancelled(&mut control), if running => s.kill_for(KillReason::Cancelled),
                 _ = &mut killed, if !s.shut_down && s.exited.is_none() => s.shut_down(),
-                _ = sleep_until(s.drain_deadline), if s.drain_deadline.is_some() && !s.stream.done() => {
+                // The guard keeps this branch off until there is a deadline (the `now` is never polled).
+                _ = tokio::time::sleep_until(s.drain_deadline.unwrap_or_else(tokio::time::Instant::now)), if s.drain_deadline.is_some() && !s.stream.done() => {
                     warn!("output pipes still open after the container exited; closing them");
                     let rest = s.stream.close();
                     s.pending.extend(rest);
@@ -881,15 +882,6 @@ async fn cancelled(control: &mut watch::Receiver<Control>) {
         if control.changed().await.is_err() {
             return;
         }
-    }
-}
-
-/// Resolves when the daemon kills every execution (end of the shutdown grace period).
-
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 
