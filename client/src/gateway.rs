@@ -8,17 +8,17 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use agent_api::{
+    AdapterEvent, AgentBrief, AgentHandle, ContextInjection, CreateSandboxRequest,
+    CreateSandboxResponse, KillRequest, KillResponse, PluginError, ReplayResponse,
+    SandboxHealthResponse, SequenceRange, SerializedAgentState,
+};
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use protocol::agent::{
-    AdapterEvent, AgentBrief, AgentHandle, ContextInjection, CreateSandboxRequest,
-    CreateSandboxResponse, KillRequest, KillResponse, PluginError, ReplayResponse,
-    SandboxHealthResponse, SequenceRange, SerializedAgentState,
-};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};

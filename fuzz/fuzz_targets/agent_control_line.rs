@@ -1,6 +1,6 @@
 //! The control channel an agent writes to sandboxd, split and parsed as sandboxd/src/agent/sandbox.rs does
 //! (`read_lines`: split at `\n`, trailing `\n`/`\r` dropped, empty lines skipped; `handle_line`:
-//! `protocol::agent::parse_agent_line`, then the `type` and `decisionId` of an event are read). An accepted event
+//! `agent_api::parse_agent_line`, then the `type` and `decisionId` of an event are read). An accepted event
 //! is stamped into an `AdapterEvent` and journaled as sandboxd/src/agent/events.rs does (one
 //! `serde_json::to_string` line, read back with `serde_json::from_str`).
 //!
@@ -9,7 +9,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use protocol::agent::{is_low_priority, parse_agent_line, validate_event, AdapterEvent, AgentLine};
+use agent_api::{is_low_priority, parse_agent_line, validate_event, AdapterEvent, AgentLine};
 use serde_json::Value;
 
 fn handle(line: &[u8], seq: u64) {

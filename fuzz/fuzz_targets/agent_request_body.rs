@@ -10,7 +10,7 @@
 use std::fmt::Debug;
 
 use libfuzzer_sys::fuzz_target;
-use protocol::agent::{
+use agent_api::{
     AgentBrief, ContextInjection, CreateSandboxRequest, KillRequest, ReplayRequest, ResolveRequest,
     SerializedAgentState, UpdateBriefRequest,
 };

@@ -2,9 +2,9 @@
 //!
 //! The authoritative text is `docs/spec/fsp-v1.md`. This crate does no I/O: the daemon hands it the text of each
 //! WebSocket frame and gets back a typed [`ClientMessage`] or a [`RequestError`] that maps one-to-one onto an FSP
-//! `error` message; it builds [`ServerMessage`]s and turns them into frames with [`encode`].
+//! `error` message; it builds [`ServerMessage`]s and turns them into frames with [`encode`]. The agent sandboxes'
+//! HTTP surface has its own crate (`agent-api`).
 //!
-//! - [`agent`]: agent sandboxes, the adapter-shim HTTP/WebSocket surface (`docs/spec/agent-sandboxes.md`).
 //! - [`artifacts`]: the artifact manifest a `result` carries ([`ArtifactManifest`], `docs/spec/artifact-manifest.md`).
 //! - [`envelope`]: protocol version, execution ids and timestamps shared by every message.
 //! - [`client`]: `execute`, `cancel`, `ping`, `tool_result` and [`parse_client_message`], which applies the refusal rules of
@@ -17,7 +17,6 @@
 //! - [`tools`]: the `tool_calls` extension: [`ToolSpec`], [`ToolCall`] and [`ToolResult`].
 //! - [`output`]: [`Utf8Chunker`], which turns raw pipe bytes into chunks that never split a UTF-8 sequence.
 
-pub mod agent;
 pub mod artifacts;
 pub mod client;
 pub mod envelope;

@@ -300,8 +300,8 @@ async fn sandbox(
     token: Option<String>,
     cmd: SandboxCommand,
 ) -> anyhow::Result<ExitCode> {
+    use agent_api::{CreateSandboxResponse, KillRequest};
     use client::gateway::{Gateway, GatewayError};
-    use protocol::agent::{CreateSandboxResponse, KillRequest};
     let base = http_base(url)?;
     let gw = Gateway::new(&base, token.as_deref().unwrap_or_default());
     let handle = |id: &str| {

@@ -50,13 +50,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use agent_api::{AgentBrief, CreateSandboxRequest, KillRequest};
 use client::gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 use client::{
     ClientError, ConnectOptions, Connection, ExecStatus, ExecuteRequest, Language, RequestedLimits,
     ServerMessage, ToolSpec,
 };
 use futures_util::{SinkExt, StreamExt};
-use protocol::agent::{AgentBrief, CreateSandboxRequest, KillRequest};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;

@@ -48,7 +48,7 @@ pub struct AppState {
 
 /// The router.
 pub fn router(state: AppState) -> Router {
-    // Agent sandboxes (issue 12): their routes with their own state.
+    // Agent sandboxes: their routes with their own state.
     let agents = crate::agent::router().with_state(crate::agent::AgentState {
         engine: state.engine.clone(),
         tokens: state.tokens.clone(),

@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use client::gateway::{EventStream, Gateway, GatewayError, SandboxClient};
-use protocol::agent::{
+use agent_api::{
     AdapterEvent, AgentBrief, AgentHandle, AgentStatus, ContextInjection, CreateSandboxRequest,
     HealthStatus, InjectionFormat, InjectionPriority, KillRequest, PluginError,
     SerializedAgentState, SerializedBy,
 };
+use client::gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 use serde_json::{json, Map, Value};
 use sha2::Digest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -946,7 +946,7 @@ async fn requests_the_daemon_cannot_grant_are_refused(gw: &Gateway, backend_port
     let mut req = create_request(backend_port, 60);
     req.workspace_requirements
         .capabilities
-        .push(protocol::agent::SandboxCapability::Gpu);
+        .push(agent_api::SandboxCapability::Gpu);
     assert_eq!(
         plugin_err(gw.create(&req).await),
         (

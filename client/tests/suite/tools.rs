@@ -1,5 +1,5 @@
 //! The `tool_calls` extension through the client's handler API, against a real daemon: the three example
-//! programs of the seed (output filtering, multi-step composition, timeout control) call `read_file`, `grep`,
+//! programs of the execute_code design (output filtering, multi-step composition, timeout control) call `read_file`, `grep`,
 //! `edit_file` and `bash`, which a test handler implements over a temporary directory on the host.
 
 use std::path::PathBuf;

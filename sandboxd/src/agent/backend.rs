@@ -8,9 +8,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use agent_api::SandboxBootstrap;
 use hyper::body::Bytes;
 use nix::fcntl::OFlag;
-use protocol::agent::SandboxBootstrap;
 use serde_json::{Map, Value};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;

@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use protocol::agent::{
+use agent_api::{
     error_event, is_low_priority, AdapterEvent, SequenceRange, DISCONNECTED_BUFFER_MS,
 };
 use serde_json::{Map, Value};
@@ -515,7 +515,7 @@ impl Hub {
 
 #[cfg(test)]
 mod tests {
-    use protocol::agent::{lifecycle_event, ReplayResponse};
+    use agent_api::{lifecycle_event, ReplayResponse};
 
     use super::*;
 

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use protocol::agent::{AgentTemplate, CreateSandboxRequest, PluginError, SandboxCapability};
+use agent_api::{AgentTemplate, CreateSandboxRequest, PluginError, SandboxCapability};
 use runtime::error::Chain;
 use runtime::rootfs::{InputFile, RootSource, Scratch};
 use tracing::{info, warn};

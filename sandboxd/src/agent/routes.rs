@@ -5,6 +5,10 @@
 
 use std::sync::Arc;
 
+use agent_api::{
+    AgentBrief, ContextInjection, CreateSandboxRequest, CreateSandboxResponse, KillRequest,
+    PluginError, ReplayRequest, ResolveRequest, SerializedAgentState, UpdateBriefRequest,
+};
 use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
@@ -13,10 +17,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, delete, get, post, MethodRouter};
 use axum::{Json, Router};
 use futures_util::{SinkExt, StreamExt};
-use protocol::agent::{
-    AgentBrief, ContextInjection, CreateSandboxRequest, CreateSandboxResponse, KillRequest,
-    PluginError, ReplayRequest, ResolveRequest, SerializedAgentState, UpdateBriefRequest,
-};
 use serde::de::DeserializeOwned;
 
 use super::sandbox::Sandbox;

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use protocol::agent::{
+use agent_api::{
     error_event, lifecycle_event, parse_agent_line, AgentBrief, AgentCommand, AgentHandle,
     AgentLine, AgentStatus, AgentTemplate, ContextInjection, HealthStatus, KillRequest,
     KillResponse, PluginError, ResolveRequest, SandboxHealthResponse, SandboxResourceUsage,

@@ -1,4 +1,4 @@
-//! The runner of the adversarial suite (issue 3): every attack goes through a real daemon over FSP/1 as an
+//! The runner of the adversarial suite: every attack goes through a real daemon over FSP/1 as an
 //! ordinary execution, while a second connection pings the daemon every 100 ms from its own thread and records how
 //! long each `pong` took. After each attack the [`Arena`] checks that the host is unchanged (digests of host files,
 //! a canary file outside any sandbox, the daemon binary), that nothing of the execution is left (processes with a

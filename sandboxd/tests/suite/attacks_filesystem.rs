@@ -1,4 +1,4 @@
-//! Adversarial suite, filesystem (issue 3): writes outside the working directory, the host's `/etc/shadow`, symlink
+//! Adversarial suite, filesystem: writes outside the working directory, the host's `/etc/shadow`, symlink
 //! and `..` tricks in `files` and in artifacts, a run-time symlink to `/etc/passwd`, hard links to host files, the
 //! `/proc/self/exe` overwrite of CVE-2019-5736, the leaked-fd working directory of CVE-2024-21626, the cgroup v1
 //! `release_agent` escape of CVE-2022-0492, device nodes, masked and read-only `/proc` paths, and a minimal `/dev`.

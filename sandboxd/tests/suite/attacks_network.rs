@@ -1,4 +1,4 @@
-//! Adversarial suite, network (issue 3): executions have a network namespace of their own with only `lo`. Egress to a
+//! Adversarial suite, network: executions have a network namespace of their own with only `lo`. Egress to a
 //! public address and to the host's own address fails, a port (TCP, UDP) or abstract unix socket the TEST opens on
 //! the host is never reached (127.0.0.1 inside is the sandbox's own loopback), a listener inside is not reachable
 //! from the host, and loopback inside works.

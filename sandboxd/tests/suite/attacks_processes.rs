@@ -1,4 +1,4 @@
-//! Adversarial suite, processes (issue 3): `kill(-1)` and signals to pid 1 reach only the sandbox, the init's
+//! Adversarial suite, processes: `kill(-1)` and signals to pid 1 reach only the sandbox, the init's
 //! descriptors cannot be stolen, double-forked processes are gone at the end, orphans are reaped, uid 0 inside is an
 //! unprivileged uid outside with no capabilities, and concurrent executions cannot see each other's files,
 //! processes, environment, IPC or sockets.

@@ -1,4 +1,4 @@
-//! Adversarial suite, resources (issue 3): a fork bomb and a thread bomb held at `pids_max` while a neighbour
+//! Adversarial suite, resources: a fork bomb and a thread bomb held at `pids_max` while a neighbour
 //! execution still finishes, memory bombs ending in `oom`, disk fills answered with `ENOSPC` after which the next
 //! job starts clean, an output flood with the daemon's memory bounded, a 64 MiB line without a newline, a cpu
 //! burner, and argv/env/code too large to exec. Each runs through [`Arena::attack`] (pings answered within 500 ms,

@@ -1,4 +1,4 @@
-//! Adversarial suite, syscalls (issue 3): every call the seccomp profile denies is tried from inside the sandbox with
+//! Adversarial suite, syscalls: every call the seccomp profile denies is tried from inside the sandbox with
 //! raw `syscall(2)` and must fail with the profile's errno: `EPERM` for the known-dangerous ones and argument
 //! patterns (namespace flags of `clone`, socket families and raw sockets, `TIOCSTI`/`TIOCLINUX` with or without high
 //! bits), `ENOSYS` for `clone3` (so glibc falls back to `clone`) and for calls the profile does not list. The

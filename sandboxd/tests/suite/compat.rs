@@ -1,4 +1,4 @@
-//! Compatibility (issue 3): the hardening must not break real programs. Inside the sandbox, python's own test
+//! Compatibility: the hardening must not break real programs. Inside the sandbox, python's own test
 //! modules pass, a node script using `child_process` and `worker_threads` runs, and a coreutils pipeline works.
 //!
 //! Excluded from python's tests, by name, with the reason:

@@ -1,4 +1,4 @@
-//! OCI images (issue 6): an image built here from Debian's static busybox, packed and imported with the
+//! OCI images: an image built here from Debian's static busybox, packed and imported with the
 //! `sandboxd images` CLI, then used for executions: overlay root, whiteouts across layers, setuid neutralised,
 //! image `Env`, writes confined to the execution, `disk_mb` bounding the overlay, the environment fingerprint in
 //! `ack` and `result`; tampered blobs refused; the start failing closed on a missing image or interpreter; and the
@@ -632,7 +632,7 @@ pub(super) async fn agent_http(d: &Daemon, method: &str, path: &str, body: &Valu
     (status, serde_json::from_str(rest).unwrap_or(Value::Null))
 }
 
-/// An agent sandbox on an OCI image (issue 12): each run's agent (a busybox shell) runs on the sandbox's overlay
+/// An agent sandbox on an OCI image: each run's agent (a busybox shell) runs on the sandbox's overlay
 /// root, and `/workspace` outlives the container: the second run sees the first run's file. Removal leaves nothing.
 #[tokio::test]
 async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {

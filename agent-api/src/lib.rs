@@ -1,4 +1,5 @@
-//! Agent sandboxes: the wire types of the adapter-shim HTTP/WebSocket surface (`docs/spec/agent-sandboxes.md`).
+//! Agent sandboxes: the wire types of the adapter-shim HTTP/WebSocket surface (`docs/spec/agent-sandboxes.md`),
+//! apart from the FSP/1 types of `protocol` (which they use for template files).
 //!
 //! sandboxd hosts long-lived agent sandboxes. A gateway provisions one with `POST /sandboxes`
 //! ([`CreateSandboxRequest`] → [`CreateSandboxResponse`]) and then drives it under `/sandboxes/<id>` with the
@@ -15,7 +16,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::client::FileSpec;
+use protocol::FileSpec;
 
 /// Default grace period of `POST /kill`, milliseconds.
 pub const DEFAULT_GRACE_TIMEOUT_MS: u64 = 10_000;
@@ -163,7 +164,7 @@ pub struct CreateSandboxRequest {
     pub template: Option<AgentTemplate>,
 }
 
-/// The answer to `POST /sandboxes` (the seed's `ContainerTransport` addresses).
+/// The answer to `POST /sandboxes` (the agent-plugin design's `ContainerTransport` addresses).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CreateSandboxResponse {
@@ -318,7 +319,7 @@ pub struct KillResponse {
 pub struct ResolveRequest {
     /// The decision (from a `DecisionEvent`).
     pub decision_id: String,
-    /// The seed's `Resolution`, forwarded as is.
+    /// The agent-plugin design's `Resolution`, forwarded as is.
     pub resolution: Map<String, Value>,
 }
 
@@ -346,7 +347,7 @@ pub enum InjectionFormat {
     Plain,
 }
 
-/// `POST /inject-context`: the seed's `ContextInjection`.
+/// `POST /inject-context`: the agent-plugin design's `ContextInjection`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ContextInjection {
@@ -386,7 +387,7 @@ pub struct AdapterEvent {
     pub event: Map<String, Value>,
 }
 
-/// The `AgentEvent` types of the seed.
+/// The `AgentEvent` types of the agent-plugin design.
 pub const EVENT_TYPES: &[&str] = &[
     "status",
     "decision",
@@ -551,7 +552,7 @@ pub const CAPABILITIES: PluginCapabilities = PluginCapabilities {
     supports_hot_brief_update: true,
 };
 
-/// Every refusal of the adapter-shim surface, with the seed's shapes.
+/// Every refusal of the adapter-shim surface, with the agent-plugin design's shapes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
 #[serde(tag = "code", rename_all = "snake_case")]
 pub enum PluginError {
@@ -722,7 +723,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn plugin_errors_have_the_seed_shapes() {
+    fn plugin_errors_have_the_design_shapes() {
         let cases = [
             (
                 PluginError::ProviderUnavailable {
@@ -766,7 +767,7 @@ mod tests {
     }
 
     #[test]
-    fn workspace_requirements_from_the_seed() {
+    fn workspace_requirements_from_the_design() {
         let w: WorkspaceRequirements = serde_json::from_value(json!({
             "mounts": [{"hostPath": "./src", "sandboxPath": "/workspace/src", "readOnly": true}],
             "capabilities": ["terminal", "git", "network_internal_only"],
