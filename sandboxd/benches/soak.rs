@@ -52,8 +52,8 @@ use std::time::{Duration, Instant};
 
 use client::gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 use client::{
-    ClientError, ConnectOptions, Connection, ExecStatus, ExecuteRequest, Language, RequestedLimits,
-    ServerMessage, ToolSpec,
+    ClientError, ConnectOptions, Connection, ExecStatus, Execute, ExecuteRequest, Language,
+    RequestedLimits, ServerMessage, ToolSpec,
 };
 use futures_util::{SinkExt, StreamExt};
 use protocol::agent::{AgentBrief, CreateSandboxRequest, KillRequest};
