@@ -18,7 +18,8 @@ mod daemon;
 use std::time::{Duration, Instant};
 
 use client::{
-    new_execution_id, ConnectOptions, Connection, ExecuteRequest, Language, Pool, RequestedLimits,
+    new_execution_id, ConnectOptions, Connection, Execute, ExecuteRequest, Language, Pool,
+    RequestedLimits,
 };
 use daemon::{Daemon, DaemonOpts};
 

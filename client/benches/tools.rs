@@ -15,8 +15,8 @@ mod daemon;
 use std::time::Duration;
 
 use client::{
-    new_execution_id, ConnectOptions, Connection, ExecuteRequest, Language, RequestedLimits,
-    ToolSpec,
+    new_execution_id, ConnectOptions, Connection, Execute, ExecuteRequest, Language,
+    RequestedLimits, ToolSpec,
 };
 use daemon::{Daemon, DaemonOpts};
 use serde_json::Value;

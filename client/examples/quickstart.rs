@@ -1,6 +1,8 @@
 //! The README's client example: one execution collected, one streamed, through a pool.
 
-use client::{new_execution_id, ExecuteRequest, Language, Pool, RequestedLimits, ServerMessage};
+use client::{
+    new_execution_id, Execute, ExecuteRequest, Language, Pool, RequestedLimits, ServerMessage,
+};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

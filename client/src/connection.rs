@@ -38,10 +38,10 @@ use tracing::{debug, error, info, warn};
 
 use crate::config::{ConnectOptions, ExecOptions};
 use crate::error::ClientError;
-use crate::execution::{Execution, ExecutionResult, Parts};
+use crate::execute::Execute;
+use crate::execution::{Execution, Parts};
 pub use crate::session::ConnectionStatus;
 use crate::session::{encode, Handle, Pending, Shared, State};
-use crate::tools::ToolOutcome;
 
 /// Frames callers may queue for the writer before they wait.
 const OUTBOX: usize = 64;
@@ -149,64 +149,11 @@ impl Connection {
             Err(_) => Err(ClientError::Unresponsive { after: within }),
         }
     }
+}
 
-    /// Runs `request` and collects its output and result (see [`Execution::result`]).
-    pub async fn execute(&self, request: ExecuteRequest) -> Result<ExecutionResult, ClientError> {
-        self.execute_with(request, ExecOptions::default()).await
-    }
-
-    /// [`execute`](Self::execute) with options (client deadline).
-    pub async fn execute_with(
-        &self,
-        request: ExecuteRequest,
-        options: ExecOptions,
-    ) -> Result<ExecutionResult, ClientError> {
-        self.execute_stream_with(request, options)
-            .await?
-            .result()
-            .await
-    }
-
-    /// Runs `request` (which lists `tools`) and answers its tool calls with `handler` (see
-    /// [`Execution::result_with_tools`]).
-    ///
-    /// ```no_run
-    /// # async fn run(conn: client::Connection, request: client::ExecuteRequest) -> Result<(), client::ClientError> {
-    /// let result = conn
-    ///     .execute_with_tools(request, |call| async move {
-    ///         match call.name.as_str() {
-    ///             "add" => Ok(serde_json::json!(call.args["a"].as_i64().unwrap_or(0) + 1)),
-    ///             other => Err(format!("no tool {other}")),
-    ///         }
-    ///     })
-    ///     .await?;
-    /// println!("{:?}", result.return_value);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub async fn execute_with_tools<H, F>(
-        &self,
-        request: ExecuteRequest,
-        handler: H,
-    ) -> Result<ExecutionResult, ClientError>
-    where
-        H: FnMut(protocol::ToolCall) -> F,
-        F: std::future::Future<Output = ToolOutcome>,
-    {
-        self.execute_stream(request)
-            .await?
-            .result_with_tools(handler)
-            .await
-    }
-
-    /// Sends `request` and returns its events as they arrive (an [`Execution`] stream).
-    pub async fn execute_stream(&self, request: ExecuteRequest) -> Result<Execution, ClientError> {
-        self.execute_stream_with(request, ExecOptions::default())
-            .await
-    }
-
-    /// [`execute_stream`](Self::execute_stream) with options (client deadline).
-    pub async fn execute_stream_with(
+/// Runs requests on this connection, multiplexed with the others in flight on it (see [`Execute`]).
+impl Execute for Connection {
+    async fn execute_stream_with(
         &self,
         request: ExecuteRequest,
         options: ExecOptions,

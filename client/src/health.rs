@@ -1,20 +1,24 @@
 //! `GET /healthz` of the daemon behind a WebSocket endpoint: `ws://host:port/ws` → `http://host:port/healthz`
-//! (`wss://` → `https://`). A minimal HTTP/1.1 client (one request, `Connection: close`, body capped), so the
-//! crate needs no HTTP stack for one call.
+//! (`wss://` → `https://`). One request on one connection (`Connection: close`, body capped), spoken by hyper's
+//! HTTP/1.1 client over a TCP or rustls stream.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Bytes;
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::http::Uri;
 
 use crate::error::ClientError;
 use crate::tls;
 
-/// The largest `/healthz` response read.
-const MAX_RESPONSE_BYTES: u64 = 1 << 20;
+/// The largest `/healthz` response body read.
+const MAX_RESPONSE_BYTES: usize = 1 << 20;
 
 /// The answer of `GET /healthz`.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,8 +47,9 @@ pub fn healthz_url(ws_url: &str) -> Result<String, ClientError> {
     ))
 }
 
-/// `GET /healthz` of the daemon serving `ws_url`, within `timeout`. `tls` is used for `wss://` endpoints
-/// (default: webpki roots).
+/// `GET /healthz` of the daemon serving `ws_url`, within `timeout` (connect, TLS, request and body together).
+/// `tls_config` is used for `wss://` endpoints (default: webpki roots). Every failure, the timeout included, is
+/// [`ClientError::Http`] naming the `/healthz` URL; an answer with any status is a [`Health`].
 pub async fn health(
     ws_url: &str,
     tls_config: Option<Arc<rustls::ClientConfig>>,
@@ -56,10 +61,6 @@ pub async fn health(
         url: url.clone(),
         reason,
     };
-    let request = format!(
-        "GET /healthz HTTP/1.1\r\nHost: {}\r\nAccept: application/json\r\nConnection: close\r\n\r\n",
-        target.host_header()
-    );
     let exchange = async {
         let tcp = TcpStream::connect((target.host.as_str(), target.port))
             .await
@@ -75,90 +76,52 @@ pub async fn health(
                 .connect(name, tcp)
                 .await
                 .map_err(|e| fail(format!("TLS: {e}")))?;
-            round_trip(stream, &request).await.map_err(fail)
+            get_healthz(stream, &target.host_header())
+                .await
+                .map_err(fail)
         } else {
-            round_trip(tcp, &request).await.map_err(fail)
+            get_healthz(tcp, &target.host_header()).await.map_err(fail)
         }
     };
-    let raw = tokio::time::timeout(timeout, exchange)
+    tokio::time::timeout(timeout, exchange)
         .await
-        .map_err(|_| fail(format!("no answer within {timeout:?}")))??;
-    parse_response(&raw).map_err(fail)
+        .map_err(|_| fail(format!("no answer within {timeout:?}")))?
 }
 
-async fn round_trip<S: AsyncRead + AsyncWrite + Unpin>(
-    mut stream: S,
-    request: &str,
-) -> Result<Vec<u8>, String> {
-    stream
-        .write_all(request.as_bytes())
+/// One `GET /healthz` over `stream`: hyper drives the connection in this task (nothing outlives the call), reads
+/// the head, decodes the body whatever its framing (content-length, chunked or to close) up to
+/// [`MAX_RESPONSE_BYTES`], and the body is parsed as JSON (`Null` when it is not).
+async fn get_healthz<S>(stream: S, host: &str) -> Result<Health, String>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream))
         .await
-        .map_err(|e| format!("send: {e}"))?;
-    let mut raw = Vec::new();
-    stream
-        .take(MAX_RESPONSE_BYTES)
-        .read_to_end(&mut raw)
-        .await
-        .map_err(|e| format!("read: {e}"))?;
-    Ok(raw)
-}
-
-/// Status and body of a raw HTTP/1.1 response (content-length, chunked, or read to close).
-fn parse_response(raw: &[u8]) -> Result<Health, String> {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("no end of headers in the response")?;
-    let head = String::from_utf8_lossy(&raw[..split]);
-    let mut body = &raw[split + 4..];
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|c| c.parse::<u16>().ok())
-        .ok_or("not an HTTP response")?;
-    let mut chunked = false;
-    for line in lines {
-        let Some((name, value)) = line.split_once(':') else {
-            continue;
-        };
-        let (name, value) = (name.trim(), value.trim());
-        if name.eq_ignore_ascii_case("content-length") {
-            let n: usize = value.parse().map_err(|_| "bad content-length")?;
-            body = body.get(..n).unwrap_or(body);
-        } else if name.eq_ignore_ascii_case("transfer-encoding")
-            && value.eq_ignore_ascii_case("chunked")
-        {
-            chunked = true;
-        }
-    }
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        body.to_vec()
+        .map_err(|e| format!("HTTP handshake: {e}"))?;
+    let request = hyper::Request::get("/healthz")
+        .header(hyper::header::HOST, host)
+        .header(hyper::header::ACCEPT, "application/json")
+        .header(hyper::header::CONNECTION, "close")
+        .body(Empty::new())
+        .map_err(|e| format!("request: {e}"))?;
+    let exchange = async move {
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        let status = response.status().as_u16();
+        let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
+            .collect()
+            .await
+            .map_err(|e| format!("read: {e}"))?
+            .to_bytes();
+        let body = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+        Ok(Health { status, body })
     };
-    let body = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
-    Ok(Health { status, body })
-}
-
-fn dechunk(mut raw: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = raw
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or("truncated chunked body")?;
-        let size_text = String::from_utf8_lossy(&raw[..eol]);
-        let size_text = size_text.split(';').next().unwrap_or("").trim();
-        let size = usize::from_str_radix(size_text, 16).map_err(|_| "bad chunk size")?;
-        raw = &raw[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        let chunk = raw.get(..size).ok_or("truncated chunk")?;
-        out.extend_from_slice(chunk);
-        raw = raw.get(size + 2..).ok_or("truncated chunk")?;
-    }
+    // The connection ends once the response is read (`Connection: close`); its own error, if any, is the one the
+    // exchange already reports.
+    let (answer, _) = tokio::join!(exchange, connection);
+    answer
 }
 
 /// Host, port and scheme of a `ws://` or `wss://` URL.
@@ -220,21 +183,85 @@ mod tests {
         assert!(healthz_url("http://x/").is_err());
     }
 
-    #[test]
-    fn responses() {
-        let r = parse_response(
+    /// Serves `raw` as the answer to one request on a loopback port and returns what [`health`] made of it.
+    async fn answer(raw: &'static [u8]) -> Result<Health, ClientError> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                if tcp.read(&mut byte).await.unwrap() == 0 {
+                    break;
+                }
+                head.push(byte[0]);
+            }
+            tcp.write_all(raw).await.unwrap();
+            tcp.shutdown().await.unwrap();
+            String::from_utf8(head).unwrap()
+        });
+        let got = health(
+            &format!("ws://127.0.0.1:{port}/ws"),
+            None,
+            Duration::from_secs(5),
+        )
+        .await;
+        let request = server.await.unwrap();
+        assert!(
+            request.starts_with("GET /healthz HTTP/1.1\r\n"),
+            "{request}"
+        );
+        assert!(
+            request.contains(&format!("host: 127.0.0.1:{port}\r\n")),
+            "{request}"
+        );
+        got
+    }
+
+    #[tokio::test]
+    async fn responses() {
+        let r = answer(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{\"status\":\"ok\"}",
         )
+        .await
         .unwrap();
         assert!(r.is_healthy());
-        let r = parse_response(
+        let r = answer(
             b"HTTP/1.1 503 Service Unavailable\r\ntransfer-encoding: chunked\r\n\r\n7\r\n{\"statu\r\n\
               f\r\ns\":\"unhealthy\"}\r\n0\r\n\r\n",
         )
+        .await
         .unwrap();
         assert_eq!(r.status, 503);
         assert_eq!(r.body["status"], "unhealthy");
         assert!(!r.is_healthy());
-        assert!(parse_response(b"garbage").is_err());
+        let r = answer(b"HTTP/1.1 200 OK\r\n\r\nnot json").await.unwrap();
+        assert_eq!(r.body, serde_json::Value::Null);
+        assert!(!r.is_healthy());
+        assert!(matches!(
+            answer(b"garbage").await,
+            Err(ClientError::Http { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn no_answer_is_a_timeout() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let err = health(
+            &format!("ws://127.0.0.1:{port}/ws"),
+            None,
+            Duration::from_millis(200),
+        )
+        .await
+        .unwrap_err();
+        let ClientError::Http { url, reason } = err else {
+            panic!("not an HTTP error: {err:?}");
+        };
+        assert_eq!(url, format!("http://127.0.0.1:{port}/healthz"));
+        assert!(reason.starts_with("no answer within"), "{reason}");
+        drop(listener);
     }
 }

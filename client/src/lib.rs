@@ -15,11 +15,13 @@
 //!   30 s, at most 10 retries, then [`ConnectionStatus::Failed`]); any number of executions may be multiplexed on
 //!   it. On disconnect every execution in flight fails with a retryable error; a malformed server message is logged
 //!   and fails the executions it concerns with a non-retryable one.
+//! - [`Execute`]: `execute`, `execute_with`, `execute_with_tools`, `execute_stream` and `execute_stream_with`,
+//!   written once for a [`Pool`] and a [`Connection`] (bring the trait into scope to call them).
 //! - [`Execution`]: the streaming form, a [`futures_util::Stream`] of the server's messages as they arrive, with
 //!   bounded buffering (backpressure reaches the program's output pipe) and a client deadline that sends `cancel`
 //!   and reports [`ClientError::Timeout`]. [`Execution::result`] adds it up into an [`ExecutionResult`].
-//! - Tool calls (extension `tool_calls`): [`Connection::execute_with_tools`] / [`Pool::execute_with_tools`] run a
-//!   request that lists [`ToolSpec`]s and answer each [`ToolCall`] with an async handler; [`tools::CommandTool`]
+//! - Tool calls (extension `tool_calls`): [`Execute::execute_with_tools`] on a pool or a connection runs a
+//!   request that lists [`ToolSpec`]s and answers each [`ToolCall`] with an async handler; [`tools::CommandTool`]
 //!   is a handler that runs a local command (what `sandboxctl --tool` uses).
 //! - [`ClientError`]: every failure, with [`is_retryable`](ClientError::is_retryable),
 //!   [`code`](ClientError::code) (the FSP code) and [`kind`](ClientError::kind) (the original design's `ToolError`
@@ -30,7 +32,7 @@
 //!   replays what a dropped connection lost.
 //!
 //! ```no_run
-//! use client::{new_execution_id, ExecuteRequest, Language, Pool, RequestedLimits};
+//! use client::{new_execution_id, Execute, ExecuteRequest, Language, Pool, RequestedLimits};
 //!
 //! # async fn run() -> Result<(), client::ClientError> {
 //! let pool = Pool::builder("ws://127.0.0.1:7070/ws")
@@ -59,6 +61,7 @@ pub mod auth;
 pub mod config;
 pub mod connection;
 pub mod error;
+pub mod execute;
 pub mod execution;
 pub mod gateway;
 pub mod health;
@@ -71,6 +74,7 @@ pub use auth::{Auth, TokenFuture, TokenProvider};
 pub use config::{Backoff, ConnectOptions, ExecOptions, DEFAULT_TOKEN_FILE, DEFAULT_URL};
 pub use connection::{Connection, ConnectionStatus};
 pub use error::{BoxError, ClientError, ErrorKind};
+pub use execute::Execute;
 pub use execution::{Execution, ExecutionResult};
 pub use gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 pub use health::{health, healthz_url, Health};

@@ -12,9 +12,9 @@
 //!   and keep themselves connected (reconnect with backoff) between checkouts.
 //! - Connections are opened on demand ([`Pool::warm_up`] opens `size` of them ahead).
 //!
-//! [`Pool::execute`] and [`Pool::execute_stream`] check out one connection per execution and hold it until the
-//! execution ends: executions are not multiplexed by the pool, so a slow consumer or a broken connection only
-//! affects its own execution. A [`PooledConnection`] may still multiplex (it derefs to a [`Connection`]).
+//! [`Execute::execute`] and [`Execute::execute_stream`] on a pool check out one connection per execution and hold
+//! it until the execution ends: executions are not multiplexed by the pool, so a slow consumer or a broken
+//! connection only affects its own execution. A [`PooledConnection`] may still multiplex (it derefs to a [`Connection`]).
 
 use std::collections::VecDeque;
 use std::ops::Deref;
@@ -30,7 +30,8 @@ use crate::auth::{Auth, TokenProvider};
 use crate::config::{Backoff, ConnectOptions, ExecOptions};
 use crate::connection::{Connection, ConnectionStatus};
 use crate::error::ClientError;
-use crate::execution::{Execution, ExecutionResult};
+use crate::execute::Execute;
+use crate::execution::Execution;
 
 /// Default base number of connections.
 pub const DEFAULT_SIZE: usize = 5;
@@ -406,58 +407,6 @@ impl Pool {
         conn.ping(self.inner.health_check_timeout).await
     }
 
-    /// Runs `request` on a checked-out connection and collects the result.
-    pub async fn execute(&self, request: ExecuteRequest) -> Result<ExecutionResult, ClientError> {
-        self.execute_with(request, ExecOptions::default()).await
-    }
-
-    /// [`execute`](Self::execute) with options (client deadline).
-    pub async fn execute_with(
-        &self,
-        request: ExecuteRequest,
-        options: ExecOptions,
-    ) -> Result<ExecutionResult, ClientError> {
-        self.execute_stream_with(request, options)
-            .await?
-            .result()
-            .await
-    }
-
-    /// Runs `request` on a checked-out connection and answers its tool calls with `handler` (see
-    /// [`Execution::result_with_tools`]).
-    pub async fn execute_with_tools<H, F>(
-        &self,
-        request: ExecuteRequest,
-        handler: H,
-    ) -> Result<ExecutionResult, ClientError>
-    where
-        H: FnMut(protocol::ToolCall) -> F,
-        F: std::future::Future<Output = crate::tools::ToolOutcome>,
-    {
-        self.execute_stream(request)
-            .await?
-            .result_with_tools(handler)
-            .await
-    }
-
-    /// Sends `request` on a checked-out connection, which stays checked out until the returned stream ends.
-    pub async fn execute_stream(&self, request: ExecuteRequest) -> Result<Execution, ClientError> {
-        self.execute_stream_with(request, ExecOptions::default())
-            .await
-    }
-
-    /// [`execute_stream`](Self::execute_stream) with options (client deadline).
-    pub async fn execute_stream_with(
-        &self,
-        request: ExecuteRequest,
-        options: ExecOptions,
-    ) -> Result<Execution, ClientError> {
-        let lease = self.checkout().await?;
-        let mut execution = lease.execute_stream_with(request, options).await?;
-        execution.hold(lease);
-        Ok(execution)
-    }
-
     /// Closes every idle connection and refuses further checkouts; checked-out connections close when they
     /// come back.
     pub fn close(&self) {
@@ -472,6 +421,21 @@ impl Pool {
         for c in idle {
             c.close();
         }
+    }
+}
+
+/// Runs each request on a connection checked out for it, which stays checked out until the execution's stream
+/// ends (see [`Execute`]).
+impl Execute for Pool {
+    async fn execute_stream_with(
+        &self,
+        request: ExecuteRequest,
+        options: ExecOptions,
+    ) -> Result<Execution, ClientError> {
+        let lease = self.checkout().await?;
+        let mut execution = lease.execute_stream_with(request, options).await?;
+        execution.hold(lease);
+        Ok(execution)
     }
 }
 

@@ -6,7 +6,8 @@
 //! - [`cases`]: every case: `P.<section>.<n>` protocol, `I.<area>.<n>` isolation posture, `R.<area>.<n>` resources
 //!   and lifecycle.
 //! - [`wire`]: the suite's own reading of server messages and of the spec's tables (independent of the protocol
-//!   crate's lenient parser); [`client`]: a WebSocket client for the cases; [`msgs`]: client messages as JSON.
+//!   crate's lenient parser); [`client`]: a WebSocket client for the cases; [`msgs`]: client messages as JSON (the
+//!   hand-written builders the daemon's tests use too, from `sandboxd-test-support`).
 //! - [`probe`]: the programs isolation cases run inside the sandbox.
 //! - [`report`]: human summary, JSON and JUnit reports.
 //! - [`ctx`]: what a run shares (configuration, connections, memoised [`observed`] scenarios); [`stop`]: why a
@@ -21,7 +22,8 @@ pub mod fixture;
 pub mod fixture_agents;
 mod fixture_tools;
 pub mod framework;
-pub mod msgs;
+/// Client messages as hand-written JSON, so that cases can also send malformed ones.
+pub use test_support::fsp as msgs;
 pub mod observed;
 pub mod probe;
 pub mod report;

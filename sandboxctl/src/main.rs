@@ -22,7 +22,7 @@ use anyhow::{bail, Context as _};
 use base64::Engine as _;
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use client::{
-    new_execution_id, ClientError, ConnectOptions, Connection, ExecOptions, ExecStatus,
+    new_execution_id, ClientError, ConnectOptions, Connection, ExecOptions, ExecStatus, Execute,
     ExecuteRequest, Language, Reason, RequestedLimits, ServerMessage, DEFAULT_TOKEN_FILE,
     DEFAULT_URL,
 };

@@ -53,8 +53,8 @@ use std::time::{Duration, Instant};
 use agent_api::{AgentBrief, CreateSandboxRequest, KillRequest};
 use client::gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 use client::{
-    ClientError, ConnectOptions, Connection, ExecStatus, ExecuteRequest, Language, RequestedLimits,
-    ServerMessage, ToolSpec,
+    ClientError, ConnectOptions, Connection, ExecStatus, Execute, ExecuteRequest, Language,
+    RequestedLimits, ServerMessage, ToolSpec,
 };
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};

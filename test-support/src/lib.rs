@@ -1,15 +1,24 @@
-//! What the workspace's tests share, so each rule lives once:
+//! What the workspace's tests (and the conformance suite) share, so each rule lives once:
 //!
 //! - [`cannot_run`] and [`require_root`]: every test that cannot run here says why on stderr, with its name, and
 //!   when `CI` is set (`.ci/run` exports `CI=1`; CI runs as root) panics instead, so a privileged test never passes
 //!   on CI by skipping. [`not_applicable`] is the one exception: a test that does not apply to this platform at
 //!   all (another architecture) says so, and is not a failure on CI either.
-//! - [`cgroups`]: the clean-up of a test daemon's cgroup parent (the sandboxd and client test harnesses start real
-//!   daemons).
+//! - [`daemon`]: the pieces of the sandboxd and client harnesses that run real daemons (config, launch on a free
+//!   port, wait until serving, stop, logs), and [`daemon::wait_until`].
+//! - [`cgroups`]: the clean-up of a test daemon's cgroup parent.
+//! - [`procs`]: the host's processes, for the checks that nothing is left behind.
+//! - [`fsp`]: FSP/1 client messages as hand-written JSON, for tests and the conformance cases that also send
+//!   malformed ones.
 //!
-//! A dev-dependency only: nothing here belongs in a shipped binary.
+//! A dev-dependency of the daemon's and the client's tests, and a dependency of `fsp-conformance` (a test tool
+//! itself, which uses [`fsp`]). Its dependencies are ones every user already has (nix, serde_json, tokio and the
+//! protocol crate); nothing here belongs in the daemon or the client library.
 
 pub mod cgroups;
+pub mod daemon;
+pub mod fsp;
+pub mod procs;
 
 use std::io::Write as _;
 

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use client::{Auth, ClientError, ConnectOptions, Connection, ConnectionStatus};
+use client::{Auth, ClientError, ConnectOptions, Connection, ConnectionStatus, Execute};
 use serde_json::json;
 
 use super::fake::{self, FakeServer, Reply};

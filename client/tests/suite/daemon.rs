@@ -9,13 +9,16 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
+use protocol::Limits;
 use serde_json::json;
+use test_support::daemon::{self, DaemonConfig};
+use test_support::procs;
 
 /// How long a daemon may take to become healthy.
 const READY_DEADLINE: Duration = Duration::from_secs(30);
@@ -24,6 +27,9 @@ static NEXT: AtomicU32 = AtomicU32::new(0);
 
 pub use test_support::cannot_run;
 pub use test_support::cgroups::remove_cgroup_parent;
+// The benches include this file too, and use neither.
+#[allow(unused_imports)]
+pub use test_support::daemon::{free_port, wait_until};
 
 /// The sandboxd binary, if it exists.
 pub fn sandboxd_binary() -> Result<PathBuf, String> {
@@ -138,35 +144,40 @@ impl Daemon {
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
         // A uid region apart from the daemon's own suite (which starts at 1,000,000).
-        let uid_base = 200_000_000 + (pid % 20_000) * 8192 + (n % 128) * 64;
+        let uid_base = daemon::uid_base(200_000_000, n);
         let cgroup_parent = format!("sandboxd-client-test-{pid}-{n}");
         let token = format!("client-test-{pid}-{n}-{:016x}", rand::random::<u64>());
-        let mut dir = tempfile::Builder::new()
-            .prefix("sandboxd-client-test-")
-            .tempdir()
-            .expect("tempdir");
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let port = free_port();
-            let config = json!({
-                "listen": format!("127.0.0.1:{port}"),
-                "state_dir": dir.path().join("state"),
-                "auth": {"tokens": [token]},
-                "capacity": {"max_concurrent": opts.max_concurrent, "max_queue": opts.max_queue},
-                "limits": {"max": {
-                    "timeout_ms": opts.max_timeout_ms, "memory_mb": 1024, "cpu_shares": 1024,
-                    "max_output_bytes": opts.max_output_bytes, "pids_max": 256, "disk_mb": 256,
-                }},
-                "shutdown_grace_ms": 1000,
-                "sandbox": {"cgroup_parent": cgroup_parent, "uid_base": uid_base},
+        daemon::launch_on_free_port(async |port| {
+            let dir = tempfile::Builder::new()
+                .prefix("sandboxd-client-test-")
+                .tempdir()
+                .expect("tempdir");
+            let config = DaemonConfig {
+                port,
+                state_dir: dir.path().join("state"),
+                token: token.clone(),
+                max_concurrent: opts.max_concurrent,
+                max_queue: opts.max_queue,
+                max_limits: Limits {
+                    timeout_ms: opts.max_timeout_ms,
+                    memory_mb: 1024,
+                    cpu_shares: 1024,
+                    max_output_bytes: opts.max_output_bytes,
+                    pids_max: 256,
+                    disk_mb: 256,
+                },
+                shutdown_grace_ms: 1000,
+                cgroup_parent: cgroup_parent.clone(),
+                uid_base,
                 // No warm pool: every process of the uid range belongs to a running execution (the daemon's own
                 // suite covers the pool).
-                "pool": {"size": 0},
-                "agents": {"max_sandboxes": opts.max_sandboxes},
-            });
-            let config_path = dir.path().join("config.yaml");
-            std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+                pool_size: 0,
+            };
+            let config = test_support::fsp::with(
+                config.to_json(),
+                json!({"agents": {"max_sandboxes": opts.max_sandboxes}}),
+            );
+            let config_path = daemon::write_config(dir.path(), &config);
             let mut d = Daemon {
                 binary: binary.to_owned(),
                 child: None,
@@ -180,67 +191,38 @@ impl Daemon {
                 starts: 0,
             };
             d.spawn();
-            match d.wait_ready().await {
-                Ok(()) => return d,
-                Err(e) if attempt < 5 && d.log().contains("cannot listen") => {
-                    eprintln!("daemon: port {port} was taken ({e}); trying another one");
-                    d.stop();
-                    dir = std::mem::replace(&mut d.dir, tempfile::tempdir().unwrap());
-                }
-                Err(e) => panic!("{e}"),
-            }
-        }
+            let ready = d.wait_ready().await;
+            (d, ready)
+        })
+        .await
     }
 
     fn spawn(&mut self) {
         self.starts += 1;
-        let log = |name: &str| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(self.dir.path().join(name))
-                .unwrap()
-        };
-        let child = Command::new(&self.binary)
-            .arg("--config")
-            .arg(&self.config)
-            .env_remove("SANDBOXD_TOKEN")
-            .env_remove("SANDBOXD_LOG")
-            .stdin(Stdio::null())
-            .stdout(log("stdout.log"))
-            .stderr(log("stderr.log"))
-            .spawn()
-            .expect("spawn sandboxd");
-        self.child = Some(child);
+        let args = [Path::new("--config"), &self.config];
+        self.child = Some(daemon::spawn(&self.binary, &args, self.dir.path()));
     }
 
+    /// Waits until `/healthz` answers 200 and the token is accepted (so it is this daemon that answers).
     async fn wait_ready(&mut self) -> Result<(), String> {
-        let start = Instant::now();
-        loop {
-            if let Some(child) = &mut self.child {
-                if let Ok(Some(status)) = child.try_wait() {
-                    return Err(format!(
-                        "sandboxd exited during start-up with {status}; log:\n{}",
-                        self.log()
-                    ));
-                }
-            }
-            if let Ok(h) = client::health(&self.url(), None, Duration::from_secs(2)).await {
-                if h.status == 200 {
-                    let options = client::ConnectOptions::new(self.url()).token(self.token.clone());
-                    if client::Connection::connect(options).await.is_ok() {
-                        return Ok(());
-                    }
-                }
-            }
-            if start.elapsed() > READY_DEADLINE {
-                return Err(format!(
-                    "sandboxd not ready within {READY_DEADLINE:?}; log:\n{}",
-                    self.log()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let (url, token) = (self.url(), self.token.clone());
+        let Some(child) = &mut self.child else {
+            return Err("sandboxd is not running".to_owned());
+        };
+        daemon::wait_serving(
+            child,
+            self.dir.path(),
+            READY_DEADLINE,
+            daemon::POLL_INTERVAL,
+            async || {
+                let healthy = client::health(&url, None, Duration::from_secs(2))
+                    .await
+                    .is_ok_and(|h| h.status == 200);
+                let options = client::ConnectOptions::new(url.clone()).token(token.clone());
+                healthy && client::Connection::connect(options).await.is_ok()
+            },
+        )
+        .await
     }
 
     /// `<tempdir>/state`.
@@ -270,7 +252,7 @@ impl Daemon {
 
     /// The daemon's log so far (every start).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default()
+        daemon::log(self.dir.path())
     }
 
     /// SIGKILLs the daemon (a crash), reaps it, and waits until its helper, which dies with it, is gone. A helper
@@ -284,7 +266,7 @@ impl Daemon {
         let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
         let _ = child.wait();
         let start = Instant::now();
-        while helpers.iter().any(|h| is_alive(*h)) {
+        while helpers.iter().any(|h| procs::is_alive(*h)) {
             if start.elapsed() > Duration::from_secs(5) {
                 eprintln!(
                     "daemon: helper(s) {helpers:?} outlived their SIGKILLed daemon {pid} by 5 s; killing them"
@@ -322,19 +304,7 @@ impl Daemon {
 
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = nix::sys::signal::kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-            let start = Instant::now();
-            loop {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                if start.elapsed() > Duration::from_secs(15) {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            daemon::stop(&mut child);
         }
     }
 }
@@ -342,82 +312,21 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();
-        if std::thread::panicking() {
-            eprintln!(
-                "----- sandboxd (port {}) log -----\n{}----- end of log -----",
-                self.port,
-                self.log()
-            );
-        }
+        daemon::print_log_if_failing(&format!("sandboxd (port {})", self.port), self.dir.path());
         remove_cgroup_parent(&self.cgroup_parent);
     }
 }
 
-/// A TCP port nothing listens on right now.
-pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local_addr").port()
-}
-
-fn status_field(pid: i32, name: &str) -> Option<String> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(name))
-        .map(|v| v.trim().to_owned())
-}
-
-fn is_alive(pid: i32) -> bool {
-    status_field(pid, "State:").is_some_and(|s| !s.starts_with('Z'))
-}
-
-fn all_pids() -> Vec<i32> {
-    std::fs::read_dir("/proc")
-        .map(|rd| {
-            rd.flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// Direct children of `pid`.
 pub fn children_of(pid: i32) -> Vec<i32> {
-    all_pids()
-        .into_iter()
-        .filter(|p| status_field(*p, "PPid:").and_then(|v| v.parse::<i32>().ok()) == Some(pid))
-        .collect()
+    procs::children_of(pid).iter().map(|p| p.pid).collect()
 }
 
 /// Live processes whose real uid is in `uids`.
 pub fn processes_with_uid(uids: std::ops::Range<u32>) -> Vec<i32> {
-    all_pids()
-        .into_iter()
-        .filter(|p| {
-            is_alive(*p)
-                && status_field(*p, "Uid:")
-                    .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok())
-                    .is_some_and(|uid| uids.contains(&uid))
-        })
+    procs::processes_with_uid(uids)
+        .iter()
+        .filter(|p| p.is_alive())
+        .map(|p| p.pid)
         .collect()
-}
-
-/// Polls `check` every 20 ms until it returns `Ok`, or panics after `deadline` with its last `Err`.
-pub async fn wait_until<T, F, Fut>(what: &str, deadline: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, String>>,
-{
-    let start = Instant::now();
-    loop {
-        match check().await {
-            Ok(v) => return v,
-            Err(last) => {
-                if start.elapsed() > deadline {
-                    panic!("timed out after {deadline:?} waiting for {what}; last state: {last}");
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }

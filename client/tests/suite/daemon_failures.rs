@@ -3,8 +3,8 @@
 use std::time::{Duration, Instant};
 
 use client::{
-    new_execution_id, ClientError, ErrorKind, ExecOptions, ExecStatus, ExecuteRequest, Language,
-    Pool, RequestedLimits, ServerMessage,
+    new_execution_id, ClientError, ErrorKind, ExecOptions, ExecStatus, Execute, ExecuteRequest,
+    Language, Pool, RequestedLimits, ServerMessage,
 };
 use protocol::ErrorCode;
 

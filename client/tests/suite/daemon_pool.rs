@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use client::{
-    new_execution_id, ExecStatus, ExecuteRequest, Language, Pool, Reason, RequestedLimits,
+    new_execution_id, ExecStatus, Execute, ExecuteRequest, Language, Pool, Reason, RequestedLimits,
     ServerMessage,
 };
 use protocol::{FileEncoding, FileSpec};

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use client::{
-    ClientError, ConnectOptions, Connection, ConnectionStatus, ErrorKind, ExecuteRequest, Language,
-    Pool, RequestedLimits,
+    ClientError, ConnectOptions, Connection, ConnectionStatus, ErrorKind, Execute, ExecuteRequest,
+    Language, Pool, RequestedLimits,
 };
 use serde_json::json;
 

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use client::{Backoff, ClientError, ConnectionStatus, ErrorKind, Pool};
+use client::{Backoff, ClientError, ConnectionStatus, ErrorKind, Execute, Pool};
 
 use super::daemon::wait_until;
 use super::fake::{self, FakeServer};

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use client::{ClientError, ConnectOptions, Connection, Pool};
+use client::{ClientError, ConnectOptions, Connection, Execute, Pool};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use super::fake::{self, FakeServer};

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use client::{
-    new_execution_id, ConnectOptions, Connection, ExecuteRequest, Language, Pool, RequestedLimits,
-    ToolCall, ToolOutcome, ToolSpec,
+    new_execution_id, ConnectOptions, Connection, Execute, ExecuteRequest, Language, Pool,
+    RequestedLimits, ToolCall, ToolOutcome, ToolSpec,
 };
 use serde_json::{json, Value};
 

@@ -12,7 +12,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use nix::sys::signal::Signal;
@@ -35,8 +35,6 @@ pub const SANDBOXD: &str = env!("CARGO_BIN_EXE_sandboxd");
 
 /// How long a daemon may take to answer `/healthz` after it was started.
 const READY_DEADLINE: Duration = Duration::from_secs(20);
-/// How long a daemon may take to exit after SIGTERM before the harness kills it.
-const EXIT_DEADLINE: Duration = Duration::from_secs(15);
 /// Default deadline of one client wait (a message, an execution's end).
 const CLIENT_DEADLINE: Duration = Duration::from_secs(30);
 
@@ -84,23 +82,12 @@ pub async fn privileged_alone(test: &str) -> Option<Guard> {
 
 /// Polls `check` every 50 ms until it returns `Ok`, or panics after `deadline` with its last `Err` (what was still
 /// wrong).
-pub async fn wait_until<T, F, Fut>(what: &str, deadline: Duration, mut check: F) -> T
+pub async fn wait_until<T, F, Fut>(what: &str, deadline: Duration, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, String>>,
 {
-    let start = Instant::now();
-    loop {
-        match check().await {
-            Ok(v) => return v,
-            Err(last) => {
-                if start.elapsed() > deadline {
-                    panic!("timed out after {deadline:?} waiting for {what}; last state: {last}");
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    daemon::poll_until(what, deadline, Duration::from_millis(50), check).await
 }
 
 /// A string unique to this test process and call (for markers in command lines and file names).
@@ -127,88 +114,9 @@ pub use test_support::cgroups::{
     cgroup_children, cgroup_parent_dirs, remove_cgroup_parent, CgroupParentGuard,
 };
 
-/// One host process, as `/proc` shows it.
-#[derive(Debug, Clone)]
-pub struct ProcInfo {
-    /// Process id (host pid namespace).
-    pub pid: i32,
-    /// Parent process id.
-    pub ppid: i32,
-    /// Real uid.
-    pub uid: u32,
-    /// `State:` letter, e.g. `S`, `Z`.
-    pub state: char,
-    /// Command line, arguments joined by spaces (empty for zombies and kernel threads).
-    pub cmdline: String,
-}
-
-/// Reads one process; `None` if it is gone.
-pub fn proc_info(pid: i32) -> Option<ProcInfo> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(str::trim)
-            .unwrap_or("")
-            .to_owned()
-    };
-    let uid = field("Uid:").split_whitespace().next()?.parse().ok()?;
-    let ppid = field("PPid:").parse().ok()?;
-    let state = field("State:").chars().next().unwrap_or('?');
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            String::from_utf8_lossy(&b)
-                .split('\0')
-                .filter(|s| !s.is_empty())
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default();
-    Some(ProcInfo {
-        pid,
-        ppid,
-        uid,
-        state,
-        cmdline,
-    })
-}
-
-/// Every process on the host.
-pub fn processes() -> Vec<ProcInfo> {
-    let mut out = Vec::new();
-    if let Ok(entries) = std::fs::read_dir("/proc") {
-        for e in entries.flatten() {
-            if let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) {
-                if let Some(p) = proc_info(pid) {
-                    out.push(p);
-                }
-            }
-        }
-    }
-    out
-}
-
-/// Live (non-zombie) processes whose command line contains `needle`.
-pub fn processes_with_arg(needle: &str) -> Vec<ProcInfo> {
-    processes()
-        .into_iter()
-        .filter(|p| p.state != 'Z' && p.cmdline.contains(needle))
-        .collect()
-}
-
-/// Processes whose real uid is in `uids`.
-pub fn processes_with_uid(uids: std::ops::Range<u32>) -> Vec<ProcInfo> {
-    processes()
-        .into_iter()
-        .filter(|p| uids.contains(&p.uid))
-        .collect()
-}
-
-/// Direct children of `pid` (a ppid scan).
-pub fn children_of(pid: i32) -> Vec<ProcInfo> {
-    processes().into_iter().filter(|p| p.ppid == pid).collect()
-}
+pub use test_support::procs::{
+    children_of, proc_info, processes_with_arg, processes_with_uid, ProcInfo,
+};
 
 /// A minimal HTTP/1.1 GET: status code and body.
 pub async fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
@@ -238,11 +146,8 @@ pub async fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
         .unwrap_or_else(|_| Err(std::io::Error::other("HTTP GET timed out")))
 }
 
-/// A TCP port nothing listens on right now.
-pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local_addr").port()
-}
+pub use test_support::daemon::free_port;
+use test_support::daemon::{self, DaemonConfig};
 
 // ---------------------------------------------------------------------------------------------------------------
 // The daemon
@@ -384,13 +289,12 @@ impl Daemon {
             .clone()
             .unwrap_or_else(|| format!("sandboxd-test-{pid}-{n}"));
         // A distinct uid range per daemon, also across concurrently running test processes.
-        let uid_base = 1_000_000 + (pid % 20_000) * 8192 + (n % 128) * 64;
+        let uid_base = daemon::uid_base(1_000_000, n);
         assert!(
             2 * opts.max_concurrent + opts.pool_size + 4 <= 64,
             "uid ranges are 64 wide"
         );
         let token = format!("test-token-{pid}-{n}-{:016x}", rand::random::<u64>());
-        let m = opts.max_limits;
         Daemon::launch_on_free_port(|port| {
             let dir = tempfile::Builder::new()
                 .prefix("sandboxd-test-")
@@ -400,26 +304,26 @@ impl Daemon {
                 .state_dir
                 .clone()
                 .unwrap_or_else(|| dir.path().join("state"));
-            let mut config = json!({
-                "listen": format!("127.0.0.1:{port}"),
-                "state_dir": state_dir,
-                "auth": {"tokens": [token]},
-                "capacity": {"max_concurrent": opts.max_concurrent, "max_queue": opts.max_queue},
-                "limits": {"max": {
-                    "timeout_ms": m.timeout_ms, "memory_mb": m.memory_mb, "cpu_shares": m.cpu_shares,
-                    "max_output_bytes": m.max_output_bytes, "pids_max": m.pids_max, "disk_mb": m.disk_mb,
-                }},
-                "shutdown_grace_ms": opts.shutdown_grace_ms,
-                "max_frame_bytes": opts.max_frame_bytes,
-                "sandbox": {"cgroup_parent": cgroup_parent, "uid_base": uid_base},
-                "pool": {"size": opts.pool_size},
-            });
+            let config = DaemonConfig {
+                port,
+                state_dir: state_dir.clone(),
+                token: token.clone(),
+                max_concurrent: opts.max_concurrent,
+                max_queue: opts.max_queue,
+                max_limits: opts.max_limits,
+                shutdown_grace_ms: opts.shutdown_grace_ms,
+                cgroup_parent: cgroup_parent.clone(),
+                uid_base,
+                pool_size: opts.pool_size,
+            };
+            let mut config = with(
+                config.to_json(),
+                json!({"max_frame_bytes": opts.max_frame_bytes}),
+            );
             if let Some(extra) = &opts.extra_config {
                 merge(&mut config, extra.clone());
             }
-            // YAML is a superset of JSON.
-            let config_path = dir.path().join("config.yaml");
-            std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+            let config_path = daemon::write_config(dir.path(), &config);
             Launch {
                 args: vec!["--config".into(), config_path.display().to_string()],
                 port,
@@ -447,33 +351,16 @@ impl Daemon {
     /// [`launch`](Self::launch) on a free port: `make` builds the launch for a port. A free port may be taken by
     /// someone else before the daemon binds it; then another one is tried (five times at most).
     pub async fn launch_on_free_port(make: impl Fn(u16) -> Launch) -> Daemon {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let port = free_port();
+        daemon::launch_on_free_port(async |port| {
             let mut d = Daemon::spawn(make(port));
-            match d.wait_ready().await {
-                Ok(()) => return d,
-                Err(e) if attempt < 5 && d.log().contains("cannot listen") => {
-                    eprintln!("harness: port {port} was taken ({e}); trying another one");
-                }
-                Err(e) => panic!("{e}"),
-            }
-        }
+            let ready = d.wait_ready().await;
+            (d, ready)
+        })
+        .await
     }
 
     fn spawn(launch: Launch) -> Daemon {
-        let stdout = std::fs::File::create(launch.dir.path().join("stdout.log")).unwrap();
-        let stderr = std::fs::File::create(launch.dir.path().join("stderr.log")).unwrap();
-        let child = Command::new(SANDBOXD)
-            .args(&launch.args)
-            .env_remove("SANDBOXD_TOKEN")
-            .env_remove("SANDBOXD_LOG")
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(stderr)
-            .spawn()
-            .expect("spawn sandboxd");
+        let child = daemon::spawn(Path::new(SANDBOXD), &launch.args, launch.dir.path());
         Daemon {
             child,
             port: launch.port,
@@ -488,36 +375,22 @@ impl Daemon {
         }
     }
 
+    /// Waits until `/healthz` answers 200 and, unless the daemon generates its own token, the token is accepted
+    /// (so it is this daemon that answers, not another server that took the port).
     async fn wait_ready(&mut self) -> Result<(), String> {
-        let start = Instant::now();
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(format!(
-                    "sandboxd exited during start-up with {status}; stderr:\n{}",
-                    self.log()
-                ));
-            }
-            if let Ok((200, _)) = http_get(self.port, "/healthz").await {
-                // Make sure it is this daemon that answers, not another server that took the port.
-                if self.token.is_empty()
-                    || Client::try_connect(&self.url(), Some(&self.token), &[])
-                        .await
-                        .is_ok()
-                {
-                    return Ok(());
-                }
-                if matches!(self.child.try_wait(), Ok(Some(_))) {
-                    continue;
-                }
-            }
-            if start.elapsed() > READY_DEADLINE {
-                return Err(format!(
-                    "sandboxd not healthy within {READY_DEADLINE:?}; stderr:\n{}",
-                    self.log()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let (port, token, url) = (self.port, self.token.clone(), self.url());
+        daemon::wait_serving(
+            &mut self.child,
+            self.dir.path(),
+            READY_DEADLINE,
+            Duration::from_millis(50),
+            async || {
+                matches!(http_get(port, "/healthz").await, Ok((200, _)))
+                    && (token.is_empty()
+                        || Client::try_connect(&url, Some(&token), &[]).await.is_ok())
+            },
+        )
+        .await
     }
 
     /// The daemon's process id.
@@ -595,7 +468,7 @@ impl Daemon {
 
     /// What the daemon wrote to stderr (its log) so far.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default()
+        daemon::log(self.dir.path())
     }
 
     /// What the daemon wrote to stdout so far.
@@ -655,16 +528,7 @@ impl Daemon {
 
     /// Waits (polling) for the daemon to exit; `None` if it is still running after `deadline`.
     pub fn wait_exit(&mut self, deadline: Duration) -> Option<ExitStatus> {
-        let start = Instant::now();
-        loop {
-            if let Ok(Some(s)) = self.child.try_wait() {
-                return Some(s);
-            }
-            if start.elapsed() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        daemon::wait_exit(&mut self.child, deadline)
     }
 
     /// SIGKILLs the daemon and reaps it. The cgroup parent is left alone from now on (another daemon may take
@@ -689,24 +553,8 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            self.signal(Signal::SIGTERM);
-            if self.wait_exit(EXIT_DEADLINE).is_none() {
-                eprintln!(
-                    "harness: sandboxd {} ignored SIGTERM for {EXIT_DEADLINE:?}; killing it",
-                    self.pid()
-                );
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-            }
-        }
-        if std::thread::panicking() {
-            eprintln!(
-                "----- {} stderr -----\n{}----- end of sandboxd stderr -----",
-                self.describe(),
-                self.log()
-            );
-        }
+        daemon::stop(&mut self.child);
+        daemon::print_log_if_failing(&self.describe(), self.dir.path());
         if self.clean_cgroups {
             remove_cgroup_parent(&self.cgroup_parent);
         }
@@ -718,50 +566,9 @@ impl Drop for Daemon {
 // Messages
 // ---------------------------------------------------------------------------------------------------------------
 
-/// An `execute` with the two required limits.
-pub fn exec_json(id: &str, language: &str, code: &str, timeout_ms: u64, memory_mb: u64) -> Value {
-    json!({
-        "v": 1, "type": "execute", "id": id, "ts": protocol::now_ts(),
-        "language": language, "code": code,
-        "limits": {"timeout_ms": timeout_ms, "memory_mb": memory_mb},
-    })
-}
-
-/// `base` with `extra` merged in (objects recursively; `null` in `extra` removes the key).
-pub fn with(mut base: Value, extra: Value) -> Value {
-    merge(&mut base, extra);
-    base
-}
-
-fn merge(base: &mut Value, extra: Value) {
-    match (base, extra) {
-        (Value::Object(b), Value::Object(e)) => {
-            for (k, v) in e {
-                if v.is_null() {
-                    b.remove(&k);
-                } else {
-                    match b.get_mut(&k) {
-                        Some(slot) if slot.is_object() && v.is_object() => merge(slot, v),
-                        _ => {
-                            b.insert(k, v);
-                        }
-                    }
-                }
-            }
-        }
-        (b, e) => *b = e,
-    }
-}
-
-/// A `ping`.
-pub fn ping_json() -> Value {
-    json!({"v": 1, "type": "ping", "ts": protocol::now_ts()})
-}
-
-/// A `cancel`.
-pub fn cancel_json(id: &str) -> Value {
-    json!({"v": 1, "type": "cancel", "id": id, "ts": protocol::now_ts()})
-}
+pub use test_support::fsp::{
+    cancel as cancel_json, execute as exec_json, merge, ping as ping_json, with,
+};
 
 /// A short description of a message, e.g. `status:running`, `error:INVALID_REQUEST`.
 pub fn kind(m: &ServerMessage) -> String {

@@ -1,8 +1,11 @@
-//! Client messages as JSON, built by hand so that cases can also send malformed ones.
+//! FSP/1 client messages as JSON, written out by hand rather than serialized from the protocol crate's types: a
+//! test or a conformance case can then send what no well-typed client would (an unknown language, a missing
+//! field, a wrong type) by merging changes in with [`with`], and a misspelling in the protocol crate's serde
+//! attributes is not copied into the messages that test it.
 
 use serde_json::{json, Value};
 
-/// The current time as an FSP timestamp.
+/// The current time as an FSP timestamp (UTC, milliseconds).
 pub fn ts() -> String {
     protocol::now_ts()
 }
@@ -26,13 +29,14 @@ pub fn execute(id: &str, language: &str, code: &str, timeout_ms: u64, memory_mb:
     })
 }
 
-/// `base` with `extra` merged in: objects recursively; a `null` in `extra` removes the key.
+/// `base` with `extra` merged in (see [`merge`]).
 pub fn with(mut base: Value, extra: Value) -> Value {
     merge(&mut base, extra);
     base
 }
 
-fn merge(base: &mut Value, extra: Value) {
+/// Merges `extra` into `base`: objects recursively; a `null` in `extra` removes the key; anything else replaces.
+pub fn merge(base: &mut Value, extra: Value) {
     match (base, extra) {
         (Value::Object(b), Value::Object(e)) => {
             for (k, v) in e {
@@ -64,5 +68,20 @@ mod tests {
         );
         assert_eq!(e["limits"], json!({"timeout_ms": 1, "pids_max": 3}));
         assert!(e.get("code").is_none());
+        assert_eq!(with(json!({"a": 1}), json!([2])), json!([2]));
+    }
+
+    #[test]
+    fn messages() {
+        let p = ping();
+        assert_eq!(
+            (p["v"].as_u64(), p["type"].as_str()),
+            (Some(1), Some("ping"))
+        );
+        assert!(protocol::parse_ts(p["ts"].as_str().unwrap()).is_ok());
+        assert_eq!(cancel("x")["id"], "x");
+        let e = execute("a", "python", "print(1)", 5, 64);
+        assert_eq!(e["language"], "python");
+        assert_eq!(e["limits"], json!({"timeout_ms": 5, "memory_mb": 64}));
     }
 }
