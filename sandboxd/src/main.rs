@@ -381,7 +381,6 @@ impl Daemon {
         let engine = Arc::new(Engine::new(
             config,
             pool.clone(),
-            self.cgroups.clone(),
             self.languages,
             self.isolation,
             self.store.clone(),
@@ -551,7 +550,7 @@ async fn stop_containers(engine: &Engine) {
     let factory = engine.pool.factory();
     let all = engine.config.uid_count();
     let removed = tokio::time::timeout(Duration::from_secs(10), async {
-        while factory.uids.available() < all && factory.helpers.all_alive() {
+        while factory.uids.available() < all && factory.alive() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
@@ -559,11 +558,11 @@ async fn stop_containers(engine: &Engine) {
     if removed.is_err() {
         warn!("containers still being removed after 10 s; the helpers remove the rest");
     }
-    factory.helpers.shutdown().await;
+    factory.shutdown().await;
 }
 
 async fn engine_dead(engine: &Engine) -> &'static str {
-    while engine.pool.factory().helpers.all_alive() {
+    while engine.pool.factory().alive() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     "the container helper died; shutting down"

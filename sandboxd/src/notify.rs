@@ -43,7 +43,7 @@ pub fn spawn_watchdog(engine: Arc<Engine>) {
         let mut tick = tokio::time::interval(period);
         loop {
             tick.tick().await;
-            if !engine.pool.factory().helpers.all_alive() {
+            if !engine.pool.factory().alive() {
                 return;
             }
             send(&[NotifyState::Watchdog]);

@@ -64,7 +64,7 @@ pub fn router(state: AppState) -> Router {
 
 async fn healthz(State(state): State<AppState>) -> Response {
     let e = &state.engine;
-    let healthy = e.pool.factory().helpers.all_alive();
+    let healthy = e.pool.factory().alive();
     let body = serde_json::json!({
         "status": if healthy { "ok" } else { "unhealthy" },
         "version": env!("CARGO_PKG_VERSION"),
@@ -82,7 +82,7 @@ async fn healthz(State(state): State<AppState>) -> Response {
             .collect::<serde_json::Map<String, serde_json::Value>>(),
         "isolation": e.isolation,
         "pool": e.pool.status(),
-        "helpers": e.pool.factory().helpers.len(),
+        "helpers": e.pool.factory().helper_count(),
     });
     let code = if healthy {
         StatusCode::OK

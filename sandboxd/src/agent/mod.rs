@@ -7,11 +7,11 @@
 //!   commands over the control channel, crash detection, health).
 //! - [`events`]: stamping, the rolling replay log, the gateway queue with backpressure.
 //! - [`backend`]: eager artifact upload and token renewal.
-//! - [`container`]: every call into the container helper.
+//! - Containers: the long-lived kind behind the container seam ([`crate::containers::long_lived`]): a workspace
+//!   per sandbox, a container per run.
 //! - [`routes`]: the axum routes, bearer auth and bounded bodies.
 
 pub mod backend;
-pub mod container;
 pub mod events;
 pub mod routes;
 pub mod sandbox;
@@ -24,14 +24,17 @@ use std::sync::{Arc, Mutex};
 
 use protocol::agent::{AgentTemplate, CreateSandboxRequest, PluginError, SandboxCapability};
 use runtime::error::Chain;
-use runtime::rootfs::{InputFile, RootSource, Scratch};
+use runtime::rootfs::InputFile;
 use tracing::{info, warn};
 
 use self::backend::Backend;
 use self::events::{Budgets, Hub};
 use self::sandbox::{Limits, Sandbox};
+use crate::containers::long_lived::Workspace;
+use crate::containers::WorkspacePlan;
 use crate::engine::Engine;
-use crate::images::{RootImage, RootKind};
+use crate::images::RootImage;
+use crate::pool::Uids;
 
 pub use routes::{router, AgentState};
 
@@ -48,8 +51,8 @@ pub struct Agents {
     engine: Arc<Engine>,
     dir: PathBuf,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
-    /// Which host uid indexes are taken (`max_sandboxes` of them).
-    uids: Mutex<Vec<bool>>,
+    /// Host uids: `max_sandboxes` of them, after the executions' (`uid_base + uid_count()`).
+    uids: Uids,
     nonce: String,
     seq: AtomicU64,
 }
@@ -60,12 +63,16 @@ impl Agents {
         let dir = engine.config.state_dir.join("agents");
         remove_leftovers(&dir)?;
         std::fs::DirBuilder::new().mode(0o711).create(&dir)?;
-        let max = engine.config.agents.max_sandboxes;
+        let cfg = &engine.config;
+        let uids = Uids::new(
+            cfg.sandbox.uid_base + cfg.uid_count() as u32,
+            cfg.agents.max_sandboxes as u32,
+        );
         Ok(Arc::new(Self {
             engine,
             dir,
             sandboxes: Mutex::new(HashMap::new()),
-            uids: Mutex::new(vec![false; max]),
+            uids,
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }))
@@ -133,9 +140,17 @@ impl Agents {
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, PluginError> {
         let (limits, image, template, files) = self.admit(&req)?;
         // A host uid of its own; beyond max_sandboxes the caller retries later.
-        let index = self.take_uid()?;
+        let host_id = self
+            .uids
+            .try_take()
+            .ok_or_else(|| PluginError::ProviderUnavailable {
+                message: format!(
+                    "{} agent sandboxes exist, the maximum (agents.max_sandboxes)",
+                    self.engine.config.agents.max_sandboxes
+                ),
+                retryable: true,
+            })?;
         let cfg = &self.engine.config;
-        let host_id = cfg.sandbox.uid_base + cfg.uid_count() as u32 + index as u32;
         let id = format!(
             "ags-{}-{}",
             self.nonce,
@@ -147,12 +162,11 @@ impl Agents {
             "controlSocket": format!("{}/{}", runtime::rootfs::CODE_DIR, sandbox::CONTROL_SOCKET),
         })
         .to_string();
-        let disk_bytes = limits.disk_mb << 20;
-        let (scratch, hub) = match self
+        let (workspace, hub) = match self
             .prepare(
                 (&id, &req.bootstrap.agent_id),
                 &image,
-                disk_bytes,
+                limits.disk_mb,
                 host_id,
                 manifest,
                 files,
@@ -161,7 +175,7 @@ impl Agents {
         {
             Ok(x) => x,
             Err(e) => {
-                self.release_uid(index);
+                self.uids.give_back(host_id);
                 return Err(e);
             }
         };
@@ -170,14 +184,13 @@ impl Agents {
         let sb = Sandbox::new(
             id.clone(),
             agent_id,
-            index,
             host_id,
             limits,
             template,
             image,
             backend,
             hub,
-            scratch,
+            workspace,
             self.engine.clone(),
         );
         sb.start_tasks();
@@ -227,75 +240,58 @@ impl Agents {
         Ok((limits, image, template, files))
     }
 
-    /// Takes a free host uid index, or refuses (retryably) at `agents.max_sandboxes`.
-    fn take_uid(&self) -> Result<usize, PluginError> {
-        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(i) = uids.iter().position(|used| !used) else {
-            return Err(PluginError::ProviderUnavailable {
-                message: format!(
-                    "{} agent sandboxes exist, the maximum (agents.max_sandboxes)",
-                    uids.len()
-                ),
-                retryable: true,
-            });
-        };
-        uids[i] = true;
-        Ok(i)
-    }
-
-    fn release_uid(&self, i: usize) {
-        if let Some(u) = self
-            .uids
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(i)
-        {
-            *u = false;
-        }
-    }
-
-    /// The sandbox's scratch space (workspace tmpfs, root), its input files with `agent.json`, and its event hub
-    /// (whose own warnings name the agent).
+    /// The sandbox's workspace (its tmpfs and root), its input files with `agent.json`, and its event hub (whose
+    /// own warnings name the agent). On error nothing of it is left.
     async fn prepare(
         &self,
         (id, agent_id): (&str, &str),
         image: &Arc<RootImage>,
-        disk_bytes: u64,
+        disk_mb: u64,
         host_id: u32,
         manifest: String,
         files: Vec<InputFile>,
-    ) -> Result<(Scratch, Arc<Hub>), PluginError> {
-        let (dir, id2, image2) = (self.dir.clone(), id.to_owned(), image.clone());
-        let agent_id = agent_id.to_owned();
-        let budgets = Budgets::from_config(&self.engine.config.agents);
-        let made = tokio::task::spawn_blocking(move || -> runtime::Result<(Scratch, Arc<Hub>)> {
-            let root = match &image2.kind {
-                RootKind::Host(_) => RootSource::Shared,
-                RootKind::Oci { lowers } => RootSource::Overlay(lowers),
-            };
-            let scratch = Scratch::create(&dir, &id2, disk_bytes, host_id, root)?;
-            scratch
-                .inputs()
-                .write("agent.json", manifest.as_bytes(), &files)?;
-            let hub = Hub::with_budgets(scratch.dir().join("events"), &agent_id, budgets)
-                .map_err(|e| runtime::Error::io(scratch.dir(), e))?;
-            Ok((scratch, hub))
-        })
-        .await;
-        match made {
-            Ok(Ok(x)) => Ok(x),
-            Ok(Err(runtime::Error::InputFile { path, reason })) => Err(PluginError::invalid(
-                format!("template.files: {path}: {reason}"),
-            )),
-            Ok(Err(e)) => Err(PluginError::ProviderUnavailable {
+    ) -> Result<(Arc<dyn Workspace>, Arc<Hub>), PluginError> {
+        let plan = WorkspacePlan {
+            id,
+            parent: &self.dir,
+            host_id,
+            image,
+            disk_mb,
+        };
+        let workspace = self
+            .engine
+            .pool
+            .factory()
+            .create_workspace(plan)
+            .await
+            .map_err(|e| PluginError::ProviderUnavailable {
                 message: format!("Cannot prepare the sandbox: {}", Chain(&e)),
                 retryable: false,
-            }),
-            Err(e) => Err(PluginError::ProviderUnavailable {
+            })?;
+        let (ws, agent_id) = (workspace.clone(), agent_id.to_owned());
+        let budgets = Budgets::from_config(&self.engine.config.agents);
+        let made = tokio::task::spawn_blocking(move || -> runtime::Result<Arc<Hub>> {
+            ws.write_inputs("agent.json", manifest.as_bytes(), &files)?;
+            Hub::with_budgets(ws.dir().join("events"), &agent_id, budgets)
+                .map_err(|e| runtime::Error::io(ws.dir(), e))
+        })
+        .await;
+        let err = match made {
+            Ok(Ok(hub)) => return Ok((workspace, hub)),
+            Ok(Err(runtime::Error::InputFile { path, reason })) => {
+                PluginError::invalid(format!("template.files: {path}: {reason}"))
+            }
+            Ok(Err(e)) => PluginError::ProviderUnavailable {
+                message: format!("Cannot prepare the sandbox: {}", Chain(&e)),
+                retryable: false,
+            },
+            Err(e) => PluginError::ProviderUnavailable {
                 message: format!("Preparation failed: {e}"),
                 retryable: false,
-            }),
-        }
+            },
+        };
+        workspace.remove().await;
+        Err(err)
     }
 
     /// `DELETE /sandboxes/<id>`: `false` if there is no such sandbox.
@@ -304,7 +300,7 @@ impl Agents {
             return false;
         };
         sb.destroy().await;
-        self.release_uid(sb.uid_index);
+        self.uids.give_back(sb.host_id);
         info!(sandbox = %id, "agent sandbox removed");
         true
     }

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
 use protocol::agent::{
     error_event, lifecycle_event, parse_agent_line, AgentBrief, AgentCommand, AgentHandle,
     AgentLine, AgentStatus, AgentTemplate, ContextInjection, HealthStatus, KillRequest,
@@ -24,18 +25,18 @@ use protocol::agent::{
     SerializedAgentState, SerializedBy, DEFAULT_GRACE_TIMEOUT_MS,
 };
 use runtime::error::Chain;
-use runtime::rootfs::{Scratch, CODE_DIR, WORKDIR};
-use runtime::spec::ContainerPlan;
+use runtime::init::ProgramExit;
+use runtime::rootfs::CODE_DIR;
 use serde_json::{Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn, Instrument};
 
 use super::backend::Backend;
-use super::container::{self, Container, ContainerError, Exit};
 use super::events::Hub;
+use crate::containers::long_lived::{Ended, RunContainer, RunPlan, Workspace};
 use crate::engine::Engine;
-use crate::images::{RootImage, RootKind};
+use crate::images::RootImage;
 
 /// Name of the control socket in the code directory (`/sandbox` inside).
 pub const CONTROL_SOCKET: &str = "control.sock";
@@ -70,11 +71,12 @@ struct Shared {
     /// Status to return to on resume.
     before_pause: Option<AgentStatus>,
     run_id: String,
-    cid: Option<String>,
+    /// The run's container while it exists.
+    container: Option<Arc<dyn RunContainer>>,
     pending_decisions: BTreeSet<String>,
     checkpoint: Option<(Value, Option<String>)>,
     uploads: u64,
-    last_exit: Option<Option<Exit>>,
+    last_exit: Option<ProgramExit>,
     cpu_sample: Option<(Instant, u64)>,
     expired: bool,
 }
@@ -84,7 +86,7 @@ struct Run {
     commands: mpsc::Sender<String>,
     done: watch::Receiver<bool>,
     killing: Arc<AtomicBool>,
-    cid: String,
+    container: Arc<dyn RunContainer>,
 }
 
 #[derive(Default)]
@@ -99,9 +101,8 @@ pub struct Sandbox {
     pub id: String,
     /// The agent (from the bootstrap).
     pub agent_id: String,
-    /// Index of its host uid.
-    pub uid_index: usize,
-    host_id: u32,
+    /// Its host uid (given back at removal).
+    pub host_id: u32,
     limits: Limits,
     template: AgentTemplate,
     image: Arc<RootImage>,
@@ -110,7 +111,7 @@ pub struct Sandbox {
     /// Events.
     pub hub: Arc<Hub>,
     dir: PathBuf,
-    scratch: Mutex<Option<Scratch>>,
+    workspace: Arc<dyn Workspace>,
     ops: tokio::sync::Mutex<Ops>,
     shared: Mutex<Shared>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -127,26 +128,24 @@ fn unavailable(message: impl Into<String>, retryable: bool) -> PluginError {
 }
 
 impl Sandbox {
-    /// Assembles a sandbox around its prepared scratch space.
+    /// Assembles a sandbox around its prepared workspace.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         id: String,
         agent_id: String,
-        uid_index: usize,
         host_id: u32,
         limits: Limits,
         template: AgentTemplate,
         image: Arc<RootImage>,
         backend: Arc<Backend>,
         hub: Arc<Hub>,
-        scratch: Scratch,
+        workspace: Arc<dyn Workspace>,
         engine: Arc<Engine>,
     ) -> Arc<Self> {
-        let dir = scratch.dir().to_owned();
+        let dir = workspace.dir().to_owned();
         Arc::new(Self {
             id,
             agent_id,
-            uid_index,
             host_id,
             limits,
             template,
@@ -154,7 +153,7 @@ impl Sandbox {
             backend,
             hub,
             dir,
-            scratch: Mutex::new(Some(scratch)),
+            workspace,
             ops: tokio::sync::Mutex::new(Ops::default()),
             shared: Mutex::new(Shared::default()),
             tasks: Mutex::new(Vec::new()),
@@ -200,10 +199,6 @@ impl Sandbox {
                 )
                 .await;
         }
-    }
-
-    fn workspace(&self) -> PathBuf {
-        self.dir.join("scratch/workspace")
     }
 
     fn status(&self) -> Option<AgentStatus> {
@@ -252,7 +247,7 @@ impl Sandbox {
         let run_id = uuid::Uuid::now_v7().to_string();
         let listener = self.control_socket()?;
         let c = self.start_container(&cid, command).await?;
-        info!(sandbox = %self.id, container = %cid, run = %run_id, "agent started");
+        info!(sandbox = %self.id, container = %c.cid(), run = %run_id, "agent started");
 
         ops.brief = match serde_json::to_value(&brief) {
             Ok(Value::Object(m)) => Some(m),
@@ -263,7 +258,7 @@ impl Sandbox {
             sh.status = Some(AgentStatus::Running);
             sh.before_pause = None;
             sh.run_id = run_id.clone();
-            sh.cid = Some(cid.clone());
+            sh.container = Some(c.clone());
             sh.pending_decisions.clear();
             sh.checkpoint = None;
             sh.last_exit = None;
@@ -284,7 +279,7 @@ impl Sandbox {
             commands,
             done,
             killing: killing.clone(),
-            cid: cid.clone(),
+            container: c.clone(),
         });
         let span = tracing::info_span!("agent", sandbox = %self.id, run = %run_id);
         tokio::spawn(
@@ -340,8 +335,9 @@ impl Sandbox {
         let _ = std::fs::remove_file(&sock_path);
         let listener = tokio::net::UnixListener::bind(&sock_path)
             .map_err(|e| unavailable(format!("Cannot create the control socket: {e}"), false))?;
-        let uid = Some(nix::unistd::Uid::from_raw(self.host_id));
-        let gid = Some(nix::unistd::Gid::from_raw(self.host_id));
+        let owner = self.workspace.host_id();
+        let uid = Some(nix::unistd::Uid::from_raw(owner));
+        let gid = Some(nix::unistd::Gid::from_raw(owner));
         nix::unistd::chown(&sock_path, uid, gid)
             .map_err(|e| unavailable(format!("Cannot chown the control socket: {e}"), false))?;
         std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))
@@ -349,14 +345,13 @@ impl Sandbox {
         Ok(listener)
     }
 
-    /// Writes the bundle, creates the container (stdin `/dev/null`, output to the agent log), sets its cpu quota
-    /// and launches the agent. On error nothing of the container is left.
+    /// Creates the run's container (stdin `/dev/null`, output to the agent log), sets its cpu quota and launches
+    /// the agent. On error nothing of the container is left.
     async fn start_container(
         &self,
         cid: &str,
-        command: Vec<String>,
-    ) -> Result<Container, PluginError> {
-        self.write_bundle(cid, command)?;
+        args: Vec<String>,
+    ) -> Result<Arc<dyn RunContainer>, PluginError> {
         let stdin = std::fs::File::open("/dev/null")
             .map_err(|e| unavailable(format!("/dev/null: {e}"), false))?;
         let log = std::fs::OpenOptions::new()
@@ -364,48 +359,32 @@ impl Sandbox {
             .append(true)
             .open(self.dir.join("scratch/agent.log"))
             .map_err(|e| unavailable(format!("Cannot open the agent log: {e}"), false))?;
-        let helper = self.engine.pool.factory().helpers.primary();
-        let mut c = Container::create(
-            helper,
+        let plan = RunPlan {
             cid,
-            &self.dir,
-            self.image.landlock.clone(),
-            [stdin.as_fd(), log.as_fd(), log.as_fd()],
-        )
-        .await
-        .map_err(|e| unavailable(Chain(&e).to_string(), true))?;
-        drop((stdin, log));
-        let started = match self
-            .engine
-            .cgroups
-            .set_cpu_quota(cid, self.limits.cpu_cores)
-        {
-            Err(e) => Err(ContainerError::CpuQuota(e)),
-            Ok(()) => c.start().await,
+            args,
+            env: self.environment(),
+            memory_mb: self.limits.memory_mb,
+            pids_max: self.engine.config.agents.pids_max,
+            shm_bytes: (self.limits.disk_mb << 20).min(64 << 20),
         };
+        let c = self
+            .workspace
+            .create_run(plan)
+            .await
+            .map_err(|e| unavailable(Chain(&e).to_string(), true))?;
+        let started = c
+            .set_cpu_quota(self.limits.cpu_cores)
+            .and_then(|()| c.launch([stdin.as_fd(), log.as_fd(), log.as_fd()]));
         if let Err(e) = started {
-            let _ = container::signal(helper, cid, libc::SIGKILL).await;
-            c.removed().await;
+            c.signal(Signal::SIGKILL);
+            c.remove().await;
             return Err(unavailable(Chain(&e).to_string(), true));
         }
         Ok(c)
     }
 
-    /// The bundle's `config.json`: the agent's command and environment in the sandbox's scratch space.
-    fn write_bundle(&self, cid: &str, args: Vec<String>) -> Result<(), PluginError> {
-        let cannot = |e: runtime::Error| {
-            unavailable(
-                format!("Cannot prepare the container: {}", Chain(&e)),
-                false,
-            )
-        };
-        let scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(scratch) = scratch.as_ref() else {
-            return Err(unavailable(
-                "Cannot prepare the container: the sandbox is being removed",
-                false,
-            ));
-        };
+    /// The agent's environment: the image's base, the template's, and where its control socket is.
+    fn environment(&self) -> Vec<String> {
         let mut env = crate::engine::base_environment(&self.image);
         env.extend(self.template.env.clone());
         env.insert(
@@ -414,33 +393,7 @@ impl Sandbox {
         );
         env.insert("SANDBOXD_SANDBOX_ID".into(), self.id.clone());
         env.insert("SANDBOXD_AGENT_ID".into(), self.agent_id.clone());
-        let (rootfs, readonly_root, mut binds) = match &self.image.kind {
-            RootKind::Host(host) => (host.rootfs.clone(), true, host.binds.clone()),
-            RootKind::Oci { .. } => (scratch.rootfs(), false, Vec::new()),
-        };
-        binds.extend(scratch.binds());
-        let disk_bytes = self.limits.disk_mb << 20;
-        let plan = ContainerPlan {
-            rootfs,
-            readonly_root,
-            hostname: "sandbox".into(),
-            args,
-            env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
-            cwd: WORKDIR.into(),
-            binds,
-            host_id: self.host_id,
-            cgroups_path: self.engine.cgroups.cgroups_path(cid),
-            memory_bytes: (self.limits.memory_mb << 20) as i64,
-            pids_max: self.engine.config.agents.pids_max as i64,
-            cpu_shares: 1024,
-            nofile: self.engine.config.sandbox.nofile,
-            fsize_bytes: disk_bytes,
-            shm_bytes: disk_bytes.min(64 << 20),
-        };
-        let spec = runtime::spec::build(&plan).map_err(cannot)?;
-        let config = scratch.dir().join("config.json");
-        spec.save(&config)
-            .map_err(|e| cannot(runtime::Error::save_spec(config, e)))
+        env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
     }
 
     /// The run's supervisor: accepts the agent's control connection, sends it the brief and the commands, turns its
@@ -448,7 +401,7 @@ impl Sandbox {
     #[allow(clippy::too_many_arguments)]
     async fn supervise(
         self: Arc<Self>,
-        mut c: Container,
+        c: Arc<dyn RunContainer>,
         listener: tokio::net::UnixListener,
         brief_line: String,
         commands_rx: mpsc::Receiver<String>,
@@ -457,14 +410,13 @@ impl Sandbox {
         done_tx: watch::Sender<bool>,
     ) {
         let end = self
-            .watch_run(&mut c, listener, brief_line, commands_rx, &run_id, &killing)
+            .watch_run(&*c, listener, brief_line, commands_rx, &run_id, &killing)
             .await;
-        let exit = end.exit.flatten();
         let killed = killing.load(Ordering::SeqCst);
-        let crashed = crash_reason(killed, end.crash, end.helper_gone, exit);
+        let crashed = crash_reason(killed, end.crash, &end.ended);
         {
             let mut sh = self.shared();
-            sh.last_exit = Some(exit);
+            sh.last_exit = Some(end.ended.exit);
             sh.status = Some(if crashed.is_some() {
                 AgentStatus::Error
             } else {
@@ -498,9 +450,9 @@ impl Sandbox {
             }
             None => {}
         }
-        c.removed().await;
+        c.remove().await;
         let _ = std::fs::remove_file(self.dir.join("code").join(CONTROL_SOCKET));
-        self.shared().cid = None;
+        self.shared().container = None;
         let _ = done_tx.send(true);
     }
 
@@ -509,7 +461,7 @@ impl Sandbox {
     /// the container and is the crash reason.
     async fn watch_run(
         self: &Arc<Self>,
-        c: &mut Container,
+        c: &dyn RunContainer,
         listener: tokio::net::UnixListener,
         brief_line: String,
         commands_rx: mpsc::Receiver<String>,
@@ -520,20 +472,18 @@ impl Sandbox {
         let mut commands_rx = Some(commands_rx);
         let mut connected = false;
         let mut helpers: Vec<tokio::task::JoinHandle<()>> = Vec::new();
-        let mut end = RunEnd::default();
+        let mut ended: Option<Ended> = None;
+        let mut crash = None;
         let mut eof = false;
         let mut eof_deadline: Option<tokio::time::Instant> = None;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         loop {
-            if end.exit.is_some() && (eof || !connected) {
+            if ended.is_some() && (eof || !connected) {
                 break;
             }
             tokio::select! {
-                ex = c.exited(), if end.exit.is_none() => {
-                    match ex {
-                        Some(ex) => end.exit = Some(ex),
-                        None => { end.helper_gone = true; end.exit = Some(None); }
-                    }
+                end = c.ended(), if ended.is_none() => {
+                    ended = Some(end);
                     drain_deadline = Some(tokio::time::Instant::now() + DRAIN_GRACE);
                 }
                 acc = listener.accept(), if !connected => match acc {
@@ -555,14 +505,14 @@ impl Sandbox {
                 },
                 _ = processed_rx.recv(), if connected && !eof => {
                     eof = true;
-                    if end.exit.is_none() && !killing.load(Ordering::SeqCst) {
+                    if ended.is_none() && !killing.load(Ordering::SeqCst) {
                         eof_deadline = Some(tokio::time::Instant::now() + EOF_GRACE);
                     }
                 }
-                _ = sleep_until(eof_deadline), if eof_deadline.is_some() && end.exit.is_none() => {
+                _ = sleep_until(eof_deadline), if eof_deadline.is_some() && ended.is_none() => {
                     eof_deadline = None;
-                    end.crash.get_or_insert_with(|| "the control connection dropped while the agent kept running".into());
-                    let _ = container::signal(self.engine.pool.factory().helpers.primary(), &c_cid(self), libc::SIGKILL).await;
+                    crash.get_or_insert_with(|| "the control connection dropped while the agent kept running".into());
+                    c.signal(Signal::SIGKILL);
                 }
                 _ = sleep_until(drain_deadline), if drain_deadline.is_some() => {
                     // The container is gone but its last lines are still being read or processed (a slow upload,
@@ -575,7 +525,14 @@ impl Sandbox {
         for h in helpers {
             h.abort();
         }
-        end
+        RunEnd {
+            // The loop ends only once the container has ended.
+            ended: ended.unwrap_or(Ended {
+                exit: ProgramExit::Signal(libc::SIGKILL),
+                setup_error: None,
+            }),
+            crash,
+        }
     }
 
     /// Turns the agent's lines into events one at a time, artifact uploads included; says when the connection's
@@ -654,7 +611,7 @@ impl Sandbox {
                         .backend
                         .upload_artifact(
                             &self.engine.store,
-                            &self.workspace(),
+                            &self.workspace.workspace(),
                             self.engine.config.artifacts.max_file_bytes,
                             &mut event,
                         )
@@ -793,11 +750,10 @@ impl Sandbox {
         ) {
             return Err(self.invalid("The agent is not running"));
         }
-        let (cg, cid) = (self.engine.cgroups.clone(), run.cid.clone());
-        tokio::task::spawn_blocking(move || cg.freeze(&cid))
+        run.container
+            .freeze()
             .await
-            .map_err(|e| unavailable(format!("Freeze task failed: {e}"), false))?
-            .map_err(|e| unavailable(format!("Cannot freeze the agent: {e}"), false))?;
+            .map_err(|e| unavailable(Chain(&e).to_string(), false))?;
         {
             let mut sh = self.shared();
             sh.before_pause = status;
@@ -852,11 +808,10 @@ impl Sandbox {
         if self.status() != Some(AgentStatus::Paused) {
             return Err(self.invalid("The agent is not paused"));
         }
-        let (cg, cid) = (self.engine.cgroups.clone(), run.cid.clone());
-        tokio::task::spawn_blocking(move || cg.thaw(&cid))
+        run.container
+            .thaw()
             .await
-            .map_err(|e| unavailable(format!("Thaw task failed: {e}"), false))?
-            .map_err(|e| unavailable(format!("Cannot thaw the agent: {e}"), false))?;
+            .map_err(|e| unavailable(Chain(&e).to_string(), false))?;
         let run_id = {
             let mut sh = self.shared();
             sh.status = Some(sh.before_pause.take().unwrap_or(AgentStatus::Running));
@@ -886,14 +841,14 @@ impl Sandbox {
         let Some(run) = Self::live(ops) else {
             return Err(self.invalid("No agent is running in this sandbox"));
         };
-        let (cid, mut done, killing) = (run.cid.clone(), run.done.clone(), run.killing.clone());
+        let (c, mut done, killing) = (run.container.clone(), run.done.clone(), run.killing.clone());
         killing.store(true, Ordering::SeqCst);
         let uploads_before = self.shared().uploads;
-        let helper = self.engine.pool.factory().helpers.primary();
         if self.status() == Some(AgentStatus::Paused) {
             // Frozen tasks cannot act on signals (v1 cannot even die): thaw first.
-            let (cg, c2) = (self.engine.cgroups.clone(), cid.clone());
-            let _ = tokio::task::spawn_blocking(move || cg.thaw(&c2)).await;
+            if let Err(e) = c.thaw().await {
+                warn!(sandbox = %self.id, error = %Chain(&e), "thaw before the kill failed");
+            }
         }
         let mut clean = false;
         if req.grace {
@@ -902,16 +857,16 @@ impl Sandbox {
             let _ = run.commands.try_send(line(&AgentCommand::Shutdown {
                 grace_timeout_ms: grace.as_millis() as u64,
             }));
-            let _ = container::signal(helper, &cid, libc::SIGTERM).await;
+            c.signal(Signal::SIGTERM);
             if tokio::time::timeout(grace, done.wait_for(|d| *d))
                 .await
                 .is_ok()
             {
-                clean = matches!(self.shared().last_exit, Some(Some(Exit::Code(0))));
+                clean = self.shared().last_exit == Some(ProgramExit::Code(0));
             }
         }
         if !*done.borrow() {
-            let _ = container::signal(helper, &cid, libc::SIGKILL).await;
+            c.signal(Signal::SIGKILL);
             if tokio::time::timeout(Duration::from_secs(10), done.wait_for(|d| *d))
                 .await
                 .is_err()
@@ -939,17 +894,16 @@ impl Sandbox {
 
     /// `GET /health`.
     pub fn health(&self) -> SandboxHealthResponse {
-        let (status, cid) = {
+        let (status, container) = {
             let sh = self.shared();
-            (sh.status, sh.cid.clone())
+            (sh.status, sh.container.clone())
         };
         let mut degraded = self.hub.dropping();
         let (mut cpu_percent, mut memory_mb) = (0.0, 0.0);
-        if let Some(cid) = &cid {
-            let cg = &self.engine.cgroups;
-            match (cg.usage(cid), cg.memory_current(cid)) {
-                (Ok(u), Ok(m)) => {
-                    memory_mb = m as f64 / (1u64 << 20) as f64;
+        if let Some(c) = &container {
+            match c.usage() {
+                Ok(u) => {
+                    memory_mb = u.memory_bytes as f64 / (1u64 << 20) as f64;
                     let now = Instant::now();
                     let mut sh = self.shared();
                     if let Some((t, ns)) = sh.cpu_sample {
@@ -960,10 +914,10 @@ impl Sandbox {
                     }
                     sh.cpu_sample = Some((now, u.cpu_time_ns));
                 }
-                _ => degraded = true,
+                Err(_) => degraded = true,
             }
         }
-        let disk_mb = nix::sys::statvfs::statvfs(&self.dir.join("scratch"))
+        let disk_mb = nix::sys::statvfs::statvfs(&self.workspace.workspace())
             .map(|s| {
                 (s.blocks().saturating_sub(s.blocks_free()) as f64 * s.fragment_size() as f64)
                     / (1u64 << 20) as f64
@@ -1018,57 +972,33 @@ impl Sandbox {
             t.abort();
         }
         self.hub.close();
-        let scratch = self
-            .scratch
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some(mut s) = scratch {
-            match tokio::task::spawn_blocking(move || s.remove()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => warn!(sandbox = %self.id, error = %e, "workspace removal failed"),
-                Err(e) => warn!(sandbox = %self.id, error = %e, "workspace removal panicked"),
-            }
-        }
+        self.workspace.remove().await;
     }
 }
 
 /// How a run's watch ended.
-#[derive(Default)]
 struct RunEnd {
-    /// `Some` once the container has exited (`Some(None)`: it ended without a known status).
-    exit: Option<Option<Exit>>,
+    /// How the container ended.
+    ended: Ended,
     /// Why sandboxd stopped the run, if it did.
     crash: Option<String>,
-    /// The container helper died under the run.
-    helper_gone: bool,
 }
 
 /// Why a run counts as crashed, if it does: not when it was killed on request; otherwise sandboxd's own reason,
-/// a dead helper, or any end but exit status 0.
-fn crash_reason(
-    killed: bool,
-    crash: Option<String>,
-    helper_gone: bool,
-    exit: Option<Exit>,
-) -> Option<String> {
+/// the init's setup failure, or any end but exit status 0.
+fn crash_reason(killed: bool, crash: Option<String>, ended: &Ended) -> Option<String> {
     if killed {
         None
     } else if let Some(why) = crash {
         Some(why)
-    } else if helper_gone {
-        Some("the container helper died".to_owned())
+    } else if let Some(setup) = &ended.setup_error {
+        Some(format!("the sandbox setup failed: {setup}"))
     } else {
-        match exit {
-            Some(Exit::Code(0)) => None,
-            Some(e) => Some(format!("the agent ended: {}", e.describe())),
-            None => Some("the agent's container ended".to_owned()),
+        match ended.exit {
+            ProgramExit::Code(0) => None,
+            e => Some(format!("the agent ended: {}", e.describe())),
         }
     }
-}
-
-fn c_cid(sb: &Sandbox) -> String {
-    sb.shared().cid.clone().unwrap_or_default()
 }
 
 fn line(cmd: &AgentCommand) -> String {
@@ -1170,34 +1100,41 @@ mod tests {
 
     #[test]
     fn a_run_is_a_crash_unless_killed_or_exited_zero() {
-        let why = |killed, crash: Option<&str>, helper_gone, exit| {
-            crash_reason(killed, crash.map(str::to_owned), helper_gone, exit)
+        let why = |killed, crash: Option<&str>, exit, setup: Option<&str>| {
+            let ended = Ended {
+                exit,
+                setup_error: setup.map(str::to_owned),
+            };
+            crash_reason(killed, crash.map(str::to_owned), &ended)
         };
         // A kill on request is never a crash, whatever the exit or reason.
-        assert_eq!(why(true, Some("x"), true, Some(Exit::Signal(9))), None);
-        assert_eq!(why(false, None, false, Some(Exit::Code(0))), None);
-        // sandboxd's own reason wins over a dead helper and the exit.
+        assert_eq!(
+            why(true, Some("x"), ProgramExit::Signal(9), Some("landlock")),
+            None
+        );
+        assert_eq!(why(false, None, ProgramExit::Code(0), None), None);
+        // sandboxd's own reason wins over the setup error and the exit.
         assert_eq!(
             why(
                 false,
                 Some("control line too long"),
-                true,
-                Some(Exit::Code(0))
+                ProgramExit::Code(0),
+                Some("landlock")
             )
             .as_deref(),
             Some("control line too long")
         );
         assert_eq!(
-            why(false, None, true, Some(Exit::Code(0))).as_deref(),
-            Some("the container helper died")
+            why(false, None, ProgramExit::Signal(9), Some("landlock")).as_deref(),
+            Some("the sandbox setup failed: landlock")
         );
         assert_eq!(
-            why(false, None, false, Some(Exit::Code(3))).as_deref(),
+            why(false, None, ProgramExit::Code(3), None).as_deref(),
             Some("the agent ended: exit status 3")
         );
         assert_eq!(
-            why(false, None, false, None).as_deref(),
-            Some("the agent's container ended")
+            why(false, None, ProgramExit::Signal(9), None).as_deref(),
+            Some("the agent ended: killed by SIGKILL")
         );
     }
 }

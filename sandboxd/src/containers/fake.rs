@@ -19,10 +19,10 @@ use runtime::launch::Launch;
 use runtime::rootfs::InputFile;
 use tokio::sync::oneshot;
 
-use super::helper::Helpers;
+use super::long_lived::Workspace;
 use super::{
     BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
-    PrepareError,
+    PrepareError, WorkspacePlan,
 };
 use crate::images::{LanguageRuntime, RootImage, RootKind};
 
@@ -39,6 +39,16 @@ pub enum Call {
     Kill(String, Signal),
     /// The container was removed.
     Remove(String),
+    /// An agent sandbox's workspace was created.
+    CreateWorkspace(String),
+    /// An agent sandbox's workspace was removed.
+    RemoveWorkspace(String),
+    /// A run's container was frozen.
+    Freeze(String),
+    /// A run's container was thawed.
+    Thaw(String),
+    /// A run's container got a CPU quota (millicores).
+    CpuQuota(String, u64),
 }
 
 /// What the fake containers created from now on report.
@@ -56,15 +66,15 @@ pub struct Script {
 #[derive(Debug, Default)]
 pub struct Recorder {
     calls: Mutex<Vec<Call>>,
-    script: Mutex<Script>,
+    pub(super) script: Mutex<Script>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Recorder {
-    fn record(&self, call: Call) {
+    pub(super) fn record(&self, call: Call) {
         lock(&self.calls).push(call);
     }
 
@@ -82,7 +92,12 @@ impl Recorder {
                 | Call::SetLimits(id, _)
                 | Call::Launch(id)
                 | Call::Kill(id, _)
-                | Call::Remove(id) => id == cid,
+                | Call::Remove(id)
+                | Call::CreateWorkspace(id)
+                | Call::RemoveWorkspace(id)
+                | Call::Freeze(id)
+                | Call::Thaw(id)
+                | Call::CpuQuota(id, _) => id == cid,
             })
             .collect()
     }
@@ -146,22 +161,47 @@ impl ContainerBackend for FakeBackend {
         })
     }
 
+    fn create_workspace<'a>(
+        &'a self,
+        plan: WorkspacePlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>> {
+        let made = super::fake_runs::FakeWorkspace::create(plan, self.recorder.clone())
+            .map(|w| Arc::new(w) as Arc<dyn Workspace>)
+            .map_err(CreateError::Prepare);
+        Box::pin(std::future::ready(made))
+    }
+
     fn parallelism(&self) -> usize {
         2
+    }
+
+    fn alive(&self) -> bool {
+        true
+    }
+
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::ready(()))
     }
 }
 
 /// The program's process group while it runs.
 #[derive(Debug, Default)]
-struct Program {
+pub(super) struct Program {
     /// Its process group (the child's pid); `None` before the launch and once it is reaped.
-    group: Option<Pid>,
+    pub(super) group: Option<Pid>,
 }
 
 impl Program {
+    /// Starts tracking the process group led by `leader`.
+    pub(super) fn start(leader: Pid) -> Self {
+        Self {
+            group: Some(leader),
+        }
+    }
+
     /// Signals the whole group, if it still runs: the lock is held from the check to the signal, and the reaper
     /// clears `group` under the same lock, so a reused pid is never signalled.
-    fn signal(&self, signal: Signal) {
+    pub(super) fn signal(&self, signal: Signal) {
         if let Some(group) = self.group {
             let _ = nix::sys::signal::killpg(group, signal);
         }
@@ -314,19 +354,4 @@ pub fn shell() -> LanguageRuntime {
         command: vec!["/bin/sh".into()],
         file_name: "main.sh",
     }
-}
-
-/// Helpers for a factory whose backend is the fake: one placeholder client the fake never uses, and the other end
-/// of its socket, which keeps the placeholder "alive" while the caller holds it. Must be called inside a tokio
-/// runtime (the client spawns its reader).
-pub fn placeholder_helpers() -> (Arc<Helpers>, OwnedFd) {
-    let (ours, peer) = nix::sys::socket::socketpair(
-        nix::sys::socket::AddressFamily::Unix,
-        nix::sys::socket::SockType::SeqPacket,
-        None,
-        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-    )
-    .unwrap();
-    let placeholder = runtime::helper::HelperClient::new(ours, Pid::from_raw(0)).unwrap();
-    (Arc::new(Helpers::new(placeholder, Vec::new())), peer)
 }

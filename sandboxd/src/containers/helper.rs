@@ -18,11 +18,12 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::oneshot;
 use tracing::{debug, error, warn};
 
+use super::long_lived::Workspace;
 use super::{
     BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
-    PrepareError,
+    PrepareError, WorkspacePlan,
 };
-use crate::images::RootKind;
+use crate::images::{RootImage, RootKind};
 use runtime::error::Chain;
 
 /// The helper processes. Containers are spread over them round-robin, so creations and removals run in parallel
@@ -46,8 +47,8 @@ impl Helpers {
         }
     }
 
-    /// The first helper: agent sandboxes' containers live there (they are few and long-lived).
-    pub fn primary(&self) -> &HelperClient {
+    /// The first helper: the long-lived containers of agent runs live there (they are few).
+    pub(super) fn primary(&self) -> &HelperClient {
         &self.primary
     }
 
@@ -89,7 +90,55 @@ pub struct HelperBackend {
     pub nofile: u64,
 }
 
+/// What differs between the bundles of an execution's container and of an agent run's.
+pub(super) struct Bundle<'a> {
+    pub cid: &'a str,
+    pub host_id: u32,
+    pub image: &'a RootImage,
+    pub scratch: &'a Scratch,
+    pub args: Vec<String>,
+    pub env: Vec<String>,
+    pub memory_bytes: u64,
+    pub pids_max: u64,
+    pub cpu_shares: u64,
+    pub fsize_bytes: u64,
+    pub shm_bytes: u64,
+}
+
 impl HelperBackend {
+    /// The one bundle builder: the container plan of `b` (root and binds from its image and scratch space) saved
+    /// as `<scratch>/config.json`.
+    pub(super) fn write_bundle(&self, b: Bundle<'_>) -> Result<(), CreateError> {
+        let (rootfs, readonly_root, mut binds) = match &b.image.kind {
+            RootKind::Host(host) => (host.rootfs.clone(), true, host.binds.clone()),
+            RootKind::Oci { .. } => (b.scratch.rootfs(), false, Vec::new()),
+        };
+        binds.extend(b.scratch.binds());
+        let plan = ContainerPlan {
+            rootfs,
+            readonly_root,
+            hostname: "sandbox".into(),
+            args: b.args,
+            env: b.env,
+            cwd: WORKDIR.into(),
+            binds,
+            host_id: b.host_id,
+            cgroups_path: self.cgroups.cgroups_path(b.cid),
+            memory_bytes: b.memory_bytes as i64,
+            pids_max: b.pids_max as i64,
+            cpu_shares: b.cpu_shares,
+            nofile: self.nofile,
+            fsize_bytes: b.fsize_bytes,
+            shm_bytes: b.shm_bytes,
+        };
+        let spec = runtime::spec::build(&plan).map_err(CreateError::Prepare)?;
+        let path = b.scratch.dir().join("config.json");
+        spec.save(&path).map_err(|e| CreateError::Bundle {
+            path,
+            source: Box::new(e),
+        })
+    }
+
     /// Scratch space and the bundle's `config.json` (the program itself comes with the launch message).
     fn prepare(&self, plan: &Plan<'_>) -> Result<Scratch, CreateError> {
         let Plan {
@@ -100,51 +149,39 @@ impl HelperBackend {
             limits,
         } = *plan;
         let disk_bytes = disk_mb << 20;
-        let scratch = Scratch::create(
-            &self.run_dir,
-            cid,
-            disk_bytes,
-            host_id,
-            match &lang.image.kind {
-                RootKind::Host(_) => RootSource::Shared,
-                RootKind::Oci { lowers } => RootSource::Overlay(lowers),
-            },
-        )
-        .map_err(CreateError::Prepare)?;
-        let (rootfs, readonly_root, mut binds) = match &lang.image.kind {
-            RootKind::Host(host) => (host.rootfs.clone(), true, host.binds.clone()),
-            RootKind::Oci { .. } => (scratch.rootfs(), false, Vec::new()),
-        };
-        binds.extend(scratch.binds());
+        let scratch = create_scratch(&self.run_dir, cid, disk_bytes, host_id, &lang.image)?;
         let mut args = lang.command.clone();
         args.push(format!("{CODE_DIR}/{}", lang.file_name));
-        let plan = ContainerPlan {
-            rootfs,
-            readonly_root,
-            hostname: "sandbox".into(),
+        self.write_bundle(Bundle {
+            cid,
+            host_id,
+            image: &lang.image,
+            scratch: &scratch,
             args,
             env: Vec::new(),
-            cwd: WORKDIR.into(),
-            binds,
-            host_id,
-            cgroups_path: self.cgroups.cgroups_path(cid),
-            memory_bytes: (limits.memory_mb << 20) as i64,
-            pids_max: limits.pids_max as i64,
+            memory_bytes: limits.memory_mb << 20,
+            pids_max: limits.pids_max,
             cpu_shares: limits.cpu_shares,
-            nofile: self.nofile,
             fsize_bytes: disk_bytes,
             shm_bytes: disk_bytes,
-        };
-        let spec = runtime::spec::build(&plan).map_err(CreateError::Prepare)?;
-        let path = scratch.dir().join("config.json");
-        if let Err(e) = spec.save(&path) {
-            return Err(CreateError::Bundle {
-                path,
-                source: Box::new(e),
-            });
-        }
+        })?;
         Ok(scratch)
     }
+}
+
+/// `<parent>/<id>/` with its tmpfs of `disk_bytes`, and the overlay root for an OCI image.
+pub(super) fn create_scratch(
+    parent: &Path,
+    id: &str,
+    disk_bytes: u64,
+    host_id: u32,
+    image: &RootImage,
+) -> Result<Scratch, CreateError> {
+    let root = match &image.kind {
+        RootKind::Host(_) => RootSource::Shared,
+        RootKind::Oci { lowers } => RootSource::Overlay(lowers),
+    };
+    Scratch::create(parent, id, disk_bytes, host_id, root).map_err(CreateError::Prepare)
 }
 
 impl ContainerBackend for Arc<HelperBackend> {
@@ -197,9 +234,24 @@ impl ContainerBackend for Arc<HelperBackend> {
         })
     }
 
+    fn create_workspace<'a>(
+        &'a self,
+        plan: WorkspacePlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>> {
+        Box::pin(super::runs::create_workspace(self.clone(), plan))
+    }
+
     fn parallelism(&self) -> usize {
         // Each helper is single-threaded: one creation at a time in each.
         self.helpers.len().max(1)
+    }
+
+    fn alive(&self) -> bool {
+        self.helpers.all_alive()
+    }
+
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.helpers.shutdown())
     }
 }
 
@@ -290,7 +342,7 @@ impl ContainerHandle for HelperContainer {
     }
 }
 
-async fn remove_scratch(mut scratch: Scratch) {
+pub(super) async fn remove_scratch(mut scratch: Scratch) {
     match tokio::task::spawn_blocking(move || scratch.remove()).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => error!(error = %Chain(&e), "scratch cleanup failed"),
@@ -328,15 +380,28 @@ fn watch_end(pidfd: &OwnedFd, status: &OwnedFd) -> std::io::Result<oneshot::Rece
     Ok(rx)
 }
 
-/// What an init that is gone before its launch wrote on its status pipe, if it failed to set up (read without
-/// blocking: a live init has written nothing).
+/// What an init that is gone before its launch wrote on its status pipe, if it failed to set up.
 fn setup_error(status: &OwnedFd) -> Option<String> {
+    report_so_far(status).setup_error
+}
+
+/// What the init wrote on its status pipe so far (read without blocking: a live init has written nothing).
+pub(super) fn report_so_far(status: &OwnedFd) -> Report {
     use std::io::Read;
-    let fd = status.try_clone().ok()?;
-    let flags = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL).ok()?;
-    let flags = nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
-    nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(flags)).ok()?;
+    let Ok(fd) = status.try_clone() else {
+        return Report::default();
+    };
+    let nonblocking = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL)
+        .map(nix::fcntl::OFlag::from_bits_truncate)
+        .and_then(|f| {
+            nix::fcntl::fcntl(
+                fd.as_raw_fd(),
+                nix::fcntl::FcntlArg::F_SETFL(f | nix::fcntl::OFlag::O_NONBLOCK),
+            )
+        });
     let mut record = String::new();
-    let _ = std::fs::File::from(fd).read_to_string(&mut record);
-    Report::decode(&record).setup_error
+    if nonblocking.is_ok() {
+        let _ = std::fs::File::from(fd).read_to_string(&mut record);
+    }
+    Report::decode(&record)
 }

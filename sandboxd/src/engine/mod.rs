@@ -26,7 +26,7 @@ use protocol::{
     Capabilities, ErrorCode, ErrorMessage, ExecStatus, ExecuteRequest, Isolation, Language, Limits,
     Load, Pong, Reason, ResourceUsage, ResultMessage, ServerMessage,
 };
-use runtime::cgroups::{CgroupLimits, Cgroups};
+use runtime::cgroups::CgroupLimits;
 use runtime::init::Report;
 use runtime::launch::Launch;
 use runtime::rootfs::{InputFile, CODE_DIR, WORKDIR};
@@ -59,8 +59,6 @@ pub struct Engine {
     pub config: Config,
     /// Containers: the warm pool and the cold path.
     pub pool: Arc<Pool>,
-    /// Cgroup setup.
-    pub cgroups: Cgroups,
     /// Languages, each with its image and interpreter.
     pub languages: BTreeMap<Language, LanguageRuntime>,
     /// Admission control.
@@ -86,7 +84,6 @@ impl Engine {
     pub fn new(
         config: Config,
         pool: Arc<Pool>,
-        cgroups: Cgroups,
         languages: BTreeMap<Language, LanguageRuntime>,
         isolation: Isolation,
         store: Arc<Store>,
@@ -96,7 +93,6 @@ impl Engine {
         Self {
             config,
             pool,
-            cgroups,
             languages,
             capacity,
             isolation,
@@ -789,7 +785,7 @@ fn result(
 ) -> ResultMessage {
     let (exit_code, signal) = match exit {
         Some(Exit::Code(c)) => (Some(c), None),
-        Some(Exit::Signal(s)) => (None, Some(signal_name(s))),
+        Some(Exit::Signal(s)) => (None, Some(runtime::init::signal_name(s))),
         None => (None, None),
     };
     ResultMessage {
@@ -808,13 +804,6 @@ fn result(
         tool_calls: None,
         return_value: None,
     }
-}
-
-/// `SIGKILL` for 9; `SIG<n>` for numbers nix has no name for.
-pub fn signal_name(sig: i32) -> String {
-    nix::sys::signal::Signal::try_from(sig)
-        .map(|s| s.as_str().to_owned())
-        .unwrap_or_else(|_| format!("SIG{sig}"))
 }
 
 /// Resolves when the client cancels or goes away.
