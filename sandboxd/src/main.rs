@@ -4,7 +4,7 @@
 //! the container helper, the HTTP/WebSocket server and graceful shutdown. Start-up order matters: everything that
 //! forks (the helper) happens while the process is still single-threaded, before the tokio runtime exists.
 
-mod agent;
+mod agent_host;
 mod auth;
 mod capacity;
 mod config;
@@ -463,7 +463,7 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", engine.config.listen))?;
     let addr = listener.local_addr()?;
     info!(%addr, "listening");
-    let agents = agent::Agents::new(engine.clone()).context("agent sandboxes")?;
+    let agents = agents::Agents::new(agent_host::host(&engine)).context("agent sandboxes")?;
     let state = server::AppState {
         engine: engine.clone(),
         tokens: Arc::new(engine.config.auth.tokens.clone()),

@@ -25,9 +25,9 @@ use tokio::sync::Notify;
 use tracing::{debug, error, info, warn, Instrument};
 
 use crate::containers::helper::{HelperBackend, Helpers};
-use crate::containers::long_lived::Workspace;
 use crate::containers::{ContainerBackend, ContainerHandle, CreateError, Plan, WorkspacePlan};
 use crate::images::LanguageRuntime;
+use agents::container::Workspace;
 use runtime::error::Chain;
 
 /// The `disk_mb` class pooled containers are created with: the protocol's default.

@@ -19,12 +19,12 @@ use runtime::launch::Launch;
 use runtime::rootfs::InputFile;
 use tokio::sync::oneshot;
 
-use super::long_lived::Workspace;
 use super::{
     BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
     PrepareError, WorkspacePlan,
 };
 use crate::images::{LanguageRuntime, RootImage, RootKind};
+use agents::container::Workspace;
 
 /// One call into the backend, by container id.
 #[derive(Debug, Clone, PartialEq, Eq)]

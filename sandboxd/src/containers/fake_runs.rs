@@ -17,10 +17,10 @@ use runtime::rootfs::{InputFile, CODE_DIR, WORKDIR};
 use tokio::sync::watch;
 
 use super::fake::{lock, Call, Program, Recorder};
-use super::long_lived::{
+use super::WorkspacePlan;
+use agents::container::{
     BoxFuture, Ended, LongLivedError, RunContainer, RunPlan, RunUsage, Workspace,
 };
-use super::WorkspacePlan;
 
 /// A workspace directory.
 pub struct FakeWorkspace {

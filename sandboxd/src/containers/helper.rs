@@ -18,12 +18,12 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::oneshot;
 use tracing::{debug, error, warn};
 
-use super::long_lived::Workspace;
 use super::{
     BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
     PrepareError, WorkspacePlan,
 };
 use crate::images::{RootImage, RootKind};
+use agents::container::Workspace;
 use runtime::error::Chain;
 
 /// The helper processes. Containers are spread over them round-robin, so creations and removals run in parallel

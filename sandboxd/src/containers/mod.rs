@@ -8,7 +8,7 @@
 //! plain child processes and records every call, so the engine's timeout, cancel, output-limit, OOM and client-gone
 //! paths are tested without root.
 //!
-//! Agent sandboxes use the long-lived kind ([`long_lived`]): a workspace that outlives its runs, and in it one
+//! Agent sandboxes use the long-lived kind ([`agents::container`]): a workspace that outlives its runs, and in it one
 //! container per run, launched with a command and its stdio, signalled, frozen and thawed, given a CPU quota,
 //! measured, waited for and removed. Both kinds share one bundle builder (in [`helper`]); the fake runs agents as
 //! plain child processes too.
@@ -18,7 +18,6 @@
 //! replaces the clones the blocking task needed before.
 
 pub mod helper;
-pub mod long_lived;
 mod runs;
 
 #[cfg(test)]
@@ -37,11 +36,11 @@ use runtime::launch::Launch;
 use runtime::rootfs::InputFile;
 use tokio::sync::oneshot;
 
-use self::long_lived::Workspace;
 use crate::images::{LanguageRuntime, RootImage};
+use agents::container::Workspace;
 
 /// A boxed, sendable future (what the backend's asynchronous calls return).
-pub use self::long_lived::BoxFuture;
+pub use agents::container::BoxFuture;
 
 /// What a container is created for.
 #[derive(Debug, Clone, Copy)]
@@ -58,7 +57,7 @@ pub struct Plan<'a> {
     pub limits: &'a Limits,
 }
 
-/// What an agent sandbox's workspace is created for: the long-lived kind of container ([`long_lived`]).
+/// What an agent sandbox's workspace is created for: the long-lived kind of container ([`agents::container`]).
 #[derive(Debug, Clone, Copy)]
 pub struct WorkspacePlan<'a> {
     /// Its id (the directory's name under `parent`).

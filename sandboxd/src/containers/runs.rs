@@ -1,4 +1,4 @@
-//! The long-lived kind ([`super::long_lived`]) on the real backend: a workspace is a [`Scratch`] space of its own,
+//! The long-lived kind ([`agents::container`]) on the real backend: a workspace is a [`Scratch`] space of its own,
 //! each run a container created by the primary helper from a bundle written by the shared builder, launched over
 //! its launch channel, signalled and watched through the init's pidfd, frozen, limited and measured through its
 //! cgroups.
@@ -19,11 +19,11 @@ use tokio::io::unix::AsyncFd;
 use tracing::{debug, error, warn};
 
 use super::helper::{create_scratch, remove_scratch, report_so_far, Bundle, HelperBackend};
-use super::long_lived::{
-    BoxFuture, Ended, LongLivedError, RunContainer, RunPlan, RunUsage, Workspace,
-};
 use super::{CreateError, WorkspacePlan};
 use crate::images::RootImage;
+use agents::container::{
+    BoxFuture, Ended, LongLivedError, RunContainer, RunPlan, RunUsage, Workspace,
+};
 
 /// How long a run's removal may take before it is given up (logged).
 const REMOVE_TIMEOUT: Duration = Duration::from_secs(30);

@@ -1,20 +1,6 @@
-//! Agent sandboxes: long-lived sandboxes for AI agents behind the adapter-shim HTTP/WebSocket endpoints
-//! (`docs/spec/agent-sandboxes.md`).
-//!
-//! - [`Agents`]: the registry: provisioning (`POST /sandboxes`), the sandbox limit, host uids, removal, and the
-//!   removal of what a previous daemon left under `<state_dir>/agents` at start.
-//! - [`sandbox`]: one sandbox and its agent runs (spawn, pause/resume through the cgroup freezer, kill with grace,
-//!   commands over the control channel, crash detection, health).
-//! - [`events`]: stamping, the rolling replay log, the gateway queue with backpressure.
-//! - [`backend`]: eager artifact upload and token renewal.
-//! - Containers: the long-lived kind behind the container seam ([`crate::containers::long_lived`]): a workspace
-//!   per sandbox, a container per run.
-//! - [`routes`]: the axum routes, bearer auth and bounded bodies.
-
-pub mod backend;
-pub mod events;
-pub mod routes;
-pub mod sandbox;
+//! The registry of a daemon's agent sandboxes: provisioning (`POST /sandboxes`: the request checked, a workspace
+//! created, the agent's manifest and template files written), lookup, removal, and at start the removal of what a
+//! previous daemon left under `<state_dir>/agents`.
 
 use std::collections::HashMap;
 use std::os::unix::fs::DirBuilderExt;
@@ -27,16 +13,11 @@ use runtime::error::Chain;
 use runtime::rootfs::InputFile;
 use tracing::{info, warn};
 
-use self::backend::Backend;
-use self::events::{Budgets, Hub};
-use self::sandbox::{Limits, Sandbox};
-use crate::containers::long_lived::Workspace;
-use crate::containers::WorkspacePlan;
-use crate::engine::Engine;
-use crate::images::RootImage;
-use crate::pool::Uids;
-
-pub use routes::{router, AgentState};
+use crate::backend::Backend;
+use crate::container::Workspace;
+use crate::events::{Budgets, Hub};
+use crate::host::{Host, WorkspaceError, WorkspaceRequest};
+use crate::sandbox::{Limits, Sandbox, CONTROL_SOCKET};
 
 /// Capabilities a sandbox may ask for: a shell and git come with the image; the network is loopback-only, and
 /// sandbox-to-backend traffic (uploads, renewal) is made by sandboxd itself.
@@ -48,31 +29,23 @@ const SUPPORTED: &[SandboxCapability] = &[
 
 /// Every agent sandbox of the daemon.
 pub struct Agents {
-    engine: Arc<Engine>,
+    host: Host,
     dir: PathBuf,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
-    /// Host uids: `max_sandboxes` of them, after the executions' (`uid_base + uid_count()`).
-    uids: Uids,
     nonce: String,
     seq: AtomicU64,
 }
 
 impl Agents {
     /// The registry, with `<state_dir>/agents` emptied of a previous daemon's leftovers.
-    pub fn new(engine: Arc<Engine>) -> std::io::Result<Arc<Self>> {
-        let dir = engine.config.state_dir.join("agents");
+    pub fn new(host: Host) -> std::io::Result<Arc<Self>> {
+        let dir = host.settings.state_dir.join("agents");
         remove_leftovers(&dir)?;
         std::fs::DirBuilder::new().mode(0o711).create(&dir)?;
-        let cfg = &engine.config;
-        let uids = Uids::new(
-            cfg.sandbox.uid_base + cfg.uid_count() as u32,
-            cfg.agents.max_sandboxes as u32,
-        );
         Ok(Arc::new(Self {
-            engine,
+            host,
             dir,
             sandboxes: Mutex::new(HashMap::new()),
-            uids,
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }))
@@ -87,17 +60,13 @@ impl Agents {
         self.map().get(id).cloned()
     }
 
-    fn image(&self, name: Option<&str>) -> Option<Arc<RootImage>> {
-        let name = name.unwrap_or("host");
-        self.engine
-            .languages
-            .values()
-            .map(|l| l.image.clone())
-            .find(|i| i.name == name)
+    /// What the daemon provides.
+    pub fn host(&self) -> &Host {
+        &self.host
     }
 
     fn resolve_limits(&self, req: &CreateSandboxRequest) -> Result<Limits, PluginError> {
-        let max = &self.engine.config.agents;
+        let max = &self.host.settings.agents;
         let asked = req
             .workspace_requirements
             .resource_limits
@@ -139,18 +108,6 @@ impl Agents {
     /// `POST /sandboxes`.
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, PluginError> {
         let (limits, image, template, files) = self.admit(&req)?;
-        // A host uid of its own; beyond max_sandboxes the caller retries later.
-        let host_id = self
-            .uids
-            .try_take()
-            .ok_or_else(|| PluginError::ProviderUnavailable {
-                message: format!(
-                    "{} agent sandboxes exist, the maximum (agents.max_sandboxes)",
-                    self.engine.config.agents.max_sandboxes
-                ),
-                retryable: true,
-            })?;
-        let cfg = &self.engine.config;
         let id = format!(
             "ags-{}-{}",
             self.nonce,
@@ -159,43 +116,39 @@ impl Agents {
         let manifest = serde_json::json!({
             "sandboxId": id,
             "agentId": req.bootstrap.agent_id,
-            "controlSocket": format!("{}/{}", runtime::rootfs::CODE_DIR, sandbox::CONTROL_SOCKET),
+            "controlSocket": format!("{}/{}", runtime::rootfs::CODE_DIR, CONTROL_SOCKET),
         })
         .to_string();
-        let (workspace, hub) = match self
+        let (workspace, hub) = self
             .prepare(
                 (&id, &req.bootstrap.agent_id),
                 &image,
                 limits.disk_mb,
-                host_id,
                 manifest,
                 files,
             )
-            .await
-        {
-            Ok(x) => x,
-            Err(e) => {
-                self.uids.give_back(host_id);
-                return Err(e);
-            }
-        };
+            .await?;
         let agent_id = req.bootstrap.agent_id.clone();
-        let backend = Backend::new(req.bootstrap, cfg.agents.upload_attempts);
+        let settings = &self.host.settings;
+        let backend = Backend::new(
+            req.bootstrap,
+            settings.agents.upload_attempts,
+            self.host.uploads.clone(),
+        );
         let sb = Sandbox::new(
             id.clone(),
             agent_id,
-            host_id,
             limits,
             template,
             image,
             backend,
             hub,
             workspace,
-            self.engine.clone(),
+            self.host.clone(),
         );
         sb.start_tasks();
         self.map().insert(id.clone(), sb.clone());
-        info!(sandbox = %id, host_id, "agent sandbox created");
+        info!(sandbox = %id, "agent sandbox created");
         Ok(sb)
     }
 
@@ -204,8 +157,9 @@ impl Agents {
     fn admit(
         &self,
         req: &CreateSandboxRequest,
-    ) -> Result<(Limits, Arc<RootImage>, AgentTemplate, Vec<InputFile>), PluginError> {
-        Backend::check(&req.bootstrap).map_err(|e| PluginError::invalid(Chain(&e).to_string()))?;
+    ) -> Result<(Limits, String, AgentTemplate, Vec<InputFile>), PluginError> {
+        Backend::check(&req.bootstrap, &*self.host.uploads)
+            .map_err(|e| PluginError::invalid(Chain(&e).to_string()))?;
         let wr = &req.workspace_requirements;
         if let Some(c) = wr.capabilities.iter().find(|c| !SUPPORTED.contains(c)) {
             return Err(PluginError::CapabilityUnsupported {
@@ -218,12 +172,13 @@ impl Agents {
             });
         }
         let limits = self.resolve_limits(req)?;
-        let image = self.image(wr.base_image.as_deref()).ok_or_else(|| {
-            PluginError::invalid(format!(
-                "workspaceRequirements.baseImage {:?} is not an image of this daemon (host or one a language runs on)",
-                wr.base_image.as_deref().unwrap_or("host")
-            ))
-        })?;
+        let image = wr.base_image.as_deref().unwrap_or("host");
+        if self.host.containers.image_environment(image).is_none() {
+            return Err(PluginError::invalid(format!(
+                "workspaceRequirements.baseImage {image:?} is not an image of this daemon (host or one a language runs on)",
+            )));
+        }
+        let image = image.to_owned();
         let template = req.template.clone().unwrap_or_default();
         let mut files = Vec::with_capacity(template.files.len());
         for f in &template.files {
@@ -240,36 +195,40 @@ impl Agents {
         Ok((limits, image, template, files))
     }
 
-    /// The sandbox's workspace (its tmpfs and root), its input files with `agent.json`, and its event hub (whose
-    /// own warnings name the agent). On error nothing of it is left.
+    /// The sandbox's workspace (its tmpfs and root, a host uid of its own), its input files with `agent.json`, and
+    /// its event hub (whose own warnings name the agent). On error nothing of it is left.
     async fn prepare(
         &self,
         (id, agent_id): (&str, &str),
-        image: &Arc<RootImage>,
+        image: &str,
         disk_mb: u64,
-        host_id: u32,
         manifest: String,
         files: Vec<InputFile>,
     ) -> Result<(Arc<dyn Workspace>, Arc<Hub>), PluginError> {
-        let plan = WorkspacePlan {
+        let req = WorkspaceRequest {
             id,
             parent: &self.dir,
-            host_id,
             image,
             disk_mb,
         };
         let workspace = self
-            .engine
-            .pool
-            .factory()
-            .create_workspace(plan)
+            .host
+            .containers
+            .create_workspace(req)
             .await
-            .map_err(|e| PluginError::ProviderUnavailable {
-                message: format!("Cannot prepare the sandbox: {}", Chain(&e)),
-                retryable: false,
+            .map_err(|e| match e {
+                // Beyond max_sandboxes the caller retries later.
+                WorkspaceError::Full(_) => PluginError::ProviderUnavailable {
+                    message: e.to_string(),
+                    retryable: true,
+                },
+                e => PluginError::ProviderUnavailable {
+                    message: Chain(&e).to_string(),
+                    retryable: false,
+                },
             })?;
         let (ws, agent_id) = (workspace.clone(), agent_id.to_owned());
-        let budgets = Budgets::from_config(&self.engine.config.agents);
+        let budgets = Budgets::from_config(&self.host.settings.agents);
         let made = tokio::task::spawn_blocking(move || -> runtime::Result<Arc<Hub>> {
             ws.write_inputs("agent.json", manifest.as_bytes(), &files)?;
             Hub::with_budgets(ws.dir().join("events"), &agent_id, budgets)
@@ -300,7 +259,6 @@ impl Agents {
             return false;
         };
         sb.destroy().await;
-        self.uids.give_back(sb.host_id);
         info!(sandbox = %id, "agent sandbox removed");
         true
     }

@@ -4,6 +4,12 @@
 //! execution's container, a run can be signalled (`SIGTERM`, `SIGINT` and `SIGHUP` are passed on to the agent by
 //! the init; `SIGKILL` ends the whole container), frozen and thawed, given a hard CPU quota, and measured while it
 //! runs.
+//!
+//! These traits live here, with their one user, rather than in a crate of their own: their shape (a launch with
+//! stdio, a freezer, a CPU quota, a workspace that outlives its containers) is what agent runs need and nothing
+//! else does, and a crate for two traits would add a node to the graph with no second client. sandboxd's container
+//! seam implements them on both its backends (the helper processes, and the fake its unit tests run on), the way a
+//! driver implements the interface its consumer defines.
 
 use std::future::Future;
 use std::os::fd::BorrowedFd;
