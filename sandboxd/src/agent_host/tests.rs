@@ -163,6 +163,17 @@ impl Events {
     }
 }
 
+/// A sandbox whose agent runs the empty script (it then echoes its commands), its brief read, and its events.
+async fn running_agent(rig: &Rig) -> (Arc<Sandbox>, Events) {
+    let sb = rig.sandbox().await;
+    let mut events = Events::attach(&sb);
+    sb.spawn(brief(json!([]))).await.unwrap();
+    events
+        .until("brief", |e| status_contains(e, "brief received"))
+        .await;
+    (sb, events)
+}
+
 fn lifecycle(e: &AdapterEvent, action: &str) -> bool {
     e.event.get("type") == Some(&json!("lifecycle"))
         && e.event.get("action") == Some(&json!(action))
@@ -269,12 +280,7 @@ async fn pause_freezes_resume_thaws_and_health_reads_the_run_usage() {
         peak_memory_bytes: 48 << 20,
         cpu_time_ns: 0,
     });
-    let sb = rig.sandbox().await;
-    let mut events = Events::attach(&sb);
-    sb.spawn(brief(json!([]))).await.unwrap();
-    events
-        .until("brief", |e| status_contains(e, "brief received"))
-        .await;
+    let (sb, mut events) = running_agent(&rig).await;
     let health = sb.health();
     assert_eq!(health.resource_usage.memory_mb, 48.0);
     assert_eq!(health.status, HealthStatus::Healthy);
@@ -314,12 +320,7 @@ async fn pause_freezes_resume_thaws_and_health_reads_the_run_usage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_without_grace_is_sigkill_and_no_crash() {
     let rig = Rig::new(2, 1 << 20);
-    let sb = rig.sandbox().await;
-    let mut events = Events::attach(&sb);
-    sb.spawn(brief(json!([]))).await.unwrap();
-    events
-        .until("brief", |e| status_contains(e, "brief received"))
-        .await;
+    let (sb, mut events) = running_agent(&rig).await;
     let r = sb
         .kill(KillRequest {
             grace: false,
@@ -357,12 +358,7 @@ async fn kill_without_grace_is_sigkill_and_no_crash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_with_grace_of_a_paused_agent_thaws_it_and_returns_its_state() {
     let rig = Rig::new(2, 1 << 20);
-    let sb = rig.sandbox().await;
-    let mut events = Events::attach(&sb);
-    sb.spawn(brief(json!([]))).await.unwrap();
-    events
-        .until("brief", |e| status_contains(e, "brief received"))
-        .await;
+    let (sb, mut events) = running_agent(&rig).await;
     sb.pause().await.unwrap();
     let r = sb
         .kill(KillRequest {
@@ -443,7 +439,7 @@ async fn a_dropped_control_connection_is_a_crash_and_kills_the_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_ends_the_run_removes_the_workspace_and_frees_the_sandbox_slot() {
     let rig = Rig::new(1, 1 << 20);
-    let sb = rig.sandbox().await;
+    let (sb, _events) = running_agent(&rig).await;
     // One sandbox at most: the next is refused, retryably.
     match rig.agents.create(create_request()).await {
         Err(PluginError::ProviderUnavailable { retryable, message }) => {
@@ -453,11 +449,6 @@ async fn delete_ends_the_run_removes_the_workspace_and_frees_the_sandbox_slot() 
         Err(e) => panic!("a second sandbox: {e:?}"),
         Ok(sb) => panic!("a second sandbox was created: {}", sb.id),
     }
-    let mut events = Events::attach(&sb);
-    sb.spawn(brief(json!([]))).await.unwrap();
-    events
-        .until("brief", |e| status_contains(e, "brief received"))
-        .await;
     let dir = sb_dir(&rig, &sb);
     assert!(dir.join("code/control.sock").exists());
     assert!(rig.agents.delete(&sb.id).await);
