@@ -204,7 +204,7 @@ struct LoggedSequence {
 }
 
 impl Replay {
-    /// Writes the answer in chunks of about `REPLAY_CHUNK` (64 KiB) (one event line more at most) to `out`, which
+    /// Writes the answer in chunks of about 64 KiB (`REPLAY_CHUNK`, one event line more at most) to `out`, which
     /// returns `false` when the reader has gone; reads one line at a time.
     pub fn write(self, mut out: impl FnMut(Vec<u8>) -> bool) -> std::io::Result<()> {
         let mut chunk = format!("{{\"lastSequence\":{}", self.last_sequence).into_bytes();
