@@ -1,7 +1,7 @@
-//! The control channel an agent writes to sandboxd, split and parsed as sandboxd/src/agent/sandbox.rs does
+//! The control channel an agent writes to sandboxd, split and parsed as agents/src/sandbox/control.rs does
 //! (`read_lines`: split at `\n`, trailing `\n`/`\r` dropped, empty lines skipped; `handle_line`:
 //! `agent_api::parse_agent_line`, then the `type` and `decisionId` of an event are read). An accepted event
-//! is stamped into an `AdapterEvent` and journaled as sandboxd/src/agent/events.rs does (one
+//! is stamped into an `AdapterEvent` and journaled as agents/src/events.rs does (one
 //! `serde_json::to_string` line, read back with `serde_json::from_str`).
 //!
 //! Properties: never panics; an accepted event passes `validate_event`, and its journal line reads back to the

@@ -1,5 +1,5 @@
 //! The JSON bodies of the agent-sandbox HTTP routes (`POST /sandboxes` and the adapter-shim commands), read as
-//! sandboxd/src/agent/routes.rs `body()` reads them: an all-whitespace body is `{}`, otherwise
+//! agents/src/routes.rs `body()` reads them: an all-whitespace body is `{}`, otherwise
 //! `serde_path_to_error::deserialize` over `serde_json::Deserializer::from_slice` (no check for trailing bytes,
 //! as there). The first input byte picks the route's request type, the rest is the body.
 //!

@@ -49,6 +49,14 @@ impl ProgramExit {
         }
     }
 
+    /// `exit status N` or `killed by SIGX`.
+    pub fn describe(self) -> String {
+        match self {
+            Self::Code(c) => format!("exit status {c}"),
+            Self::Signal(s) => format!("killed by {}", signal_name(s)),
+        }
+    }
+
     /// Parses a record; anything else (empty: the init died before writing) is `None`.
     pub fn decode(record: &str) -> Option<Self> {
         let mut it = record.trim_end_matches('\n').splitn(2, ' ');
@@ -60,6 +68,13 @@ impl ProgramExit {
             _ => None,
         }
     }
+}
+
+/// `SIGKILL` for 9; `SIG<n>` for numbers nix has no name for.
+pub fn signal_name(sig: i32) -> String {
+    Signal::try_from(sig)
+        .map(|s| s.as_str().to_owned())
+        .unwrap_or_else(|_| format!("SIG{sig}"))
 }
 
 /// What the init reported on the status pipe.

@@ -76,68 +76,7 @@ pub struct Config {
     pub agents: AgentsConfig,
 }
 
-/// Sandboxes at once by default.
-pub const DEFAULT_MAX_SANDBOXES: usize = 16;
-/// Longest control line an agent may write, bytes.
-pub const DEFAULT_AGENT_MAX_LINE_BYTES: u64 = 1 << 20;
-/// Event bytes queued for a sandbox's gateway.
-pub const DEFAULT_AGENT_QUEUE_BYTES: u64 = 4 << 20;
-/// Bytes of a sandbox's on-disk replay log.
-pub const DEFAULT_AGENT_REPLAY_BYTES: u64 = 32 << 20;
-/// Room for sandboxd's stamps (`sourceEventId`, `sourceSequence`, `sourceOccurredAt`, `runId`) around an agent's
-/// line: an event over `max_line_bytes` plus this is replaced by an `ErrorEvent`.
-pub const AGENT_STAMP_BYTES: u64 = 16 << 10;
-/// What a queued agent event costs beyond its JSON (its slot, pointer and bookkeeping).
-pub const AGENT_QUEUED_OVERHEAD: u64 = 64;
-
-/// `agents:`
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AgentsConfig {
-    /// Agent sandboxes at once; `POST /sandboxes` beyond it is refused (`provider_unavailable`, retryable). Their
-    /// host uids follow the executions' containers': `uid_base + uid_count() + n`.
-    pub max_sandboxes: usize,
-    /// The largest, and default, CPU quota of a sandbox, cores.
-    pub cpu_cores: f64,
-    /// The largest, and default, memory of a sandbox, MiB.
-    pub memory_mb: u64,
-    /// The largest, and default, size of a sandbox's `/workspace` + `/tmp` tmpfs, MiB.
-    pub disk_mb: u64,
-    /// The largest, and default, lifetime of a sandbox, ms.
-    pub timeout_ms: u64,
-    /// Processes and threads of a sandbox.
-    pub pids_max: u64,
-    /// Largest request body of the agent endpoints.
-    pub max_body_bytes: usize,
-    /// Upload attempts per artifact.
-    pub upload_attempts: u32,
-    /// Longest control line an agent may write; a longer one is skipped with a warning `ErrorEvent`
-    /// (`control_line_too_long`) and the run goes on.
-    pub max_line_bytes: u64,
-    /// Event bytes (JSON, plus a small overhead per event) queued for a sandbox's gateway, connected or not; over
-    /// it, low-priority events are dropped first, else the oldest (they stay in the replay log).
-    pub queue_bytes: u64,
-    /// Bytes of a sandbox's on-disk replay log: two segments of half of it; the newest half is always there.
-    pub replay_bytes: u64,
-}
-
-impl Default for AgentsConfig {
-    fn default() -> Self {
-        Self {
-            max_sandboxes: DEFAULT_MAX_SANDBOXES,
-            cpu_cores: 2.0,
-            memory_mb: 4096,
-            disk_mb: 1024,
-            timeout_ms: 3_600_000,
-            pids_max: 512,
-            max_body_bytes: 1 << 20,
-            upload_attempts: 4,
-            max_line_bytes: DEFAULT_AGENT_MAX_LINE_BYTES,
-            queue_bytes: DEFAULT_AGENT_QUEUE_BYTES,
-            replay_bytes: DEFAULT_AGENT_REPLAY_BYTES,
-        }
-    }
-}
+pub use agents::config::{AgentsConfig, AGENT_QUEUED_OVERHEAD, AGENT_STAMP_BYTES};
 
 /// The most languages a daemon serves (python, javascript, shell, elixir): bounds the pool's rounding.
 pub const MAX_LANGUAGES: usize = 4;

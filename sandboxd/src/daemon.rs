@@ -1,7 +1,8 @@
 //! The daemon's context: what every part of the daemon shares, built once at start and passed explicitly (the
 //! [`crate::engine::Engine`] holds it; nothing reaches it through the engine's fields).
 //!
-//! - the configuration in force, the artifact store and the cgroup setup;
+//! - the configuration in force and the artifact store (the cgroup setup belongs to the container layer, which
+//!   is the only part that touches cgroups);
 //! - when the daemon started (its metrics are one process-wide registry, [`crate::metrics::get`], which the
 //!   container layer's calls report into as well);
 //! - the drain: every execution task is spawned on one [`TaskTracker`], and one [`CancellationToken`] ends them all
@@ -11,7 +12,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use runtime::cgroups::Cgroups;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -25,7 +25,6 @@ const KILLED_CLEANUP: Duration = Duration::from_secs(30);
 pub struct Daemon {
     config: Config,
     store: Arc<Store>,
-    cgroups: Cgroups,
     started: Instant,
     executions: TaskTracker,
     kill: CancellationToken,
@@ -44,11 +43,10 @@ pub enum Drained {
 
 impl Daemon {
     /// The context of a daemon starting now.
-    pub fn new(config: Config, store: Arc<Store>, cgroups: Cgroups) -> Self {
+    pub fn new(config: Config, store: Arc<Store>) -> Self {
         Self {
             config,
             store,
-            cgroups,
             started: Instant::now(),
             executions: TaskTracker::new(),
             kill: CancellationToken::new(),
@@ -63,11 +61,6 @@ impl Daemon {
     /// The artifact store.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
-    }
-
-    /// The cgroup setup.
-    pub fn cgroups(&self) -> &Cgroups {
-        &self.cgroups
     }
 
     /// How long the daemon has run.
@@ -117,9 +110,7 @@ mod tests {
 
     fn daemon(root: &std::path::Path) -> Daemon {
         let store = Store::open(&root.join("store"), Duration::from_secs(60), 1 << 20).unwrap();
-        let cgroups =
-            Cgroups::with_version(runtime::cgroups::CgroupVersion::V2, root, "fake").unwrap();
-        Daemon::new(Config::default(), Arc::new(store), cgroups)
+        Daemon::new(Config::default(), Arc::new(store))
     }
 
     #[tokio::test(start_paused = true)]

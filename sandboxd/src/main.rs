@@ -4,7 +4,7 @@
 //! the container helper, the HTTP/WebSocket server and graceful shutdown. Start-up order matters: everything that
 //! forks (the helper) happens while the process is still single-threaded, before the tokio runtime exists.
 
-mod agent;
+mod agent_host;
 mod auth;
 mod capacity;
 mod config;
@@ -379,11 +379,7 @@ impl Prepared {
             &self.languages,
         ));
         pool.start(&self.languages);
-        let daemon = Arc::new(daemon::Daemon::new(
-            config,
-            self.store.clone(),
-            self.cgroups.clone(),
-        ));
+        let daemon = Arc::new(daemon::Daemon::new(config, self.store.clone()));
         let engine = Arc::new(Engine::new(
             daemon.clone(),
             pool.clone(),
@@ -469,7 +465,7 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
     info!(%addr, "listening");
-    let agents = agent::Agents::new(engine.clone()).context("agent sandboxes")?;
+    let agents = agents::Agents::new(agent_host::host(&engine)).context("agent sandboxes")?;
     let state = server::AppState {
         engine: engine.clone(),
         tokens: Arc::new(config.auth.tokens.clone()),
@@ -543,7 +539,7 @@ async fn stop_containers(engine: &Engine) {
     let factory = engine.pool().factory();
     let all = engine.daemon().config().uid_count();
     let removed = tokio::time::timeout(Duration::from_secs(10), async {
-        while factory.uids.available() < all && factory.helpers.all_alive() {
+        while factory.uids.available() < all && factory.alive() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
@@ -551,7 +547,7 @@ async fn stop_containers(engine: &Engine) {
     if removed.is_err() {
         warn!("containers still being removed after 10 s; the helpers remove the rest");
     }
-    factory.helpers.shutdown().await;
+    factory.shutdown().await;
 }
 
 async fn engine_dead(engine: &Engine) -> &'static str {

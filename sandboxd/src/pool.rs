@@ -25,8 +25,9 @@ use tokio::sync::Notify;
 use tracing::{debug, error, info, warn, Instrument};
 
 use crate::containers::helper::{HelperBackend, Helpers};
-use crate::containers::{ContainerBackend, ContainerHandle, CreateError, Plan};
+use crate::containers::{ContainerBackend, ContainerHandle, CreateError, Plan, WorkspacePlan};
 use crate::images::LanguageRuntime;
+use agents::container::Workspace;
 use runtime::error::Chain;
 
 /// The `disk_mb` class pooled containers are created with: the protocol's default.
@@ -36,7 +37,8 @@ const MIN_CPU_SHARES: u64 = 2;
 /// How long a refill task waits after a failed creation before it tries again.
 const REFILL_BACKOFF: Duration = Duration::from_secs(1);
 
-/// Host uids for container root, one per existing container.
+/// Host uids for container root, one per existing container: the executions' containers take theirs from one
+/// range, agent sandboxes from the range after it.
 pub struct Uids {
     free: Mutex<Vec<u32>>,
     freed: Notify,
@@ -66,6 +68,11 @@ impl Uids {
         }
     }
 
+    /// A free uid, or `None` when all are taken.
+    pub fn try_take(&self) -> Option<u32> {
+        self.lock().pop()
+    }
+
     /// Gives a uid back (its container is gone).
     pub fn give_back(&self, uid: u32) {
         self.lock().push(uid);
@@ -92,8 +99,6 @@ pub struct Container {
 
 /// What the pool needs to create containers: the backend, host uids, ids, and the count of removals under way.
 pub struct Factory {
-    /// The helper processes (agent sandboxes use the primary one directly; `/healthz` and the watchdog check them).
-    pub helpers: Arc<Helpers>,
     /// The limits a pooled container is created with, lowered to the request's at launch.
     pub max_limits: Limits,
     /// Host uids.
@@ -116,25 +121,22 @@ impl Factory {
         max_limits: Limits,
         uids: Uids,
     ) -> Self {
-        let helpers = Arc::new(helpers);
         let backend = Arc::new(HelperBackend {
-            helpers: helpers.clone(),
+            helpers: Arc::new(helpers),
             cgroups,
             run_dir,
             nofile,
         });
-        Self::with_backend(helpers, Box::new(backend), max_limits, uids)
+        Self::with_backend(Box::new(backend), max_limits, uids)
     }
 
     /// A factory over any backend (tests use a fake one).
     pub fn with_backend(
-        helpers: Arc<Helpers>,
         backend: Box<dyn ContainerBackend>,
         max_limits: Limits,
         uids: Uids,
     ) -> Self {
         Self {
-            helpers,
             max_limits,
             uids,
             backend,
@@ -143,6 +145,30 @@ impl Factory {
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }
+    }
+
+    /// Creates an agent sandbox's workspace (the long-lived kind of container; its host uid is the caller's).
+    pub async fn create_workspace(
+        &self,
+        plan: WorkspacePlan<'_>,
+    ) -> Result<Arc<dyn Workspace>, CreateError> {
+        self.backend.create_workspace(plan).await
+    }
+
+    /// False once containers can no longer be created or removed (a helper process died): the daemon is
+    /// unhealthy.
+    pub fn alive(&self) -> bool {
+        self.backend.alive()
+    }
+
+    /// How many helper processes create containers (one creation at a time in each).
+    pub fn helper_count(&self) -> usize {
+        self.backend.parallelism()
+    }
+
+    /// Asks the backend to remove every container and stop (daemon shutdown).
+    pub async fn shutdown(&self) {
+        self.backend.shutdown().await
     }
 
     /// Creates a container for `lang` with `disk_mb` of scratch space and `limits` in its cgroup.
@@ -428,7 +454,7 @@ mod tests {
     use protocol::{Language, Limits};
 
     use super::{Factory, Pool, Uids, POOL_DISK_MB};
-    use crate::containers::fake::{placeholder_helpers, shell, Call, FakeBackend, Recorder};
+    use crate::containers::fake::{shell, Call, FakeBackend, Recorder};
 
     /// Takes many containers from a pool kept full by its refill task: every container is handed out once, and at
     /// the end every container ever created (taken, pooled or being created at close) is removed exactly once.
@@ -436,9 +462,7 @@ mod tests {
     async fn a_container_is_never_handed_out_twice_and_every_one_is_removed_once() {
         let dir = tempfile::tempdir().unwrap();
         let recorder = Arc::new(Recorder::default());
-        let (helpers, _peer) = placeholder_helpers();
         let factory = Arc::new(Factory::with_backend(
-            helpers,
             Box::new(FakeBackend::new(dir.path(), recorder.clone())),
             crate::config::Config::default().limits.max,
             Uids::new(900_000, 8),

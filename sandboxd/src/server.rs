@@ -43,17 +43,13 @@ pub struct AppState {
     /// Connection counter (for log spans).
     pub connections: Arc<AtomicU64>,
     /// Agent sandboxes.
-    pub agents: Arc<crate::agent::Agents>,
+    pub agents: Arc<agents::Agents>,
 }
 
 /// The router.
 pub fn router(state: AppState) -> Router {
     // Agent sandboxes: their routes with their own state.
-    let agents = crate::agent::router().with_state(crate::agent::AgentState {
-        engine: state.engine.clone(),
-        tokens: state.tokens.clone(),
-        agents: state.agents.clone(),
-    });
+    let agents = agents::router().with_state(state.agents.clone());
     Router::new()
         .route("/healthz", get(healthz))
         .route("/ws", get(ws))

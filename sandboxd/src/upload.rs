@@ -7,7 +7,7 @@
 //! Plain `http://` only: a `https://` endpoint is refused at configuration time rather than sent in clear text.
 //!
 //! [`post_json`] is the one HTTP client of sandboxd's backend calls: the uploads here and the agents' token renewal
-//! ([`crate::agent::backend`]) both go through it.
+//! (`agents::backend`, through [`crate::agent_host`]) both go through it.
 
 use std::path::Path;
 use std::time::Duration;

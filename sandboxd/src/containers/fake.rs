@@ -8,8 +8,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -19,90 +18,15 @@ use runtime::launch::Launch;
 use runtime::rootfs::InputFile;
 use tokio::sync::oneshot;
 
-use super::helper::Helpers;
 use super::{
     BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
-    PrepareError,
+    PrepareError, WorkspacePlan,
 };
 use crate::images::{LanguageRuntime, RootImage, RootKind};
+use agents::container::Workspace;
 
-/// One call into the backend, by container id.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Call {
-    /// A container was created.
-    Create(String),
-    /// The request's cgroup limits were written (with the inputs).
-    SetLimits(String, CgroupLimits),
-    /// The program was launched.
-    Launch(String),
-    /// A signal was sent to the container.
-    Kill(String, Signal),
-    /// The container was removed.
-    Remove(String),
-}
-
-/// What the fake containers created from now on report.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Script {
-    /// The "kernel" OOM-kills the program this long after its launch.
-    pub oom_after: Option<Duration>,
-    /// Reported peak memory.
-    pub peak_memory_bytes: u64,
-    /// Reported CPU time.
-    pub cpu_time_ns: u64,
-}
-
-/// The calls made so far and the script; shared by the backend, its containers and the test.
-#[derive(Debug, Default)]
-pub struct Recorder {
-    calls: Mutex<Vec<Call>>,
-    script: Mutex<Script>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl Recorder {
-    fn record(&self, call: Call) {
-        lock(&self.calls).push(call);
-    }
-
-    /// Every call so far, in order.
-    pub fn calls(&self) -> Vec<Call> {
-        lock(&self.calls).clone()
-    }
-
-    /// The calls about container `cid`.
-    pub fn calls_of(&self, cid: &str) -> Vec<Call> {
-        self.calls()
-            .into_iter()
-            .filter(|c| match c {
-                Call::Create(id)
-                | Call::SetLimits(id, _)
-                | Call::Launch(id)
-                | Call::Kill(id, _)
-                | Call::Remove(id) => id == cid,
-            })
-            .collect()
-    }
-
-    /// Ids of the containers created so far.
-    pub fn created(&self) -> Vec<String> {
-        self.calls()
-            .into_iter()
-            .filter_map(|c| match c {
-                Call::Create(id) => Some(id),
-                _ => None,
-            })
-            .collect()
-    }
-
-    /// Sets the script of containers created from now on.
-    pub fn script(&self, script: Script) {
-        *lock(&self.script) = script;
-    }
-}
+use super::fake_record::{lock, Program};
+pub use super::fake_record::{Call, Recorder, Script};
 
 /// The fake backend: containers are directories under `root`.
 pub struct FakeBackend {
@@ -146,25 +70,26 @@ impl ContainerBackend for FakeBackend {
         })
     }
 
+    fn create_workspace<'a>(
+        &'a self,
+        plan: WorkspacePlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>> {
+        let made = super::fake_runs::FakeWorkspace::create(plan, self.recorder.clone())
+            .map(|w| Arc::new(w) as Arc<dyn Workspace>)
+            .map_err(CreateError::Prepare);
+        Box::pin(std::future::ready(made))
+    }
+
     fn parallelism(&self) -> usize {
         2
     }
-}
 
-/// The program's process group while it runs.
-#[derive(Debug, Default)]
-struct Program {
-    /// Its process group (the child's pid); `None` before the launch and once it is reaped.
-    group: Option<Pid>,
-}
+    fn alive(&self) -> bool {
+        true
+    }
 
-impl Program {
-    /// Signals the whole group, if it still runs: the lock is held from the check to the signal, and the reaper
-    /// clears `group` under the same lock, so a reused pid is never signalled.
-    fn signal(&self, signal: Signal) {
-        if let Some(group) = self.group {
-            let _ = nix::sys::signal::killpg(group, signal);
-        }
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::ready(()))
     }
 }
 
@@ -314,19 +239,4 @@ pub fn shell() -> LanguageRuntime {
         command: vec!["/bin/sh".into()],
         file_name: "main.sh",
     }
-}
-
-/// Helpers for a factory whose backend is the fake: one placeholder client the fake never uses, and the other end
-/// of its socket, which keeps the placeholder "alive" while the caller holds it. Must be called inside a tokio
-/// runtime (the client spawns its reader).
-pub fn placeholder_helpers() -> (Arc<Helpers>, OwnedFd) {
-    let (ours, peer) = nix::sys::socket::socketpair(
-        nix::sys::socket::AddressFamily::Unix,
-        nix::sys::socket::SockType::SeqPacket,
-        None,
-        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-    )
-    .unwrap();
-    let placeholder = runtime::helper::HelperClient::new(ours, Pid::from_raw(0)).unwrap();
-    (Arc::new(Helpers::new(placeholder, Vec::new())), peer)
 }

@@ -8,19 +8,29 @@
 //! plain child processes and records every call, so the engine's timeout, cancel, output-limit, OOM and client-gone
 //! paths are tested without root.
 //!
+//! Agent sandboxes use the long-lived kind ([`agents::container`]): a workspace that outlives its runs, and in it one
+//! container per run, launched with a command and its stdio, signalled, frozen and thawed, given a CPU quota,
+//! measured, waited for and removed. Both kinds share one bundle builder (in [`helper`]); the fake runs agents as
+//! plain child processes too.
+//!
 //! Creation and removal are boxed futures (trait objects, one allocation per container, next to milliseconds of
 //! work); the per-execution calls are plain methods, except [`ContainerHandle::prepare`], whose boxed future
 //! replaces the clones the blocking task needed before.
 
+mod executions;
 pub mod helper;
+mod runs;
 
 #[cfg(test)]
 pub mod fake;
+#[cfg(test)]
+mod fake_record;
+#[cfg(test)]
+mod fake_runs;
 
-use std::future::Future;
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
+use std::sync::Arc;
 
 use nix::sys::signal::Signal;
 use protocol::Limits;
@@ -29,10 +39,11 @@ use runtime::launch::Launch;
 use runtime::rootfs::InputFile;
 use tokio::sync::oneshot;
 
-use crate::images::LanguageRuntime;
+use crate::images::{LanguageRuntime, RootImage};
+use agents::container::Workspace;
 
 /// A boxed, sendable future (what the backend's asynchronous calls return).
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub use agents::container::BoxFuture;
 
 /// What a container is created for.
 #[derive(Debug, Clone, Copy)]
@@ -47,6 +58,21 @@ pub struct Plan<'a> {
     pub disk_mb: u64,
     /// Limits written into its cgroup at creation (lowered to the request's at launch).
     pub limits: &'a Limits,
+}
+
+/// What an agent sandbox's workspace is created for: the long-lived kind of container ([`agents::container`]).
+#[derive(Debug, Clone, Copy)]
+pub struct WorkspacePlan<'a> {
+    /// Its id (the directory's name under `parent`).
+    pub id: &'a str,
+    /// The directory the workspace is created in.
+    pub parent: &'a Path,
+    /// Host uid of container root (owner of the workspace).
+    pub host_id: u32,
+    /// The image its runs start on.
+    pub image: &'a Arc<RootImage>,
+    /// Size of `/workspace` and `/tmp` (tmpfs) and `RLIMIT_FSIZE`, MiB.
+    pub disk_mb: u64,
 }
 
 /// How the init reported the end: its status record (empty when it died without writing) and the
@@ -109,8 +135,21 @@ pub trait ContainerBackend: Send + Sync + 'static {
         plan: Plan<'a>,
     ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, CreateError>>;
 
-    /// How many creations are worth running at once.
+    /// Creates an agent sandbox's workspace, in which long-lived containers are created one run at a time. On
+    /// failure nothing of it is left.
+    fn create_workspace<'a>(
+        &'a self,
+        plan: WorkspacePlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>>;
+
+    /// How many creations are worth running at once (with the helpers: how many there are).
     fn parallelism(&self) -> usize;
+
+    /// False once containers can no longer be created or removed (a helper process died).
+    fn alive(&self) -> bool;
+
+    /// Removes every container and stops whatever creates them (daemon shutdown).
+    fn shutdown(&self) -> BoxFuture<'_, ()>;
 }
 
 /// One created container, used for one execution.

@@ -55,7 +55,7 @@ const MAX_PENDING: usize = 4;
 
 /// Everything executions share: the daemon's context, the containers, the languages and admission.
 pub struct Engine {
-    /// The daemon's context (configuration, store, cgroups, drain).
+    /// The daemon's context (configuration, store, drain).
     daemon: Arc<Daemon>,
     /// Containers: the warm pool and the cold path.
     pool: Arc<Pool>,
@@ -125,7 +125,7 @@ impl Engine {
 
     /// Whether the container layer can still create and run containers (every helper process alive).
     pub fn healthy(&self) -> bool {
-        self.pool.factory().helpers.all_alive()
+        self.pool.factory().alive()
     }
 
     /// Executions running and queued.
@@ -157,7 +157,7 @@ impl Engine {
                 .collect::<serde_json::Map<String, serde_json::Value>>(),
             "isolation": self.isolation,
             "pool": self.pool.status(),
-            "helpers": self.pool.factory().helpers.len(),
+            "helpers": self.pool.factory().helper_count(),
         });
         (healthy, body)
     }
@@ -845,7 +845,7 @@ fn result(
 ) -> ResultMessage {
     let (exit_code, signal) = match exit {
         Some(ProgramExit::Code(c)) => (Some(c), None),
-        Some(ProgramExit::Signal(s)) => (None, Some(signal_name(s))),
+        Some(ProgramExit::Signal(s)) => (None, Some(runtime::init::signal_name(s))),
         None => (None, None),
     };
     ResultMessage {
@@ -864,13 +864,6 @@ fn result(
         tool_calls: None,
         return_value: None,
     }
-}
-
-/// `SIGKILL` for 9; `SIG<n>` for numbers nix has no name for.
-pub fn signal_name(sig: i32) -> String {
-    nix::sys::signal::Signal::try_from(sig)
-        .map(|s| s.as_str().to_owned())
-        .unwrap_or_else(|_| format!("SIG{sig}"))
 }
 
 /// Resolves when the client cancels or goes away.

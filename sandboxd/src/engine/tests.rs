@@ -1,7 +1,6 @@
 //! The engine's paths on the recording fake backend ([`crate::containers::fake`]): no root, no containers.
 
 use std::collections::BTreeMap;
-use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,12 +9,11 @@ use nix::sys::signal::Signal;
 use protocol::{
     ExecStatus, ExecuteRequest, Isolation, Language, Limits, Reason, RequestedLimits, ServerMessage,
 };
-use runtime::cgroups::{CgroupVersion, Cgroups};
 use tokio::sync::mpsc;
 
 use super::Engine;
 use crate::config::Config;
-use crate::containers::fake::{placeholder_helpers, shell, Call, FakeBackend, Recorder, Script};
+use crate::containers::fake::{shell, Call, FakeBackend, Recorder, Script};
 use crate::daemon::Daemon;
 use crate::images::LanguageRuntime;
 use crate::pool::{Factory, Pool, Uids};
@@ -31,21 +29,17 @@ pub struct Harness {
     pub engine: Arc<Engine>,
     /// What the backend was asked to do.
     pub recorder: Arc<Recorder>,
-    /// The helper socket's other end: the placeholder helper stays "alive" while the harness lives.
-    _helper_peer: OwnedFd,
 }
 
 impl Harness {
-    /// Builds the engine; must be called inside a tokio runtime (the placeholder helper client spawns a reader).
+    /// Builds the engine; must be called inside a tokio runtime (the pool's refill tasks start).
     pub fn new(root: &Path, pool_size: usize) -> Self {
         let recorder = Arc::new(Recorder::default());
-        let (helpers, peer) = placeholder_helpers();
         let config = Config::default();
         let max = config.limits.max;
         let languages: BTreeMap<Language, LanguageRuntime> =
             [(Language::Shell, shell())].into_iter().collect();
         let factory = Arc::new(Factory::with_backend(
-            helpers,
             Box::new(FakeBackend::new(&root.join("containers"), recorder.clone())),
             max,
             Uids::new(900_000, 64),
@@ -53,7 +47,6 @@ impl Harness {
         let pool = Arc::new(Pool::new(factory, pool_size, &languages));
         pool.start(&languages);
         let store = Store::open(&root.join("store"), Duration::from_secs(3600), 1 << 30).unwrap();
-        let cgroups = Cgroups::with_version(CgroupVersion::V2, root, "fake").unwrap();
         let isolation = Isolation {
             namespaces: Vec::new(),
             cgroup_version: "v2".into(),
@@ -62,12 +55,11 @@ impl Harness {
             user_namespace: false,
             network: "none".into(),
         };
-        let daemon = Arc::new(Daemon::new(config, Arc::new(store), cgroups));
+        let daemon = Arc::new(Daemon::new(config, Arc::new(store)));
         let engine = Engine::new(daemon, pool, languages, isolation, "fake".into());
         Self {
             engine: Arc::new(engine),
             recorder,
-            _helper_peer: peer,
         }
     }
 

@@ -19,21 +19,11 @@ use axum::{Json, Router};
 use futures_util::{SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 
-use super::sandbox::Sandbox;
-use super::Agents;
-use crate::engine::Engine;
+use crate::sandbox::Sandbox;
+use crate::Agents;
 
-/// What the agent routes need; the server builds it from its own state (the agent module does not know the
-/// server).
-#[derive(Clone)]
-pub struct AgentState {
-    /// The engine (configuration, containers).
-    pub engine: Arc<Engine>,
-    /// Accepted tokens.
-    pub tokens: Arc<Vec<String>>,
-    /// Agent sandboxes.
-    pub agents: Arc<Agents>,
-}
+/// The routes' state: the registry (and through it, the host's token check and settings).
+pub type AgentState = Arc<Agents>;
 
 /// The agent routes, merged into the daemon's router once given their state.
 pub fn router() -> Router<AgentState> {
@@ -61,7 +51,7 @@ pub fn router() -> Router<AgentState> {
 fn only(route: MethodRouter<AgentState>, allow: &'static str) -> MethodRouter<AgentState> {
     route.fallback(
         move |State(st): State<AgentState>, method: Method, headers: HeaderMap| async move {
-            if !crate::auth::authorized(&headers, &st.tokens) {
+            if !st.host().auth.authorized(&headers) {
                 return unauthorized();
             }
             let mut r = refuse(
@@ -77,7 +67,7 @@ fn only(route: MethodRouter<AgentState>, allow: &'static str) -> MethodRouter<Ag
 
 /// Any path under `/sandboxes/<id>/` that is no endpoint: 404 (after the token check).
 async fn unknown_path(State(st): State<AgentState>, headers: HeaderMap, uri: Uri) -> Response {
-    if !crate::auth::authorized(&headers, &st.tokens) {
+    if !st.host().auth.authorized(&headers) {
         return unauthorized();
     }
     let shown: String = uri.path().chars().take(128).collect();
@@ -105,10 +95,10 @@ fn unauthorized() -> Response {
 
 /// Auth, then the sandbox.
 fn lookup(st: &AgentState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
-    if !crate::auth::authorized(headers, &st.tokens) {
+    if !st.host().auth.authorized(headers) {
         return Err(Box::new(unauthorized()));
     }
-    st.agents.get(id).ok_or_else(|| {
+    st.get(id).ok_or_else(|| {
         let shown: String = id.chars().take(64).collect();
         Box::new(refuse(
             StatusCode::NOT_FOUND,
@@ -119,7 +109,7 @@ fn lookup(st: &AgentState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>
 
 /// Reads a bounded body and parses it; an empty body reads as `{}`.
 async fn body<T: DeserializeOwned>(st: &AgentState, body: Body) -> Result<T, Box<Response>> {
-    let limit = st.engine.daemon().config().agents.max_body_bytes;
+    let limit = st.host().settings.agents.max_body_bytes;
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
         Box::new(refuse(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -159,7 +149,7 @@ fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
 }
 
 async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Response {
-    if !crate::auth::authorized(&headers, &st.tokens) {
+    if !st.host().auth.authorized(&headers) {
         return unauthorized();
     }
     let req: CreateSandboxRequest = match body(&st, b).await {
@@ -171,8 +161,8 @@ async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Re
         .and_then(|h| h.to_str().ok())
         .filter(|h| h.bytes().all(|c| c.is_ascii_graphic()))
         .map(str::to_owned)
-        .unwrap_or_else(|| st.engine.daemon().config().listen.to_string());
-    match st.agents.create(req).await {
+        .unwrap_or_else(|| st.host().settings.listen.to_string());
+    match st.create(req).await {
         Ok(sb) => {
             let base = format!("http://{host}/sandboxes/{}", sb.id);
             (
@@ -199,7 +189,7 @@ async fn remove(
     if let Err(r) = lookup(&st, &headers, &id) {
         return *r;
     }
-    if st.agents.delete(&id).await {
+    if st.delete(&id).await {
         StatusCode::NO_CONTENT.into_response()
     } else {
         refuse(
@@ -390,7 +380,7 @@ async fn stream_events(sb: Arc<Sandbox>, ws: WebSocket) {
                     }
                 }
                 Ok(None) => break,
-                Err(()) => {
+                Err(crate::events::Replaced) => {
                     let _ = sink.send(Message::Close(None)).await;
                     break 'outer;
                 }

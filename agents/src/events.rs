@@ -33,6 +33,11 @@ use crate::config::{
     AGENT_STAMP_BYTES, DEFAULT_AGENT_MAX_LINE_BYTES, DEFAULT_AGENT_QUEUE_BYTES,
     DEFAULT_AGENT_REPLAY_BYTES,
 };
+/// A newer gateway connection replaced this one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("A newer gateway connection replaced this one")]
+pub struct Replaced;
+
 /// A replay's answer goes out in chunks of about this size.
 const REPLAY_CHUNK: usize = 64 << 10;
 
@@ -199,7 +204,7 @@ struct LoggedSequence {
 }
 
 impl Replay {
-    /// Writes the answer in chunks of about [`REPLAY_CHUNK`] bytes (one event line more at most) to `out`, which
+    /// Writes the answer in chunks of about 64 KiB (`REPLAY_CHUNK`, one event line more at most) to `out`, which
     /// returns `false` when the reader has gone; reads one line at a time.
     pub fn write(self, mut out: impl FnMut(Vec<u8>) -> bool) -> std::io::Result<()> {
         let mut chunk = format!("{{\"lastSequence\":{}", self.last_sequence).into_bytes();
@@ -462,12 +467,12 @@ impl Hub {
         }
     }
 
-    /// The next event for gateway `g`: `Ok(Some(json))`, `Ok(None)` when none is queued, `Err(())` when a newer
-    /// gateway replaced `g`. Once the queue is drained, drops not told yet are told (the warning comes next).
-    pub fn next(&self, g: u64) -> Result<Option<Arc<str>>, ()> {
+    /// The next event for gateway `g`: `Ok(Some(json))`, `Ok(None)` when none is queued, [`Replaced`] when a
+    /// newer gateway replaced `g`. Once the queue is drained, drops not told yet are told (the warning comes next).
+    pub fn next(&self, g: u64) -> Result<Option<Arc<str>>, Replaced> {
         let mut inner = self.lock();
         if inner.gateway != Some(g) {
-            return Err(());
+            return Err(Replaced);
         }
         if inner.queue.is_empty() && inner.dropped > 0 {
             self.warn_dropped(&mut inner, Instant::now());

@@ -9,24 +9,22 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agent_api::SandboxBootstrap;
-use hyper::body::Bytes;
 use nix::fcntl::OFlag;
 use serde_json::{Map, Value};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
-use crate::store::{Store, Stored};
-use crate::upload::{HttpError, InvalidEndpoint, UploadConfig, UploadError};
+use crate::host::{ArtifactStore, BoxError, HttpFailure, StoredArtifact, Upload, Uploads};
 
 /// Why a sandbox's bootstrap is refused at creation.
 #[derive(Debug, thiserror::Error)]
 pub enum BootstrapError {
     /// The artifact upload endpoint is unusable.
     #[error("bootstrap.artifactUploadEndpoint is unusable")]
-    UploadEndpoint(#[source] InvalidEndpoint),
+    UploadEndpoint(#[source] BoxError),
     /// The backend URL (token renewal) is unusable.
     #[error("bootstrap.backendUrl is unusable")]
-    BackendUrl(#[source] InvalidEndpoint),
+    BackendUrl(#[source] BoxError),
     /// The token's expiry does not parse.
     #[error("bootstrap.tokenExpiresAt is not RFC 3339")]
     Expiry(#[source] time::error::Parse),
@@ -40,7 +38,7 @@ pub enum BootstrapError {
 pub enum RenewError {
     /// The request failed.
     #[error(transparent)]
-    Http(#[from] HttpError),
+    Http(#[from] HttpFailure),
     /// The answer lacks a field.
     #[error("The answer lacks backendToken or tokenExpiresAt")]
     Incomplete,
@@ -98,7 +96,7 @@ pub enum ArtifactError {
     Vanished,
     /// The upload failed; the event keeps `contentHash` and `sizeBytes`.
     #[error("Upload failed")]
-    Upload(#[source] UploadError),
+    Upload(#[source] HttpFailure),
 }
 
 /// The bootstrap of a sandbox, with a token that renewal replaces.
@@ -107,15 +105,17 @@ pub struct Backend {
     /// When the current token was received.
     issued: Mutex<OffsetDateTime>,
     attempts: u32,
+    uploads: Arc<dyn Uploads>,
 }
 
 impl Backend {
     /// Wraps a checked bootstrap.
-    pub fn new(bootstrap: SandboxBootstrap, attempts: u32) -> Arc<Self> {
+    pub fn new(bootstrap: SandboxBootstrap, attempts: u32, uploads: Arc<dyn Uploads>) -> Arc<Self> {
         Arc::new(Self {
             bootstrap: Mutex::new(bootstrap),
             issued: Mutex::new(OffsetDateTime::now_utc()),
             attempts,
+            uploads,
         })
     }
 
@@ -126,30 +126,28 @@ impl Backend {
             .clone()
     }
 
-    fn upload_config(&self) -> UploadConfig {
+    /// Uploads stored content with the current token.
+    async fn upload(&self, blob: &Path, hex: &str, mime: &str) -> Result<String, HttpFailure> {
         let b = self.get();
-        UploadConfig {
-            url: b.artifact_upload_endpoint,
-            token: b.backend_token,
+        let upload = Upload {
+            url: &b.artifact_upload_endpoint,
+            token: &b.backend_token,
             attempts: self.attempts,
-            backoff_ms: 100,
-        }
+            blob,
+            hex,
+            mime,
+        };
+        self.uploads.upload(upload).await
     }
 
-    /// Checks a bootstrap at sandbox creation: plain-http endpoints and an RFC 3339 expiry.
-    pub fn check(b: &SandboxBootstrap) -> Result<(), BootstrapError> {
-        let upload = UploadConfig {
-            url: b.artifact_upload_endpoint.clone(),
-            token: String::new(),
-            attempts: 1,
-            backoff_ms: 1,
-        };
-        upload.validate().map_err(BootstrapError::UploadEndpoint)?;
-        let renew = UploadConfig {
-            url: renew_url(&b.backend_url),
-            ..upload
-        };
-        renew.validate().map_err(BootstrapError::BackendUrl)?;
+    /// Checks a bootstrap at sandbox creation: usable endpoints (as `uploads` sees them) and an RFC 3339 expiry.
+    pub fn check(b: &SandboxBootstrap, uploads: &dyn Uploads) -> Result<(), BootstrapError> {
+        uploads
+            .check_endpoint(&b.artifact_upload_endpoint)
+            .map_err(BootstrapError::UploadEndpoint)?;
+        uploads
+            .check_endpoint(&renew_url(&b.backend_url))
+            .map_err(BootstrapError::BackendUrl)?;
         OffsetDateTime::parse(&b.token_expires_at, &Rfc3339).map_err(BootstrapError::Expiry)?;
         if b.agent_id.is_empty() {
             return Err(BootstrapError::NoAgentId);
@@ -195,13 +193,14 @@ impl Backend {
     async fn renew_once(&self) -> Result<(), RenewError> {
         let b = self.get();
         let body = serde_json::json!({"agentId": b.agent_id, "currentToken": b.backend_token});
-        let v = crate::upload::post_json(
-            &renew_url(&b.backend_url),
-            &b.backend_token,
-            &[("content-type", "application/json".to_owned())],
-            Bytes::from(body.to_string()),
-        )
-        .await?;
+        let v = self
+            .uploads
+            .post_json(
+                &renew_url(&b.backend_url),
+                &b.backend_token,
+                body.to_string(),
+            )
+            .await?;
         let (Some(token), Some(expires)) =
             (v["backendToken"].as_str(), v["tokenExpiresAt"].as_str())
         else {
@@ -222,7 +221,7 @@ impl Backend {
     /// failure `uri` is removed (the bus never sees a sandbox path) and the error is returned.
     pub async fn upload_artifact(
         &self,
-        store: &Arc<Store>,
+        store: &Arc<dyn ArtifactStore>,
         workspace: &Path,
         max_bytes: u64,
         event: &mut Map<String, Value>,
@@ -254,7 +253,7 @@ impl Backend {
                     .unwrap_or_else(|| "application/octet-stream".into())
             });
         let stored = store_from_workspace(store, workspace, &rel, &mime, max_bytes).await;
-        let (stored, blob) = match stored.and_then(|s| match store.blob(&s.hex) {
+        let (stored, blob) = match stored.and_then(|s| match store.path(&s.hex) {
             Some(blob) => Ok((s, blob)),
             None => Err(ArtifactError::Vanished),
         }) {
@@ -264,16 +263,11 @@ impl Backend {
                 return Err(e);
             }
         };
-        let mut outcome =
-            crate::upload::upload(&self.upload_config(), &blob, &stored.hex, &mime).await;
+        let mut outcome = self.upload(&blob, &stored.hex, &mime).await;
         // A refused token (expired before its renewal): renew now and try once more.
-        if outcome.as_ref().is_err_and(UploadError::is_unauthorized) {
+        if outcome.as_ref().is_err_and(|e| e.unauthorized) {
             match self.renew_once().await {
-                Ok(()) => {
-                    outcome =
-                        crate::upload::upload(&self.upload_config(), &blob, &stored.hex, &mime)
-                            .await;
-                }
+                Ok(()) => outcome = self.upload(&blob, &stored.hex, &mime).await,
                 Err(e) => tracing::warn!(
                     error = %runtime::error::Chain(&e),
                     "token renewal after a refused upload failed"
@@ -302,12 +296,12 @@ impl Backend {
 /// Reads `/workspace/<rel>` beneath the workspace (never through a symlink), checks it is a regular file within
 /// `max_bytes`, and stores it in the local content store.
 async fn store_from_workspace(
-    store: &Arc<Store>,
+    store: &Arc<dyn ArtifactStore>,
     workspace: &Path,
     rel: &str,
     mime: &str,
     max_bytes: u64,
-) -> Result<Stored, ArtifactError> {
+) -> Result<StoredArtifact, ArtifactError> {
     let (store, ws, rel, mime) = (
         store.clone(),
         workspace.to_owned(),
@@ -340,12 +334,9 @@ async fn store_from_workspace(
                 max: max_bytes,
             });
         }
-        let _w = store.writing();
-        let staged = store
-            .stage(&mut file, max_bytes, |_| mime)
-            .map_err(ArtifactError::Store)?;
-        let mut v = store.commit(vec![staged]).map_err(ArtifactError::Store)?;
-        v.pop().ok_or(ArtifactError::Vanished)
+        store
+            .store(&mut file, max_bytes, &mime)
+            .map_err(ArtifactError::Store)
     })
     .await
     .map_err(ArtifactError::Task)?
@@ -359,6 +350,32 @@ fn renew_url(backend: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::container::BoxFuture;
+
+    /// Refuses endpoints that do not start with `http://`; never called over the network.
+    struct PlainHttpOnly;
+
+    impl Uploads for PlainHttpOnly {
+        fn check_endpoint(&self, url: &str) -> Result<(), BoxError> {
+            match url.starts_with("http://") {
+                true => Ok(()),
+                false => Err("The URL must start with http://".into()),
+            }
+        }
+
+        fn post_json<'a>(
+            &'a self,
+            _url: &'a str,
+            _token: &'a str,
+            _body: String,
+        ) -> BoxFuture<'a, Result<Value, HttpFailure>> {
+            unreachable!("no call in these tests")
+        }
+
+        fn upload<'a>(&'a self, _upload: Upload<'a>) -> BoxFuture<'a, Result<String, HttpFailure>> {
+            unreachable!("no call in these tests")
+        }
+    }
 
     fn bootstrap() -> SandboxBootstrap {
         serde_json::from_value(serde_json::json!({
@@ -373,34 +390,24 @@ mod tests {
 
     #[test]
     fn a_bootstrap_is_refused_naming_the_field_and_why() {
-        Backend::check(&bootstrap()).unwrap();
+        let check = |b: &SandboxBootstrap| Backend::check(b, &PlainHttpOnly);
+        check(&bootstrap()).unwrap();
         let mut b = bootstrap();
         b.artifact_upload_endpoint = "https://x.invalid/a".into();
-        let e = Backend::check(&b).unwrap_err();
-        assert!(matches!(
-            e,
-            BootstrapError::UploadEndpoint(InvalidEndpoint::Https)
-        ));
-        assert!(runtime::error::Chain(&e)
-            .to_string()
-            .starts_with("bootstrap.artifactUploadEndpoint is unusable: https"));
+        let e = check(&b).unwrap_err();
+        assert!(matches!(e, BootstrapError::UploadEndpoint(_)));
+        assert_eq!(
+            runtime::error::Chain(&e).to_string(),
+            "bootstrap.artifactUploadEndpoint is unusable: The URL must start with http://"
+        );
+        let mut b = bootstrap();
+        b.backend_url = "ftp://x".into();
+        assert!(matches!(check(&b), Err(BootstrapError::BackendUrl(_))));
         let mut b = bootstrap();
         b.token_expires_at = "tomorrow".into();
-        assert!(matches!(Backend::check(&b), Err(BootstrapError::Expiry(_))));
+        assert!(matches!(check(&b), Err(BootstrapError::Expiry(_))));
         let mut b = bootstrap();
         b.agent_id.clear();
-        assert!(matches!(Backend::check(&b), Err(BootstrapError::NoAgentId)));
-    }
-
-    #[test]
-    fn only_a_refused_token_counts_as_unauthorized() {
-        let status = |s: u16| HttpError::Status(hyper::StatusCode::from_u16(s).unwrap());
-        let exhausted = |last: UploadError| UploadError::Exhausted {
-            attempts: 2,
-            last: Box::new(last),
-        };
-        assert!(exhausted(status(401).into()).is_unauthorized());
-        assert!(!exhausted(status(403).into()).is_unauthorized());
-        assert!(!exhausted(UploadError::NoUri).is_unauthorized());
+        assert!(matches!(check(&b), Err(BootstrapError::NoAgentId)));
     }
 }

@@ -1,20 +1,6 @@
-//! Agent sandboxes: long-lived sandboxes for AI agents behind the adapter-shim HTTP/WebSocket endpoints
-//! (`docs/spec/agent-sandboxes.md`).
-//!
-//! - [`Agents`]: the registry: provisioning (`POST /sandboxes`), the sandbox limit, host uids, removal, and the
-//!   removal of what a previous daemon left under `<state_dir>/agents` at start.
-//! - [`sandbox`]: one sandbox and its agent runs (spawn, pause/resume through the cgroup freezer, kill with grace,
-//!   commands over the control channel, crash detection, health).
-//! - [`events`]: stamping, the rolling replay log, the gateway queue with backpressure.
-//! - [`backend`]: eager artifact upload and token renewal.
-//! - [`container`]: every call into the container helper.
-//! - [`routes`]: the axum routes, bearer auth and bounded bodies.
-
-pub mod backend;
-pub mod container;
-pub mod events;
-pub mod routes;
-pub mod sandbox;
+//! The registry of a daemon's agent sandboxes: provisioning (`POST /sandboxes`: the request checked, a workspace
+//! created, the agent's manifest and template files written), lookup, removal, and at start the removal of what a
+//! previous daemon left under `<state_dir>/agents`.
 
 use std::collections::HashMap;
 use std::os::unix::fs::DirBuilderExt;
@@ -24,16 +10,14 @@ use std::sync::{Arc, Mutex};
 
 use agent_api::{AgentTemplate, CreateSandboxRequest, PluginError, SandboxCapability};
 use runtime::error::Chain;
-use runtime::rootfs::{InputFile, RootSource, Scratch};
+use runtime::rootfs::InputFile;
 use tracing::{info, warn};
 
-use self::backend::Backend;
-use self::events::{Budgets, Hub};
-use self::sandbox::{Limits, Sandbox};
-use crate::engine::Engine;
-use crate::images::{RootImage, RootKind};
-
-pub use routes::{router, AgentState};
+use crate::backend::Backend;
+use crate::container::Workspace;
+use crate::events::{Budgets, Hub};
+use crate::host::{Host, WorkspaceError, WorkspaceRequest};
+use crate::sandbox::{Limits, Sandbox, CONTROL_SOCKET};
 
 /// Capabilities a sandbox may ask for: a shell and git come with the image; the network is loopback-only, and
 /// sandbox-to-backend traffic (uploads, renewal) is made by sandboxd itself.
@@ -45,27 +29,23 @@ const SUPPORTED: &[SandboxCapability] = &[
 
 /// Every agent sandbox of the daemon.
 pub struct Agents {
-    engine: Arc<Engine>,
+    host: Host,
     dir: PathBuf,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
-    /// Which host uid indexes are taken (`max_sandboxes` of them).
-    uids: Mutex<Vec<bool>>,
     nonce: String,
     seq: AtomicU64,
 }
 
 impl Agents {
     /// The registry, with `<state_dir>/agents` emptied of a previous daemon's leftovers.
-    pub fn new(engine: Arc<Engine>) -> std::io::Result<Arc<Self>> {
-        let dir = engine.daemon().config().state_dir.join("agents");
+    pub fn new(host: Host) -> std::io::Result<Arc<Self>> {
+        let dir = host.settings.state_dir.join("agents");
         remove_leftovers(&dir)?;
         std::fs::DirBuilder::new().mode(0o711).create(&dir)?;
-        let max = engine.daemon().config().agents.max_sandboxes;
         Ok(Arc::new(Self {
-            engine,
+            host,
             dir,
             sandboxes: Mutex::new(HashMap::new()),
-            uids: Mutex::new(vec![false; max]),
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }))
@@ -80,17 +60,13 @@ impl Agents {
         self.map().get(id).cloned()
     }
 
-    fn image(&self, name: Option<&str>) -> Option<Arc<RootImage>> {
-        let name = name.unwrap_or("host");
-        self.engine
-            .languages()
-            .values()
-            .map(|l| l.image.clone())
-            .find(|i| i.name == name)
+    /// What the daemon provides.
+    pub fn host(&self) -> &Host {
+        &self.host
     }
 
     fn resolve_limits(&self, req: &CreateSandboxRequest) -> Result<Limits, PluginError> {
-        let max = &self.engine.daemon().config().agents;
+        let max = &self.host.settings.agents;
         let asked = req
             .workspace_requirements
             .resource_limits
@@ -132,10 +108,6 @@ impl Agents {
     /// `POST /sandboxes`.
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, PluginError> {
         let (limits, image, template, files) = self.admit(&req)?;
-        // A host uid of its own; beyond max_sandboxes the caller retries later.
-        let index = self.take_uid()?;
-        let cfg = &self.engine.daemon().config();
-        let host_id = cfg.sandbox.uid_base + cfg.uid_count() as u32 + index as u32;
         let id = format!(
             "ags-{}-{}",
             self.nonce,
@@ -144,45 +116,39 @@ impl Agents {
         let manifest = serde_json::json!({
             "sandboxId": id,
             "agentId": req.bootstrap.agent_id,
-            "controlSocket": format!("{}/{}", runtime::rootfs::CODE_DIR, sandbox::CONTROL_SOCKET),
+            "controlSocket": format!("{}/{}", runtime::rootfs::CODE_DIR, CONTROL_SOCKET),
         })
         .to_string();
-        let disk_bytes = limits.disk_mb << 20;
-        let (scratch, hub) = match self
+        let (workspace, hub) = self
             .prepare(
                 (&id, &req.bootstrap.agent_id),
                 &image,
-                disk_bytes,
-                host_id,
+                limits.disk_mb,
                 manifest,
                 files,
             )
-            .await
-        {
-            Ok(x) => x,
-            Err(e) => {
-                self.release_uid(index);
-                return Err(e);
-            }
-        };
+            .await?;
         let agent_id = req.bootstrap.agent_id.clone();
-        let backend = Backend::new(req.bootstrap, cfg.agents.upload_attempts);
+        let settings = &self.host.settings;
+        let backend = Backend::new(
+            req.bootstrap,
+            settings.agents.upload_attempts,
+            self.host.uploads.clone(),
+        );
         let sb = Sandbox::new(
             id.clone(),
             agent_id,
-            index,
-            host_id,
             limits,
             template,
             image,
             backend,
             hub,
-            scratch,
-            self.engine.clone(),
+            workspace,
+            self.host.clone(),
         );
         sb.start_tasks();
         self.map().insert(id.clone(), sb.clone());
-        info!(sandbox = %id, host_id, "agent sandbox created");
+        info!(sandbox = %id, "agent sandbox created");
         Ok(sb)
     }
 
@@ -191,8 +157,9 @@ impl Agents {
     fn admit(
         &self,
         req: &CreateSandboxRequest,
-    ) -> Result<(Limits, Arc<RootImage>, AgentTemplate, Vec<InputFile>), PluginError> {
-        Backend::check(&req.bootstrap).map_err(|e| PluginError::invalid(Chain(&e).to_string()))?;
+    ) -> Result<(Limits, String, AgentTemplate, Vec<InputFile>), PluginError> {
+        Backend::check(&req.bootstrap, &*self.host.uploads)
+            .map_err(|e| PluginError::invalid(Chain(&e).to_string()))?;
         let wr = &req.workspace_requirements;
         if let Some(c) = wr.capabilities.iter().find(|c| !SUPPORTED.contains(c)) {
             return Err(PluginError::CapabilityUnsupported {
@@ -205,12 +172,13 @@ impl Agents {
             });
         }
         let limits = self.resolve_limits(req)?;
-        let image = self.image(wr.base_image.as_deref()).ok_or_else(|| {
-            PluginError::invalid(format!(
-                "workspaceRequirements.baseImage {:?} is not an image of this daemon (host or one a language runs on)",
-                wr.base_image.as_deref().unwrap_or("host")
-            ))
-        })?;
+        let image = wr.base_image.as_deref().unwrap_or("host");
+        if self.host.containers.image_environment(image).is_none() {
+            return Err(PluginError::invalid(format!(
+                "workspaceRequirements.baseImage {image:?} is not an image of this daemon (host or one a language runs on)",
+            )));
+        }
+        let image = image.to_owned();
         let template = req.template.clone().unwrap_or_default();
         let mut files = Vec::with_capacity(template.files.len());
         for f in &template.files {
@@ -227,75 +195,62 @@ impl Agents {
         Ok((limits, image, template, files))
     }
 
-    /// Takes a free host uid index, or refuses (retryably) at `agents.max_sandboxes`.
-    fn take_uid(&self) -> Result<usize, PluginError> {
-        let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(i) = uids.iter().position(|used| !used) else {
-            return Err(PluginError::ProviderUnavailable {
-                message: format!(
-                    "{} agent sandboxes exist, the maximum (agents.max_sandboxes)",
-                    uids.len()
-                ),
-                retryable: true,
-            });
-        };
-        uids[i] = true;
-        Ok(i)
-    }
-
-    fn release_uid(&self, i: usize) {
-        if let Some(u) = self
-            .uids
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(i)
-        {
-            *u = false;
-        }
-    }
-
-    /// The sandbox's scratch space (workspace tmpfs, root), its input files with `agent.json`, and its event hub
-    /// (whose own warnings name the agent).
+    /// The sandbox's workspace (its tmpfs and root, a host uid of its own), its input files with `agent.json`, and
+    /// its event hub (whose own warnings name the agent). On error nothing of it is left.
     async fn prepare(
         &self,
         (id, agent_id): (&str, &str),
-        image: &Arc<RootImage>,
-        disk_bytes: u64,
-        host_id: u32,
+        image: &str,
+        disk_mb: u64,
         manifest: String,
         files: Vec<InputFile>,
-    ) -> Result<(Scratch, Arc<Hub>), PluginError> {
-        let (dir, id2, image2) = (self.dir.clone(), id.to_owned(), image.clone());
-        let agent_id = agent_id.to_owned();
-        let budgets = Budgets::from_config(&self.engine.daemon().config().agents);
-        let made = tokio::task::spawn_blocking(move || -> runtime::Result<(Scratch, Arc<Hub>)> {
-            let root = match &image2.kind {
-                RootKind::Host(_) => RootSource::Shared,
-                RootKind::Oci { lowers } => RootSource::Overlay(lowers),
-            };
-            let scratch = Scratch::create(&dir, &id2, disk_bytes, host_id, root)?;
-            scratch
-                .inputs()
-                .write("agent.json", manifest.as_bytes(), &files)?;
-            let hub = Hub::with_budgets(scratch.dir().join("events"), &agent_id, budgets)
-                .map_err(|e| runtime::Error::io(scratch.dir(), e))?;
-            Ok((scratch, hub))
+    ) -> Result<(Arc<dyn Workspace>, Arc<Hub>), PluginError> {
+        let req = WorkspaceRequest {
+            id,
+            parent: &self.dir,
+            image,
+            disk_mb,
+        };
+        let workspace = self
+            .host
+            .containers
+            .create_workspace(req)
+            .await
+            .map_err(|e| match e {
+                // Beyond max_sandboxes the caller retries later.
+                WorkspaceError::Full(_) => PluginError::ProviderUnavailable {
+                    message: e.to_string(),
+                    retryable: true,
+                },
+                e => PluginError::ProviderUnavailable {
+                    message: Chain(&e).to_string(),
+                    retryable: false,
+                },
+            })?;
+        let (ws, agent_id) = (workspace.clone(), agent_id.to_owned());
+        let budgets = Budgets::from_config(&self.host.settings.agents);
+        let made = tokio::task::spawn_blocking(move || -> runtime::Result<Arc<Hub>> {
+            ws.write_inputs("agent.json", manifest.as_bytes(), &files)?;
+            Hub::with_budgets(ws.dir().join("events"), &agent_id, budgets)
+                .map_err(|e| runtime::Error::io(ws.dir(), e))
         })
         .await;
-        match made {
-            Ok(Ok(x)) => Ok(x),
-            Ok(Err(runtime::Error::InputFile { path, reason })) => Err(PluginError::invalid(
-                format!("template.files: {path}: {reason}"),
-            )),
-            Ok(Err(e)) => Err(PluginError::ProviderUnavailable {
+        let err = match made {
+            Ok(Ok(hub)) => return Ok((workspace, hub)),
+            Ok(Err(runtime::Error::InputFile { path, reason })) => {
+                PluginError::invalid(format!("template.files: {path}: {reason}"))
+            }
+            Ok(Err(e)) => PluginError::ProviderUnavailable {
                 message: format!("Cannot prepare the sandbox: {}", Chain(&e)),
                 retryable: false,
-            }),
-            Err(e) => Err(PluginError::ProviderUnavailable {
+            },
+            Err(e) => PluginError::ProviderUnavailable {
                 message: format!("Preparation failed: {e}"),
                 retryable: false,
-            }),
-        }
+            },
+        };
+        workspace.remove().await;
+        Err(err)
     }
 
     /// `DELETE /sandboxes/<id>`: `false` if there is no such sandbox.
@@ -304,7 +259,6 @@ impl Agents {
             return false;
         };
         sb.destroy().await;
-        self.release_uid(sb.uid_index);
         info!(sandbox = %id, "agent sandbox removed");
         true
     }

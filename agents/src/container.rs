@@ -1,0 +1,141 @@
+//! The long-lived kind of container, what agent sandboxes run on: a [`Workspace`] (the sandbox's scratch space:
+//! `/workspace` and `/tmp` on a tmpfs, the code directory `/sandbox`, the root) that outlives its runs, and in it
+//! one [`RunContainer`] per agent run, created from a [`RunPlan`] and launched once with its stdio. Unlike an
+//! execution's container, a run can be signalled (`SIGTERM`, `SIGINT` and `SIGHUP` are passed on to the agent by
+//! the init; `SIGKILL` ends the whole container), frozen and thawed, given a hard CPU quota, and measured while it
+//! runs.
+//!
+//! These traits live here, with their one user, rather than in a crate of their own: their shape (a launch with
+//! stdio, a freezer, a CPU quota, a workspace that outlives its containers) is what agent runs need and nothing
+//! else does, and a crate for two traits would add a node to the graph with no second client. sandboxd's container
+//! seam implements them on both its backends (the helper processes, and the fake its unit tests run on), the way a
+//! driver implements the interface its consumer defines.
+
+use std::future::Future;
+use std::os::fd::BorrowedFd;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use nix::sys::signal::Signal;
+use runtime::init::ProgramExit;
+use runtime::rootfs::InputFile;
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A long-lived container could not be created, launched or controlled.
+#[derive(Debug, thiserror::Error)]
+pub enum LongLivedError {
+    /// The container (or its bundle) could not be created; nothing of it is left.
+    #[error("Cannot create the container")]
+    Create(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The init refused to run anything: a restriction could not be applied (fail closed). Its report's text.
+    #[error("Sandbox setup failed: {0}")]
+    Setup(String),
+    /// The launch message could not be sent.
+    #[error("Cannot launch the agent")]
+    Launch(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A cgroup operation failed (`what`: freeze, thaw, the CPU quota, usage).
+    #[error("Cannot {what}")]
+    Cgroup {
+        /// What was asked.
+        what: &'static str,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// How a run's container ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ended {
+    /// How the agent ended (`SIGKILL` when the init itself was killed and wrote nothing).
+    pub exit: ProgramExit,
+    /// What the init reported when it could not confine itself (the agent never ran).
+    pub setup_error: Option<String>,
+}
+
+/// What a run's container uses now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunUsage {
+    /// Memory charged to it, bytes.
+    pub memory_bytes: u64,
+    /// CPU time so far, ns.
+    pub cpu_time_ns: u64,
+}
+
+/// What a run's container is created for. Its root, binds and landlock policy are the workspace's.
+#[derive(Debug, Clone)]
+pub struct RunPlan<'a> {
+    /// Its id (the container's and the cgroup leaf's).
+    pub cid: &'a str,
+    /// The agent's command (absolute program path first).
+    pub args: Vec<String>,
+    /// The agent's environment, `KEY=value`.
+    pub env: Vec<String>,
+    /// Memory limit, MiB.
+    pub memory_mb: u64,
+    /// Processes and threads.
+    pub pids_max: u64,
+    /// Size of `/dev/shm`, bytes.
+    pub shm_bytes: u64,
+}
+
+/// An agent sandbox's workspace.
+pub trait Workspace: Send + Sync + 'static {
+    /// Its directory on the host: `code/` is `/sandbox` inside (the control socket goes there, read-only to the
+    /// agent); other files there (the agent's log, the event log) are out of the agent's reach.
+    fn dir(&self) -> &Path;
+
+    /// `/workspace` as the host sees it.
+    fn workspace(&self) -> PathBuf;
+
+    /// The host uid that is root in its containers (the control socket's owner).
+    fn host_id(&self) -> u32;
+
+    /// Writes `code/<name>` (read-only to the agent) and the input files into `/workspace` (blocking work). A file
+    /// the request got wrong is [`runtime::Error::InputFile`].
+    fn write_inputs(&self, name: &str, content: &[u8], files: &[InputFile]) -> runtime::Result<()>;
+
+    /// Creates a run's container; its init waits for [`RunContainer::launch`]. On failure nothing of it is left.
+    fn create_run<'a>(
+        &'a self,
+        plan: RunPlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn RunContainer>, LongLivedError>>;
+
+    /// Removes the workspace (its runs must be removed first). Idempotent; errors are logged.
+    fn remove(&self) -> BoxFuture<'_, ()>;
+}
+
+/// One run's container.
+pub trait RunContainer: Send + Sync + 'static {
+    /// Its id.
+    fn cid(&self) -> &str;
+
+    /// Launches the agent with its stdin, stdout and stderr (the init holds its own copies after).
+    fn launch(&self, stdio: [BorrowedFd<'_>; 3]) -> Result<(), LongLivedError>;
+
+    /// Sends `signal` to the container's init: `SIGKILL` ends the whole container, `SIGTERM`, `SIGINT` and
+    /// `SIGHUP` are passed on to the agent. Errors are logged (it may be gone already).
+    fn signal(&self, signal: Signal);
+
+    /// Freezes every process of the container (and waits until the kernel reports it frozen).
+    fn freeze(&self) -> BoxFuture<'static, Result<(), LongLivedError>>;
+
+    /// Thaws a frozen container.
+    fn thaw(&self) -> BoxFuture<'static, Result<(), LongLivedError>>;
+
+    /// Sets a hard CPU quota of `cores`.
+    fn set_cpu_quota(&self, cores: f64) -> Result<(), LongLivedError>;
+
+    /// Memory and CPU time now.
+    fn usage(&self) -> Result<RunUsage, LongLivedError>;
+
+    /// Resolves once the container has ended (nothing of the agent can still run then). Cancel-safe, and may be
+    /// called again after it resolved.
+    fn ended(&self) -> BoxFuture<'_, Ended>;
+
+    /// Kills the container if it still runs and removes it. Errors are logged.
+    fn remove(&self) -> BoxFuture<'_, ()>;
+}

@@ -1,0 +1,28 @@
+//! Agent sandboxes: long-lived sandboxes for AI agents behind the adapter-shim HTTP/WebSocket endpoints
+//! (`docs/spec/agent-sandboxes.md`), as a library the sandboxd daemon mounts.
+//!
+//! - [`Agents`] ([`registry`]): provisioning (`POST /sandboxes`), the sandbox limit, removal, and the removal of
+//!   what a previous daemon left under `<state_dir>/agents` at start.
+//! - [`sandbox`]: one sandbox and its agent runs: the lifecycle (spawn, kill with grace, commands, crash
+//!   detection, health), the control channel ([`sandbox::control`]) and the freezer (pause and resume).
+//! - [`events`]: stamping, the rolling replay log, the gateway queue with backpressure.
+//! - [`backend`]: eager artifact upload and token renewal.
+//! - [`routes`]: the axum routes, bearer auth and bounded bodies.
+//! - [`container`]: the long-lived kind of container the runs use (the daemon's container seam implements it).
+//! - [`host`]: what the daemon provides, as narrow traits: containers and images, the artifact store, backend
+//!   calls, the token check, configuration values. This crate does not depend on the daemon.
+//! - [`config`]: the `agents:` configuration block.
+//!
+//! The wire types are `agent_api`'s.
+
+pub mod backend;
+pub mod config;
+pub mod container;
+pub mod events;
+pub mod host;
+pub mod registry;
+pub mod routes;
+pub mod sandbox;
+
+pub use registry::Agents;
+pub use routes::router;

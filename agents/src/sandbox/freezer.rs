@@ -1,0 +1,100 @@
+//! Pause and resume: a paused agent's container is frozen (the cgroup freezer: every process stopped where it is,
+//! no CPU used) and thawed on resume; a resume with no agent running starts a new run from a stored state instead.
+
+use std::sync::Arc;
+
+use agent_api::{
+    lifecycle_event, AgentBrief, AgentHandle, AgentStatus, PluginError, SerializedAgentState,
+    SerializedBy,
+};
+use runtime::error::Chain;
+use serde_json::Value;
+
+use super::{unavailable, Sandbox};
+
+impl Sandbox {
+    /// `POST /pause`: freezes the agent's cgroup.
+    pub async fn pause(&self) -> Result<SerializedAgentState, PluginError> {
+        let ops = self.ops.lock().await;
+        let Some(run) = Self::live(&ops) else {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        };
+        let status = self.status();
+        if !matches!(
+            status,
+            Some(AgentStatus::Running | AgentStatus::WaitingOnHuman)
+        ) {
+            return Err(self.invalid("The agent is not running"));
+        }
+        run.container
+            .freeze()
+            .await
+            .map_err(|e| unavailable(Chain(&e).to_string(), false))?;
+        {
+            let mut sh = self.shared();
+            sh.before_pause = status;
+            sh.status = Some(AgentStatus::Paused);
+        }
+        let run_id = self.shared().run_id.clone();
+        self.hub
+            .emit(&run_id, lifecycle_event(&self.agent_id, "paused", None));
+        Ok(self.serialize(&ops, SerializedBy::Pause))
+    }
+
+    /// `POST /resume`: thaws a paused agent.
+    /// `POST /resume`: thaws a paused agent; with no agent running, starts a new run from the state's brief
+    /// snapshot and hands the agent its checkpoint (`resume` in the brief line).
+    pub async fn resume(
+        self: &Arc<Self>,
+        state: SerializedAgentState,
+    ) -> Result<AgentHandle, PluginError> {
+        let mut ops = self.ops.lock().await;
+        if Self::live(&ops).is_none() || self.shared().last_exit.is_some() {
+            let brief: AgentBrief =
+                serde_json::from_value(state.brief_snapshot.clone()).map_err(|e| {
+                    PluginError::invalid(format!(
+                        "No agent is running and the state's briefSnapshot is not a brief: {e}"
+                    ))
+                })?;
+            if brief.agent_id != self.agent_id {
+                return Err(PluginError::invalid(format!(
+                    "The state is for agent {:?}, this sandbox runs {:?}",
+                    brief.agent_id, self.agent_id
+                )));
+            }
+            let checkpoint = state
+                .checkpoint
+                .get("agent")
+                .cloned()
+                .unwrap_or(Value::Null);
+            let h = self.spawn_locked(&mut ops, brief, Some(checkpoint)).await?;
+            self.hub.emit(
+                &h.session_id,
+                lifecycle_event(
+                    &self.agent_id,
+                    "resumed",
+                    Some("new run from a stored state"),
+                ),
+            );
+            return Ok(h);
+        }
+        let Some(run) = Self::live(&ops) else {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        };
+        if self.status() != Some(AgentStatus::Paused) {
+            return Err(self.invalid("The agent is not paused"));
+        }
+        run.container
+            .thaw()
+            .await
+            .map_err(|e| unavailable(Chain(&e).to_string(), false))?;
+        let run_id = {
+            let mut sh = self.shared();
+            sh.status = Some(sh.before_pause.take().unwrap_or(AgentStatus::Running));
+            sh.run_id.clone()
+        };
+        self.hub
+            .emit(&run_id, lifecycle_event(&self.agent_id, "resumed", None));
+        Ok(self.handle())
+    }
+}

@@ -1,0 +1,456 @@
+//! A sandbox's runs from start to end: spawn (one run at a time: the control socket, the run's container with the
+//! agent's command and environment, its CPU quota, the launch), the supervisor that turns the container's end into
+//! `session_end` or `crashed`, kill with grace (a `shutdown` line and `SIGTERM`, then `SIGKILL`), the lifetime
+//! limit, and removal.
+
+use std::os::fd::AsFd;
+use std::os::unix::fs::PermissionsExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent_api::{
+    error_event, lifecycle_event, AgentBrief, AgentCommand, AgentHandle, AgentStatus, KillRequest,
+    KillResponse, PluginError, SerializedBy, DEFAULT_GRACE_TIMEOUT_MS,
+};
+use nix::sys::signal::Signal;
+use runtime::error::Chain;
+use runtime::init::ProgramExit;
+use runtime::rootfs::CODE_DIR;
+use serde_json::Value;
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn, Instrument};
+
+use super::{line, unavailable, Ops, Run, Sandbox, COMMAND_QUEUE, CONTROL_SOCKET};
+use crate::container::{Ended, RunContainer, RunPlan};
+
+impl Sandbox {
+    /// Starts the sandbox's background tasks: token renewal and the lifetime limit.
+    pub fn start_tasks(self: &Arc<Self>) {
+        let renew = tokio::spawn(self.backend.clone().renew_loop());
+        let me = Arc::downgrade(self);
+        let lifetime = Duration::from_millis(self.limits.timeout_ms);
+        let expire = tokio::spawn(async move {
+            tokio::time::sleep(lifetime).await;
+            if let Some(sb) = me.upgrade() {
+                sb.expire().await;
+            }
+        });
+        let mut t = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        t.push(renew);
+        t.push(expire);
+    }
+
+    async fn expire(self: Arc<Self>) {
+        info!(sandbox = %self.id, "sandbox lifetime over");
+        self.shared().expired = true;
+        let mut ops = self.ops.lock().await;
+        if ops.run.as_ref().is_some_and(|r| !*r.done.borrow()) {
+            let _ = self
+                .stop_run(
+                    &mut ops,
+                    KillRequest {
+                        grace: false,
+                        grace_timeout_ms: None,
+                    },
+                    "timeout",
+                )
+                .await;
+        }
+    }
+
+    /// `POST /spawn`.
+    pub async fn spawn(self: &Arc<Self>, brief: AgentBrief) -> Result<AgentHandle, PluginError> {
+        let mut ops = self.ops.lock().await;
+        self.spawn_locked(&mut ops, brief, None).await
+    }
+
+    /// Starts a run; `resume` is the agent's checkpoint from a stored state (handed to it in the brief line).
+    pub(super) async fn spawn_locked(
+        self: &Arc<Self>,
+        ops: &mut Ops,
+        brief: AgentBrief,
+        resume: Option<Value>,
+    ) -> Result<AgentHandle, PluginError> {
+        let command = self.spawnable(ops, &brief).await?;
+        let n = self.runs.fetch_add(1, Ordering::Relaxed) + 1;
+        let cid = format!("{}-{n}", self.id);
+        let run_id = uuid::Uuid::now_v7().to_string();
+        let listener = self.control_socket()?;
+        let c = self.start_container(&cid, command).await?;
+        info!(sandbox = %self.id, container = %c.cid(), run = %run_id, "agent started");
+
+        ops.brief = match serde_json::to_value(&brief) {
+            Ok(Value::Object(m)) => Some(m),
+            _ => None,
+        };
+        {
+            let mut sh = self.shared();
+            sh.status = Some(AgentStatus::Running);
+            sh.before_pause = None;
+            sh.run_id = run_id.clone();
+            sh.container = Some(c.clone());
+            sh.pending_decisions.clear();
+            sh.checkpoint = None;
+            sh.last_exit = None;
+            sh.cpu_sample = None;
+        }
+        let brief_line = line(&AgentCommand::Brief {
+            brief,
+            run_id: run_id.clone(),
+            sandbox_id: self.id.clone(),
+            resume,
+        });
+        self.hub
+            .emit(&run_id, lifecycle_event(&self.agent_id, "started", None));
+        let (commands, commands_rx) = mpsc::channel(COMMAND_QUEUE);
+        let (done_tx, done) = watch::channel(false);
+        let killing = Arc::new(AtomicBool::new(false));
+        ops.run = Some(Run {
+            commands,
+            done,
+            killing: killing.clone(),
+            container: c.clone(),
+        });
+        let span = tracing::info_span!("agent", sandbox = %self.id, run = %run_id);
+        tokio::spawn(
+            self.clone()
+                .supervise(
+                    c,
+                    listener,
+                    brief_line,
+                    commands_rx,
+                    run_id,
+                    killing,
+                    done_tx,
+                )
+                .instrument(span),
+        );
+        Ok(self.handle())
+    }
+
+    /// Whether a run may start now, and the agent's command (the brief's, else the template's).
+    async fn spawnable(&self, ops: &Ops, brief: &AgentBrief) -> Result<Vec<String>, PluginError> {
+        if self.shared().expired {
+            return Err(self.invalid("The sandbox's lifetime (resourceLimits.timeoutMs) is over"));
+        }
+        // A run that has ended (its exit is processed and its last events are out) may still be removing its
+        // container: wait for that rather than refuse.
+        let ending = self.shared().last_exit.is_some();
+        if let Some(run) = Self::live(ops).filter(|_| ending) {
+            let mut done = run.done.clone();
+            let _ = tokio::time::timeout(Duration::from_secs(30), done.wait_for(|d| *d)).await;
+        }
+        if Self::live(ops).is_some() {
+            return Err(self.invalid("An agent is already running in this sandbox"));
+        }
+        let command = brief
+            .command()
+            .or_else(|| (!self.template.command.is_empty()).then(|| self.template.command.clone()))
+            .ok_or_else(|| {
+                PluginError::invalid(
+                    "No agent command: set providerConfig.command in the brief or template.command at creation",
+                )
+            })?;
+        if command.first().is_none_or(|p| !p.starts_with('/')) {
+            return Err(PluginError::invalid(
+                "The agent command's program must be an absolute path",
+            ));
+        }
+        Ok(command)
+    }
+
+    /// The control socket, connectable only by the sandbox's uid.
+    fn control_socket(&self) -> Result<tokio::net::UnixListener, PluginError> {
+        let sock_path = self.dir.join("code").join(CONTROL_SOCKET);
+        let _ = std::fs::remove_file(&sock_path);
+        let listener = tokio::net::UnixListener::bind(&sock_path)
+            .map_err(|e| unavailable(format!("Cannot create the control socket: {e}"), false))?;
+        let owner = self.workspace.host_id();
+        let uid = Some(nix::unistd::Uid::from_raw(owner));
+        let gid = Some(nix::unistd::Gid::from_raw(owner));
+        nix::unistd::chown(&sock_path, uid, gid)
+            .map_err(|e| unavailable(format!("Cannot chown the control socket: {e}"), false))?;
+        std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| unavailable(format!("Cannot chmod the control socket: {e}"), false))?;
+        Ok(listener)
+    }
+
+    /// Creates the run's container (stdin `/dev/null`, output to the agent log), sets its cpu quota and launches
+    /// the agent. On error nothing of the container is left.
+    async fn start_container(
+        &self,
+        cid: &str,
+        args: Vec<String>,
+    ) -> Result<Arc<dyn RunContainer>, PluginError> {
+        let stdin = std::fs::File::open("/dev/null")
+            .map_err(|e| unavailable(format!("/dev/null: {e}"), false))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("scratch/agent.log"))
+            .map_err(|e| unavailable(format!("Cannot open the agent log: {e}"), false))?;
+        let plan = RunPlan {
+            cid,
+            args,
+            env: self.environment(),
+            memory_mb: self.limits.memory_mb,
+            pids_max: self.host.settings.agents.pids_max,
+            shm_bytes: (self.limits.disk_mb << 20).min(64 << 20),
+        };
+        let c = self
+            .workspace
+            .create_run(plan)
+            .await
+            .map_err(|e| unavailable(Chain(&e).to_string(), true))?;
+        let started = c
+            .set_cpu_quota(self.limits.cpu_cores)
+            .and_then(|()| c.launch([stdin.as_fd(), log.as_fd(), log.as_fd()]));
+        if let Err(e) = started {
+            c.signal(Signal::SIGKILL);
+            c.remove().await;
+            return Err(unavailable(Chain(&e).to_string(), true));
+        }
+        Ok(c)
+    }
+
+    /// The agent's environment: the image's base, the template's, and where its control socket is.
+    fn environment(&self) -> Vec<String> {
+        let mut env = self
+            .host
+            .containers
+            .image_environment(&self.image)
+            .unwrap_or_default();
+        env.extend(self.template.env.clone());
+        env.insert(
+            "SANDBOXD_CONTROL_SOCKET".into(),
+            format!("{CODE_DIR}/{CONTROL_SOCKET}"),
+        );
+        env.insert("SANDBOXD_SANDBOX_ID".into(), self.id.clone());
+        env.insert("SANDBOXD_AGENT_ID".into(), self.agent_id.clone());
+        env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+    }
+
+    /// The run's supervisor: accepts the agent's control connection, sends it the brief and the commands, turns its
+    /// lines into events, and ends the run when the container exits.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn supervise(
+        self: Arc<Self>,
+        c: Arc<dyn RunContainer>,
+        listener: tokio::net::UnixListener,
+        brief_line: String,
+        commands_rx: mpsc::Receiver<String>,
+        run_id: String,
+        killing: Arc<AtomicBool>,
+        done_tx: watch::Sender<bool>,
+    ) {
+        let end = self
+            .watch_run(&*c, listener, brief_line, commands_rx, &run_id, &killing)
+            .await;
+        let killed = killing.load(Ordering::SeqCst);
+        let crashed = crash_reason(killed, end.crash, &end.ended);
+        {
+            let mut sh = self.shared();
+            sh.last_exit = Some(end.ended.exit);
+            sh.status = Some(if crashed.is_some() {
+                AgentStatus::Error
+            } else {
+                AgentStatus::Completed
+            });
+        }
+        match &crashed {
+            Some(why) => {
+                warn!(reason = %why, "agent crashed");
+                self.hub.emit(
+                    &run_id,
+                    lifecycle_event(&self.agent_id, "crashed", Some(why)),
+                );
+                self.hub.emit(
+                    &run_id,
+                    error_event(
+                        &self.agent_id,
+                        "high",
+                        &format!("The agent crashed: {why}"),
+                        false,
+                        Some("agent_crashed"),
+                        "internal",
+                    ),
+                );
+            }
+            None if !killed => {
+                self.hub.emit(
+                    &run_id,
+                    lifecycle_event(&self.agent_id, "session_end", None),
+                );
+            }
+            None => {}
+        }
+        c.remove().await;
+        let _ = std::fs::remove_file(self.dir.join("code").join(CONTROL_SOCKET));
+        self.shared().container = None;
+        let _ = done_tx.send(true);
+    }
+
+    /// `POST /kill`.
+    pub async fn kill(&self, req: KillRequest) -> Result<KillResponse, PluginError> {
+        let mut ops = self.ops.lock().await;
+        if Self::live(&ops).is_none() {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        }
+        self.stop_run(&mut ops, req, "kill").await
+    }
+
+    /// Stops the live run: with grace, a `shutdown` line and SIGTERM, then SIGKILL after the grace period.
+    pub(super) async fn stop_run(
+        &self,
+        ops: &mut Ops,
+        req: KillRequest,
+        reason: &str,
+    ) -> Result<KillResponse, PluginError> {
+        let Some(run) = Self::live(ops) else {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        };
+        let (c, mut done, killing) = (run.container.clone(), run.done.clone(), run.killing.clone());
+        killing.store(true, Ordering::SeqCst);
+        let uploads_before = self.shared().uploads;
+        if self.status() == Some(AgentStatus::Paused) {
+            // Frozen tasks cannot act on signals (v1 cannot even die): thaw first.
+            if let Err(e) = c.thaw().await {
+                warn!(sandbox = %self.id, error = %Chain(&e), "thaw before the kill failed");
+            }
+        }
+        let mut clean = false;
+        if req.grace {
+            let grace =
+                Duration::from_millis(req.grace_timeout_ms.unwrap_or(DEFAULT_GRACE_TIMEOUT_MS));
+            let _ = run.commands.try_send(line(&AgentCommand::Shutdown {
+                grace_timeout_ms: grace.as_millis() as u64,
+            }));
+            c.signal(Signal::SIGTERM);
+            if tokio::time::timeout(grace, done.wait_for(|d| *d))
+                .await
+                .is_ok()
+            {
+                clean = self.shared().last_exit == Some(ProgramExit::Code(0));
+            }
+        }
+        if !*done.borrow() {
+            c.signal(Signal::SIGKILL);
+            if tokio::time::timeout(Duration::from_secs(10), done.wait_for(|d| *d))
+                .await
+                .is_err()
+            {
+                return Err(unavailable(
+                    "The agent did not stop within 10 s of SIGKILL",
+                    true,
+                ));
+            }
+        }
+        let state = (req.grace && self.shared().checkpoint.is_some())
+            .then(|| self.serialize(ops, SerializedBy::KillGrace));
+        let artifacts_extracted = self.shared().uploads - uploads_before;
+        let run_id = self.shared().run_id.clone();
+        self.hub.emit(
+            &run_id,
+            lifecycle_event(&self.agent_id, "killed", Some(reason)),
+        );
+        Ok(KillResponse {
+            state,
+            artifacts_extracted,
+            clean_shutdown: clean,
+        })
+    }
+
+    /// Kills the run (if any), stops the tasks and removes the workspace. Idempotent.
+    pub async fn destroy(&self) {
+        let mut ops = self.ops.lock().await;
+        if Self::live(&ops).is_some() {
+            if let Err(e) = self
+                .stop_run(
+                    &mut ops,
+                    KillRequest {
+                        grace: false,
+                        grace_timeout_ms: None,
+                    },
+                    "deleted",
+                )
+                .await
+            {
+                warn!(sandbox = %self.id, error = %e, "agent not stopped at removal");
+            }
+        }
+        ops.run = None;
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+        self.hub.close();
+        self.workspace.remove().await;
+    }
+}
+
+/// Why a run counts as crashed, if it does: not when it was killed on request; otherwise sandboxd's own reason,
+/// the init's setup failure, or any end but exit status 0.
+fn crash_reason(killed: bool, crash: Option<String>, ended: &Ended) -> Option<String> {
+    if killed {
+        None
+    } else if let Some(why) = crash {
+        Some(why)
+    } else if let Some(setup) = &ended.setup_error {
+        Some(format!("the sandbox setup failed: {setup}"))
+    } else {
+        match ended.exit {
+            ProgramExit::Code(0) => None,
+            e => Some(format!("the agent ended: {}", e.describe())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_is_a_crash_unless_killed_or_exited_zero() {
+        let why = |killed, crash: Option<&str>, exit, setup: Option<&str>| {
+            let ended = Ended {
+                exit,
+                setup_error: setup.map(str::to_owned),
+            };
+            crash_reason(killed, crash.map(str::to_owned), &ended)
+        };
+        // A kill on request is never a crash, whatever the exit or reason.
+        assert_eq!(
+            why(true, Some("x"), ProgramExit::Signal(9), Some("landlock")),
+            None
+        );
+        assert_eq!(why(false, None, ProgramExit::Code(0), None), None);
+        // sandboxd's own reason wins over the setup error and the exit.
+        assert_eq!(
+            why(
+                false,
+                Some("control line too long"),
+                ProgramExit::Code(0),
+                Some("landlock")
+            )
+            .as_deref(),
+            Some("control line too long")
+        );
+        assert_eq!(
+            why(false, None, ProgramExit::Signal(9), Some("landlock")).as_deref(),
+            Some("the sandbox setup failed: landlock")
+        );
+        assert_eq!(
+            why(false, None, ProgramExit::Code(3), None).as_deref(),
+            Some("the agent ended: exit status 3")
+        );
+        assert_eq!(
+            why(false, None, ProgramExit::Signal(9), None).as_deref(),
+            Some("the agent ended: killed by SIGKILL")
+        );
+    }
+}

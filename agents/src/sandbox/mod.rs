@@ -1,0 +1,339 @@
+//! One agent sandbox: its workspace (a tmpfs of `diskMb` under `<state_dir>/agents/<id>/` that outlives each agent
+//! run), its event hub, its backend credentials, and at most one agent run at a time: a container started by
+//! `POST /spawn` whose program talks to sandboxd over the control socket `/sandbox/control.sock`.
+//!
+//! Operations on a sandbox are serialized by one async lock; the run's supervisor task owns the container and the
+//! control connection and detects the end of the run (container exit or control socket drop: a crash unless the
+//! agent exited with status 0 or was killed). The agent's lines are read (at most `agents.max_line_bytes` each; a
+//! longer one is skipped with a warning) and turned into stamped events by two tasks of their own, one line in
+//! flight between them, so neither a slow upload nor a file that blocks on open can stall the supervisor: a kill
+//! or a removal is always served.
+
+//!
+//! The parts: [`lifecycle`] (spawn, the run's supervisor and its end, kill with grace, the lifetime limit,
+//! removal), [`control`] (the control channel: the agent's lines in, commands out) and [`freezer`] (pause and
+//! resume). Here: the sandbox's state, the commands forwarded to a live agent, its saved state and health.
+
+pub mod control;
+pub mod freezer;
+pub mod lifecycle;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use agent_api::{
+    AgentCommand, AgentHandle, AgentStatus, AgentTemplate, ContextInjection, HealthStatus,
+    PluginError, ResolveRequest, SandboxHealthResponse, SandboxResourceUsage, SerializedAgentState,
+    SerializedBy,
+};
+use runtime::init::ProgramExit;
+use serde_json::{Map, Value};
+use tokio::sync::{mpsc, watch};
+
+use crate::backend::Backend;
+use crate::container::{RunContainer, Workspace};
+use crate::events::Hub;
+use crate::host::Host;
+
+/// Name of the control socket in the code directory (`/sandbox` inside).
+pub const CONTROL_SOCKET: &str = "control.sock";
+/// Commands queued for the agent before callers are told to retry.
+const COMMAND_QUEUE: usize = 64;
+/// The plugin name in handles and states.
+pub const PLUGIN_NAME: &str = "sandboxd";
+
+/// Resolved resource limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// CPU quota, cores.
+    pub cpu_cores: f64,
+    /// Memory, MiB.
+    pub memory_mb: u64,
+    /// Workspace tmpfs, MiB.
+    pub disk_mb: u64,
+    /// Sandbox lifetime, ms.
+    pub timeout_ms: u64,
+}
+
+/// What readers outside the operation lock see.
+#[derive(Default)]
+struct Shared {
+    status: Option<AgentStatus>,
+    /// Status to return to on resume.
+    before_pause: Option<AgentStatus>,
+    run_id: String,
+    /// The run's container while it exists.
+    container: Option<Arc<dyn RunContainer>>,
+    pending_decisions: BTreeSet<String>,
+    checkpoint: Option<(Value, Option<String>)>,
+    uploads: u64,
+    last_exit: Option<ProgramExit>,
+    cpu_sample: Option<(Instant, u64)>,
+    expired: bool,
+}
+
+/// A live run, as operations see it.
+struct Run {
+    commands: mpsc::Sender<String>,
+    done: watch::Receiver<bool>,
+    killing: Arc<AtomicBool>,
+    container: Arc<dyn RunContainer>,
+}
+
+#[derive(Default)]
+struct Ops {
+    run: Option<Run>,
+    brief: Option<Map<String, Value>>,
+}
+
+/// One agent sandbox.
+pub struct Sandbox {
+    /// Sandbox id.
+    pub id: String,
+    /// The agent (from the bootstrap).
+    pub agent_id: String,
+    limits: Limits,
+    template: AgentTemplate,
+    /// The image its runs start on.
+    image: String,
+    /// Backend credentials.
+    pub backend: Arc<Backend>,
+    /// Events.
+    pub hub: Arc<Hub>,
+    dir: PathBuf,
+    workspace: Arc<dyn Workspace>,
+    ops: tokio::sync::Mutex<Ops>,
+    shared: Mutex<Shared>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    runs: AtomicU64,
+    created: Instant,
+    host: Host,
+}
+
+fn unavailable(message: impl Into<String>, retryable: bool) -> PluginError {
+    PluginError::ProviderUnavailable {
+        message: message.into(),
+        retryable,
+    }
+}
+
+impl Sandbox {
+    /// Assembles a sandbox around its prepared workspace.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: String,
+        agent_id: String,
+        limits: Limits,
+        template: AgentTemplate,
+        image: String,
+        backend: Arc<Backend>,
+        hub: Arc<Hub>,
+        workspace: Arc<dyn Workspace>,
+        host: Host,
+    ) -> Arc<Self> {
+        let dir = workspace.dir().to_owned();
+        Arc::new(Self {
+            id,
+            agent_id,
+            limits,
+            template,
+            image,
+            backend,
+            hub,
+            dir,
+            workspace,
+            ops: tokio::sync::Mutex::new(Ops::default()),
+            shared: Mutex::new(Shared::default()),
+            tasks: Mutex::new(Vec::new()),
+            runs: AtomicU64::new(0),
+            created: Instant::now(),
+            host,
+        })
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn status(&self) -> Option<AgentStatus> {
+        self.shared().status
+    }
+
+    /// The agent's handle (status `completed` before the first spawn).
+    pub fn handle(&self) -> AgentHandle {
+        let sh = self.shared();
+        AgentHandle {
+            id: self.agent_id.clone(),
+            plugin_name: PLUGIN_NAME.into(),
+            status: sh.status.unwrap_or(AgentStatus::Completed),
+            session_id: sh.run_id.clone(),
+            pending_brief_changes: None,
+        }
+    }
+
+    fn invalid(&self, message: impl Into<String>) -> PluginError {
+        PluginError::InvalidState {
+            message: message.into(),
+            handle: Some(Box::new(self.handle())),
+        }
+    }
+
+    fn live(ops: &Ops) -> Option<&Run> {
+        ops.run.as_ref().filter(|r| !*r.done.borrow())
+    }
+
+    fn send(&self, ops: &Ops, cmd: &AgentCommand) -> Result<(), PluginError> {
+        let Some(run) = Self::live(ops) else {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        };
+        run.commands.try_send(line(cmd)).map_err(|_| {
+            unavailable(
+                "The agent is not reading its control channel; retry later",
+                true,
+            )
+        })
+    }
+
+    /// `POST /resolve`.
+    pub async fn resolve(&self, req: ResolveRequest) -> Result<(), PluginError> {
+        let ops = self.ops.lock().await;
+        if Self::live(&ops).is_none() {
+            return Err(self.invalid("No agent is running in this sandbox"));
+        }
+        if !self.shared().pending_decisions.contains(&req.decision_id) {
+            return Err(PluginError::DecisionNotFound {
+                decision_id: req.decision_id,
+            });
+        }
+        self.send(
+            &ops,
+            &AgentCommand::Resolve {
+                decision_id: req.decision_id.clone(),
+                resolution: req.resolution,
+            },
+        )?;
+        let mut sh = self.shared();
+        sh.pending_decisions.remove(&req.decision_id);
+        if sh.pending_decisions.is_empty() && sh.status == Some(AgentStatus::WaitingOnHuman) {
+            sh.status = Some(AgentStatus::Running);
+        }
+        if sh.pending_decisions.is_empty() && sh.before_pause == Some(AgentStatus::WaitingOnHuman) {
+            sh.before_pause = Some(AgentStatus::Running);
+        }
+        Ok(())
+    }
+
+    /// `POST /inject-context`.
+    pub async fn inject(&self, injection: ContextInjection) -> Result<(), PluginError> {
+        let ops = self.ops.lock().await;
+        self.send(&ops, &AgentCommand::InjectContext { injection })
+    }
+
+    /// `POST /update-brief`: forwarded to the running agent (hot update) and applied to the brief snapshot.
+    pub async fn update_brief(&self, changes: Map<String, Value>) -> Result<(), PluginError> {
+        let mut ops = self.ops.lock().await;
+        if changes.contains_key("agentId") {
+            return Err(PluginError::invalid("update-brief cannot change agentId"));
+        }
+        self.send(
+            &ops,
+            &AgentCommand::UpdateBrief {
+                changes: changes.clone(),
+            },
+        )?;
+        if let Some(b) = ops.brief.as_mut() {
+            b.extend(changes);
+        }
+        Ok(())
+    }
+
+    fn serialize(&self, ops: &Ops, by: SerializedBy) -> SerializedAgentState {
+        let sh = self.shared();
+        let (agent_checkpoint, summary) = sh.checkpoint.clone().unzip();
+        let mut state = SerializedAgentState {
+            agent_id: self.agent_id.clone(),
+            plugin_name: PLUGIN_NAME.into(),
+            session_id: sh.run_id.clone(),
+            checkpoint: serde_json::json!({
+                "sdk": PLUGIN_NAME,
+                "sandboxId": self.id,
+                "runId": sh.run_id,
+                "frozen": by == SerializedBy::Pause,
+                "agent": agent_checkpoint,
+            }),
+            brief_snapshot: ops.brief.clone().map(Value::Object).unwrap_or(Value::Null),
+            conversation_summary: summary.flatten(),
+            pending_decision_ids: sh.pending_decisions.iter().cloned().collect(),
+            last_sequence: self.hub.last_sequence(),
+            serialized_at: protocol::now_ts(),
+            serialized_by: by,
+            estimated_size_bytes: 0,
+        };
+        drop(sh);
+        state.estimated_size_bytes = serde_json::to_vec(&state)
+            .map(|v| v.len() as u64)
+            .unwrap_or(0);
+        state
+    }
+
+    /// `GET /health`.
+    pub fn health(&self) -> SandboxHealthResponse {
+        let (status, container) = {
+            let sh = self.shared();
+            (sh.status, sh.container.clone())
+        };
+        let mut degraded = self.hub.dropping();
+        let (mut cpu_percent, mut memory_mb) = (0.0, 0.0);
+        if let Some(c) = &container {
+            match c.usage() {
+                Ok(u) => {
+                    memory_mb = u.memory_bytes as f64 / (1u64 << 20) as f64;
+                    let now = Instant::now();
+                    let mut sh = self.shared();
+                    if let Some((t, ns)) = sh.cpu_sample {
+                        let wall = now.duration_since(t).as_nanos() as f64;
+                        if wall > 0.0 {
+                            cpu_percent = u.cpu_time_ns.saturating_sub(ns) as f64 * 100.0 / wall;
+                        }
+                    }
+                    sh.cpu_sample = Some((now, u.cpu_time_ns));
+                }
+                Err(_) => degraded = true,
+            }
+        }
+        let disk_mb = nix::sys::statvfs::statvfs(&self.workspace.workspace())
+            .map(|s| {
+                (s.blocks().saturating_sub(s.blocks_free()) as f64 * s.fragment_size() as f64)
+                    / (1u64 << 20) as f64
+            })
+            .unwrap_or(0.0);
+        let agent_status = status.unwrap_or(AgentStatus::Completed);
+        SandboxHealthResponse {
+            status: if agent_status == AgentStatus::Error {
+                HealthStatus::Unhealthy
+            } else if degraded {
+                HealthStatus::Degraded
+            } else {
+                HealthStatus::Healthy
+            },
+            agent_status,
+            uptime_ms: self.created.elapsed().as_millis() as u64,
+            resource_usage: SandboxResourceUsage {
+                cpu_percent,
+                memory_mb,
+                disk_mb,
+                collected_at: protocol::now_ts(),
+            },
+            pending_event_buffer_size: self.hub.pending() as u64,
+        }
+    }
+}
+
+fn line(cmd: &AgentCommand) -> String {
+    let mut s = serde_json::to_string(cmd).unwrap_or_default();
+    s.push('\n');
+    s
+}

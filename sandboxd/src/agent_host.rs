@@ -1,0 +1,250 @@
+//! What the daemon gives agent sandboxes (the `agents` crate): its [`agents::host`] traits implemented over the
+//! daemon's parts. Containers come from the pool's factory (the container seam's long-lived kind) with a host uid
+//! of their own from the range after the executions' (`uid_base + uid_count()`, `agents.max_sandboxes` of them);
+//! images are the languages' images by name; artifacts go to the store; backend calls go through [`crate::upload`];
+//! tokens are checked by [`crate::auth`]. This is the one place that reads the engine for agent sandboxes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use agents::container::{BoxFuture, LongLivedError, RunContainer, RunPlan, Workspace};
+use agents::host::{
+    ArtifactStore, Authorizer, BoxError, Containers, Host, HttpFailure, Settings, StoredArtifact,
+    Upload, Uploads, WorkspaceError, WorkspaceRequest,
+};
+use axum::http::HeaderMap;
+use hyper::body::Bytes;
+use runtime::rootfs::InputFile;
+use serde_json::Value;
+
+use crate::containers::WorkspacePlan;
+use crate::engine::Engine;
+use crate::images::RootImage;
+use crate::pool::{Factory, Uids};
+use crate::store::Store;
+use crate::upload::{UploadConfig, UploadError};
+
+/// The host of the daemon's agent sandboxes.
+pub fn host(engine: &Arc<Engine>) -> Host {
+    let cfg = engine.daemon().config();
+    let images = engine
+        .languages()
+        .values()
+        .map(|l| (l.image.name.clone(), l.image.clone()))
+        .collect();
+    let uids = Uids::new(
+        cfg.sandbox.uid_base + cfg.uid_count() as u32,
+        cfg.agents.max_sandboxes as u32,
+    );
+    Host {
+        settings: Arc::new(Settings {
+            agents: cfg.agents.clone(),
+            state_dir: cfg.state_dir.clone(),
+            max_artifact_bytes: cfg.artifacts.max_file_bytes,
+            listen: cfg.listen,
+        }),
+        containers: Arc::new(AgentContainers::new(
+            engine.pool().factory().clone(),
+            images,
+            uids,
+        )),
+        store: Arc::new(StoreArtifacts(engine.daemon().store().clone())),
+        uploads: Arc::new(HttpUploads),
+        auth: Arc::new(Tokens(Arc::new(cfg.auth.tokens.clone()))),
+    }
+}
+
+/// Workspaces through the factory, on the daemon's images, with host uids of their own.
+pub struct AgentContainers {
+    factory: Arc<Factory>,
+    images: BTreeMap<String, Arc<RootImage>>,
+    uids: Arc<Uids>,
+    max: usize,
+}
+
+impl AgentContainers {
+    /// Over `factory`, with `images` by name and `uids` for the workspaces.
+    pub fn new(
+        factory: Arc<Factory>,
+        images: BTreeMap<String, Arc<RootImage>>,
+        uids: Uids,
+    ) -> Self {
+        Self {
+            factory,
+            images,
+            max: uids.available(),
+            uids: Arc::new(uids),
+        }
+    }
+}
+
+impl Containers for AgentContainers {
+    fn image_environment(&self, image: &str) -> Option<BTreeMap<String, String>> {
+        self.images
+            .get(image)
+            .map(|i| crate::engine::base_environment(i))
+    }
+
+    fn create_workspace<'a>(
+        &'a self,
+        req: WorkspaceRequest<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, WorkspaceError>> {
+        Box::pin(async move {
+            let image = self
+                .images
+                .get(req.image)
+                .ok_or_else(|| WorkspaceError::NoImage(req.image.to_owned()))?;
+            let host_id = self.uids.try_take().ok_or(WorkspaceError::Full(self.max))?;
+            let plan = WorkspacePlan {
+                id: req.id,
+                parent: req.parent,
+                host_id,
+                image,
+                disk_mb: req.disk_mb,
+            };
+            match self.factory.create_workspace(plan).await {
+                Ok(inner) => Ok(Arc::new(UidWorkspace {
+                    inner,
+                    uid: Mutex::new(Some(host_id)),
+                    uids: self.uids.clone(),
+                }) as Arc<dyn Workspace>),
+                Err(e) => {
+                    self.uids.give_back(host_id);
+                    Err(WorkspaceError::Failed(Box::new(e)))
+                }
+            }
+        })
+    }
+}
+
+/// A workspace that gives its host uid back once it is removed.
+struct UidWorkspace {
+    inner: Arc<dyn Workspace>,
+    /// `None` once given back.
+    uid: Mutex<Option<u32>>,
+    uids: Arc<Uids>,
+}
+
+impl Workspace for UidWorkspace {
+    fn dir(&self) -> &Path {
+        self.inner.dir()
+    }
+
+    fn workspace(&self) -> PathBuf {
+        self.inner.workspace()
+    }
+
+    fn host_id(&self) -> u32 {
+        self.inner.host_id()
+    }
+
+    fn write_inputs(&self, name: &str, content: &[u8], files: &[InputFile]) -> runtime::Result<()> {
+        self.inner.write_inputs(name, content, files)
+    }
+
+    fn create_run<'a>(
+        &'a self,
+        plan: RunPlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn RunContainer>, LongLivedError>> {
+        self.inner.create_run(plan)
+    }
+
+    fn remove(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.inner.remove().await;
+            let uid = self.uid.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(uid) = uid {
+                self.uids.give_back(uid);
+            }
+        })
+    }
+}
+
+/// The artifact store.
+pub struct StoreArtifacts(pub Arc<Store>);
+
+impl ArtifactStore for StoreArtifacts {
+    fn store(
+        &self,
+        file: &mut std::fs::File,
+        max_bytes: u64,
+        mime: &str,
+    ) -> std::io::Result<StoredArtifact> {
+        let _w = self.0.writing();
+        let mime = mime.to_owned();
+        let staged = self.0.stage(file, max_bytes, |_| mime)?;
+        let stored = self.0.commit(vec![staged])?.pop().ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "nothing was committed")
+        })?;
+        Ok(StoredArtifact {
+            hex: stored.hex,
+            size: stored.size,
+        })
+    }
+
+    fn path(&self, hex: &str) -> Option<PathBuf> {
+        self.0.blob(hex)
+    }
+}
+
+/// Backend calls over plain HTTP ([`crate::upload`]).
+pub struct HttpUploads;
+
+impl Uploads for HttpUploads {
+    fn check_endpoint(&self, url: &str) -> Result<(), BoxError> {
+        let cfg = UploadConfig {
+            url: url.to_owned(),
+            token: String::new(),
+            attempts: 1,
+            backoff_ms: 1,
+        };
+        cfg.validate().map_err(|e| Box::new(e) as BoxError)
+    }
+
+    fn post_json<'a>(
+        &'a self,
+        url: &'a str,
+        token: &'a str,
+        body: String,
+    ) -> BoxFuture<'a, Result<Value, HttpFailure>> {
+        Box::pin(async move {
+            let headers = [("content-type", "application/json".to_owned())];
+            crate::upload::post_json(url, token, &headers, Bytes::from(body))
+                .await
+                .map_err(|e| HttpFailure {
+                    unauthorized: e.is_unauthorized(),
+                    error: Box::new(e),
+                })
+        })
+    }
+
+    fn upload<'a>(&'a self, upload: Upload<'a>) -> BoxFuture<'a, Result<String, HttpFailure>> {
+        Box::pin(async move {
+            let cfg = UploadConfig {
+                url: upload.url.to_owned(),
+                token: upload.token.to_owned(),
+                attempts: upload.attempts,
+                backoff_ms: 100,
+            };
+            crate::upload::upload(&cfg, upload.blob, upload.hex, upload.mime)
+                .await
+                .map_err(|e: UploadError| HttpFailure {
+                    unauthorized: e.is_unauthorized(),
+                    error: Box::new(e),
+                })
+        })
+    }
+}
+
+/// The daemon's bearer tokens.
+pub struct Tokens(pub Arc<Vec<String>>);
+
+impl Authorizer for Tokens {
+    fn authorized(&self, headers: &HeaderMap) -> bool {
+        crate::auth::authorized(headers, &self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests;

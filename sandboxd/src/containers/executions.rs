@@ -1,0 +1,217 @@
+//! The helper backend's [`ContainerBackend`]: an execution's container (created with its bundle, prepared,
+//! launched, watched through the init's pidfd and status pipe, killed and removed), and the agents' workspaces,
+//! whose runs are in `runs`. Built on the backend's shared parts in [`super::helper`].
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use nix::sys::signal::Signal;
+use runtime::cgroups::{CgroupLimits, Cgroups, Usage};
+use runtime::helper::{Created, HelperClient};
+use runtime::launch::Launch;
+use runtime::rootfs::{InputFile, Scratch};
+use tokio::io::AsyncReadExt;
+use tokio::sync::oneshot;
+use tracing::{debug, error, warn};
+
+use super::helper::{remove_scratch, report_so_far, HelperBackend};
+use super::{
+    BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
+    PrepareError, WorkspacePlan,
+};
+use agents::container::Workspace;
+use runtime::error::Chain;
+
+impl ContainerBackend for Arc<HelperBackend> {
+    fn create<'a>(
+        &'a self,
+        plan: Plan<'a>,
+    ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, CreateError>> {
+        Box::pin(async move {
+            let this = self.clone();
+            let owned = (plan.cid.to_owned(), plan.lang.clone(), *plan.limits);
+            let (host_id, disk_mb) = (plan.host_id, plan.disk_mb);
+            let prepared = tokio::task::spawn_blocking(move || {
+                let (cid, lang, limits) = owned;
+                this.prepare(&Plan {
+                    cid: &cid,
+                    host_id,
+                    lang: &lang,
+                    disk_mb,
+                    limits: &limits,
+                })
+            })
+            .await
+            .map_err(CreateError::Panicked);
+            let scratch = prepared.and_then(|r| r)?;
+            let Some(client) = self.helpers.get(self.helpers.pick()).cloned() else {
+                remove_scratch(scratch).await;
+                return Err(CreateError::NoHelper);
+            };
+            match client
+                .create(
+                    plan.cid,
+                    scratch.dir().to_owned(),
+                    plan.lang.image.landlock.clone(),
+                )
+                .await
+            {
+                Ok(created) => Ok(Box::new(HelperContainer {
+                    cid: plan.cid.to_owned(),
+                    client,
+                    cgroups: self.cgroups.clone(),
+                    scratch,
+                    created,
+                }) as Box<dyn ContainerHandle>),
+                Err(e) => {
+                    // The helper removed whatever it created; the scratch space is ours.
+                    remove_scratch(scratch).await;
+                    Err(CreateError::Helper(e))
+                }
+            }
+        })
+    }
+
+    fn create_workspace<'a>(
+        &'a self,
+        plan: WorkspacePlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>> {
+        Box::pin(super::runs::create_workspace(self.clone(), plan))
+    }
+
+    fn parallelism(&self) -> usize {
+        // Each helper is single-threaded: one creation at a time in each.
+        self.helpers.len().max(1)
+    }
+
+    fn alive(&self) -> bool {
+        self.helpers.all_alive()
+    }
+
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.helpers.shutdown())
+    }
+}
+
+/// A container created by a helper.
+struct HelperContainer {
+    cid: String,
+    /// The helper that created it, which removes it (its init is that helper's child).
+    client: HelperClient,
+    cgroups: Cgroups,
+    /// The scratch space (working directory, `/tmp`, code directory, overlay root).
+    scratch: Scratch,
+    /// The daemon's descriptors: launch channel, status pipe, pidfd.
+    created: Created,
+}
+
+impl ContainerHandle for HelperContainer {
+    fn dir(&self) -> &Path {
+        self.scratch.dir()
+    }
+
+    fn workspace(&self) -> PathBuf {
+        self.scratch.workspace()
+    }
+
+    fn prepare(
+        &self,
+        limits: CgroupLimits,
+        code_name: &'static str,
+        code: Vec<u8>,
+        files: Vec<InputFile>,
+    ) -> BoxFuture<'static, Result<(), PrepareError>> {
+        let inputs = self.scratch.inputs();
+        let (cgroups, cid) = (self.cgroups.clone(), self.cid.clone());
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || {
+                cgroups.set_limits(&cid, &limits)?;
+                inputs.write(code_name, &code, &files)
+            })
+            .await
+            .map_err(PrepareError::Panicked)?
+            .map_err(PrepareError::Failed)
+        })
+    }
+
+    fn launch(&self, launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -> Result<(), LaunchError> {
+        runtime::launch::send(self.created.launch.as_fd(), launch, stdio).map_err(|e| {
+            match setup_error(&self.created.status) {
+                Some(setup) => LaunchError::Setup(setup),
+                None => LaunchError::Send(e),
+            }
+        })
+    }
+
+    fn watch_end(&self) -> std::io::Result<oneshot::Receiver<EndRecord>> {
+        watch_end(&self.created.pidfd, &self.created.status)
+    }
+
+    fn kill(&self, signal: Signal) {
+        if let Err(e) = runtime::sys::pidfd_send_signal(self.created.pidfd.as_fd(), signal) {
+            debug!(error = %e, "kill of the container's init failed (already gone?)");
+        }
+    }
+
+    fn usage(&self) -> runtime::Result<Usage> {
+        self.cgroups.usage(&self.cid)
+    }
+
+    fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {
+        Box::pin(async move {
+            let HelperContainer {
+                cid,
+                client,
+                scratch,
+                created,
+                ..
+            } = *self;
+            // Closing the launch channel ends an init that never got a program.
+            drop(created);
+            match client.remove(&cid).await {
+                Ok(None) => {}
+                Ok(Some(step)) => {
+                    error!(container = %cid, error = %step, "container removal reported an error")
+                }
+                Err(e) => error!(container = %cid, error = %Chain(&e), "container not removed"),
+            }
+            remove_scratch(scratch).await;
+        })
+    }
+}
+
+/// Waits in a task of its own until the container's init has ended, then reads its status pipe. The end is the
+/// pidfd turning readable, which the kernel signals only once the init is a zombie, that is after every other
+/// process of its pid namespace is gone too: when the result is computed (usage, artifacts), nothing of the
+/// program can still run or write. The receiver gets the record (empty when the init died without writing) and
+/// the `CLOCK_MONOTONIC` time of the end.
+fn watch_end(pidfd: &OwnedFd, status: &OwnedFd) -> std::io::Result<oneshot::Receiver<EndRecord>> {
+    let pidfd = pidfd.try_clone()?;
+    // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its whole lifetime.
+    let pidfd = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+    }?;
+    let mut pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(status.try_clone()?)?;
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let ended = match pidfd.readable().await {
+            Ok(_) => runtime::init::monotonic_ns(),
+            Err(e) => {
+                warn!(error = %e, "waiting on the container's pidfd failed");
+                runtime::init::monotonic_ns()
+            }
+        };
+        let mut record = Vec::new();
+        if let Err(e) = pipe.read_to_end(&mut record).await {
+            warn!(error = %e, "reading the container's status pipe failed");
+        }
+        let _ = tx.send((String::from_utf8_lossy(&record).into_owned(), ended));
+    });
+    Ok(rx)
+}
+
+/// What an init that is gone before its launch wrote on its status pipe, if it failed to set up.
+fn setup_error(status: &OwnedFd) -> Option<String> {
+    report_so_far(status).setup_error
+}
