@@ -16,8 +16,8 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CRATES = ["protocol", "runtime", "sandboxd", "client", "sandboxctl", "conformance", "test-support"]
-LONG_FUNCTION_DIRS = ["sandboxd", "runtime", "client", "sandboxctl", "conformance", "protocol", "test-support"]
+CRATES = ["protocol", "image-store", "runtime", "sandboxd", "client", "sandboxctl", "conformance", "test-support"]
+LONG_FUNCTION_DIRS = ["sandboxd", "image-store", "runtime", "client", "sandboxctl", "conformance", "protocol", "test-support"]
 MAX_LINES = 120
 
 FN = re.compile(r'^\s*(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?(extern\s+"C"\s+)?fn\s+(\w+)')
