@@ -77,10 +77,11 @@ pub enum Error {
     #[cfg(feature = "libcontainer")]
     #[error("The created container has no pid")]
     NoPid,
-    /// The configured container start is not compiled into this build (`sandbox.start: libcontainer` without the
+    /// The configured container start (its `sandbox.start` name; the cargo feature has the same name) is not
+    /// compiled into this build (`sandbox.start: libcontainer` without the
     /// `libcontainer` cargo feature). Refused before any helper starts, never replaced by another start.
     #[error("This build has no {0} start; rebuild with --features {0}")]
-    StartNotBuilt(crate::helper::StartMethod),
+    StartNotBuilt(&'static str),
     /// A message on the launch channel could not be encoded, decoded or trusted.
     #[error(transparent)]
     Launch(#[from] LaunchError),

@@ -56,7 +56,7 @@ impl StartMethod {
         if self.is_built() {
             Ok(())
         } else {
-            Err(Error::StartNotBuilt(self))
+            Err(Error::StartNotBuilt(self.as_str()))
         }
     }
 
@@ -303,7 +303,7 @@ impl Helper {
             StartMethod::Libcontainer => self.start_libcontainer(id, bundle, executor)?,
             // spawn_helper refuses it; a helper never gets here.
             #[cfg(not(feature = "libcontainer"))]
-            method @ StartMethod::Libcontainer => return Err(Error::StartNotBuilt(method)),
+            StartMethod::Libcontainer => return Err(Error::StartNotBuilt("libcontainer")),
         };
         drop((status_w, launch_init));
         let pidfd = crate::sys::pidfd_open(pid)?;
@@ -443,7 +443,7 @@ mod tests {
             assert!(libcontainer.is_ok());
         } else {
             match libcontainer {
-                Err(e @ Error::StartNotBuilt(StartMethod::Libcontainer)) => assert_eq!(
+                Err(e @ Error::StartNotBuilt("libcontainer")) => assert_eq!(
                     e.to_string(),
                     "This build has no libcontainer start; rebuild with --features libcontainer"
                 ),
