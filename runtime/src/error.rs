@@ -61,6 +61,7 @@ pub enum Error {
         source: oci_spec::OciSpecError,
     },
     /// libcontainer failed to build or start a container (in the helper process).
+    #[cfg(feature = "libcontainer")]
     #[error("Cannot {op} the container")]
     Container {
         /// The step that failed.
@@ -73,8 +74,14 @@ pub enum Error {
     #[error(transparent)]
     Start(#[from] StartError),
     /// libcontainer created a container but knows no pid for its init.
+    #[cfg(feature = "libcontainer")]
     #[error("The created container has no pid")]
     NoPid,
+    /// The configured container start (its `sandbox.start` name; the cargo feature has the same name) is not
+    /// compiled into this build (`sandbox.start: libcontainer` without the
+    /// `libcontainer` cargo feature). Refused before any helper starts, never replaced by another start.
+    #[error("This build has no {0} start; rebuild with --features {0}")]
+    StartNotBuilt(&'static str),
     /// A message on the launch channel could not be encoded, decoded or trusted.
     #[error(transparent)]
     Launch(#[from] LaunchError),
@@ -104,6 +111,7 @@ pub enum Error {
 }
 
 /// The libcontainer step of [`Error::Container`].
+#[cfg(feature = "libcontainer")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ContainerOp {
     /// Configuring the builder (state directory, id).
@@ -114,6 +122,7 @@ pub enum ContainerOp {
     Start,
 }
 
+#[cfg(feature = "libcontainer")]
 impl std::fmt::Display for ContainerOp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -409,6 +418,31 @@ pub enum LaunchError {
     RelativeProgram,
 }
 
+// Errors of the container's init (`crate::init`).
+
+/// Why the container's init could not become the init or fork the program; reported on the status pipe.
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    /// The program, an argument or an environment entry is empty where it may not be, or holds a NUL byte.
+    #[error("Invalid program, argument or environment entry")]
+    InvalidArg,
+    /// Closing descriptors, the parent-death signal or the dumpable flag failed.
+    #[error("Cannot become the container's init")]
+    Become(#[source] Box<Error>),
+    /// A system call of the init failed.
+    #[error("{call} failed in the container's init")]
+    Sys {
+        /// The call.
+        call: &'static str,
+        /// Its error.
+        #[source]
+        source: nix::Error,
+    },
+    /// The init returned to its caller, which it never does once it runs.
+    #[error("The init returned")]
+    Returned,
+}
+
 // Errors of the helper client (`crate::helper`).
 
 /// What went wrong between the daemon and the helper.
@@ -463,6 +497,7 @@ impl Error {
     }
 
     /// Wraps a libcontainer failure with the step it happened in.
+    #[cfg(feature = "libcontainer")]
     pub fn container(op: ContainerOp, source: libcontainer::error::LibcontainerError) -> Self {
         Self::Container { op, source }
     }

@@ -1,4 +1,5 @@
-//! The container's pid 1: a libcontainer [`Executor`] that forks the program instead of becoming it.
+//! The container's pid 1: an init that forks the program instead of becoming it (run by the direct start, or as
+//! libcontainer's executor with the `libcontainer` feature).
 //!
 //! A program running as pid 1 of a pid namespace ignores every signal it has no handler for, even from itself
 //! (`os.kill(os.getpid(), SIGKILL)` would do nothing), and nobody reaps its orphans. So the container's init stays
@@ -15,13 +16,11 @@ use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 
-use libcontainer::workload::{Executor, ExecutorError, ExecutorValidationError};
 use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, SigmaskHow, Signal};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{ForkResult, Pid};
-use oci_spec::runtime::Spec;
 
-use crate::error::Chain;
+use crate::error::{Chain, InitError};
 use crate::launch::Launch;
 use crate::sys;
 
@@ -109,8 +108,9 @@ impl Report {
     }
 }
 
-/// The executor libcontainer calls once the container is started. It waits for the launch message
-/// ([`crate::launch`]) before it runs anything, so containers can be created ahead of time.
+/// The container's init, started by the direct start (or as libcontainer's executor once the container is
+/// started). It waits for the launch message ([`crate::launch`]) before it runs anything, so containers can be
+/// created ahead of time.
 #[derive(Clone)]
 pub struct InitExecutor {
     /// Write end of the status pipe, inherited from the helper under this number.
@@ -140,27 +140,11 @@ extern "C" fn forward(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut l
     }
 }
 
-impl Executor for InitExecutor {
-    fn validate(&self, spec: &Spec) -> Result<(), ExecutorValidationError> {
-        let args = spec.process().as_ref().and_then(|p| p.args().as_ref());
-        match args {
-            Some(a) if !a.is_empty() && a[0].starts_with('/') => Ok(()),
-            _ => Err(ExecutorValidationError::ArgValidationError(
-                "process.args must start with an absolute program path".into(),
-            )),
-        }
-    }
-
-    fn exec(&self, _spec: &Spec) -> Result<(), ExecutorError> {
-        self.run()
-    }
-}
-
 impl InitExecutor {
     /// Becomes the container's init: confines itself, waits for the launch, forks the program and reaps until it
-    /// ends, then ends the process. Returns only when it could not get that far. libcontainer calls it through
-    /// [`Executor::exec`]; the direct start ([`crate::direct`]) calls it in the cloned process.
-    pub fn run(&self) -> Result<(), ExecutorError> {
+    /// ends, then ends the process. Returns only when it could not get that far. The direct start
+    /// ([`crate::direct`]) calls it in the cloned process; libcontainer through its executor's `exec`.
+    pub fn run(&self) -> Result<(), InitError> {
         self.become_init()?;
         // SAFETY: `status_fd` is inherited from the helper, kept open by `become_init` and owned by no Rust object
         // in this process; it stays open until the process ends.
@@ -170,11 +154,14 @@ impl InitExecutor {
         mark(status, "received");
         let args = to_cstrings(&launch.args)?;
         let env = to_cstrings(&launch.env)?;
-        let program = args.first().cloned().ok_or(ExecutorError::InvalidArg)?;
+        let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
 
-        // SAFETY: this process is single-threaded (cloned by libcontainer from the single-threaded helper), so the
+        // SAFETY: this process is single-threaded (cloned from the single-threaded helper), so the
         // child may run arbitrary code until it execs.
-        match unsafe { nix::unistd::fork() }.map_err(|e| other(e.to_string()))? {
+        match unsafe { nix::unistd::fork() }.map_err(|source| InitError::Sys {
+            call: "fork",
+            source,
+        })? {
             ForkResult::Child => run_program(status, stdio, &program, &args, &env),
             ForkResult::Parent { child } => {
                 // The program holds the only copies the container needs: the daemon sees end of file on the
@@ -186,7 +173,7 @@ impl InitExecutor {
                 let record = exit.encode();
                 mark(status, "reaped");
                 let _ = nix::unistd::write(status, record.as_bytes());
-                // SAFETY: end the init without unwinding into libcontainer, which expects no return.
+                // SAFETY: end the init without unwinding into its caller, which expects no return.
                 unsafe { libc::_exit(0) }
             }
         }
@@ -196,16 +183,17 @@ impl InitExecutor {
     /// reported on the status pipe, as a failed restriction is, and ends the process.
     pub fn run_or_report(&self) -> ! {
         let e = match self.run() {
-            Ok(()) => other("the init returned"),
+            Ok(()) => InitError::Returned,
             Err(e) => e,
         };
         // SAFETY: `status_fd` is inherited from the helper and stays open until the process ends.
-        setup_failed(unsafe { BorrowedFd::borrow_raw(self.status_fd) }, e)
+        setup_failed(unsafe { BorrowedFd::borrow_raw(self.status_fd) }, Chain(&e))
     }
 
     /// Keeps only stdio, the status pipe and the launch channel, dies with the helper, refuses ptrace, and forwards
     /// polite stop signals to the program.
-    fn become_init(&self) -> Result<(), ExecutorError> {
+    fn become_init(&self) -> Result<(), InitError> {
+        let other = |e: crate::Error| InitError::Become(Box::new(e));
         // libcontainer marks the helper's other descriptors close-on-exec, but this process never execs, and
         // holding another container's pipe would keep that pipe from closing.
         let (status_fd, launch_fd) = (self.status_fd, self.launch_fd);
@@ -223,7 +211,10 @@ impl InitExecutor {
         );
         for sig in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
             // SAFETY: `forward` only reads its siginfo and an atomic and calls kill(2): async-signal-safe.
-            unsafe { sigaction(sig, &handler) }.map_err(other)?;
+            unsafe { sigaction(sig, &handler) }.map_err(|source| InitError::Sys {
+                call: "sigaction",
+                source,
+            })?;
         }
         Ok(())
     }
@@ -249,7 +240,7 @@ impl InitExecutor {
         let launch_sock = unsafe { OwnedFd::from_raw_fd(self.launch_fd) };
         match crate::launch::recv(launch_sock.as_fd()) {
             Ok(Some(l)) => l,
-            // SAFETY: end the init without unwinding into libcontainer, which expects no return.
+            // SAFETY: end the init without unwinding into its caller, which expects no return.
             Ok(None) => unsafe { libc::_exit(0) },
             Err(e) => setup_failed(status, Chain(&e)),
         }
@@ -336,14 +327,10 @@ fn reap_until(program: Pid) -> ProgramExit {
     }
 }
 
-fn to_cstrings(v: &[String]) -> Result<Vec<CString>, ExecutorError> {
+fn to_cstrings(v: &[String]) -> Result<Vec<CString>, InitError> {
     v.iter()
-        .map(|s| CString::new(s.as_bytes()).map_err(|_| ExecutorError::InvalidArg))
+        .map(|s| CString::new(s.as_bytes()).map_err(|_| InitError::InvalidArg))
         .collect()
-}
-
-fn other(e: impl ToString) -> ExecutorError {
-    ExecutorError::Other(e.to_string())
 }
 
 #[cfg(test)]

@@ -19,7 +19,6 @@ pub mod cgroups;
 pub mod direct;
 pub mod error;
 pub mod helper;
-pub mod image;
 pub mod init;
 pub mod ipc;
 pub mod landlock;

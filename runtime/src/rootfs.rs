@@ -7,9 +7,9 @@
 //!
 //! Each execution gets a [`Scratch`]: a size- and inode-limited tmpfs (`disk_mb`) mounted in the daemon's private mount
 //! namespace, holding the writable working directory and `/tmp`, plus a read-only directory with the code. On an
-//! OCI image ([`crate::image`]) the same tmpfs also holds the upper and work directories of the execution's overlay
-//! root (the image's unpacked layers as read-only lowers), so `disk_mb` bounds everything the program writes and
-//! all of it vanishes with the tmpfs.
+//! OCI image (its layers unpacked by `sandboxd-image-store`, given here as plain directories) the same tmpfs also
+//! holds the upper and work directories of the execution's overlay root (the layers as read-only lowers), so
+//! `disk_mb` bounds everything the program writes and all of it vanishes with the tmpfs.
 
 use std::fs;
 use std::io::Write;
@@ -42,6 +42,11 @@ const MOUNT_POINTS: &[&str] = &[
     "workspace",
     "sandbox",
 ];
+
+/// Top-level directories mounted over in a container whose root is an image's overlay: the overlay root must hold
+/// them as directories (created when missing), never as a symlink or a file. The image store refuses layers that
+/// hold them otherwise (`image_store::MOUNT_POINTS`, the same list; sandboxd's tests check the two agree).
+pub const IMAGE_MOUNT_POINTS: &[&str] = &["proc", "dev", "sys", "tmp", "workspace", "sandbox"];
 
 /// The embedded default image: the host's /usr under a generated root.
 #[derive(Debug, Clone)]
@@ -356,7 +361,7 @@ impl Scratch {
             Some(data.as_str()),
         )
         .map_err(|e| Error::sys(format!("mount overlay on {}", root.display()), e))?;
-        for m in crate::image::MOUNT_POINTS {
+        for m in IMAGE_MOUNT_POINTS {
             let p = root.join(m);
             match fs::symlink_metadata(&p) {
                 Ok(md) if md.is_dir() => {}

@@ -567,18 +567,21 @@ fn main() {
         println!("baseline: {}", Path::new(&bin).display());
         Daemon::start_binary(Path::new(&bin), 3, "", "")
     });
-    // The same binary and pool with libcontainer starting the containers: the direct start's baseline.
-    let libcontainer = Daemon::start_binary(
-        Path::new(env!("CARGO_BIN_EXE_sandboxd")),
-        4,
-        "",
-        ", start: libcontainer",
-    );
+    // The same binary and pool with libcontainer starting the containers: the direct start's baseline. Only in a
+    // build with it (`cargo bench -p sandboxd --features libcontainer`).
+    let libcontainer = cfg!(feature = "libcontainer").then(|| {
+        Daemon::start_binary(
+            Path::new(env!("CARGO_BIN_EXE_sandboxd")),
+            4,
+            "",
+            ", start: libcontainer",
+        )
+    });
     throughput(
         &rt,
         &warm,
         &cold,
-        &libcontainer,
+        libcontainer.as_ref(),
         baseline.as_ref(),
         tmp.path(),
     );
@@ -841,7 +844,7 @@ fn throughput(
     rt: &tokio::runtime::Runtime,
     warm: &Daemon,
     cold: &Daemon,
-    libcontainer: &Daemon,
+    libcontainer: Option<&Daemon>,
     baseline: Option<&Daemon>,
     tmp: &Path,
 ) {
@@ -870,12 +873,14 @@ fn throughput(
     let mut lc_rows = Vec::new();
     for conc in [1usize, 4, 16] {
         let w = measure(rt, warm, conc, "w");
-        lc_rows.push((
-            conc,
-            measure(rt, libcontainer, conc, "l"),
-            w.per_s,
-            w.cpu_ms_per_exec(),
-        ));
+        if let Some(lc) = libcontainer {
+            lc_rows.push((
+                conc,
+                measure(rt, lc, conc, "l"),
+                w.per_s,
+                w.cpu_ms_per_exec(),
+            ));
+        }
         if let Some(base) = baseline {
             base_rows.push((conc, measure(rt, base, conc, "b")));
         }
@@ -894,7 +899,11 @@ fn throughput(
             w.idle * 100.0
         );
     }
-    println!("the same warm pool with `sandbox.start: libcontainer`, measured right after each warm run:");
+    if libcontainer.is_some() {
+        println!("the same warm pool with `sandbox.start: libcontainer`, measured right after each warm run:");
+    } else {
+        println!("libcontainer start: not in this build (`cargo bench -p sandboxd --features libcontainer`)");
+    }
     for (conc, r, direct_per_s, direct_cpu) in lc_rows {
         println!(
             "libcontainer start, {conc} in flight: {:.1} exec/s, {} CPU ms/exec, hits/misses {}/{}; \

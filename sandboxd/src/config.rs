@@ -506,14 +506,14 @@ impl Config {
     /// Image names and digests, and the languages that run on them.
     fn validate_images(&self) -> Result<(), ConfigError> {
         for (name, image) in &self.images {
-            if !runtime::image::valid_name(name) {
+            if !image_store::valid_name(name) {
                 return Err(ConfigError::Value {
                     key: "images",
-                    reason: runtime::image::ImageError::InvalidName(name.clone()).to_string(),
+                    reason: image_store::ImageError::InvalidName(name.clone()).to_string(),
                 });
             }
             if let Some(d) = &image.digest {
-                if runtime::image::Sha256::parse(d).is_none() {
+                if image_store::Sha256::parse(d).is_none() {
                     return Err(ConfigError::Value {
                         key: "images",
                         reason: format!("images.{name}.digest {d:?} is not sha256:<64 hex>"),

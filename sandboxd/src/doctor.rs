@@ -48,6 +48,7 @@ fn check(name: &'static str, ok: bool, detail: String, fix: &'static str, requir
 /// Runs every check.
 pub fn run(config: &Config) -> Vec<Check> {
     let mut out = process_checks();
+    out.push(start_check(config.sandbox.start));
     out.push(cgroup_check(config));
     out.extend(confinement_checks(config));
     out.extend(filesystem_checks());
@@ -182,6 +183,20 @@ fn cgroup_check(config: &Config) -> Check {
             true,
         ),
     }
+}
+
+/// The configured container start is compiled into this binary (`libcontainer` needs the cargo feature).
+fn start_check(start: runtime::helper::StartMethod) -> Check {
+    check(
+        "container start",
+        start.is_built(),
+        match start.ensure_built() {
+            Ok(()) => format!("sandbox.start: {start}"),
+            Err(e) => Chain(&e).to_string(),
+        },
+        "rebuild with `cargo build -p sandboxd --features libcontainer`, or use `sandbox.start: direct`",
+        true,
+    )
 }
 
 /// User namespaces, landlock and seccomp (the profile must compile).
@@ -337,6 +352,25 @@ mod tests {
         assert_eq!(short.verdict, Verdict::Warn, "{}", short.detail);
         assert!(short.fix.contains("kernel.pty.max"));
         assert_eq!(pty_check(&config, None, Some(1)).verdict, Verdict::Warn);
+    }
+
+    #[test]
+    fn the_configured_start_must_be_in_the_build() {
+        use runtime::helper::StartMethod;
+        let direct = start_check(StartMethod::Direct);
+        assert_eq!(direct.verdict, Verdict::Ok, "{direct:?}");
+        let libcontainer = start_check(StartMethod::Libcontainer);
+        if cfg!(feature = "libcontainer") {
+            assert_eq!(libcontainer.verdict, Verdict::Ok, "{libcontainer:?}");
+        } else {
+            assert_eq!(libcontainer.verdict, Verdict::Missing, "{libcontainer:?}");
+            assert!(
+                libcontainer.detail.contains(
+                    "This build has no libcontainer start; rebuild with --features libcontainer"
+                ),
+                "{libcontainer:?}"
+            );
+        }
     }
 
     #[test]

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use image_store::{ImageError, ImageStore, Sha256, StoredImage};
 use protocol::{Environment, Language};
-use runtime::image::{ImageError, ImageStore, Sha256, StoredImage};
 use runtime::landlock::Policy;
 use runtime::rootfs::{HostImage, RootSource, Scratch};
 use tracing::info;
@@ -88,7 +88,7 @@ pub fn resolve(
     host: HostImage,
     landlock_abi: i32,
     run_dir: &Path,
-) -> anyhow::Result<(Languages, Option<runtime::image::store::StoreLock>)> {
+) -> anyhow::Result<(Languages, Option<image_store::store::StoreLock>)> {
     let host_image = host_root_image(host, landlock_abi);
     match &config.languages {
         // No `languages:`: what the host image can run.
@@ -167,7 +167,7 @@ fn configured_languages(
     host_image: &Arc<RootImage>,
     landlock_abi: i32,
     run_dir: &Path,
-) -> anyhow::Result<(Languages, Option<runtime::image::store::StoreLock>)> {
+) -> anyhow::Result<(Languages, Option<image_store::store::StoreLock>)> {
     let mut on_image: BTreeMap<&str, Vec<(Language, &str)>> = BTreeMap::new();
     for (lang, l) in languages {
         if l.image != "host" {
@@ -236,7 +236,7 @@ fn load(
     let cfg = config.images.get(name).cloned().unwrap_or_default();
     let stored: StoredImage = match &cfg.layout {
         Some(dir) => {
-            let wanted = runtime::image::layout::open(dir)
+            let wanted = image_store::layout::open(dir)
                 .with_context(|| format!("images.{name}.layout {}", dir.display()))?;
             // A pinned image that does not match is refused before anything of it is unpacked.
             if let Some(pin) = &cfg.digest {
@@ -353,4 +353,17 @@ fn check_program(root: &Path, program: &str) -> std::io::Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The store refuses layers whose runtime mount points are not directories; the runtime checks the same names
+    /// on the mounted overlay. The two crates do not depend on each other, so the lists are kept equal here.
+    #[test]
+    fn the_store_guards_the_mount_points_the_runtime_mounts_over() {
+        assert_eq!(
+            image_store::MOUNT_POINTS,
+            runtime::rootfs::IMAGE_MOUNT_POINTS
+        );
+    }
 }

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use runtime::image::pack::PackOptions;
-use runtime::image::{Compression, ImageStore};
+use image_store::pack::PackOptions;
+use image_store::{Compression, ImageStore};
 
 use crate::config::Config;
 
@@ -120,7 +120,7 @@ pub fn run(config: &Config, command: &ImagesCommand) -> anyhow::Result<()> {
             if !env.is_empty() {
                 opts.env = env.clone();
             }
-            let digest = runtime::image::pack::pack(out, rootfs, &opts)?;
+            let digest = image_store::pack::pack(out, rootfs, &opts)?;
             println!("{} {digest}", out.display());
         }
     }

@@ -222,6 +222,12 @@ fn ensure_token(config: &mut Config, explicit_config: bool) -> anyhow::Result<()
 }
 
 fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
+    // A start this build lacks is refused, never replaced by another one.
+    config
+        .sandbox
+        .start
+        .ensure_built()
+        .context("sandbox.start")?;
     if !nix::unistd::geteuid().is_root() {
         bail!("sandboxd must run as root (it creates namespaces, cgroups and mounts)");
     }

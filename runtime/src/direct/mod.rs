@@ -20,8 +20,8 @@
 //!
 //! Not done, on purpose: no devices cgroup. The container runs in a user namespace, so it cannot `mknod`; every
 //! filesystem it mounts is `nodev` by the kernel's rule for user namespaces, the root is remounted `nodev`, and
-//! image layers cannot hold device nodes ([`crate::image`]). The only device nodes it can open are the six bound
-//! into `/dev` and its own `devpts`.
+//! image layers cannot hold device nodes (the image store, `sandboxd-image-store`, refuses them). The only device
+//! nodes it can open are the six bound into `/dev` and its own `devpts`.
 
 mod child;
 mod handshake;

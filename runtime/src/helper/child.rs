@@ -2,12 +2,8 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
-use libcontainer::container::builder::ContainerBuilder;
-use libcontainer::container::Container;
-use libcontainer::syscall::syscall::SyscallType;
 use nix::fcntl::OFlag;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, SigmaskHow, Signal};
@@ -18,7 +14,7 @@ use nix::unistd::{ForkResult, Pid};
 use super::proto::{Event, Request};
 use crate::cgroups::Cgroups;
 use crate::direct::{Blueprint, StartError};
-use crate::error::{Chain, ContainerOp, Error, Result};
+use crate::error::{Chain, Error, Result};
 use crate::init::InitExecutor;
 use crate::ipc;
 
@@ -42,13 +38,48 @@ pub enum StartMethod {
     /// sandboxd's own start ([`crate::direct`]): one clone, only the cgroups sandboxd uses.
     #[default]
     Direct,
-    /// youki's libcontainer (create, then start).
+    /// youki's libcontainer (create, then start); only in a build with the `libcontainer` cargo feature.
     Libcontainer,
 }
 
+impl StartMethod {
+    /// Whether this build can start containers this way.
+    pub fn is_built(self) -> bool {
+        match self {
+            Self::Direct => true,
+            Self::Libcontainer => cfg!(feature = "libcontainer"),
+        }
+    }
+
+    /// [`Error::StartNotBuilt`] when this build cannot start containers this way.
+    pub fn ensure_built(self) -> Result<()> {
+        if self.is_built() {
+            Ok(())
+        } else {
+            Err(Error::StartNotBuilt(self.as_str()))
+        }
+    }
+
+    /// The name the configuration uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Direct => "direct",
+            Self::Libcontainer => "libcontainer",
+        }
+    }
+}
+
+impl std::fmt::Display for StartMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Forks the helper. Must be called while the process is still single-threaded (before the async runtime).
-/// Returns the helper's pid and the daemon's end of the socket.
+/// Returns the helper's pid and the daemon's end of the socket. A start method this build lacks is refused here
+/// ([`Error::StartNotBuilt`]), before anything is forked.
 pub fn spawn_helper(config: HelperConfig) -> Result<(Pid, OwnedFd)> {
+    config.start.ensure_built()?;
     let (daemon_end, helper_end) = ipc::pair()?;
     let parent = nix::unistd::getpid();
     // SAFETY: the caller guarantees the process is single-threaded, so the child may run arbitrary code.
@@ -81,7 +112,8 @@ pub fn spawn_helper(config: HelperConfig) -> Result<(Pid, OwnedFd)> {
 
 struct Running {
     /// libcontainer's handle; `None` for a container of the direct start, which keeps no state.
-    container: Option<Container>,
+    #[cfg(feature = "libcontainer")]
+    container: Option<libcontainer::container::Container>,
     pid: Pid,
 }
 
@@ -267,7 +299,11 @@ impl Helper {
         };
         let pid = match self.config.start {
             StartMethod::Direct => self.start_direct(id, &bundle, &executor)?,
+            #[cfg(feature = "libcontainer")]
             StartMethod::Libcontainer => self.start_libcontainer(id, bundle, executor)?,
+            // spawn_helper refuses it; a helper never gets here.
+            #[cfg(not(feature = "libcontainer"))]
+            StartMethod::Libcontainer => return Err(Error::StartNotBuilt("libcontainer")),
         };
         drop((status_w, launch_init));
         let pidfd = crate::sys::pidfd_open(pid)?;
@@ -291,6 +327,7 @@ impl Helper {
         self.running.insert(
             id.to_owned(),
             Running {
+                #[cfg(feature = "libcontainer")]
                 container: None,
                 pid,
             },
@@ -298,51 +335,25 @@ impl Helper {
         Ok(pid)
     }
 
-    /// libcontainer's create and start, and the loopback raised from the helper.
+    /// libcontainer's create and start ([`super::youki`]), and the loopback raised from the helper.
+    #[cfg(feature = "libcontainer")]
     fn start_libcontainer(
         &mut self,
         id: &str,
         bundle: PathBuf,
         executor: InitExecutor,
     ) -> Result<Pid> {
-        // The init's own stdio: nothing (the program gets its own with the launch message).
-        let null = || {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .custom_flags(libc::O_CLOEXEC)
-                .open("/dev/null")
-                .map(OwnedFd::from)
-                .map_err(|e| Error::io("/dev/null", e))
-        };
-        let container = ContainerBuilder::new(id.to_owned(), SyscallType::default())
-            .with_root_path(&self.config.state_root)
-            .map_err(|e| Error::container(ContainerOp::Configure, e))?
-            .with_executor(executor)
-            .with_stdin(null()?)
-            .with_stdout(null()?)
-            .with_stderr(null()?)
-            .validate_id()
-            .map_err(|e| Error::container(ContainerOp::Configure, e))?
-            .as_init(bundle)
-            .with_systemd(false)
-            .with_detach(true)
-            .build()
-            .map_err(|e| Error::container(ContainerOp::Create, e))?;
-        let pid = container.pid().ok_or(Error::NoPid)?;
+        let (container, pid) = super::youki::create(&self.config.state_root, id, bundle, executor)?;
         // Registered first, so a failure below is cleaned up like any created container.
         let running = self.running.entry(id.to_owned()).insert_entry(Running {
             container: Some(container),
             pid,
         });
         crate::sys::bring_up_loopback(pid)?;
-        running
-            .into_mut()
-            .container
-            .as_mut()
-            .ok_or(Error::NoPid)?
-            .start()
-            .map_err(|e| Error::container(ContainerOp::Start, e))?;
+        match running.into_mut().container.as_mut() {
+            Some(c) => super::youki::start(c)?,
+            None => return Err(Error::NoPid),
+        }
         Ok(pid)
     }
 
@@ -381,30 +392,21 @@ impl Helper {
 
     /// Removes everything of a container that failed to be created or started.
     fn cleanup_failed(&mut self, id: &str) {
-        let known = self.running.remove(id);
         let dir = self.config.state_root.join(id);
-        let mut pid = known.as_ref().map(|r| r.pid);
-        if let Some(r) = known {
-            let _ = nix::sys::signal::kill(r.pid, Signal::SIGKILL);
-            let _ = waitid(Id::Pid(r.pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
-            if let Some(mut c) = r.container {
-                if let Err(e) = c.delete(true) {
-                    tracing::warn!(%id, error = %e, "delete of a failed container failed");
+        let pid = match self.running.remove(id) {
+            Some(r) => {
+                let _ = nix::sys::signal::kill(r.pid, Signal::SIGKILL);
+                let _ = waitid(Id::Pid(r.pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
+                #[cfg(feature = "libcontainer")]
+                if let Some(mut c) = r.container {
+                    super::youki::delete_failed(id, &mut c);
                 }
+                Some(r.pid)
             }
-        } else if dir.exists() {
-            if let Ok(mut c) = Container::load(dir.clone()) {
-                pid = c.pid();
-                if let Some(p) = pid {
-                    // Our own unreaped child if it exists at all.
-                    let _ = nix::sys::signal::kill(p, Signal::SIGKILL);
-                    let _ = waitid(Id::Pid(p), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
-                }
-                if let Err(e) = c.delete(true) {
-                    tracing::warn!(%id, error = %e, "delete of a half-created container failed");
-                }
-            }
-        }
+            #[cfg(feature = "libcontainer")]
+            None if dir.exists() => super::youki::delete_half_created(id, &dir),
+            None => None,
+        };
         if let Some(p) = pid {
             let _ = waitpid(p, None);
         }
@@ -425,6 +427,35 @@ impl Helper {
             if let Some(e) = self.remove(&id) {
                 tracing::error!(%id, error = %e, "removing a container at shutdown failed");
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_start_missing_from_the_build_is_a_typed_refusal() {
+        assert!(StartMethod::Direct.ensure_built().is_ok());
+        let libcontainer = StartMethod::Libcontainer.ensure_built();
+        if cfg!(feature = "libcontainer") {
+            assert!(libcontainer.is_ok());
+        } else {
+            match libcontainer {
+                Err(e @ Error::StartNotBuilt("libcontainer")) => assert_eq!(
+                    e.to_string(),
+                    "This build has no libcontainer start; rebuild with --features libcontainer"
+                ),
+                other => panic!("{other:?}"),
+            }
+        }
+        // The names are the configuration's.
+        for m in [StartMethod::Direct, StartMethod::Libcontainer] {
+            assert_eq!(
+                serde_json::to_value(m).ok(),
+                Some(serde_json::Value::String(m.to_string()))
+            );
         }
     }
 }

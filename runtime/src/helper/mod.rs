@@ -8,7 +8,8 @@
 //!   `SIGCHLD`. Containers' init processes are its children; it signals them only while they are unreaped, so a
 //!   pid can never be reused under it, and it deletes a container while its init is still a zombie (libcontainer
 //!   then sees it stopped and never signals a pid by itself);
-//! - [`client`]: the daemon's side, an async request/answer API routed by container id.
+//! - [`client`]: the daemon's side, an async request/answer API routed by container id;
+//! - `youki` (with the `libcontainer` cargo feature): youki's libcontainer as a second start, for comparison.
 //!
 //! A container is created *and started* in one request: its init then waits on the launch channel
 //! ([`crate::launch`]). The helper hands the daemon the launch channel, the status pipe and a pidfd of the init, so
@@ -18,6 +19,8 @@
 pub mod child;
 pub mod client;
 pub mod proto;
+#[cfg(feature = "libcontainer")]
+mod youki;
 
 pub use child::{spawn_helper, HelperConfig, StartMethod};
 pub use client::{Created, HelperClient, HelperError};

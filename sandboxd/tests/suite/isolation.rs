@@ -223,6 +223,7 @@ print(json.dumps(out))
 
 /// What a program can see of its own container: privileges, ids, limits, cgroups, hostname, `/dev` and the mount
 /// table (uid/gid mount options dropped: they name the execution's host uid, which differs per daemon).
+#[cfg(feature = "libcontainer")]
 const CONTAINER_VIEW: &str = r#"
 grep -E '^(Cap|NoNewPrivs|Seccomp|Uid|Gid|Groups|Sig(Blk|Ign))' /proc/self/status
 cat /proc/self/uid_map /proc/self/gid_map | awk '{print $1, $3}'
@@ -236,6 +237,7 @@ done
 "#;
 
 /// The container's view on a daemon that starts containers with `start`.
+#[cfg(feature = "libcontainer")]
 async fn container_view(start: &str) -> String {
     let d = Daemon::start(DaemonOpts {
         extra_config: Some(serde_json::json!({"sandbox": {"start": start}})),
@@ -249,6 +251,9 @@ async fn container_view(start: &str) -> String {
     r.stdout_text()
 }
 
+/// Needs the `libcontainer` feature (CI runs it with `--features libcontainer`); without it, the test below checks
+/// that the daemon refuses that start.
+#[cfg(feature = "libcontainer")]
 #[tokio::test]
 async fn the_direct_start_gives_the_container_libcontainer_gives() {
     let Some(_g) = privileged("the_direct_start_gives_the_container_libcontainer_gives").await
@@ -290,4 +295,43 @@ async fn the_direct_start_gives_the_container_libcontainer_gives() {
     ] {
         assert!(direct.lines().any(|l| l.contains(want)), "{want}: {direct}");
     }
+}
+
+/// A build without the `libcontainer` feature refuses `sandbox.start: libcontainer` before it does anything (no
+/// state directory, no cgroup, no helper): never a quiet fall back to the direct start. Needs no root: the check
+/// comes first.
+#[cfg(not(feature = "libcontainer"))]
+#[test]
+fn a_build_without_libcontainer_refuses_its_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir: {}\nsandbox:\n  start: libcontainer\n",
+            state.display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(super::harness::SANDBOXD)
+        .arg("--config")
+        .arg(&config)
+        .env_remove("SANDBOXD_TOKEN")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Exit::Host: the build cannot provide what the config asks for.
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains(
+            "sandbox.start: This build has no libcontainer start; rebuild with --features libcontainer"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        !state.exists(),
+        "the refused start created {}",
+        state.display()
+    );
 }

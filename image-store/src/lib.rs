@@ -1,16 +1,19 @@
-//! OCI images: import and verify an image layout, unpack its layers once into a cache, and give each execution an
-//! overlay root built from them.
+//! OCI images for sandboxd: import and verify an image layout, unpack its layers once into a cache shared by every
+//! image that has them, and pack a root filesystem into a layout.
 //!
 //! - [`layout`] reads an OCI image layout (`oci-layout`, `index.json`, `blobs/sha256/…`) with `oci-spec` and
 //!   verifies the sha256 and size of every blob it uses before using it.
 //! - [`unpack`] turns one layer (tar, tar+gzip, tar+zstd) into a directory in overlayfs' format (whiteouts as 0/0
 //!   character devices, opaque directories as `trusted.overlay.opaque`), refusing anything that could reach outside
 //!   the layer or smuggle privilege in.
-//! - [`store`] keeps imported images under `<state_dir>/images/oci`: a record per name, one directory per layer
-//!   digest, shared by every image that has the layer.
+//! - [`store`] keeps imported images under a root directory (`<state_dir>/images/oci` in sandboxd): a record per
+//!   name, one directory per layer digest, shared by every image that has the layer.
 //! - [`pack`] writes a single-layer OCI layout from a root filesystem tar (the `images/` recipes and the tests).
 //!
-//! The per-execution overlay mount itself lives with the rest of an execution's mounts in [`crate::rootfs`].
+//! This crate knows nothing of containers. What an execution gets from it is a list of directories
+//! ([`ImageStore::lower_dirs`], top layer first) and the image's run configuration; the container runtime mounts
+//! those directories as the read-only lowers of an overlay root. The one thing the two share is [`MOUNT_POINTS`],
+//! the names the runtime mounts over, which every layer must hold as directories if it holds them at all.
 
 #[cfg(test)]
 mod hostile_tests;
@@ -23,8 +26,9 @@ use std::path::PathBuf;
 
 pub use store::{ImageStore, StoredImage};
 
-/// Top-level directories the runtime mounts over in every container. An image may hold them as empty directories
-/// or not at all; a symlink or a file there is refused (a mount must never follow a path the image controls).
+/// Top-level directories the container runtime mounts over in every container. An image may hold them as empty
+/// directories or not at all; a symlink or a file there is refused (a mount must never follow a path the image
+/// controls). sandboxd's tests check that this is the runtime's own list (`runtime::rootfs::IMAGE_MOUNT_POINTS`).
 pub const MOUNT_POINTS: &[&str] = &["proc", "dev", "sys", "tmp", "workspace", "sandbox"];
 
 /// Why an image or one of its layers was refused.
@@ -80,7 +84,7 @@ impl ImageError {
     }
 }
 
-/// Result alias of the image modules.
+/// Result alias of this crate.
 pub type Result<T, E = ImageError> = std::result::Result<T, E>;
 
 /// A validated `sha256:<64 hex>` digest; `hex()` is safe to use as a file name.

@@ -33,7 +33,6 @@ use tar::EntryType;
 
 use super::layout::HashingReader;
 use super::{Compression, ImageError, Result, Sha256, MOUNT_POINTS};
-use crate::error::Chain;
 
 /// Longest entry path accepted (Linux's `PATH_MAX`).
 const MAX_PATH_BYTES: usize = 4096;
@@ -111,23 +110,16 @@ pub fn unpack(
 }
 
 /// Why the parent directories of an entry could not be opened; becomes the reason of an
-/// [`ImageError::Layer`] (lower case, as the other reasons: it follows the entry's name).
+/// [`ImageError::Layer`] (lower case, as the other reasons: it follows the entry's name). Only ever shown as that
+/// text, so the errno is part of the message rather than a `#[source]`.
 #[derive(Debug, thiserror::Error)]
 enum WalkError {
-    #[error("cannot duplicate the layer's root descriptor")]
-    Dup(#[source] nix::Error),
-    #[error("mkdir {path}")]
-    Mkdir {
-        path: String,
-        #[source]
-        source: nix::Error,
-    },
-    #[error("{path}")]
-    Open {
-        path: String,
-        #[source]
-        source: nix::Error,
-    },
+    #[error("cannot duplicate the layer's root descriptor: {0}")]
+    Dup(nix::Error),
+    #[error("mkdir {path}: {errno}")]
+    Mkdir { path: String, errno: nix::Error },
+    #[error("{path}: {errno}")]
+    Open { path: String, errno: nix::Error },
     #[error("the path goes through the symlink {0} (writing through links is refused)")]
     Symlink(String),
     #[error("{0} is not a directory")]
@@ -380,7 +372,7 @@ impl Unpacker<'_> {
         if !hit {
             let fd = self
                 .walk(parents, create)
-                .map_err(|e| self.refuse(shown, Chain(&e).to_string()))?;
+                .map_err(|e| self.refuse(shown, e.to_string()))?;
             self.cached = Some((parents.iter().map(|c| c.to_os_string()).collect(), fd));
         }
         match &self.cached {
@@ -405,13 +397,13 @@ impl Unpacker<'_> {
                 Ok(fd) => fd,
                 Err(nix::Error::ENOENT) if create => {
                     nix::sys::stat::mkdirat(Some(cur), *comp, Mode::from_bits_truncate(0o755))
-                        .map_err(|source| WalkError::Mkdir {
+                        .map_err(|errno| WalkError::Mkdir {
                             path: so_far(),
-                            source,
+                            errno,
                         })?;
-                    open_beneath(cur, comp).map_err(|source| WalkError::Open {
+                    open_beneath(cur, comp).map_err(|errno| WalkError::Open {
                         path: so_far(),
-                        source,
+                        errno,
                     })?
                 }
                 // O_DIRECTORY | O_NOFOLLOW on a symlink fails with ENOTDIR: say which it was.
@@ -422,10 +414,10 @@ impl Unpacker<'_> {
                     return Err(WalkError::Symlink(so_far()))
                 }
                 Err(nix::Error::ENOTDIR) => return Err(WalkError::NotDir(so_far())),
-                Err(source) => {
+                Err(errno) => {
                     return Err(WalkError::Open {
                         path: so_far(),
-                        source,
+                        errno,
                     })
                 }
             };
@@ -533,9 +525,23 @@ fn is_symlink(dir: RawFd, name: &OsStr) -> bool {
         .is_ok_and(|st| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFLNK)
 }
 
-/// Opens the directory `name` in `dir` without following a symlink and without leaving `dir`.
+/// Opens the directory `name`, one path component, in `dir` without following a symlink. For a single component
+/// that is not `.` or `..`, `openat` with `O_NOFOLLOW` is as strict as `openat2`'s `RESOLVE_BENEATH |
+/// RESOLVE_NO_SYMLINKS` (nothing to resolve but the name itself) and works on every kernel; anything longer is
+/// refused (`EINVAL`): the unpacker walks one component at a time.
 fn open_beneath(dir: RawFd, name: &OsStr) -> nix::Result<OwnedFd> {
-    crate::sys::open_beneath(dir, name, OFlag::O_RDONLY | OFlag::O_DIRECTORY)
+    let b = name.as_bytes();
+    if b.is_empty() || b.contains(&b'/') || b == b"." || b == b".." {
+        return Err(nix::Error::EINVAL);
+    }
+    let fd = nix::fcntl::openat(
+        Some(dir),
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        Mode::empty(),
+    )?;
+    // SAFETY: openat returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Removes `name` (a directory) in `parent` with everything under it, never following a symlink.
