@@ -1,14 +1,52 @@
-//! Cgroups: which hierarchy the host runs, the daemon-owned parent cgroup, per-execution usage and leftovers.
+//! Cgroups: which hierarchy the host runs, the daemon-owned parent cgroup, each container's leaf (limits, pids,
+//! freezer, cpu quota), per-execution usage and leftovers.
 //!
-//! libcontainer creates each execution's leaf (`<parent>/<id>`) and writes its limits. This module owns what
-//! libcontainer does not: checking that every controller sandboxd needs is there (fail closed), creating and
-//! removing the parent, reading peak memory / cpu time / OOM kills before the leaf goes away, and removing what a
-//! crashed daemon left under its parent. Every function takes the cgroupfs root as a parameter so it is tested
-//! against a fake tree in a tempdir; nothing here touches a cgroup outside `<root>/<hierarchy>/<parent>`.
+//! Every function takes the cgroupfs root as a parameter so it is tested against a fake tree in a tempdir;
+//! nothing here touches a cgroup outside `<root>/<hierarchy>/<parent>`.
+//!
+//! # What goes through cgroups-rs, and what does not
+//!
+//! The controller files of a container's leaf are written by [`cgroups_rs`] (kata-containers): the limits
+//! ([`MemController`], [`PidController`], [`CpuController`]), the cpu quota, freeze and thaw
+//! ([`FreezerController`], and on v1 the freezer state read back) and moving a process in
+//! ([`cgroups_rs::fs::Cgroup::add_task_by_tgid`]). It is handed the directories through a [`Hierarchy`] of our
+//! own (`Controllers`), not through its `hierarchies::auto()`: that one reads `/proc/self/mountinfo` (v1) and
+//! the fixed `/sys/fs/cgroup` (v2), so it could not be pointed at the fake tree, and on v1 it would hand out every
+//! mounted hierarchy where sandboxd uses five controllers. The rest is written here, each for a reason:
+//!
+//! - **Detection and the controller check** ([`Cgroups::detect`], [`Cgroups::check_controllers`]): cgroups-rs
+//!   decides v1 or v2 by `statfs` of the fixed `/sys/fs/cgroup` and reads that root's `cgroup.controllers`; it
+//!   takes no root. Detection uses libcgroups' `get_cgroup_setup_with_root`, the check reads the given root.
+//! - **Creating a leaf** ([`Cgroups::create_leaf`]): cgroups-rs creates with `create_dir_all`, so a leaf that
+//!   exists already is taken silently; here it is an error (the id is fresh, an existing leaf is somebody else's).
+//!   On v2 its `Cgroup::create` also writes `+controller` into the subtree control of every ancestor from the
+//!   cgroupfs root down, a cgroup sandboxd does not own, and ignores a refused write (fail open).
+//! - **The parent** ([`Cgroups::ensure_parent`]): the same v2 ancestor writes; on v1 cgroups-rs's cpuset
+//!   `post_create` logs a failure to copy `cpuset.cpus`/`cpuset.mems` and carries on, here it is an error.
+//! - **Usage** ([`Cgroups::usage`], [`Cgroups::memory_current`]): read on every execution's way out. cgroups-rs
+//!   reads whole groups of files for one number (`memory_stat()` opens eleven files on v1 including
+//!   `memory.stat` and `memory.numa_stat`, `cpuacct()` eight), has no reader for v2's `memory.events`
+//!   (`oom_kill` is always 0 there), and `parse_oom_control` panics (`unwrap`) on a file it does not expect.
+//!   Here: three reads.
+//! - **v2 frozen state** ([`Cgroups::frozen`]): cgroups-rs's `FreezerController::state` reads `cgroup.freeze`
+//!   on v2, which is the state asked for, not the one reached; the kernel reports that in `cgroup.events`.
+//! - **Removal** ([`Cgroups::remove_leaf`], leftovers): cgroups-rs's delete removes only the controllers it was
+//!   given and kills nothing. Here every hierarchy is swept (the libcontainer start creates a container's cgroup
+//!   in all of them), the processes of a leftover are killed first, and a fake tree (regular files in the
+//!   directories) is removed too.
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use cgroups_rs::fs::cpu::CpuController;
+use cgroups_rs::fs::cpuacct::CpuAcctController;
+use cgroups_rs::fs::freezer::FreezerController;
+use cgroups_rs::fs::memory::MemController;
+use cgroups_rs::fs::pid::PidController;
+use cgroups_rs::fs::{Cgroup, ControllIdentifier, Controller, Hierarchy, MaxValue, Subsystem};
+use cgroups_rs::{CgroupPid, FreezerState};
 
 use crate::error::{Error, Result};
 
@@ -81,6 +119,118 @@ pub fn shares_to_weight(shares: u64) -> u64 {
     1 + ((shares - 2) * 9999) / 262_142
 }
 
+/// The hierarchy directory of each controller sandboxd uses (v2: the root for all), found once. It is the
+/// [`Hierarchy`] cgroups-rs works in: its subsystems are exactly these, at exactly these paths.
+#[derive(Debug, Clone)]
+struct Controllers(Arc<ControllerDirs>);
+
+#[derive(Debug)]
+struct ControllerDirs {
+    v2: bool,
+    root: PathBuf,
+    memory: Option<PathBuf>,
+    pids: Option<PathBuf>,
+    cpu: Option<PathBuf>,
+    cpuacct: Option<PathBuf>,
+    freezer: Option<PathBuf>,
+}
+
+impl Controllers {
+    fn new(version: CgroupVersion, root: &Path, hierarchies: &[PathBuf]) -> Self {
+        let dir = |controller: &str| match version {
+            CgroupVersion::V2 => Some(root.to_owned()),
+            CgroupVersion::V1 => v1_hierarchy(hierarchies, controller),
+        };
+        Self(Arc::new(ControllerDirs {
+            v2: version == CgroupVersion::V2,
+            root: root.to_owned(),
+            memory: dir("memory"),
+            pids: dir("pids"),
+            cpu: dir("cpu"),
+            cpuacct: dir("cpuacct"),
+            freezer: dir("freezer"),
+        }))
+    }
+
+    /// The hierarchy directory of `controller`.
+    fn dir(&self, controller: &str) -> Option<&Path> {
+        let d = &self.0;
+        match controller {
+            "memory" => d.memory.as_deref(),
+            "pids" => d.pids.as_deref(),
+            "cpu" => d.cpu.as_deref(),
+            "cpuacct" => d.cpuacct.as_deref(),
+            "freezer" => d.freezer.as_deref(),
+            _ => None,
+        }
+    }
+}
+
+impl Hierarchy for Controllers {
+    fn v2(&self) -> bool {
+        self.0.v2
+    }
+
+    /// One subsystem per controller found; on v1 `cpuacct` only when it is not co-mounted with `cpu` (one
+    /// directory, joined once).
+    fn subsystems(&self) -> Vec<Subsystem> {
+        let d = &self.0;
+        let mut subs = Vec::with_capacity(5);
+        if let Some(p) = &d.memory {
+            subs.push(Subsystem::Mem(MemController::new(
+                p.clone(),
+                p.clone(),
+                d.v2,
+            )));
+        }
+        if let Some(p) = &d.pids {
+            subs.push(Subsystem::Pid(PidController::new(
+                p.clone(),
+                p.clone(),
+                d.v2,
+            )));
+        }
+        if let Some(p) = &d.cpu {
+            subs.push(Subsystem::Cpu(CpuController::new(
+                p.clone(),
+                p.clone(),
+                d.v2,
+            )));
+        }
+        if let Some(p) = d
+            .cpuacct
+            .as_ref()
+            .filter(|p| !d.v2 && d.cpu.as_ref() != Some(*p))
+        {
+            subs.push(Subsystem::CpuAcct(CpuAcctController::new(
+                p.clone(),
+                p.clone(),
+            )));
+        }
+        if let Some(p) = &d.freezer {
+            subs.push(Subsystem::Freezer(FreezerController::new(
+                p.clone(),
+                p.clone(),
+                d.v2,
+            )));
+        }
+        subs
+    }
+
+    fn root(&self) -> PathBuf {
+        self.0.root.clone()
+    }
+
+    fn root_control_group(&self) -> Cgroup {
+        Cgroup::load(Box::new(self.clone()), "")
+    }
+
+    fn parent_control_group(&self, path: &str) -> Cgroup {
+        let parent = Path::new(path).parent().unwrap_or(Path::new(""));
+        Cgroup::load(Box::new(self.clone()), parent)
+    }
+}
+
 /// The cgroup setup sandboxd works in: version, cgroupfs root and the daemon-owned parent (relative, no leading
 /// slash, e.g. `sandboxd`).
 #[derive(Debug, Clone)]
@@ -90,7 +240,9 @@ pub struct Cgroups {
     parent: String,
     /// The hierarchy directories, found once: the mounts under the cgroupfs root do not change while sandboxd
     /// runs, and every execution asks for them several times (limits, usage, removal).
-    hierarchies: std::sync::Arc<[PathBuf]>,
+    hierarchies: Arc<[PathBuf]>,
+    /// Those of the controllers sandboxd uses, for cgroups-rs.
+    controllers: Controllers,
 }
 
 impl Cgroups {
@@ -121,11 +273,13 @@ impl Cgroups {
         {
             return Err(CgroupError::InvalidParent(parent).into());
         }
+        let hierarchies = scan_hierarchies(version, root);
         Ok(Self {
             version,
             root: root.to_owned(),
             parent,
-            hierarchies: scan_hierarchies(version, root).into(),
+            controllers: Controllers::new(version, root, &hierarchies),
+            hierarchies: hierarchies.into(),
         })
     }
 
@@ -150,25 +304,13 @@ impl Cgroups {
         &self.hierarchies
     }
 
-    /// The v1 hierarchy that carries a controller (`cpu,cpuacct` counts for both).
-    fn v1_hierarchy(&self, controller: &str) -> Option<PathBuf> {
-        self.hierarchies()
-            .iter()
-            .find(|h| {
-                h.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.split(',').any(|c| c == controller))
-            })
-            .cloned()
-    }
-
     /// Fails closed when a controller sandboxd needs is missing, naming it and what to do.
     pub fn check_controllers(&self) -> Result<()> {
         match self.version {
             CgroupVersion::V1 => {
                 let missing: Vec<_> = V1_REQUIRED
                     .iter()
-                    .filter(|c| self.v1_hierarchy(c).is_none())
+                    .filter(|c| self.controllers.dir(c).is_none())
                     .copied()
                     .collect();
                 if !missing.is_empty() {
@@ -179,7 +321,7 @@ impl Cgroups {
                     .into());
                 }
                 // Without memsw the memory limit cannot forbid swap; that only matters when the host has swap.
-                let memory = self.v1_hierarchy("memory").unwrap_or_default();
+                let memory = self.controllers.dir("memory").unwrap_or(Path::new(""));
                 if host_has_swap() && !memory.join("memory.memsw.limit_in_bytes").exists() {
                     return Err(CgroupError::NoSwapAccounting.into());
                 }
@@ -237,8 +379,8 @@ impl Cgroups {
     /// The leaf of an execution in the hierarchy holding `controller` (v2: the only one).
     fn leaf(&self, controller: &str, id: &str) -> Option<PathBuf> {
         let h = match self.version {
-            CgroupVersion::V2 => self.root.clone(),
-            CgroupVersion::V1 => self.v1_hierarchy(controller)?,
+            CgroupVersion::V2 => &self.root,
+            CgroupVersion::V1 => self.controllers.dir(controller)?,
         };
         Some(h.join(&self.parent).join(id))
     }
@@ -260,6 +402,15 @@ impl Cgroups {
         } else {
             Err(CgroupError::Missing(leaf))
         }
+    }
+
+    /// An execution's cgroup as cgroups-rs sees it: one subsystem per controller sandboxd uses, at
+    /// `<hierarchy>/<parent>/<id>`. Nothing is read or created.
+    fn cgroup(&self, id: &str) -> Cgroup {
+        Cgroup::load(
+            Box::new(self.controllers.clone()),
+            format!("{}/{}", self.parent, id),
+        )
     }
 
     /// Reads an execution's usage. Missing files read as zero (a kernel without `memory.peak`, say) but a leaf that
@@ -287,67 +438,56 @@ impl Cgroups {
         }
     }
 
-    /// Sets the limits of a live container's cgroup: memory (and memory+swap, so no swap), pids and cpu weight.
+    /// Sets the limits of a live container's cgroup through cgroups-rs: memory (and memory+swap, so no swap), pids
+    /// and cpu weight.
     ///
-    /// A container created ahead of time gets the request's limits here, before its program is launched. Written
-    /// by hand rather than through libcgroups' `apply`, which rewrites every controller (device rules included) and
-    /// costs more than the execution it prepares. On v1 the memory and memory+swap limits are written in the order
-    /// that keeps `limit <= memsw` at every step. Fails (closed) when a file is missing or refuses the value, e.g.
-    /// a memory limit below what the cgroup already uses.
+    /// A container created ahead of time gets the request's limits here, before its program is launched. Each
+    /// file is written on its own rather than through libcgroups' or cgroups-rs's `apply`, which walk every
+    /// controller and resource kind and cost more than the execution they prepare. On v1 the memory and
+    /// memory+swap limits are written in the order that keeps `limit <= memsw` at every step. Fails (closed) when
+    /// a leaf is missing or a file refuses the value, e.g. a memory limit below what the cgroup already uses.
     pub fn set_limits(&self, id: &str, limits: &CgroupLimits) -> Result<()> {
-        let leaf = |controller: &'static str| {
-            self.leaf(controller, id)
-                .filter(|p| p.is_dir())
-                .ok_or_else(|| CgroupError::NoLeaf {
-                    controller,
-                    id: id.to_owned(),
-                })
-        };
-        let write = |path: PathBuf, value: String| match fs::write(&path, &value) {
-            Ok(()) => Ok(()),
-            Err(source) => Err(CgroupError::Write {
-                path,
-                value,
-                source,
-            }),
-        };
-        let memory = leaf("memory")?;
+        const FOR: &str = "a container's limits";
+        let memory_bytes = to_i64("memory limit", limits.memory_bytes)?;
+        let pids_max = to_i64("pids limit", limits.pids_max)?;
+        let cg = self.cgroup(id);
+        let memory: &MemController = existing(&cg, "memory", FOR)?;
+        let pids: &PidController = existing(&cg, "pids", FOR)?;
+        let cpu: &CpuController = existing(&cg, "cpu", FOR)?;
         match self.version {
             CgroupVersion::V1 => {
-                let limit = memory.join("memory.limit_in_bytes");
-                let memsw = memory.join("memory.memsw.limit_in_bytes");
-                let value = limits.memory_bytes.to_string();
-                if memsw.exists() {
+                let current = memory.path().join("memory.limit_in_bytes");
+                if !memory.path().join("memory.memsw.limit_in_bytes").exists() {
+                    memory.set_limit(memory_bytes)
+                } else if limits.memory_bytes < read_u64(&current) {
                     // Lowering: the memory limit first; raising: memory+swap first.
-                    if limits.memory_bytes < read_u64(&limit) {
-                        write(limit, value.clone())?;
-                        write(memsw, value)?;
-                    } else {
-                        write(memsw, value.clone())?;
-                        write(limit, value)?;
-                    }
+                    memory
+                        .set_limit(memory_bytes)
+                        .and_then(|()| memory.set_memswap_limit(memory_bytes))
                 } else {
-                    write(limit, value)?;
+                    memory
+                        .set_memswap_limit(memory_bytes)
+                        .and_then(|()| memory.set_limit(memory_bytes))
                 }
-                write(leaf("pids")?.join("pids.max"), limits.pids_max.to_string())?;
-                write(
-                    leaf("cpu")?.join("cpu.shares"),
-                    limits.cpu_shares.to_string(),
-                )?;
             }
-            CgroupVersion::V2 => {
-                write(memory.join("memory.max"), limits.memory_bytes.to_string())?;
-                let swap = memory.join("memory.swap.max");
-                if swap.exists() {
-                    write(swap, "0".into())?;
+            CgroupVersion::V2 => memory.set_limit(memory_bytes).and_then(|()| {
+                if memory.path().join("memory.swap.max").exists() {
+                    memory.set_memswap_limit(0)
+                } else {
+                    Ok(())
                 }
-                write(memory.join("pids.max"), limits.pids_max.to_string())?;
-                write(
-                    memory.join("cpu.weight"),
-                    shares_to_weight(limits.cpu_shares).to_string(),
-                )?;
-            }
+            }),
         }
+        .map_err(refused("the memory limits", memory.path()))?;
+        pids.set_pid_max(MaxValue::Value(pids_max))
+            .map_err(refused("the pids limit", pids.path()))?;
+        // cgroups-rs writes `cpu.weight` on v2 and leaves the conversion to its caller.
+        let shares = match self.version {
+            CgroupVersion::V1 => limits.cpu_shares,
+            CgroupVersion::V2 => shares_to_weight(limits.cpu_shares),
+        };
+        cpu.set_shares(shares)
+            .map_err(refused("the cpu weight", cpu.path()))?;
         Ok(())
     }
 
@@ -390,41 +530,44 @@ impl Cgroups {
 
     /// Whether a container's cgroup is frozen now (v1: `FROZEN`; `FREEZING` is not yet frozen).
     pub fn frozen(&self, id: &str) -> Result<bool> {
+        let cg = self.cgroup(id);
+        self.is_frozen(existing(&cg, "freezer", "pause")?)
+    }
+
+    /// v1: cgroups-rs's freezer state. v2: `frozen 1` in `cgroup.events`, the state the kernel reached
+    /// (cgroups-rs reads `cgroup.freeze` there, the state asked for).
+    fn is_frozen(&self, freezer: &FreezerController) -> Result<bool> {
         match self.version {
             CgroupVersion::V1 => {
-                let state = self.freezer_file(id, "freezer.state")?;
-                let s = fs::read_to_string(&state).map_err(|e| Error::io(&state, e))?;
-                Ok(s.trim() == "FROZEN")
+                let state = freezer
+                    .state()
+                    .map_err(refused("a read of the freezer state", freezer.path()))?;
+                Ok(matches!(state, FreezerState::Frozen))
             }
             CgroupVersion::V2 => {
-                let events = self.freezer_file(id, "cgroup.events")?;
+                let events = freezer.path().join("cgroup.events");
                 let s = fs::read_to_string(&events).map_err(|e| Error::io(&events, e))?;
                 Ok(s.lines().any(|l| l.trim() == "frozen 1"))
             }
         }
     }
 
-    fn freezer_file(&self, id: &str, file: &str) -> Result<PathBuf> {
-        let controller = match self.version {
-            CgroupVersion::V1 => "freezer",
-            CgroupVersion::V2 => "cgroup",
-        };
-        Ok(self.existing_leaf(controller, id, "pause")?.join(file))
-    }
-
     fn set_frozen(&self, id: &str, frozen: bool, timeout: Duration) -> Result<()> {
-        let (file, value) = match (self.version, frozen) {
-            (CgroupVersion::V1, true) => ("freezer.state", "FROZEN"),
-            (CgroupVersion::V1, false) => ("freezer.state", "THAWED"),
-            (CgroupVersion::V2, true) => ("cgroup.freeze", "1"),
-            (CgroupVersion::V2, false) => ("cgroup.freeze", "0"),
-        };
-        let path = self.freezer_file(id, file)?;
+        let cg = self.cgroup(id);
+        let freezer: &FreezerController = existing(&cg, "freezer", "pause")?;
         let deadline = Instant::now() + timeout;
         loop {
             // v1 may stay FREEZING while a task is in an uninterruptible sleep; writing again retries the freeze.
-            fs::write(&path, value).map_err(|e| Error::io(&path, e))?;
-            if self.frozen(id)? == frozen {
+            if frozen {
+                freezer.freeze()
+            } else {
+                freezer.thaw()
+            }
+            .map_err(refused(
+                if frozen { "a freeze" } else { "a thaw" },
+                freezer.path(),
+            ))?;
+            if self.is_frozen(freezer)? == frozen {
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -445,18 +588,11 @@ impl Cgroups {
             return Err(CgroupError::InvalidQuota(cores).into());
         }
         let period: u64 = 100_000;
-        let quota = ((cores * period as f64) as u64).max(1000);
-        let leaf = self.existing_leaf("cpu", id, "a cpu quota")?;
-        let writes: Vec<(PathBuf, String)> = match self.version {
-            CgroupVersion::V1 => vec![
-                (leaf.join("cpu.cfs_period_us"), period.to_string()),
-                (leaf.join("cpu.cfs_quota_us"), quota.to_string()),
-            ],
-            CgroupVersion::V2 => vec![(leaf.join("cpu.max"), format!("{quota} {period}"))],
-        };
-        for (p, v) in writes {
-            fs::write(&p, v).map_err(|e| Error::io(&p, e))?;
-        }
+        let quota = ((cores * period as f64) as i64).max(1000);
+        let cg = self.cgroup(id);
+        let cpu: &CpuController = existing(&cg, "cpu", "a cpu quota")?;
+        cpu.set_cfs_quota_and_period(Some(quota), Some(period))
+            .map_err(refused("a cpu quota", cpu.path()))?;
         Ok(())
     }
 
@@ -474,29 +610,24 @@ impl Cgroups {
     /// `pids`, and `freezer` where mounted; co-mounted controllers share a directory), on v2 the one leaf. The other
     /// v1 hierarchies (blkio, cpuset, devices, ...) are left alone: sandboxd sets nothing in them.
     pub fn joined_leaves(&self, id: &str) -> Result<Vec<PathBuf>> {
-        match self.version {
-            CgroupVersion::V2 => Ok(vec![self.root.join(&self.parent).join(id)]),
-            CgroupVersion::V1 => {
-                let mut out: Vec<PathBuf> = Vec::new();
-                for controller in V1_REQUIRED.iter().chain(&["freezer"]) {
-                    let Some(h) = self.v1_hierarchy(controller) else {
-                        if *controller == "freezer" {
-                            continue;
-                        }
-                        return Err(CgroupError::NoHierarchy {
-                            controller,
-                            needed_for: "a container's limits",
-                        }
-                        .into());
-                    };
-                    let leaf = h.join(&self.parent).join(id);
-                    if !out.contains(&leaf) {
-                        out.push(leaf);
-                    }
+        let mut out: Vec<PathBuf> = Vec::new();
+        for controller in V1_REQUIRED.iter().chain(&["freezer"]) {
+            let Some(h) = self.controllers.dir(controller) else {
+                if *controller == "freezer" {
+                    continue;
                 }
-                Ok(out)
+                return Err(CgroupError::NoHierarchy {
+                    controller,
+                    needed_for: "a container's limits",
+                }
+                .into());
+            };
+            let leaf = h.join(&self.parent).join(id);
+            if !out.contains(&leaf) {
+                out.push(leaf);
             }
         }
+        Ok(out)
     }
 
     /// Creates an execution's leaves ([`Self::joined_leaves`]) and writes its limits; for the direct start, which
@@ -509,17 +640,15 @@ impl Cgroups {
         self.set_limits(id, limits)
     }
 
-    /// Moves process `pid` into every leaf of the execution (`cgroup.procs`).
+    /// Moves process `pid` into every leaf of the execution (`cgroup.procs`, through cgroups-rs). Fails closed,
+    /// as [`Self::joined_leaves`] does, when a hierarchy sandboxd limits with is missing.
     pub fn attach(&self, id: &str, pid: i32) -> Result<()> {
-        let pid = pid.to_string();
-        for leaf in self.joined_leaves(id)? {
-            let procs = leaf.join("cgroup.procs");
-            fs::write(&procs, &pid).map_err(|source| CgroupError::Write {
-                path: procs,
-                value: pid.clone(),
-                source,
-            })?;
-        }
+        self.joined_leaves(id)?;
+        let tgid = u64::try_from(pid).map_err(|_| CgroupError::InvalidPid(pid))?;
+        let path = PathBuf::from(self.cgroups_path(id));
+        self.cgroup(id)
+            .add_task_by_tgid(CgroupPid::from(tgid))
+            .map_err(refused("a process", &path))?;
         Ok(())
     }
 
@@ -544,6 +673,57 @@ impl Cgroups {
         }
         Ok(())
     }
+}
+
+/// The controller `T` of a cgroup, whose leaf must exist; `name` and `needed_for` name the error when no hierarchy
+/// carries it.
+fn existing<'a, T>(
+    cg: &'a Cgroup,
+    name: &'static str,
+    needed_for: &'static str,
+) -> Result<&'a T, CgroupError>
+where
+    &'a T: From<&'a Subsystem>,
+    T: Controller + ControllIdentifier,
+{
+    let c = cg.controller_of::<T>().ok_or(CgroupError::NoHierarchy {
+        controller: name,
+        needed_for,
+    })?;
+    if c.exists() {
+        Ok(c)
+    } else {
+        Err(CgroupError::Missing(c.path().to_owned()))
+    }
+}
+
+/// The error of a cgroups-rs call on `leaf` that refused `what`.
+fn refused<'a>(
+    what: &'static str,
+    leaf: &'a Path,
+) -> impl FnOnce(cgroups_rs::fs::error::Error) -> CgroupError + 'a {
+    move |source| CgroupError::Refused {
+        what,
+        leaf: leaf.to_owned(),
+        source,
+    }
+}
+
+/// A limit as cgroups-rs takes it (`i64`).
+fn to_i64(what: &'static str, value: u64) -> Result<i64, CgroupError> {
+    i64::try_from(value).map_err(|_| CgroupError::InvalidLimit { what, value })
+}
+
+/// The v1 hierarchy among `hierarchies` that carries a controller (`cpu,cpuacct` counts for both).
+fn v1_hierarchy(hierarchies: &[PathBuf], controller: &str) -> Option<PathBuf> {
+    hierarchies
+        .iter()
+        .find(|h| {
+            h.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.split(',').any(|c| c == controller))
+        })
+        .cloned()
 }
 
 /// The hierarchy directories under `root` (see [`Cgroups::hierarchies`]).
@@ -953,6 +1133,8 @@ mod tests {
         let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sandboxd").unwrap();
         let leaf = t.path().join("sandboxd/c1");
         write(&leaf.join("memory.current"), "2097152\n");
+        // The kernel's default in a new cgroup; cgroups-rs reads it before writing both values.
+        write(&leaf.join("cpu.max"), "max 100000\n");
         cg.set_cpu_quota("c1", 1.5).unwrap();
         assert_eq!(
             fs::read_to_string(leaf.join("cpu.max")).unwrap(),
@@ -978,6 +1160,76 @@ mod tests {
             fs::read_to_string(leaf.join("cpu.cfs_period_us")).unwrap(),
             "100000"
         );
+    }
+
+    /// cgroups-rs gets exactly the directories of the controllers sandboxd uses, under the given root: co-mounted
+    /// `cpu,cpuacct` once, a separate `cpuacct` hierarchy on its own, never `cpuset` or the hybrid `unified`.
+    #[test]
+    fn cgroups_rs_works_in_our_directories_only() {
+        let paths = |cg: &Cgroups| -> Vec<PathBuf> {
+            let c = cg.cgroup("c1");
+            c.subsystems()
+                .iter()
+                .map(|s| s.to_controller().path().to_owned())
+                .collect()
+        };
+        let t = fake_v1();
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sbx").unwrap();
+        let want: Vec<PathBuf> = ["memory", "pids", "cpu,cpuacct", "freezer"]
+            .iter()
+            .map(|h| t.path().join(h).join("sbx/c1"))
+            .collect();
+        assert_eq!(paths(&cg), want);
+        assert_eq!(cg.joined_leaves("c1").unwrap(), want);
+
+        let t = tempfile::tempdir().unwrap();
+        for h in ["memory", "pids", "cpu", "cpuacct"] {
+            write(&t.path().join(h).join("cgroup.procs"), "");
+        }
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sbx").unwrap();
+        let want: Vec<PathBuf> = ["memory", "pids", "cpu", "cpuacct"]
+            .iter()
+            .map(|h| t.path().join(h).join("sbx/c1"))
+            .collect();
+        assert_eq!(paths(&cg), want);
+        assert!(cg.freeze("c1").is_err(), "no freezer hierarchy");
+
+        let t = fake_v2("cpu memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sbx").unwrap();
+        assert!(paths(&cg).iter().all(|p| *p == t.path().join("sbx/c1")));
+    }
+
+    #[test]
+    fn v1_freeze_and_thaw_write_and_read_freezer_state() {
+        let t = fake_v1();
+        let cg = Cgroups::with_version(CgroupVersion::V1, t.path(), "sbx").unwrap();
+        let state = t.path().join("freezer/sbx/c1/freezer.state");
+        write(&state, "THAWED\n");
+        assert!(!cg.frozen("c1").unwrap());
+        cg.freeze("c1").unwrap();
+        assert_eq!(fs::read_to_string(&state).unwrap(), "FROZEN");
+        assert!(cg.frozen("c1").unwrap());
+        cg.thaw("c1").unwrap();
+        assert_eq!(fs::read_to_string(&state).unwrap(), "THAWED");
+        // A state the freezer does not know is an error, not "thawed".
+        write(&state, "MELTED\n");
+        assert!(cg.frozen("c1").is_err());
+    }
+
+    #[test]
+    fn limits_that_do_not_fit_are_refused_before_any_write() {
+        let t = fake_v2("cpu memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sbx").unwrap();
+        let leaf = t.path().join("sbx/c1");
+        fs::create_dir_all(&leaf).unwrap();
+        let huge = CgroupLimits {
+            memory_bytes: u64::MAX,
+            ..LIMITS
+        };
+        let err = cg.set_limits("c1", &huge).unwrap_err().to_string();
+        assert!(err.contains("memory limit"), "{err}");
+        assert!(!leaf.join("memory.max").exists());
+        assert!(cg.attach("c1", -1).is_err());
     }
 
     /// A real v1 freezer: a busy child in a cgroup of our own is frozen (its cpu time stops) and thawed again.

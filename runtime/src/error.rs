@@ -236,28 +236,31 @@ pub enum CgroupError {
         /// What needed it.
         needed_for: &'static str,
     },
-    /// A container's leaf in a hierarchy does not exist.
-    #[error("No {controller} cgroup for {id}")]
-    NoLeaf {
-        /// The controller whose leaf is missing.
-        controller: &'static str,
-        /// The container.
-        id: String,
-    },
     /// A cgroup directory that must exist does not.
     #[error("Cgroup {} does not exist", .0.display())]
     Missing(PathBuf),
-    /// A cgroup file refused a value.
-    #[error("Cannot write {value} to {}", .path.display())]
-    Write {
-        /// The file.
-        path: PathBuf,
-        /// The value refused.
-        value: String,
-        /// The kernel's answer.
+    /// A cgroup refused a change (a value, a process) or a read; cgroups-rs's error names the file.
+    #[error("Cgroup {} refused {what}", .leaf.display())]
+    Refused {
+        /// What was refused.
+        what: &'static str,
+        /// The cgroup directory.
+        leaf: PathBuf,
+        /// cgroups-rs's error.
         #[source]
-        source: std::io::Error,
+        source: cgroups_rs::fs::error::Error,
     },
+    /// A limit that does not fit a cgroup file (`i64`).
+    #[error("Invalid {what} {value}")]
+    InvalidLimit {
+        /// Which limit.
+        what: &'static str,
+        /// The value.
+        value: u64,
+    },
+    /// A pid that cannot name a process.
+    #[error("Invalid pid {0}")]
+    InvalidPid(i32),
     /// The kernel did not report a freeze or thaw in time.
     #[error("Cgroup of {id} not {} within {} ms", if *.frozen { "frozen" } else { "thawed" }, .timeout.as_millis())]
     FreezeTimeout {
