@@ -507,12 +507,14 @@ impl Agents {
                 }
                 *lock(&sbx.delivered) += 1;
             }
+            // The gateway's close first: an event is not written to a connection that is going away.
             tokio::select! {
-                r = changed.changed() => if r.is_err() { return },
+                biased;
                 m = source.next() => match m {
                     None | Some(Err(_)) | Some(Ok(Message::Close(_))) => return,
                     Some(Ok(_)) => {}
                 },
+                r = changed.changed() => if r.is_err() { return },
             }
         }
     }

@@ -298,50 +298,74 @@ async fn spawn(ctx: &Ctx, id: &str, script: Value) -> Result<Value, Stop> {
     Ok(h)
 }
 
-/// Reads `n` events from `WS /events`.
+/// Reads `n` events from a new `WS /events` connection, then closes it.
 async fn read_events(ctx: &Ctx, id: &str, n: usize) -> Result<Vec<Value>, Stop> {
-    let (host, port) = ctx.endpoint_host_port();
-    let url = format!("ws://{host}:{port}/sandboxes/{id}/events");
-    let mut req = url
-        .as_str()
-        .into_client_request()
-        .map_err(|e| Stop::Harness(format!("bad URL {url}: {e}")))?;
-    let auth = HeaderValue::from_str(&format!("Bearer {}", ctx.cfg.token))
-        .map_err(|e| Stop::Harness(e.to_string()))?;
-    req.headers_mut().insert("authorization", auth);
-    let mut ws =
+    let mut events = Events::open(ctx, id).await?;
+    let out = events.next(ctx, n).await?;
+    events.close().await;
+    Ok(out)
+}
+
+/// One gateway connection to `WS /events`.
+struct Events {
+    url: String,
+    ws: tokio_tungstenite::WebSocketStream<
+        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+    >,
+}
+
+impl Events {
+    async fn open(ctx: &Ctx, id: &str) -> Result<Self, Stop> {
+        let (host, port) = ctx.endpoint_host_port();
+        let url = format!("ws://{host}:{port}/sandboxes/{id}/events");
+        let mut req = url
+            .as_str()
+            .into_client_request()
+            .map_err(|e| Stop::Harness(format!("bad URL {url}: {e}")))?;
+        let auth = HeaderValue::from_str(&format!("Bearer {}", ctx.cfg.token))
+            .map_err(|e| Stop::Harness(e.to_string()))?;
+        req.headers_mut().insert("authorization", auth);
         match tokio::time::timeout(ctx.secs(10), tokio_tungstenite::connect_async(req)).await {
             Err(_) => fail!("WS {url}: no upgrade within 10 s"),
             Ok(Err(e)) => fail!("WS {url}: {e}"),
-            Ok(Ok((ws, _))) => ws,
-        };
-    let mut out = Vec::new();
-    let deadline = tokio::time::Instant::now() + ctx.secs(30);
-    while out.len() < n {
-        let m = tokio::time::timeout_at(deadline, ws.next())
-            .await
-            .map_err(|_| {
-                Stop::Fail(format!(
-                    "only {} of {n} events within 30 s: {}",
-                    out.len(),
-                    short(&Value::Array(out.clone()))
-                ))
-            })?;
-        match m {
-            Some(Ok(Message::Text(t))) => {
-                let v: Value = serde_json::from_str(&t)
-                    .map_err(|e| Stop::Fail(format!("an event is not JSON ({e}): {t}")))?;
-                out.push(v);
-            }
-            Some(Ok(_)) => {}
-            other => fail!(
-                "the event stream ended after {} events: {other:?}",
-                out.len()
-            ),
+            Ok(Ok((ws, _))) => Ok(Self { url, ws }),
         }
     }
-    let _ = ws.close(None).await;
-    Ok(out)
+
+    /// The next `n` events.
+    async fn next(&mut self, ctx: &Ctx, n: usize) -> Result<Vec<Value>, Stop> {
+        let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + ctx.secs(30);
+        while out.len() < n {
+            let m = tokio::time::timeout_at(deadline, self.ws.next())
+                .await
+                .map_err(|_| {
+                    Stop::Fail(format!(
+                        "only {} of {n} events within 30 s: {}",
+                        out.len(),
+                        short(&Value::Array(out.clone()))
+                    ))
+                })?;
+            match m {
+                Some(Ok(Message::Text(t))) => {
+                    let v: Value = serde_json::from_str(&t)
+                        .map_err(|e| Stop::Fail(format!("an event is not JSON ({e}): {t}")))?;
+                    out.push(v);
+                }
+                Some(Ok(_)) => {}
+                other => fail!(
+                    "{}: the event stream ended after {} events: {other:?}",
+                    self.url,
+                    out.len()
+                ),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn close(mut self) {
+        let _ = self.ws.close(None).await;
+    }
 }
 
 async fn auth(ctx: C) -> CaseResult {
@@ -589,7 +613,10 @@ async fn kill(ctx: C) -> CaseResult {
     let c = ctx.clone();
     with_sandbox(&ctx, |id| async move {
         spawn(&c, &id, json!([])).await?;
-        read_events(&c, &id, 2).await?;
+        // One gateway connection throughout: an event written to a connection the client is closing counts as
+        // delivered to it, so a second connection opened right after the kill may never see the kill's event.
+        let mut events = Events::open(&c, &id).await?;
+        events.next(&c, 2).await?;
         let path = format!("/sandboxes/{id}/kill");
         let (status, v) = http(
             &c,
@@ -606,7 +633,9 @@ async fn kill(ctx: C) -> CaseResult {
             short(&v)
         );
         // Events already delivered are not sent again: the next one is the kill's.
-        let events = read_events(&c, &id, 1).await?;
+        let after = events.next(&c, 1).await?;
+        events.close().await;
+        let events = after;
         check!(
             events[0]["event"]["action"] == "killed",
             "no LifecycleEvent killed after the kill: {}",
