@@ -82,7 +82,7 @@ pub use agents::config::{AgentsConfig, AGENT_QUEUED_OVERHEAD, AGENT_STAMP_BYTES}
 pub const MAX_LANGUAGES: usize = 4;
 
 /// `pool:`
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
     /// Containers kept ready in all, split evenly over the languages (rounded up). `None`:
@@ -90,6 +90,18 @@ pub struct PoolConfig {
     pub size: Option<usize>,
     /// Helper processes that create and remove containers in parallel. `None`: one per CPU, at most 8.
     pub helpers: Option<usize>,
+    /// Pooled python containers start their interpreter ahead of time, waiting for the code ([`crate::warm`]).
+    pub warm: bool,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            size: None,
+            helpers: None,
+            warm: true,
+        }
+    }
 }
 
 impl Config {

@@ -55,6 +55,8 @@ pub struct LanguageRuntime {
     pub command: Vec<String>,
     /// File name the code is written to under `CODE_DIR`.
     pub file_name: &'static str,
+    /// The interpreter a pooled container's init starts ahead of time ([`crate::warm`]); `None`: none.
+    pub warm: Option<runtime::launch::Launch>,
 }
 
 impl LanguageRuntime {
@@ -144,6 +146,7 @@ fn host_languages(host_image: &Arc<RootImage>) -> anyhow::Result<Languages> {
                         image: host_image.clone(),
                         command: vec![program],
                         file_name: file_name(lang),
+                        warm: None,
                     },
                 );
             }
@@ -211,6 +214,7 @@ fn configured_languages(
                 image,
                 command: l.command.clone(),
                 file_name: file_name(*lang),
+                warm: None,
             },
         );
     }

@@ -238,5 +238,6 @@ pub fn shell() -> LanguageRuntime {
         }),
         command: vec!["/bin/sh".into()],
         file_name: "main.sh",
+        warm: None,
     }
 }

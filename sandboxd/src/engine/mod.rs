@@ -433,6 +433,7 @@ impl Engine {
         let launch = Launch {
             args,
             env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            warm: container.interpreter && crate::warm::wanted(req),
         };
         let sent_ns = runtime::init::monotonic_ns();
         container

@@ -24,6 +24,8 @@ use crate::error::{Chain, InitError};
 use crate::launch::Launch;
 use crate::sys;
 
+mod warm;
+
 /// Exit code of the child when `execve` of the program failed (as shells do).
 pub const EXEC_FAILED: i32 = 127;
 /// Exit code of the child when a restriction could not be applied (the status pipe says which).
@@ -121,6 +123,8 @@ pub struct InitExecutor {
     pub seccomp: crate::seccomp::Profile,
     /// The filesystem access policy, applied right before the filters.
     pub landlock: crate::landlock::Policy,
+    /// An interpreter to start ahead of time, confined like any program, that waits for the launch ([`warm`]).
+    pub warm: Option<Launch>,
 }
 
 /// The program's pid, for the signal forwarder (0 while there is none).
@@ -150,31 +154,60 @@ impl InitExecutor {
         // in this process; it stays open until the process ends.
         let status = unsafe { BorrowedFd::borrow_raw(self.status_fd) };
         self.confine(status);
+        // Started after the confinement, so the interpreter inherits all of it, as a forked program does.
+        let warm = match &self.warm {
+            Some(w) => Some(warm::start(status, w)?),
+            None => None,
+        };
         let (launch, stdio) = self.receive(status);
         mark(status, "received");
+        let program = match warm {
+            Some(w) if launch.warm => w.hand_over(&launch, stdio),
+            Some(w) => {
+                w.discard();
+                Err(stdio)
+            }
+            None => Err(stdio),
+        };
+        let program = match program {
+            Ok(pid) => {
+                mark(status, "exec");
+                pid
+            }
+            Err(stdio) => self.fork_program(status, &launch, stdio)?,
+        };
+        PROGRAM.store(program.as_raw(), Ordering::SeqCst);
+        let exit = reap_until(program);
+        PROGRAM.store(0, Ordering::SeqCst);
+        let record = exit.encode();
+        mark(status, "reaped");
+        let _ = nix::unistd::write(status, record.as_bytes());
+        // SAFETY: end the init without unwinding into its caller, which expects no return.
+        unsafe { libc::_exit(0) }
+    }
+
+    /// Forks the child that becomes the program; returns its pid.
+    fn fork_program(
+        &self,
+        status: BorrowedFd<'_>,
+        launch: &Launch,
+        stdio: [OwnedFd; 3],
+    ) -> Result<Pid, InitError> {
         let args = to_cstrings(&launch.args)?;
         let env = to_cstrings(&launch.env)?;
         let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
-
         // SAFETY: this process is single-threaded (cloned from the single-threaded helper), so the
         // child may run arbitrary code until it execs.
         match unsafe { nix::unistd::fork() }.map_err(|source| InitError::Sys {
             call: "fork",
             source,
         })? {
-            ForkResult::Child => run_program(status, stdio, &program, &args, &env),
+            ForkResult::Child => run_program(status, stdio, None, &program, &args, &env),
             ForkResult::Parent { child } => {
                 // The program holds the only copies the container needs: the daemon sees end of file on the
                 // output pipes when the program (and whatever it started) is gone.
                 drop(stdio);
-                PROGRAM.store(child.as_raw(), Ordering::SeqCst);
-                let exit = reap_until(child);
-                PROGRAM.store(0, Ordering::SeqCst);
-                let record = exit.encode();
-                mark(status, "reaped");
-                let _ = nix::unistd::write(status, record.as_bytes());
-                // SAFETY: end the init without unwinding into its caller, which expects no return.
-                unsafe { libc::_exit(0) }
+                Ok(child)
             }
         }
     }
@@ -249,9 +282,11 @@ impl InitExecutor {
 
 /// The forked child: the launch's descriptors become its stdio, signal mask and dispositions go back to the
 /// defaults, the capability sets are checked empty once more, and the program is executed. Never returns.
+/// `inherit`: one more descriptor the program keeps open across `execve` (the warm interpreter's channel).
 fn run_program(
     status: BorrowedFd<'_>,
     stdio: [OwnedFd; 3],
+    inherit: Option<BorrowedFd<'_>>,
     program: &CString,
     args: &[CString],
     env: &[CString],
@@ -268,6 +303,15 @@ fn run_program(
         }
     }
     drop(stdio);
+    if let Some(fd) = inherit {
+        let kept = nix::fcntl::fcntl(
+            fd.as_raw_fd(),
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+        );
+        if let Err(e) = kept {
+            setup_failed(status, format_args!("keep the warm channel open: {e}"));
+        }
+    }
     // The program starts with the default signal mask and dispositions, whatever the helper had: an ignored
     // signal survives execve (the Rust runtime ignores SIGPIPE, a background shell SIGINT).
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
@@ -278,7 +322,9 @@ fn run_program(
     if let Err(e) = crate::caps::ensure_none() {
         setup_failed(status, Chain(&e));
     }
-    mark(status, "exec");
+    if inherit.is_none() {
+        mark(status, "exec");
+    }
     let err = nix::unistd::execve(program, args, env).err();
     let msg = format!(
         "sandboxd: cannot execute {}: {}\n",

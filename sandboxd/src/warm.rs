@@ -1,0 +1,103 @@
+//! Warm interpreters: a pooled python container's init starts the interpreter ahead of time, and the launch hands
+//! it the code ([`runtime::init`] has the init's half, `warm/python.py` the interpreter's).
+//!
+//! The interpreter starts with the image's base environment (sandboxd's and the image's, without the request's),
+//! imports `site` and the stub's few modules, and waits. At the launch it takes the request's stdio, environment
+//! and arguments and runs the code file as `__main__`, as `python3 /sandbox/main.py` would. What the interpreter
+//! reads only while it starts cannot change afterwards, so a request that sets such a variable
+//! ([`STARTUP_VARIABLES`]), lists tools (the SDK reads the execution's tool list when it is imported) or asks for a
+//! plain start gets a freshly executed interpreter instead ([`wanted`]); so does a container from the cold path.
+
+use protocol::{ExecuteRequest, Language};
+use runtime::launch::Launch;
+
+use crate::images::LanguageRuntime;
+
+/// The python stub, run with `-c`.
+pub const PYTHON: &str = include_str!("../warm/python.py");
+
+/// Environment variables (names, or prefixes ending in `*`) the interpreter reads while it starts: a request
+/// setting one gets a plain start.
+pub const STARTUP_VARIABLES: [&str; 6] = ["PYTHON*", "LANG", "LANGUAGE", "LC_*", "HOME", "TZ"];
+
+/// The warm interpreter of `lang`, if it has one: the language's command with the stub, the command's length (the
+/// stub finds the script's path after it in the launch's arguments) and the base environment.
+pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
+    let stub = match lang {
+        Language::Python => PYTHON,
+        Language::Javascript | Language::Shell | Language::Elixir => return None,
+    };
+    let mut args = rt.command.clone();
+    let skip = args.len();
+    args.extend(["-c".to_owned(), stub.to_owned(), skip.to_string()]);
+    let env = crate::engine::base_environment(&rt.image)
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    Some(Launch {
+        args,
+        env,
+        warm: false,
+    })
+}
+
+/// Gives every language that has one its warm interpreter (`enabled`: `pool.warm`).
+pub fn enable(languages: &mut crate::images::Languages, enabled: bool) {
+    for (lang, rt) in languages.iter_mut() {
+        rt.warm = if enabled {
+            interpreter(*lang, rt)
+        } else {
+            None
+        };
+    }
+}
+
+/// Whether `req` may run in the waiting interpreter: it asks for no plain start, lists no tools, and sets no
+/// variable the interpreter reads while it starts.
+pub fn wanted(req: &ExecuteRequest) -> bool {
+    req.warm != Some(false) && req.tools.is_empty() && !req.env.keys().any(|k| read_at_startup(k))
+}
+
+fn read_at_startup(key: &str) -> bool {
+    STARTUP_VARIABLES.iter().any(|v| match v.strip_suffix('*') {
+        Some(prefix) => key.starts_with(prefix),
+        None => key == *v,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_up_variables_and_tools_ask_for_a_plain_start() {
+        let mut req = ExecuteRequest::new(
+            "a",
+            Language::Python,
+            "print(1)",
+            protocol::RequestedLimits::new(1000, 64),
+        );
+        assert!(wanted(&req));
+        req.env.insert("API_KEY".into(), "x".into());
+        assert!(wanted(&req));
+        for key in ["PYTHONPATH", "LC_ALL", "LANG", "HOME"] {
+            let mut r = req.clone();
+            r.env.insert(key.into(), "x".into());
+            assert!(!wanted(&r), "{key}");
+        }
+        req.warm = Some(false);
+        assert!(!wanted(&req));
+    }
+
+    #[test]
+    fn only_python_has_an_interpreter_and_its_stub_finds_the_script() {
+        let mut rt = crate::containers::fake::shell();
+        assert!(interpreter(Language::Shell, &rt).is_none());
+        rt.command = vec!["/usr/bin/python3".into()];
+        let l = interpreter(Language::Python, &rt).unwrap();
+        assert_eq!(l.args[0], "/usr/bin/python3");
+        assert_eq!(l.args[1], "-c");
+        assert_eq!(l.args[3], "1");
+        assert!(l.env.iter().any(|e| e == "PYTHONUNBUFFERED=1"));
+    }
+}
