@@ -6,7 +6,8 @@
 //! and arguments and runs the code file as `__main__`, as `python3 /sandbox/main.py` would. What the interpreter
 //! reads only while it starts cannot change afterwards, so a request that sets such a variable
 //! ([`STARTUP_VARIABLES`]), lists tools (the SDK reads the execution's tool list when it is imported) or asks for a
-//! plain start gets a freshly executed interpreter instead ([`wanted`]); so does a container from the cold path.
+//! plain start gets a freshly executed interpreter instead ([`wanted`]), and so does one whose arguments and
+//! environment `execve` could refuse ([`fits_exec`]) and a container from the cold path.
 
 use protocol::{ExecuteRequest, Language};
 use runtime::launch::Launch;
@@ -58,6 +59,27 @@ pub fn wanted(req: &ExecuteRequest) -> bool {
     req.warm != Some(false) && req.tools.is_empty() && !req.env.keys().any(|k| read_at_startup(k))
 }
 
+/// The most bytes of arguments and environment a launch may hand to the waiting interpreter, and the longest
+/// single string (the kernel's `MAX_ARG_STRLEN`). A plain interpreter gets them through `execve`, which refuses
+/// more (`E2BIG`, from a quarter of the stack limit on); a warm one would not, so a larger launch gets a plain
+/// interpreter and the same refusal.
+pub const MAX_HANDED_BYTES: usize = 256 << 10;
+const MAX_ARG_STRLEN: usize = 32 * 4096;
+
+/// Whether `launch`'s arguments and environment are well within what `execve` takes (see [`MAX_HANDED_BYTES`]).
+pub fn fits_exec(launch: &Launch) -> bool {
+    let strings = launch.args.iter().chain(&launch.env);
+    let mut total = 0usize;
+    for s in strings {
+        if s.len() >= MAX_ARG_STRLEN {
+            return false;
+        }
+        // The string, its NUL and its pointer.
+        total += s.len() + 1 + std::mem::size_of::<usize>();
+    }
+    total <= MAX_HANDED_BYTES
+}
+
 fn read_at_startup(key: &str) -> bool {
     STARTUP_VARIABLES.iter().any(|v| match v.strip_suffix('*') {
         Some(prefix) => key.starts_with(prefix),
@@ -87,6 +109,22 @@ mod tests {
         }
         req.warm = Some(false);
         assert!(!wanted(&req));
+    }
+
+    #[test]
+    fn a_launch_execve_would_refuse_gets_a_plain_interpreter() {
+        let mut l = Launch {
+            args: vec!["/usr/bin/python3".into(), "/sandbox/main.py".into()],
+            env: vec!["A=1".into()],
+            warm: true,
+        };
+        assert!(fits_exec(&l));
+        l.env.push(format!("HUGE={}", "e".repeat(MAX_ARG_STRLEN)));
+        assert!(!fits_exec(&l), "one string over MAX_ARG_STRLEN");
+        l.env.pop();
+        l.env
+            .extend((0..200).map(|i| format!("V{i}={}", "v".repeat(2048))));
+        assert!(!fits_exec(&l), "over MAX_HANDED_BYTES in all");
     }
 
     #[test]

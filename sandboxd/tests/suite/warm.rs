@@ -120,6 +120,11 @@ fn corpus() -> Vec<Case> {
             "memory_limit",
             "x = bytearray(256 << 20)\nprint('allocated')",
         ),
+        Case {
+            name: "small_memory_limit",
+            code: "print(sum(range(10)))",
+            extra: json!({"limits": {"memory_mb": 16}}),
+        },
         case("large_output", "for i in range(20000):\n    print(i)"),
         case(
             "cwd_and_ids",
