@@ -104,11 +104,6 @@ impl Warm {
     pub(super) fn discard(self) {
         // Our own unreaped child: the pid is still the interpreter's.
         let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
-        loop {
-            match nix::sys::wait::waitpid(self.pid, None) {
-                Err(nix::Error::EINTR) => continue,
-                _ => break,
-            }
-        }
+        while let Err(nix::Error::EINTR) = nix::sys::wait::waitpid(self.pid, None) {}
     }
 }
