@@ -13,8 +13,14 @@ const SAMPLES: usize = 100;
 const BLOCK: usize = 10;
 const BLOCKS: usize = 10;
 
-/// One row: a name and its columns (this daemon, the baseline daemon, a bare spawn).
-type Row = (String, [Vec<Duration>; 3]);
+/// One row: a name, its columns (this daemon, the baseline daemon, a bare spawn) and this daemon's pool hits and
+/// misses during the row.
+type Row = (String, [Vec<Duration>; 3], (u64, u64));
+
+/// Hits and misses between two `Daemon::pool` readings.
+fn hits_misses(before: (u64, u64, u64), after: (u64, u64, u64)) -> (u64, u64) {
+    (after.1 - before.1, after.2 - before.2)
+}
 
 fn bare_python() -> Duration {
     let mut cmd = Command::new("/usr/bin/python3");
@@ -41,6 +47,7 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
         };
         // Interleaved sample by sample: each daemon's pool refills while the others run.
         let mut cols: [Vec<Duration>; 3] = Default::default();
+        let before = warm.pool();
         for i in 0..5 + SAMPLES {
             let keep = i >= 5;
             let w = execute(&mut ws, &format!("py-w-{i}"), "python", "print(1)\n")
@@ -61,12 +68,17 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
                 cols[2].push(bare);
             }
         }
-        rows.push(("python `print(1)`".into(), cols));
+        rows.push((
+            "python `print(1)`".into(),
+            cols,
+            hits_misses(before, warm.pool()),
+        ));
         for (name, lang, code) in [
             ("python `print(1)` back to back", "python", "print(1)\n"),
             ("shell `true` back to back", "shell", "true\n"),
         ] {
             let mut cols: [Vec<Duration>; 3] = Default::default();
+            let before = warm.pool();
             for block in 0..BLOCKS {
                 for i in 0..BLOCK {
                     let id = format!("bb-w-{lang}-{block}-{i}");
@@ -86,7 +98,7 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
                     });
                 }
             }
-            rows.push((name.into(), cols));
+            rows.push((name.into(), cols, hits_misses(before, warm.pool())));
         }
     });
     println!();
@@ -95,16 +107,17 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
          back to back: blocks of {BLOCK} executions in a row per column, {BLOCKS} blocks alternating"
     );
     println!(
-        "{:<32} {:>15} {:>15} {:>15} | {:>10} {:>13} {:>13}",
+        "{:<32} {:>15} {:>15} {:>15} | {:>10} {:>13} {:>13} {:>11}",
         "case",
         "this daemon",
         "baseline",
         "bare spawn",
         "this/bare",
         "baseline/bare",
-        "this-bare ms"
+        "this-bare ms",
+        "hits/misses"
     );
-    for (name, cols) in &rows {
+    for (name, cols, (hits, misses)) in &rows {
         let cell = |c: &Vec<Duration>| {
             if c.is_empty() {
                 format!("{:>15}", "-")
@@ -121,13 +134,14 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
             }
         };
         println!(
-            "{name:<32} {} {} {} | {:>10} {:>13} {:>13.2}",
+            "{name:<32} {} {} {} | {:>10} {:>13} {:>13.2} {:>11}",
             cell(&cols[0]),
             cell(&cols[1]),
             cell(&cols[2]),
             ratio(&cols[0]),
             ratio(&cols[1]),
-            pct(&cols[0], 0.5) - bare
+            pct(&cols[0], 0.5) - bare,
+            format!("{hits}/{misses}")
         );
     }
 }
