@@ -581,6 +581,9 @@ fn main() {
             "waiting init only (pool.warm: false)",
             ", warm: false",
         );
+        if let Some(layout) = std::env::var_os("SANDBOXD_BENCH_DATA_IMAGE") {
+            warm::preload_table(&rt, Path::new(&layout));
+        }
     }
     // The same binary and pool with libcontainer starting the containers: the direct start's baseline. Only in a
     // build with it (`cargo bench -p sandboxd --features libcontainer`).

@@ -142,6 +142,9 @@ pub struct ImageConfig {
     pub layout: Option<PathBuf>,
     /// Pin: the start fails unless the image's manifest digest is this `sha256:…`.
     pub digest: Option<String>,
+    /// Python modules the warm interpreter of a python language on this image imports before it waits
+    /// ([`crate::warm`]), e.g. `[numpy, pandas]`: dotted module names.
+    pub preload: Vec<String>,
 }
 
 /// `languages.<language>:`
@@ -522,6 +525,14 @@ impl Config {
                 return Err(ConfigError::Value {
                     key: "images",
                     reason: image_store::ImageError::InvalidName(name.clone()).to_string(),
+                });
+            }
+            if let Some(m) = image.preload.iter().find(|m| !crate::warm::module_name(m)) {
+                return Err(ConfigError::Value {
+                    key: "images",
+                    reason: format!(
+                        "images.{name}.preload: {m:?} is not a dotted python module name"
+                    ),
                 });
             }
             if let Some(d) = &image.digest {

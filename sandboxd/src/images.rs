@@ -44,6 +44,8 @@ pub struct RootImage {
     pub landlock: Policy,
     /// The image config's `Env` (applied after sandboxd's defaults, before the request's).
     pub env: Vec<(String, String)>,
+    /// Modules the warm interpreter imports before it waits (`images.<name>.preload`).
+    pub preload: Vec<String>,
 }
 
 /// How a language runs.
@@ -117,6 +119,7 @@ fn host_root_image(host: HostImage, landlock_abi: i32) -> Arc<RootImage> {
         kind: RootKind::Host(host),
         landlock: Policy::for_execution(landlock_abi, read_only),
         env: Vec::new(),
+        preload: Vec::new(),
     })
 }
 
@@ -316,6 +319,7 @@ fn load(
         kind: RootKind::Oci { lowers },
         landlock: Policy::for_image(landlock_abi, top_dirs),
         env,
+        preload: cfg.preload,
     })
 }
 

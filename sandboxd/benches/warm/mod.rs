@@ -194,3 +194,59 @@ pub fn memory_row(binary: &Path, n: u32, label: &str, extra: &str) {
         }
     }
 }
+
+/// `SANDBOXD_BENCH_DATA_IMAGE=DIR` (an OCI layout from `images/build.sh python-data`): a pandas program on that
+/// image, with `preload: [numpy, pandas]` and without, sample by sample.
+pub fn preload_table(rt: &tokio::runtime::Runtime, layout: &Path) {
+    let code =
+        "import pandas as pd\nprint(pd.DataFrame({'a': range(10)}).describe().loc['mean', 'a'])\n";
+    let config = |preload: &str| {
+        format!(
+            "images: {{pydata: {{layout: {}{preload}}}}}\n\
+             languages: {{python: {{image: pydata, command: [/usr/bin/python3]}}}}\npool: {{size: 4}}\n",
+            layout.display()
+        )
+    };
+    let this = Path::new(env!("CARGO_BIN_EXE_sandboxd"));
+    let with = Daemon::start_binary(this, 7, &config(", preload: [numpy, pandas]"), "");
+    let without = Daemon::start_binary(this, 8, &config(""), "");
+    let mut cols: [Vec<Duration>; 2] = Default::default();
+    rt.block_on(async {
+        let mut ws = connect(with.port).await;
+        let mut wo = connect(without.port).await;
+        for i in 0..5 + SAMPLES / 2 {
+            // Each column from a full pool: the interpreters (and their preloads) are ready.
+            with.wait_refilled();
+            without.wait_refilled();
+            let a = execute(&mut ws, &format!("pd-w-{i}"), "python", code)
+                .await
+                .0;
+            let b = execute(&mut wo, &format!("pd-o-{i}"), "python", code)
+                .await
+                .0;
+            if i >= 5 {
+                cols[0].push(a);
+                cols[1].push(b);
+            }
+        }
+    });
+    println!();
+    println!(
+        "pandas `DataFrame(...).describe()` on the python-data image, warm pools, ms (p50 / p95), {} samples",
+        cols[0].len()
+    );
+    println!(
+        "preload [numpy, pandas]: {:.2} / {:.2}; no preload: {:.2} / {:.2}; ratio {:.2}",
+        pct(&cols[0], 0.5),
+        pct(&cols[0], 0.95),
+        pct(&cols[1], 0.5),
+        pct(&cols[1], 0.95),
+        pct(&cols[0], 0.5) / pct(&cols[1], 0.5)
+    );
+    for (label, d, n) in [("preload", &with, 7), ("no preload", &without, 8)] {
+        let parent = format!("sandboxd-bench-{}-{n}", std::process::id());
+        if let Some((mib, count)) = memory_per_ready(d, &parent) {
+            println!("memory per ready pooled container, python-data, {label}: {mib:.2} MiB ({count} containers)");
+        }
+    }
+}
