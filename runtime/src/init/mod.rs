@@ -10,6 +10,9 @@
 //! (exit code or signal) to a status pipe the daemon holds the other end of, and exits; the kernel then kills
 //! whatever else is left in the pid namespace (double-forked daemons included).
 //!
+//! A pooled container's init may also start an interpreter ahead of time, confined the same way, and hand it the
+//! launch instead of forking a program ([`warm`]).
+//!
 //! Everything here runs in the forked container process, which is single-threaded (the helper is).
 
 use std::ffi::CString;
