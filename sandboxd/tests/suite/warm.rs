@@ -227,25 +227,14 @@ async fn a_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() {
     let cases = corpus();
     let mut differ = Vec::new();
     for (i, case) in cases.iter().enumerate() {
-        let warm = run(
-            &mut c,
-            &d,
-            &format!("w{i}-{}", case.name),
-            case.code,
-            &case.extra,
-            true,
-        )
-        .await;
-        let plain = run(
-            &mut c,
-            &d,
-            &format!("p{i}-{}", case.name),
-            case.code,
-            &case.extra,
-            false,
-        )
-        .await;
-        let (w, p) = (observed(&warm), observed(&plain));
+        let mut both = Vec::new();
+        for (tag, warm) in [("w", true), ("p", false)] {
+            let id = format!("{tag}{i}-{}", case.name);
+            both.push(observed(
+                &run(&mut c, &d, &id, case.code, &case.extra, warm).await,
+            ));
+        }
+        let (w, p) = (&both[0], &both[1]);
         if w != p {
             differ.push(format!("{}:\n  warm:  {w:?}\n  plain: {p:?}", case.name));
         }
