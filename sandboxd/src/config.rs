@@ -749,6 +749,17 @@ mod tests {
     }
 
     #[test]
+    fn preload_lists_module_names() {
+        let c = Config::parse("images:\n  data: {preload: [numpy, pandas.core]}\n").unwrap();
+        assert_eq!(c.images["data"].preload, ["numpy", "pandas.core"]);
+        assert!(c.pool.warm, "warm interpreters are on by default");
+        let e = Config::parse("images:\n  data: {preload: [\"numpy; import os\"]}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("images.data.preload"), "{e}");
+    }
+
+    #[test]
     fn wrong_type_names_key_and_line() {
         let e = Config::parse("listen: 127.0.0.1:1\ncapacity:\n  max_queue: lots\n")
             .unwrap_err()
