@@ -136,6 +136,10 @@ pub struct ExecuteRequest {
     /// [`DEFAULT_TOOL_TIMEOUT_MS`](crate::tools::DEFAULT_TOOL_TIMEOUT_MS), at most the server's maximum.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_timeout_ms: Option<u64>,
+    /// `false`: run the code in a freshly started interpreter, never in one started ahead of time (sandboxd
+    /// addition; `None` and `true`: the server's choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warm: Option<bool>,
 }
 
 impl ExecuteRequest {
@@ -158,6 +162,7 @@ impl ExecuteRequest {
             artifacts: None,
             tools: Vec::new(),
             tool_timeout_ms: None,
+            warm: None,
         }
     }
 
@@ -396,6 +401,8 @@ struct ExecuteBody {
     tools: Option<Vec<ToolSpec>>,
     #[serde(default)]
     tool_timeout_ms: Option<u64>,
+    #[serde(default)]
+    warm: Option<bool>,
 }
 
 /// The fields of `tool_result` besides the envelope. Unknown fields are refused.
@@ -576,6 +583,7 @@ fn parse_execute(
         artifacts: body.artifacts,
         tools: body.tools.unwrap_or_default(),
         tool_timeout_ms: body.tool_timeout_ms,
+        warm: body.warm,
     };
     request.validate()?;
     Ok(request)

@@ -32,6 +32,10 @@ pub struct Launch {
     pub args: Vec<String>,
     /// `KEY=VALUE` environment.
     pub env: Vec<String>,
+    /// Hand the launch to the interpreter the init started ahead of time ([`crate::init::InitExecutor::warm`])
+    /// instead of forking a new program; an init without one forks the program as usual.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub warm: bool,
 }
 
 /// Sends `launch` with the program's stdin, stdout and stderr. Never blocks for long: the init is waiting and the
@@ -107,6 +111,7 @@ mod tests {
         let launch = Launch {
             args: vec!["/bin/sh".into(), "/sandbox/main.sh".into()],
             env: vec!["A=1".into()],
+            warm: false,
         };
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         drop(w);
@@ -126,6 +131,7 @@ mod tests {
         let launch = Launch {
             args: vec!["/bin/true".into()],
             env: vec![format!("HUGE={}", "e".repeat(4 << 20))],
+            warm: false,
         };
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         let (got, _) = recv(b.as_fd()).unwrap().unwrap();
@@ -139,6 +145,7 @@ mod tests {
         let relative = Launch {
             args: vec!["sh".into()],
             env: vec![],
+            warm: false,
         };
         send(a.as_fd(), &relative, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         assert!(recv(b.as_fd()).is_err());

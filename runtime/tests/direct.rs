@@ -200,7 +200,7 @@ impl Test {
         let id = "direct-ok";
         let spec = build(&self.plan(id, 3_900_001)).map_err(|e| e.to_string())?;
         let created = helper
-            .create(id, self.bundle(id, &spec), self.policy())
+            .create(id, self.bundle(id, &spec), self.policy(), None)
             .await
             .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
         let checked = self.run_program(id, created);
@@ -303,7 +303,7 @@ impl Test {
         want: &str,
     ) -> Result<(), String> {
         match helper
-            .create(id, self.bundle(id, spec), self.policy())
+            .create(id, self.bundle(id, spec), self.policy(), None)
             .await
         {
             Ok(_) => Err(format!(
@@ -327,7 +327,7 @@ impl Test {
         std::fs::create_dir(&leaf).map_err(|e| format!("{}: {e}", leaf.display()))?;
         let spec = build(&self.plan(id, 3_900_004)).map_err(|e| e.to_string())?;
         let answer = helper
-            .create(id, self.bundle(id, &spec), self.policy())
+            .create(id, self.bundle(id, &spec), self.policy(), None)
             .await;
         let still_there = leaf.is_dir();
         let _ = std::fs::remove_dir(&leaf);
@@ -388,7 +388,7 @@ impl Test {
         });
         let spec = build(&plan).map_err(|e| e.to_string())?;
         let created = helper
-            .create(id, self.bundle(id, &spec), self.policy())
+            .create(id, self.bundle(id, &spec), self.policy(), None)
             .await
             .map_err(|e| format!("create: {}", runtime::error::Chain(&e)));
         let checked = created.and_then(|c| {
@@ -425,6 +425,7 @@ fn launch(created: runtime::helper::Created, script: &str) -> Result<String, Str
         &Launch {
             args: vec!["/bin/sh".into(), "-c".into(), script.into()],
             env: vec!["PATH=/usr/bin:/bin".into()],
+            warm: false,
         },
         [null.as_fd(), out_w.as_fd(), out_w.as_fd()],
     )

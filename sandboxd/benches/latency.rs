@@ -17,6 +17,7 @@
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+mod warm;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -553,20 +554,37 @@ fn main() {
         println!("bwrap: not installed (apt-get install bubblewrap); its column is left out");
     }
 
-    // SANDBOXD_BENCH_ONLY=throughput runs the throughput table alone (for quick iterations on the hot path).
-    let only_throughput = std::env::var("SANDBOXD_BENCH_ONLY").is_ok_and(|v| v == "throughput");
-    if !only_throughput {
+    // SANDBOXD_BENCH_BASELINE=/path/to/an/older/sandboxd: its warm daemon joins the warm interpreters' table and
+    // the throughput table, run for run.
+    let baseline_bin = std::env::var_os("SANDBOXD_BENCH_BASELINE").map(PathBuf::from);
+    let baseline = baseline_bin.as_ref().map(|bin| {
+        println!("baseline: {}", bin.display());
+        Daemon::start_binary(bin, 3, "", "")
+    });
+    // SANDBOXD_BENCH_ONLY=throughput runs the throughput table alone (for quick iterations on the hot path); =warm
+    // the warm interpreters' rows and the throughput table.
+    let only = std::env::var("SANDBOXD_BENCH_ONLY").unwrap_or_default();
+    if only.is_empty() {
         latency_table(&rt, &warm, &cold, &peers, tmp.path());
         plain_client(&rt, &warm, tmp.path());
         if let Ok(spec) = std::env::var("SANDBOXD_BENCH_IMAGES") {
             images(&rt, &warm, &spec);
         }
     }
-    // SANDBOXD_BENCH_BASELINE=/path/to/an/older/sandboxd: its warm daemon joins the throughput table, run for run.
-    let baseline = std::env::var_os("SANDBOXD_BENCH_BASELINE").map(|bin| {
-        println!("baseline: {}", Path::new(&bin).display());
-        Daemon::start_binary(Path::new(&bin), 3, "", "")
-    });
+    if only.is_empty() || only == "warm" {
+        warm::table(&rt, &warm, baseline.as_ref(), tmp.path());
+        let this = Path::new(env!("CARGO_BIN_EXE_sandboxd"));
+        warm::memory_row(this, 5, "waiting python interpreter", "");
+        warm::memory_row(
+            this,
+            6,
+            "waiting init only (pool.warm: false)",
+            ", warm: false",
+        );
+        if let Some(layout) = std::env::var_os("SANDBOXD_BENCH_DATA_IMAGE") {
+            warm::preload_table(&rt, Path::new(&layout));
+        }
+    }
     // The same binary and pool with libcontainer starting the containers: the direct start's baseline. Only in a
     // build with it (`cargo bench -p sandboxd --features libcontainer`).
     let libcontainer = cfg!(feature = "libcontainer").then(|| {

@@ -82,7 +82,7 @@ pub use agents::config::{AgentsConfig, AGENT_QUEUED_OVERHEAD, AGENT_STAMP_BYTES}
 pub const MAX_LANGUAGES: usize = 4;
 
 /// `pool:`
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
     /// Containers kept ready in all, split evenly over the languages (rounded up). `None`:
@@ -90,6 +90,18 @@ pub struct PoolConfig {
     pub size: Option<usize>,
     /// Helper processes that create and remove containers in parallel. `None`: one per CPU, at most 8.
     pub helpers: Option<usize>,
+    /// Pooled python containers start their interpreter ahead of time, waiting for the code ([`crate::warm`]).
+    pub warm: bool,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            size: None,
+            helpers: None,
+            warm: true,
+        }
+    }
 }
 
 impl Config {
@@ -130,6 +142,9 @@ pub struct ImageConfig {
     pub layout: Option<PathBuf>,
     /// Pin: the start fails unless the image's manifest digest is this `sha256:…`.
     pub digest: Option<String>,
+    /// Python modules the warm interpreter of a python language on this image imports before it waits
+    /// ([`crate::warm`]), e.g. `[numpy, pandas]`: dotted module names.
+    pub preload: Vec<String>,
 }
 
 /// `languages.<language>:`
@@ -512,6 +527,14 @@ impl Config {
                     reason: image_store::ImageError::InvalidName(name.clone()).to_string(),
                 });
             }
+            if let Some(m) = image.preload.iter().find(|m| !crate::warm::module_name(m)) {
+                return Err(ConfigError::Value {
+                    key: "images",
+                    reason: format!(
+                        "images.{name}.preload: {m:?} is not a dotted python module name"
+                    ),
+                });
+            }
             if let Some(d) = &image.digest {
                 if image_store::Sha256::parse(d).is_none() {
                     return Err(ConfigError::Value {
@@ -723,6 +746,17 @@ mod tests {
             e.contains("memory_mib") && e.contains("limits.max") && e.contains("line 3"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn preload_lists_module_names() {
+        let c = Config::parse("images:\n  data: {preload: [numpy, pandas.core]}\n").unwrap();
+        assert_eq!(c.images["data"].preload, ["numpy", "pandas.core"]);
+        assert!(c.pool.warm, "warm interpreters are on by default");
+        let e = Config::parse("images:\n  data: {preload: [\"numpy; import os\"]}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("images.data.preload"), "{e}");
     }
 
     #[test]

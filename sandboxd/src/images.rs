@@ -44,6 +44,8 @@ pub struct RootImage {
     pub landlock: Policy,
     /// The image config's `Env` (applied after sandboxd's defaults, before the request's).
     pub env: Vec<(String, String)>,
+    /// Modules the warm interpreter imports before it waits (`images.<name>.preload`).
+    pub preload: Vec<String>,
 }
 
 /// How a language runs.
@@ -55,6 +57,8 @@ pub struct LanguageRuntime {
     pub command: Vec<String>,
     /// File name the code is written to under `CODE_DIR`.
     pub file_name: &'static str,
+    /// The interpreter a pooled container's init starts ahead of time ([`crate::warm`]); `None`: none.
+    pub warm: Option<runtime::launch::Launch>,
 }
 
 impl LanguageRuntime {
@@ -115,6 +119,7 @@ fn host_root_image(host: HostImage, landlock_abi: i32) -> Arc<RootImage> {
         kind: RootKind::Host(host),
         landlock: Policy::for_execution(landlock_abi, read_only),
         env: Vec::new(),
+        preload: Vec::new(),
     })
 }
 
@@ -144,6 +149,7 @@ fn host_languages(host_image: &Arc<RootImage>) -> anyhow::Result<Languages> {
                         image: host_image.clone(),
                         command: vec![program],
                         file_name: file_name(lang),
+                        warm: None,
                     },
                 );
             }
@@ -211,6 +217,7 @@ fn configured_languages(
                 image,
                 command: l.command.clone(),
                 file_name: file_name(*lang),
+                warm: None,
             },
         );
     }
@@ -312,6 +319,7 @@ fn load(
         kind: RootKind::Oci { lowers },
         landlock: Policy::for_image(landlock_abi, top_dirs),
         env,
+        preload: cfg.preload,
     })
 }
 

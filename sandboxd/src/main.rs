@@ -23,6 +23,7 @@ mod server;
 mod store;
 mod tools;
 mod upload;
+mod warm;
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -245,8 +246,9 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
 
     let host = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
     // The store lock (if any OCI image is used) is held for the daemon's lifetime: `images rm` waits for us.
-    let (languages, _store_lock) =
+    let (mut languages, _store_lock) =
         images::resolve(&config, host, landlock_abi, &run_dir).context("languages")?;
+    warm::enable(&mut languages, config.pool.warm);
     let store = Arc::new(
         store::Store::open(
             &config.state_dir.join("artifacts"),

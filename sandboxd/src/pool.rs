@@ -93,6 +93,8 @@ pub struct Container {
     pub host_id: u32,
     /// Taken from the pool (false: created for the execution).
     pub warm: bool,
+    /// Its init started the language's warm interpreter, which waits for the launch ([`crate::warm`]).
+    pub interpreter: bool,
     /// The container itself, behind the backend's seam.
     pub handle: Box<dyn ContainerHandle>,
 }
@@ -171,12 +173,14 @@ impl Factory {
         self.backend.shutdown().await
     }
 
-    /// Creates a container for `lang` with `disk_mb` of scratch space and `limits` in its cgroup.
+    /// Creates a container for `lang` with `disk_mb` of scratch space and `limits` in its cgroup; `warm`: its
+    /// init starts the language's warm interpreter, if it has one.
     pub async fn create(
         &self,
         lang: &LanguageRuntime,
         disk_mb: u64,
         limits: &Limits,
+        warm: bool,
     ) -> Result<Container, CreateError> {
         let host_id = self.uids.take().await;
         let cid = format!(
@@ -190,12 +194,15 @@ impl Factory {
             lang,
             disk_mb,
             limits,
+            warm: warm && lang.warm.is_some(),
         };
+        let interpreter = plan.warm;
         match self.backend.create(plan).await {
             Ok(handle) => Ok(Container {
                 cid,
                 host_id,
                 warm: false,
+                interpreter,
                 handle,
             }),
             Err(e) => {
@@ -357,7 +364,7 @@ impl Pool {
             let have = self.lock().get(&lang).map_or(0, VecDeque::len);
             while have + creating.len() < self.size && creating.len() < parallel {
                 let (factory, rt) = (self.factory.clone(), rt.clone());
-                creating.spawn(async move { factory.create(&rt, POOL_DISK_MB, &max).await });
+                creating.spawn(async move { factory.create(&rt, POOL_DISK_MB, &max, true).await });
             }
             if creating.is_empty() {
                 notified.await;
@@ -403,7 +410,7 @@ impl Pool {
             self.replenish(lang);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        self.factory.create(rt, limits.disk_mb, limits).await
+        self.factory.create(rt, limits.disk_mb, limits, false).await
     }
 
     /// Lets the language's refill task top the pool up (after an execution that took a ready container ended).

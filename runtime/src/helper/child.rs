@@ -216,7 +216,8 @@ impl Helper {
                 id,
                 bundle,
                 landlock,
-            } => match self.create(&id, bundle, landlock) {
+                warm,
+            } => match self.create(&id, bundle, landlock, warm) {
                 Ok((pid, [launch, status, pidfd])) => {
                     let sent = self.send(
                         &Event::Created {
@@ -276,6 +277,7 @@ impl Helper {
         id: &str,
         bundle: PathBuf,
         landlock: crate::landlock::Policy,
+        warm: Option<crate::launch::Launch>,
     ) -> Result<(Pid, [OwnedFd; 3])> {
         let taken = self.running.contains_key(id)
             || self.config.state_root.join(id).exists()
@@ -296,6 +298,7 @@ impl Helper {
             launch_fd: launch_init.as_raw_fd(),
             seccomp: self.config.seccomp.clone(),
             landlock,
+            warm,
         };
         let pid = match self.config.start {
             StartMethod::Direct => self.start_direct(id, &bundle, &executor)?,

@@ -87,6 +87,7 @@ impl HelperClient {
         id: &str,
         bundle: PathBuf,
         landlock: crate::landlock::Policy,
+        warm: Option<crate::launch::Launch>,
     ) -> Result<Created> {
         let answer = self
             .ask(
@@ -95,6 +96,7 @@ impl HelperClient {
                     id: id.to_owned(),
                     bundle,
                     landlock,
+                    warm,
                 },
             )
             .await?;

@@ -16,6 +16,9 @@ pub enum Request {
         bundle: PathBuf,
         /// The landlock policy of the program (it depends on the image).
         landlock: crate::landlock::Policy,
+        /// An interpreter the init starts ahead of time ([`crate::init::InitExecutor::warm`]).
+        #[serde(default)]
+        warm: Option<crate::launch::Launch>,
     },
     /// Signal a container's init. The daemon normally signals through the pidfd it got with
     /// [`Event::Created`]; this is for callers that only know the id.

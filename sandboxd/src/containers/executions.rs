@@ -31,7 +31,7 @@ impl ContainerBackend for Arc<HelperBackend> {
         Box::pin(async move {
             let this = self.clone();
             let owned = (plan.cid.to_owned(), plan.lang.clone(), *plan.limits);
-            let (host_id, disk_mb) = (plan.host_id, plan.disk_mb);
+            let (host_id, disk_mb, warm) = (plan.host_id, plan.disk_mb, plan.warm);
             let prepared = tokio::task::spawn_blocking(move || {
                 let (cid, lang, limits) = owned;
                 this.prepare(&Plan {
@@ -40,6 +40,7 @@ impl ContainerBackend for Arc<HelperBackend> {
                     lang: &lang,
                     disk_mb,
                     limits: &limits,
+                    warm,
                 })
             })
             .await
@@ -54,6 +55,7 @@ impl ContainerBackend for Arc<HelperBackend> {
                     plan.cid,
                     scratch.dir().to_owned(),
                     plan.lang.image.landlock.clone(),
+                    plan.warm.then(|| plan.lang.warm.clone()).flatten(),
                 )
                 .await
             {

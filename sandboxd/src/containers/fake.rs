@@ -235,8 +235,10 @@ pub fn shell() -> LanguageRuntime {
                 devices: Vec::new(),
             },
             env: Vec::new(),
+            preload: Vec::new(),
         }),
         command: vec!["/bin/sh".into()],
         file_name: "main.sh",
+        warm: None,
     }
 }

@@ -140,6 +140,7 @@ impl HelperBackend {
             lang,
             disk_mb,
             limits,
+            warm: _,
         } = *plan;
         let disk_bytes = disk_mb << 20;
         let scratch = create_scratch(&self.run_dir, cid, disk_bytes, host_id, &lang.image)?;

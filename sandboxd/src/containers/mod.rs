@@ -58,6 +58,8 @@ pub struct Plan<'a> {
     pub disk_mb: u64,
     /// Limits written into its cgroup at creation (lowered to the request's at launch).
     pub limits: &'a Limits,
+    /// Its init starts the language's warm interpreter ([`crate::warm`]) ahead of the launch.
+    pub warm: bool,
 }
 
 /// What an agent sandbox's workspace is created for: the long-lived kind of container ([`agents::container`]).

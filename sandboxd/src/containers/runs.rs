@@ -128,7 +128,12 @@ impl Workspace for HelperWorkspace {
             self.write_bundle(&plan)?;
             let client = self.backend.helpers.primary().clone();
             let created = client
-                .create(plan.cid, self.dir.clone(), self.image.landlock.clone())
+                .create(
+                    plan.cid,
+                    self.dir.clone(),
+                    self.image.landlock.clone(),
+                    None,
+                )
                 .await
                 .map_err(|e| LongLivedError::Create(Box::new(e)))?;
             let pidfd = created.pidfd.try_clone().and_then(|fd| {
@@ -143,6 +148,7 @@ impl Workspace for HelperWorkspace {
                 launch: Launch {
                     args: plan.args,
                     env: plan.env,
+                    warm: false,
                 },
                 created,
                 pidfd: None,

@@ -430,10 +430,13 @@ impl Engine {
         let mut env = environment(lang, req);
         // With tools, the code runs inside the SDK's runner, which finds the SDK on its path.
         crate::tools::adjust_command(req, &mut args, &mut env);
-        let launch = Launch {
+        let mut launch = Launch {
             args,
             env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            warm: false,
         };
+        launch.warm =
+            container.interpreter && crate::warm::wanted(req) && crate::warm::fits_exec(&launch);
         let sent_ns = runtime::init::monotonic_ns();
         container
             .handle

@@ -30,6 +30,9 @@ use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_tungstenite::tungstenite::{self, Message};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+/// The first line of the warm python stub (`sandboxd/warm/python.py`), which its command line holds.
+pub const WARM_STUB_MARK: &str = "# sandboxd's warm python stub";
+
 /// The daemon binary under test.
 pub const SANDBOXD: &str = env!("CARGO_BIN_EXE_sandboxd");
 
@@ -426,8 +429,9 @@ impl Daemon {
     }
 
     /// `Ok` once nothing of any execution is left: the only containers are the pool's ready ones, the pool is
-    /// full (so no creation is half-way), and each ready container is exactly one process of a sandbox uid, one
-    /// cgroup leaf per hierarchy, one scratch mount and two state entries. With `pool.size: 0`, nothing at all.
+    /// full (so no creation is half-way), and each ready container is exactly one process of a sandbox uid (two
+    /// with a waiting warm interpreter), one cgroup leaf per hierarchy, one scratch mount and two state entries.
+    /// With `pool.size: 0`, nothing at all.
     pub async fn leftovers(&self) -> Result<(), String> {
         let (_, h) = self.healthz().await;
         let languages = h["languages"].as_array().map_or(0, Vec::len);
@@ -449,8 +453,16 @@ impl Daemon {
             })
             .count();
         let state = files.len() - scratch;
+        // A ready python container also holds its waiting interpreter: the init's child, running the warm stub.
+        let waiting = procs
+            .iter()
+            .filter(|p| {
+                p.cmdline.contains(WARM_STUB_MARK) && procs.iter().any(|init| init.pid == p.ppid)
+            })
+            .count();
         if ready == full
-            && procs.len() == ready
+            && procs.len() == ready + waiting
+            && waiting <= ready
             && leaves.len() == ready
             && mounts == ready
             && scratch == ready

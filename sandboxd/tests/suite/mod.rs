@@ -25,3 +25,4 @@ mod output;
 mod pool;
 mod requests;
 mod tools;
+mod warm;

@@ -10,6 +10,9 @@
 //! (exit code or signal) to a status pipe the daemon holds the other end of, and exits; the kernel then kills
 //! whatever else is left in the pid namespace (double-forked daemons included).
 //!
+//! A pooled container's init may also start an interpreter ahead of time, confined the same way, and hand it the
+//! launch instead of forking a program ([`warm`]).
+//!
 //! Everything here runs in the forked container process, which is single-threaded (the helper is).
 
 use std::ffi::CString;
@@ -23,6 +26,8 @@ use nix::unistd::{ForkResult, Pid};
 use crate::error::{Chain, InitError};
 use crate::launch::Launch;
 use crate::sys;
+
+mod warm;
 
 /// Exit code of the child when `execve` of the program failed (as shells do).
 pub const EXEC_FAILED: i32 = 127;
@@ -121,6 +126,8 @@ pub struct InitExecutor {
     pub seccomp: crate::seccomp::Profile,
     /// The filesystem access policy, applied right before the filters.
     pub landlock: crate::landlock::Policy,
+    /// An interpreter to start ahead of time, confined like any program, that waits for the launch ([`warm`]).
+    pub warm: Option<Launch>,
 }
 
 /// The program's pid, for the signal forwarder (0 while there is none).
@@ -150,31 +157,60 @@ impl InitExecutor {
         // in this process; it stays open until the process ends.
         let status = unsafe { BorrowedFd::borrow_raw(self.status_fd) };
         self.confine(status);
+        // Started after the confinement, so the interpreter inherits all of it, as a forked program does.
+        let warm = match &self.warm {
+            Some(w) => Some(warm::start(status, w)?),
+            None => None,
+        };
         let (launch, stdio) = self.receive(status);
         mark(status, "received");
+        let program = match warm {
+            Some(w) if launch.warm => w.hand_over(&launch, stdio),
+            Some(w) => {
+                w.discard();
+                Err(stdio)
+            }
+            None => Err(stdio),
+        };
+        let program = match program {
+            Ok(pid) => {
+                mark(status, "exec");
+                pid
+            }
+            Err(stdio) => self.fork_program(status, &launch, stdio)?,
+        };
+        PROGRAM.store(program.as_raw(), Ordering::SeqCst);
+        let exit = reap_until(program);
+        PROGRAM.store(0, Ordering::SeqCst);
+        let record = exit.encode();
+        mark(status, "reaped");
+        let _ = nix::unistd::write(status, record.as_bytes());
+        // SAFETY: end the init without unwinding into its caller, which expects no return.
+        unsafe { libc::_exit(0) }
+    }
+
+    /// Forks the child that becomes the program; returns its pid.
+    fn fork_program(
+        &self,
+        status: BorrowedFd<'_>,
+        launch: &Launch,
+        stdio: [OwnedFd; 3],
+    ) -> Result<Pid, InitError> {
         let args = to_cstrings(&launch.args)?;
         let env = to_cstrings(&launch.env)?;
         let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
-
         // SAFETY: this process is single-threaded (cloned from the single-threaded helper), so the
         // child may run arbitrary code until it execs.
         match unsafe { nix::unistd::fork() }.map_err(|source| InitError::Sys {
             call: "fork",
             source,
         })? {
-            ForkResult::Child => run_program(status, stdio, &program, &args, &env),
+            ForkResult::Child => run_program(status, stdio, None, &program, &args, &env),
             ForkResult::Parent { child } => {
                 // The program holds the only copies the container needs: the daemon sees end of file on the
                 // output pipes when the program (and whatever it started) is gone.
                 drop(stdio);
-                PROGRAM.store(child.as_raw(), Ordering::SeqCst);
-                let exit = reap_until(child);
-                PROGRAM.store(0, Ordering::SeqCst);
-                let record = exit.encode();
-                mark(status, "reaped");
-                let _ = nix::unistd::write(status, record.as_bytes());
-                // SAFETY: end the init without unwinding into its caller, which expects no return.
-                unsafe { libc::_exit(0) }
+                Ok(child)
             }
         }
     }
@@ -249,9 +285,11 @@ impl InitExecutor {
 
 /// The forked child: the launch's descriptors become its stdio, signal mask and dispositions go back to the
 /// defaults, the capability sets are checked empty once more, and the program is executed. Never returns.
+/// `inherit`: one more descriptor the program keeps open across `execve` (the warm interpreter's channel).
 fn run_program(
     status: BorrowedFd<'_>,
     stdio: [OwnedFd; 3],
+    inherit: Option<BorrowedFd<'_>>,
     program: &CString,
     args: &[CString],
     env: &[CString],
@@ -268,6 +306,15 @@ fn run_program(
         }
     }
     drop(stdio);
+    if let Some(fd) = inherit {
+        let kept = nix::fcntl::fcntl(
+            fd.as_raw_fd(),
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+        );
+        if let Err(e) = kept {
+            setup_failed(status, format_args!("keep the warm channel open: {e}"));
+        }
+    }
     // The program starts with the default signal mask and dispositions, whatever the helper had: an ignored
     // signal survives execve (the Rust runtime ignores SIGPIPE, a background shell SIGINT).
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
@@ -278,7 +325,9 @@ fn run_program(
     if let Err(e) = crate::caps::ensure_none() {
         setup_failed(status, Chain(&e));
     }
-    mark(status, "exec");
+    if inherit.is_none() {
+        mark(status, "exec");
+    }
     let err = nix::unistd::execve(program, args, env).err();
     let msg = format!(
         "sandboxd: cannot execute {}: {}\n",

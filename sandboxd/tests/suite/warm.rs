@@ -1,0 +1,274 @@
+//! Warm interpreters: a program run in the interpreter a pooled container started ahead of time behaves as the
+//! same program in a freshly started one. Every program of the corpus runs both ways (warm from a full pool,
+//! plain with `"warm": false`) and the two runs must agree on stdout, stderr, exit code and signal.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::harness::{
+    exec_json, privileged, wait_until, with, Client, Collected, Daemon, DaemonOpts,
+};
+
+/// One program of the corpus: a name, the code, and what else its `execute` carries (stdin, env, files).
+struct Case {
+    name: &'static str,
+    code: &'static str,
+    extra: Value,
+}
+
+fn case(name: &'static str, code: &'static str) -> Case {
+    Case {
+        name,
+        code,
+        extra: json!({}),
+    }
+}
+
+fn corpus() -> Vec<Case> {
+    vec![
+        case(
+            "main_module",
+            "import sys\nprint(__name__, __file__, sys.argv, sys.path[0])\nprint(sorted(globals()))\n\
+             print(type(__loader__).__name__, __spec__, __package__, __doc__, __cached__, __annotations__)\n\
+             import __main__\nprint(__main__.__dict__ is globals())",
+        ),
+        case(
+            "uncaught_exception",
+            "def inner():\n    raise ValueError('boom')\n\ndef outer():\n    inner()\n\nprint('before')\nouter()",
+        ),
+        case("syntax_error", "print('never')\nx = (\n"),
+        case("sys_exit_code", "import sys\nprint('a')\nsys.exit(7)"),
+        case("sys_exit_message", "import sys\nsys.exit('bye')"),
+        case("builtin_exit", "exit(4)"),
+        case("os_exit", "import os\nprint('x', flush=True)\nos._exit(5)"),
+        case(
+            "atexit",
+            "import atexit\natexit.register(lambda: print('bye'))\nprint('hi')\nraise RuntimeError('late')",
+        ),
+        Case {
+            name: "stdin_input",
+            code: "a = input()\nimport sys\nprint(repr(a), repr(sys.stdin.read()), sys.stdin.seekable())",
+            extra: json!({"stdin": "alpha\nbeta\ngamma"}),
+        },
+        case(
+            "sigterm",
+            "import os, signal\nprint('up', flush=True)\nos.kill(os.getpid(), signal.SIGTERM)\nimport time\ntime.sleep(5)",
+        ),
+        case(
+            "sigint_keyboard_interrupt",
+            "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)",
+        ),
+        case(
+            "sigint_handled",
+            "import os, signal, time\nsignal.signal(signal.SIGINT, lambda s, f: print('caught', s))\n\
+             os.kill(os.getpid(), signal.SIGINT)\nprint('after')",
+        ),
+        case("keyboard_interrupt_raised", "raise KeyboardInterrupt"),
+        case(
+            "threads",
+            "import threading\nout = []\nts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]\n\
+             [t.start() for t in ts]\n[t.join() for t in ts]\nprint(sorted(out), threading.active_count())\n\
+             def bad():\n    raise KeyError('in thread')\nt = threading.Thread(target=bad, name='w')\nt.start()\nt.join()",
+        ),
+        Case {
+            name: "subprocess_and_environ",
+            code: "import subprocess, sys, os\n\
+                   print(subprocess.run([sys.executable, '-c', 'import sys, os; print(sys.argv, os.environ[\"FOO\"])', 'x'], \
+                   capture_output=True, text=True).stdout, end='')\n\
+                   print(subprocess.run(['/bin/sh', '-c', 'echo $FOO $PYTHONUNBUFFERED'], capture_output=True, text=True).stdout, end='')\n\
+                   print(sorted(os.environ.items()))",
+            extra: json!({"env": {"FOO": "bar baz", "EMPTY": ""}}),
+        },
+        case(
+            "stdout_stderr_ordering",
+            "import sys\nfor i in range(50):\n    print('out', i)\n    print('err', i, file=sys.stderr)\n\
+             sys.stdout.write('no newline')\nsys.stderr.write('tail')",
+        ),
+        case(
+            "streams",
+            "import sys\nfor s in (sys.stdin, sys.stdout, sys.stderr):\n\
+             \x20   print(s.encoding, s.errors, s.line_buffering, s.write_through, s.isatty(), s.fileno(), file=sys.stderr)\n\
+             print(sys.stdout.seekable(), sys.stderr.seekable(), sys.flags.unbuffered)",
+        ),
+        case(
+            "rlimits",
+            "import resource as r\nfor n in ('NOFILE', 'FSIZE', 'NPROC', 'AS', 'CORE', 'STACK', 'MEMLOCK', 'CPU'):\n\
+             \x20   print(n, r.getrlimit(getattr(r, 'RLIMIT_' + n)))",
+        ),
+        Case {
+            name: "own_files",
+            code: "import os, sys\nprint(os.getcwd(), sorted(os.listdir('.')))\nsys.path.insert(0, os.getcwd())\n\
+                   import helper\nprint(helper.f(), helper.__file__)\nprint(open('data.txt').read())",
+            extra: json!({"files": [
+                {"path": "helper.py", "content": "def f():\n    return 42\n"},
+                {"path": "data.txt", "content": "payload"},
+            ]}),
+        },
+        case(
+            "pickle_main_class",
+            "import pickle\nclass A:\n    x = 1\nprint(type(pickle.loads(pickle.dumps(A()))).__module__)",
+        ),
+        case("warning", "import warnings\nwarnings.warn('careful')\nprint('done')"),
+        case(
+            "excepthook",
+            "import sys\nsys.excepthook = lambda t, v, tb: print('hook', t.__name__, v, tb.tb_frame.f_code.co_filename, tb.tb_next)\n\
+             raise OSError('x')",
+        ),
+        case("unicode_output", "print('h\\u00e9llo \\u2713')\nimport sys\nsys.stdout.buffer.write(b'\\xff\\n')"),
+        case(
+            "memory_limit",
+            "x = bytearray(256 << 20)\nprint('allocated')",
+        ),
+        Case {
+            name: "small_memory_limit",
+            code: "print(sum(range(10)))",
+            extra: json!({"limits": {"memory_mb": 16}}),
+        },
+        case("large_output", "for i in range(20000):\n    print(i)"),
+        case(
+            "cwd_and_ids",
+            "import os\nprint(os.getcwd(), os.getuid(), os.getgid(), os.getppid(), os.getpgrp() == os.getsid(0), sorted(os.listdir('/proc/self/fd')))",
+        ),
+    ]
+}
+
+/// stdout, stderr, exit code and signal of one run.
+fn observed(r: &Collected) -> (String, String, Option<i32>, Option<String>) {
+    let res = r.result();
+    (
+        String::from_utf8_lossy(&r.stdout()).into_owned(),
+        String::from_utf8_lossy(&r.stderr()).into_owned(),
+        res.exit_code,
+        res.signal.clone(),
+    )
+}
+
+/// A daemon serving python alone, with two ready containers (so `/healthz`'s `ready` counts python's).
+async fn python_daemon() -> Daemon {
+    Daemon::start(DaemonOpts {
+        pool_size: 2,
+        extra_config: Some(json!({
+            "languages": {"python": {"image": "host", "command": ["/usr/bin/python3"]}}
+        })),
+        ..DaemonOpts::default()
+    })
+    .await
+}
+
+/// `/healthz`'s pool counters: (ready, hits).
+async fn pool(d: &Daemon) -> (u64, u64) {
+    let (_, h) = d.healthz().await;
+    let n = |k: &str| h["pool"][k].as_u64().unwrap_or(u64::MAX);
+    (n("ready"), n("hits"))
+}
+
+/// Runs `code` from a ready pooled container (`warm`) or in a plain interpreter.
+async fn run(
+    c: &mut Client,
+    d: &Daemon,
+    id: &str,
+    code: &str,
+    extra: &Value,
+    warm: bool,
+) -> Collected {
+    let mut exec = with(exec_json(id, "python", code, 20_000, 128), extra.clone());
+    if warm {
+        wait_until(
+            "a ready python container",
+            Duration::from_secs(30),
+            || async {
+                match pool(d).await {
+                    (0, _) => Err("none ready".to_owned()),
+                    _ => Ok(()),
+                }
+            },
+        )
+        .await;
+    } else {
+        exec = with(exec, json!({"warm": false}));
+    }
+    let hits = pool(d).await.1;
+    let r = c.run(exec).await;
+    if warm {
+        assert_eq!(pool(d).await.1, hits + 1, "{id} took a pooled container");
+    }
+    r
+}
+
+/// Whether the program ran in the warm interpreter: its command line is the stub's (`python3 -c ...`).
+async fn ran_warm(c: &mut Client, d: &Daemon, id: &str, warm: bool) -> bool {
+    let code = "print(b'-c' in open('/proc/self/cmdline', 'rb').read().split(b'\\0'))";
+    let r = run(c, d, id, code, &json!({}), warm).await;
+    match r.stdout_text().trim() {
+        "True" => true,
+        "False" => false,
+        other => panic!("probe {id}: {other:?}: {}", r.dump()),
+    }
+}
+
+#[tokio::test]
+async fn a_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() {
+    let Some(_g) =
+        privileged("a_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter").await
+    else {
+        return;
+    };
+    let d = python_daemon().await;
+    let mut c = Client::connect(&d).await;
+    assert!(
+        ran_warm(&mut c, &d, "probe-warm-first", true).await,
+        "the pooled interpreter ran the code"
+    );
+    assert!(
+        !ran_warm(&mut c, &d, "probe-plain", false).await,
+        "warm: false starts a new interpreter"
+    );
+    let cases = corpus();
+    let mut differ = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let mut both = Vec::new();
+        for (tag, warm) in [("w", true), ("p", false)] {
+            let id = format!("{tag}{i}-{}", case.name);
+            both.push(observed(
+                &run(&mut c, &d, &id, case.code, &case.extra, warm).await,
+            ));
+        }
+        let (w, p) = (&both[0], &both[1]);
+        if w != p {
+            differ.push(format!("{}:\n  warm:  {w:?}\n  plain: {p:?}", case.name));
+        }
+    }
+    assert!(
+        ran_warm(&mut c, &d, "probe-warm-last", true).await,
+        "the pooled interpreter ran the code"
+    );
+    println!(
+        "warm/plain differential: {} programs, {} differ",
+        cases.len(),
+        differ.len()
+    );
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
+}
+
+#[tokio::test]
+async fn a_request_that_sets_a_start_up_variable_gets_a_plain_interpreter() {
+    let Some(_g) =
+        privileged("a_request_that_sets_a_start_up_variable_gets_a_plain_interpreter").await
+    else {
+        return;
+    };
+    let d = python_daemon().await;
+    let mut c = Client::connect(&d).await;
+    let code = "import sys\nprint(b'-c' in open('/proc/self/cmdline', 'rb').read().split(b'\\0'), sys.flags.optimize)";
+    let r = run(
+        &mut c,
+        &d,
+        "optimize",
+        code,
+        &json!({"env": {"PYTHONOPTIMIZE": "1"}}),
+        true,
+    )
+    .await;
+    assert_eq!(r.stdout_text(), "False 1\n", "{}", r.dump());
+}
