@@ -7,6 +7,7 @@ mod agents;
 mod auth;
 mod daemon_failures;
 mod daemon_pool;
+mod fleet_rules;
 mod malformed;
 mod pool_behaviour;
 mod readme;
