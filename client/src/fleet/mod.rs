@@ -263,12 +263,18 @@ impl Fleet {
         options: ExecOptions,
     ) -> Result<Execution, ClientError> {
         let in_flight = node.start();
+        // Taken before sending, so an ejection at any point from here on is seen.
+        let mut lost = node.lost();
         let mut execution = node.pool.execute_stream_with(request, options).await?;
-        execution.wait_ack().await?;
+        tokio::select! {
+            acked = execution.wait_ack() => acked?,
+            // Ejected (e.g. partitioned) before it acknowledged: as good as a connection failing before the ack.
+            reason = &mut lost => return Err(ClientError::Disconnected { reason }),
+        }
         execution.hold(in_flight);
         execution.watch_node(NodeWatch {
             url: node.url.clone(),
-            lost: node.lost(),
+            lost,
         });
         Ok(execution)
     }

@@ -1,0 +1,251 @@
+//! A fleet of three real daemons, each in its own network namespace with its own address on a bridge, state
+//! directory, port, cgroup parent and uid range (real daemon, root): spread under uniform load, less to a busy
+//! node, a node SIGKILLed mid-run and restarted, a node partitioned and healed. Every execution is counted: it
+//! ends in a result or a typed error, none hangs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use client::{
+    new_execution_id, ClientError, Discovery, Execute, ExecuteRequest, Fleet, Language, NodeHealth,
+    Pool, RequestedLimits,
+};
+use futures_util::stream::{self, StreamExt};
+
+use super::daemon::{require_daemon, wait_until, Daemon, DaemonOpts};
+use super::netns::Network;
+
+/// Per-execution guard: one that has not ended after this long counts as hung (a failure).
+const HUNG: Duration = Duration::from_secs(60);
+
+/// Three daemons on three hosts. The daemons drop (stop) before the network.
+struct Hosts {
+    daemons: Vec<Daemon>,
+    net: Network,
+    token: String,
+}
+
+async fn hosts(test: &str, max_concurrent: usize) -> Option<Hosts> {
+    let bin = require_daemon(test)?;
+    let net = match Network::create(3) {
+        Ok(net) => net,
+        Err(e) => {
+            test_support::cannot_run(test, &format!("cannot create network namespaces: {e}"));
+            return None;
+        }
+    };
+    let token = format!("fleet-test-{:016x}", rand::random::<u64>());
+    let mut daemons = Vec::new();
+    for host in &net.hosts {
+        let opts = DaemonOpts {
+            max_concurrent,
+            max_queue: 64,
+            netns: Some(host.netns.clone()),
+            host: host.ip.to_string(),
+            token: Some(token.clone()),
+            ..DaemonOpts::default()
+        };
+        daemons.push(Daemon::start(&bin, opts).await);
+    }
+    Some(Hosts {
+        daemons,
+        net,
+        token,
+    })
+}
+
+impl Hosts {
+    fn urls(&self) -> Vec<String> {
+        self.daemons.iter().map(|d| d.url()).collect()
+    }
+
+    async fn fleet(&self) -> Fleet {
+        Fleet::builder(Discovery::Static(self.urls()))
+            .pool(
+                Pool::builder("")
+                    .token(self.token.clone())
+                    .size(4)
+                    .max_overflow(16)
+                    .connect_timeout(Duration::from_secs(1))
+                    .health_check_timeout(Duration::from_millis(500)),
+            )
+            .check_interval(Duration::from_millis(200))
+            .check_timeout(Duration::from_millis(500))
+            .eject_after(2)
+            .eject_backoff(Duration::from_millis(200), Duration::from_secs(1))
+            .build()
+            .await
+            .unwrap()
+    }
+}
+
+fn shell(code: &str) -> ExecuteRequest {
+    ExecuteRequest::new(
+        new_execution_id(),
+        Language::Shell,
+        code,
+        RequestedLimits::new(30_000, 64),
+    )
+}
+
+/// How a batch of executions ended.
+#[derive(Debug, Default)]
+struct Outcomes {
+    ok: usize,
+    node_lost: usize,
+    other: Vec<String>,
+    hung: usize,
+}
+
+impl Outcomes {
+    fn total(&self) -> usize {
+        self.ok + self.node_lost + self.other.len() + self.hung
+    }
+}
+
+/// Runs `n` copies of `code` through `fleet`, `concurrency` at a time, and counts how each ended.
+async fn run(fleet: &Fleet, n: usize, concurrency: usize, code: &str) -> Outcomes {
+    let results: Vec<_> = stream::iter(0..n)
+        .map(|_| tokio::time::timeout(HUNG, fleet.execute(shell(code))))
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    let mut out = Outcomes::default();
+    for r in results {
+        match r {
+            Ok(Ok(r)) if r.success() && r.stdout_text() == "ok\n" => out.ok += 1,
+            Ok(Ok(r)) => out.other.push(format!("{r:?}")),
+            Ok(Err(ClientError::NodeLost { .. })) => out.node_lost += 1,
+            Ok(Err(e)) => out.other.push(e.to_string()),
+            Err(_) => out.hung += 1,
+        }
+    }
+    out
+}
+
+fn placed(fleet: &Fleet) -> Vec<u64> {
+    fleet.status().iter().map(|s| s.placed).collect()
+}
+
+async fn wait_health(fleet: &Fleet, node: usize, want: NodeHealth) {
+    wait_until(&format!("node {node} {want:?}"), Duration::from_secs(30), || {
+        let now = fleet.status()[node].clone();
+        async move {
+            if now.health == want {
+                Ok(())
+            } else {
+                Err(format!("{now:?}"))
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn uniform_load_spreads_evenly_over_three_hosts() {
+    let Some(hosts) = hosts("uniform_load_spreads_evenly_over_three_hosts", 4).await else {
+        return;
+    };
+    let fleet = hosts.fleet().await;
+    let out = run(&fleet, 120, 9, "sleep 0.1; echo ok").await;
+    assert_eq!((out.ok, out.total()), (120, 120), "{out:?}");
+    let placed = placed(&fleet);
+    let (max, min) = (*placed.iter().max().unwrap(), *placed.iter().min().unwrap());
+    eprintln!("uniform load: placed per node {placed:?}, max/min {:.2}", max as f64 / min.max(1) as f64);
+    assert_eq!(placed.iter().sum::<u64>(), 120, "{placed:?}");
+    assert!(max as f64 <= 1.5 * min as f64, "{placed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_busy_host_receives_less() {
+    let Some(hosts) = hosts("a_busy_host_receives_less", 4).await else {
+        return;
+    };
+    // Host 0's four slots are taken by long programs run around the fleet.
+    let direct = Pool::builder(hosts.daemons[0].url())
+        .token(hosts.token.clone())
+        .build()
+        .unwrap();
+    let mut long = Vec::new();
+    for _ in 0..4 {
+        long.push(direct.execute_stream(shell("sleep 60")).await.unwrap());
+    }
+    let fleet = hosts.fleet().await;
+    wait_until("host 0 to report its load", Duration::from_secs(10), || {
+        let load = fleet.status()[0].load;
+        async move {
+            match load {
+                Some(l) if l.active_executions >= 4 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    let out = run(&fleet, 60, 6, "sleep 0.1; echo ok").await;
+    assert_eq!((out.ok, out.total()), (60, 60), "{out:?}");
+    let placed = placed(&fleet);
+    eprintln!("busy host 0: placed per node {placed:?}");
+    assert!(placed[0] * 4 < placed[1].min(placed[2]), "{placed:?}");
+    drop(long);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_host_killed_mid_run_loses_no_execution_and_is_readmitted_after_restart() {
+    let test = "a_host_killed_mid_run_loses_no_execution_and_is_readmitted_after_restart";
+    let Some(mut hosts) = hosts(test, 4).await else {
+        return;
+    };
+    let fleet = Arc::new(hosts.fleet().await);
+    let batch = {
+        let fleet = fleet.clone();
+        tokio::spawn(async move { run(&fleet, 60, 9, "sleep 1; echo ok").await })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pid = hosts.daemons[1].pid().unwrap();
+    hosts.daemons[1].kill_hard();
+    wait_health(&fleet, 1, NodeHealth::Ejected).await;
+    let placed_at_ejection = placed(&fleet)[1];
+    let out = batch.await.unwrap();
+    eprintln!("host 1 (pid {pid}) SIGKILLed mid-run: {out:?}, placed {:?}", placed(&fleet));
+    assert_eq!(out.total(), 60);
+    assert_eq!((out.other.len(), out.hung), (0, 0), "{out:?}");
+    assert!(out.node_lost >= 1, "host 1 had executions in flight when killed: {out:?}");
+    assert_eq!(out.ok + out.node_lost, 60, "{out:?}");
+    assert_eq!(placed(&fleet)[1], placed_at_ejection, "placed on an ejected node");
+    // Restarted on the same address: re-admitted, and placed on again.
+    hosts.daemons[1].restart().await;
+    wait_health(&fleet, 1, NodeHealth::Healthy).await;
+    let before = placed(&fleet)[1];
+    let out = run(&fleet, 30, 6, "echo ok").await;
+    assert_eq!((out.ok, out.total()), (30, 30), "{out:?}");
+    assert!(placed(&fleet)[1] > before, "{:?}", fleet.status());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_partitioned_host_is_ejected_and_readmitted_when_its_link_returns() {
+    let test = "a_partitioned_host_is_ejected_and_readmitted_when_its_link_returns";
+    let Some(hosts) = hosts(test, 4).await else {
+        return;
+    };
+    let fleet = Arc::new(hosts.fleet().await);
+    let batch = {
+        let fleet = fleet.clone();
+        tokio::spawn(async move { run(&fleet, 60, 9, "sleep 1; echo ok").await })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    hosts.net.partition(2);
+    wait_health(&fleet, 2, NodeHealth::Ejected).await;
+    let placed_at_ejection = placed(&fleet)[2];
+    let out = batch.await.unwrap();
+    eprintln!("host 2 partitioned mid-run: {out:?}, placed {:?}", placed(&fleet));
+    assert_eq!(out.total(), 60);
+    assert_eq!((out.other.len(), out.hung), (0, 0), "{out:?}");
+    assert!(out.node_lost >= 1, "host 2 had executions in flight when cut off: {out:?}");
+    assert_eq!(placed(&fleet)[2], placed_at_ejection, "placed on an ejected node");
+    hosts.net.heal(2);
+    wait_health(&fleet, 2, NodeHealth::Healthy).await;
+    let before = placed(&fleet)[2];
+    let out = run(&fleet, 30, 6, "echo ok").await;
+    assert_eq!((out.ok, out.total()), (30, 30), "{out:?}");
+    assert!(placed(&fleet)[2] > before, "{:?}", fleet.status());
+}
