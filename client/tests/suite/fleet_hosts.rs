@@ -13,6 +13,7 @@ use client::{
 use futures_util::stream::{self, StreamExt};
 
 use super::daemon::{require_daemon, wait_until, Daemon, DaemonOpts};
+use super::sandboxctl::ctl_env;
 use super::netns::Network;
 
 /// Per-execution guard: one that has not ended after this long counts as hung (a failure).
@@ -248,4 +249,59 @@ async fn a_partitioned_host_is_ejected_and_readmitted_when_its_link_returns() {
     let out = run(&fleet, 30, 6, "echo ok").await;
     assert_eq!((out.ok, out.total()), (30, 30), "{out:?}");
     assert!(placed(&fleet)[2] > before, "{:?}", fleet.status());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sandboxctl_runs_on_a_fleet_and_reports_each_node() {
+    let test = "sandboxctl_runs_on_a_fleet_and_reports_each_node";
+    let Some(mut hosts) = hosts(test, 4).await else {
+        return;
+    };
+    let endpoints = hosts.urls().join(",");
+    let token = hosts.token.clone();
+    let out = ctl_env(
+        &["--endpoints", &endpoints, "fleet", "status", "--json"],
+        None,
+        &[("SANDBOXD_TOKEN", &token)],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let nodes: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(nodes.len(), 3, "{nodes:?}");
+    for (node, url) in nodes.iter().zip(hosts.urls()) {
+        assert_eq!(node["url"], url.as_str());
+        assert_eq!(node["health"], "healthy", "{node}");
+        assert_eq!(node["version"], env!("CARGO_PKG_VERSION"), "{node}");
+        assert_eq!(node["capacity"], 4, "{node}");
+    }
+    // The environment names the fleet too.
+    for _ in 0..6 {
+        let out = ctl_env(
+            &["exec", "-l", "shell", "--code", "echo ok"],
+            None,
+            &[("SANDBOXD_ENDPOINTS", &endpoints), ("SANDBOXD_TOKEN", &token)],
+        )
+        .await;
+        assert_eq!((out.status.code(), out.stdout.as_slice()), (Some(0), &b"ok\n"[..]), "{out:?}");
+    }
+    // A dead node: exec still succeeds elsewhere; status says which node and why, and exits 69.
+    hosts.daemons[0].kill_hard();
+    for _ in 0..6 {
+        let out = ctl_env(
+            &["--endpoints", &endpoints, "exec", "-l", "shell", "--code", "echo ok"],
+            None,
+            &[("SANDBOXD_TOKEN", &token)],
+        )
+        .await;
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+    }
+    let out = ctl_env(&["--endpoints", &endpoints, "fleet", "status"], None, &[("SANDBOXD_TOKEN", &token)]).await;
+    assert_eq!(out.status.code(), Some(69), "{out:?}");
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    let first = table.lines().find(|l| l.starts_with(&hosts.urls()[0])).unwrap();
+    assert!(!first.contains("\thealthy\t") && first.contains("Cannot connect"), "{table}");
+    assert_eq!(table.matches("\thealthy\t").count(), 2, "{table}");
 }
