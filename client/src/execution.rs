@@ -134,7 +134,11 @@ impl Execution {
 
     fn node_lost(&self, reason: String) -> ClientError {
         ClientError::NodeLost {
-            node: self.node.as_ref().map(|n| n.url.to_string()).unwrap_or_default(),
+            node: self
+                .node
+                .as_ref()
+                .map(|n| n.url.to_string())
+                .unwrap_or_default(),
             id: self.id.clone(),
             reason,
         }

@@ -81,7 +81,13 @@ struct Cli {
     #[arg(long, global = true, env = "SANDBOXD_URL")]
     url: Option<String>,
     /// A fleet: the WebSocket endpoints of its daemons, comma-separated (`exec` and `fleet status`).
-    #[arg(long, global = true, env = "SANDBOXD_ENDPOINTS", value_delimiter = ',', conflicts_with = "dns")]
+    #[arg(
+        long,
+        global = true,
+        env = "SANDBOXD_ENDPOINTS",
+        value_delimiter = ',',
+        conflicts_with = "dns"
+    )]
     endpoints: Vec<String>,
     /// A fleet discovered in DNS: NAME:PORT, one daemon per A/AAAA record of NAME (`exec` and `fleet status`).
     #[arg(long, global = true, env = "SANDBOXD_DNS")]
@@ -386,7 +392,11 @@ async fn fleet_status(fleet: &Fleet, json: bool) -> anyhow::Result<ExitCode> {
     if nodes.is_empty() {
         say("the fleet has no node".to_owned()).await;
     }
-    Ok(if healthy { ExitCode::SUCCESS } else { Exit::Unavailable.into() })
+    Ok(if healthy {
+        ExitCode::SUCCESS
+    } else {
+        Exit::Unavailable.into()
+    })
 }
 
 /// Where `exec` runs: one daemon, or a fleet.

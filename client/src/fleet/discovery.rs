@@ -57,14 +57,16 @@ impl DnsDiscovery {
 
     /// Parses `name:port`, as `sandboxctl --dns` takes it.
     pub fn parse(spec: &str) -> Result<Self, ClientError> {
-        let (name, port) = spec
-            .rsplit_once(':')
-            .ok_or_else(|| ClientError::Config(format!("DNS discovery {spec:?}: expected NAME:PORT")))?;
+        let (name, port) = spec.rsplit_once(':').ok_or_else(|| {
+            ClientError::Config(format!("DNS discovery {spec:?}: expected NAME:PORT"))
+        })?;
         let port = port
             .parse()
             .map_err(|_| ClientError::Config(format!("DNS discovery {spec:?}: bad port")))?;
         if name.is_empty() {
-            return Err(ClientError::Config(format!("DNS discovery {spec:?}: empty name")));
+            return Err(ClientError::Config(format!(
+                "DNS discovery {spec:?}: empty name"
+            )));
         }
         Ok(DnsDiscovery::new(name, port))
     }
@@ -124,7 +126,10 @@ impl DnsResolver {
                 urls.dedup();
                 Ok(urls)
             }
-            Err(e) if e.is_no_records_found() || matches!(e.kind(), ResolveErrorKind::Proto(p) if p.is_no_records_found()) => {
+            Err(e)
+                if e.is_no_records_found()
+                    || matches!(e.kind(), ResolveErrorKind::Proto(p) if p.is_no_records_found()) =>
+            {
                 Ok(Vec::new())
             }
             Err(e) => Err(fail(e.to_string())),

@@ -45,8 +45,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-pub use discovery::{Discovery, DnsDiscovery, DEFAULT_DNS_INTERVAL};
 use discovery::DnsResolver;
+pub use discovery::{Discovery, DnsDiscovery, DEFAULT_DNS_INTERVAL};
 use node::{Checks, Node};
 pub use node::{NodeHealth, NodeStatus};
 use protocol::{ErrorCode, ExecuteRequest};
@@ -157,7 +157,12 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.stop.cancel();
-        for node in self.nodes.get_mut().unwrap_or_else(|p| p.into_inner()).iter() {
+        for node in self
+            .nodes
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
             node.retire();
         }
     }
@@ -204,7 +209,9 @@ impl Fleet {
         let wanted: Vec<&str> = urls.iter().map(AsRef::as_ref).collect();
         let mut added = Vec::new();
         for url in &wanted {
-            if !self.nodes().iter().any(|n| &*n.url == *url) && !added.iter().any(|n: &Arc<Node>| &*n.url == *url) {
+            if !self.nodes().iter().any(|n| &*n.url == *url)
+                && !added.iter().any(|n: &Arc<Node>| &*n.url == *url)
+            {
                 let builder = self.inner.pool.for_url(url);
                 let probe = builder.options().clone();
                 added.push(Arc::new(Node::new(url, builder.build()?, probe)));
@@ -237,9 +244,20 @@ impl Fleet {
 
     /// Checks every node whose check is due now (concurrently), as the background task does every interval.
     pub async fn check_now(&self) {
-        let due: Vec<Arc<Node>> = self.nodes().iter().filter(|n| n.check_due()).cloned().collect();
+        let due: Vec<Arc<Node>> = self
+            .nodes()
+            .iter()
+            .filter(|n| n.check_due())
+            .cloned()
+            .collect();
         let checks = self.inner.checks;
         futures_util::future::join_all(due.iter().map(|n| n.check(&checks))).await;
+    }
+
+    /// The node the next placement would choose (sampling, so two calls may differ), for a caller that places
+    /// something of its own on the fleet's nodes; `None` when no node is admitted.
+    pub fn pick(&self) -> Option<String> {
+        self.place(&HashSet::new()).map(|n| n.url.to_string())
     }
 
     /// Picks an admitted node not in `tried` by power-of-K choices.
@@ -346,7 +364,10 @@ async fn background(fleet: Weak<Inner>, dns: Option<DnsResolver>) {
     };
     let mut checks = tokio::time::interval(every);
     checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut resolve = tokio::time::interval(dns.as_ref().map_or(Duration::from_secs(3600), |d| d.interval()));
+    let mut resolve = tokio::time::interval(
+        dns.as_ref()
+            .map_or(Duration::from_secs(3600), |d| d.interval()),
+    );
     resolve.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

@@ -148,11 +148,7 @@ impl Node {
 
     /// A future that completes with the reason when the node is ejected from now on.
     pub(crate) fn lost(self: &Arc<Self>) -> Pin<Box<dyn Future<Output = String> + Send + Sync>> {
-        let token = self
-            .lost
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let token = self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let node = self.clone();
         Box::pin(async move {
             token.cancelled_owned().await;
@@ -192,7 +188,10 @@ impl Node {
         st.ejected = true;
         let exp = st.ejected_in_a_row.min(16);
         st.ejected_in_a_row += 1;
-        let backoff = checks.eject_base.saturating_mul(1 << exp).min(checks.eject_max);
+        let backoff = checks
+            .eject_base
+            .saturating_mul(1 << exp)
+            .min(checks.eject_max);
         st.next_check = Some(Instant::now() + backoff);
         let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
         lost.cancel();
@@ -233,7 +232,10 @@ impl Node {
         let (pong, healthz) = tokio::join!(ping, healthz);
         let outcome = match (pong, healthz) {
             (Ok(pong), Ok(h)) if h.is_healthy() => Ok((pong, h)),
-            (Ok(_), Ok(h)) => Err(format!("/healthz answered {} {}", h.status, h.body["status"])),
+            (Ok(_), Ok(h)) => Err(format!(
+                "/healthz answered {} {}",
+                h.status, h.body["status"]
+            )),
             (Err(e), _) | (_, Err(e)) => Err(e.to_string()),
         };
         let mut st = self.lock();

@@ -159,9 +159,10 @@ impl Daemon {
         // A uid region apart from the daemon's own suite (which starts at 1,000,000).
         let uid_base = daemon::uid_base(200_000_000, n);
         let cgroup_parent = format!("sandboxd-client-test-{pid}-{n}");
-        let token = opts.token.clone().unwrap_or_else(|| {
-            format!("client-test-{pid}-{n}-{:016x}", rand::random::<u64>())
-        });
+        let token = opts
+            .token
+            .clone()
+            .unwrap_or_else(|| format!("client-test-{pid}-{n}-{:016x}", rand::random::<u64>()));
         daemon::launch_on_free_port(async |port| {
             let dir = tempfile::Builder::new()
                 .prefix("sandboxd-client-test-")

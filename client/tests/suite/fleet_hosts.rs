@@ -12,72 +12,31 @@ use client::{
 };
 use futures_util::stream::{self, StreamExt};
 
-use super::daemon::{require_daemon, wait_until, Daemon, DaemonOpts};
+use super::daemon::wait_until;
+use super::netns::{hosts, Hosts};
 use super::sandboxctl::ctl_env;
-use super::netns::Network;
 
 /// Per-execution guard: one that has not ended after this long counts as hung (a failure).
 const HUNG: Duration = Duration::from_secs(60);
 
-/// Three daemons on three hosts. The daemons drop (stop) before the network.
-struct Hosts {
-    daemons: Vec<Daemon>,
-    net: Network,
-    token: String,
-}
-
-async fn hosts(test: &str, max_concurrent: usize) -> Option<Hosts> {
-    let bin = require_daemon(test)?;
-    let net = match Network::create(3) {
-        Ok(net) => net,
-        Err(e) => {
-            test_support::cannot_run(test, &format!("cannot create network namespaces: {e}"));
-            return None;
-        }
-    };
-    let token = format!("fleet-test-{:016x}", rand::random::<u64>());
-    let mut daemons = Vec::new();
-    for host in &net.hosts {
-        let opts = DaemonOpts {
-            max_concurrent,
-            max_queue: 64,
-            netns: Some(host.netns.clone()),
-            host: host.ip.to_string(),
-            token: Some(token.clone()),
-            ..DaemonOpts::default()
-        };
-        daemons.push(Daemon::start(&bin, opts).await);
-    }
-    Some(Hosts {
-        daemons,
-        net,
-        token,
-    })
-}
-
-impl Hosts {
-    fn urls(&self) -> Vec<String> {
-        self.daemons.iter().map(|d| d.url()).collect()
-    }
-
-    async fn fleet(&self) -> Fleet {
-        Fleet::builder(Discovery::Static(self.urls()))
-            .pool(
-                Pool::builder("")
-                    .token(self.token.clone())
-                    .size(4)
-                    .max_overflow(16)
-                    .connect_timeout(Duration::from_secs(1))
-                    .health_check_timeout(Duration::from_millis(500)),
-            )
-            .check_interval(Duration::from_millis(200))
-            .check_timeout(Duration::from_millis(500))
-            .eject_after(2)
-            .eject_backoff(Duration::from_millis(200), Duration::from_secs(1))
-            .build()
-            .await
-            .unwrap()
-    }
+/// A fleet over the hosts that checks every 200 ms and ejects after two failures.
+async fn fleet_of(hosts: &Hosts) -> Fleet {
+    Fleet::builder(Discovery::Static(hosts.urls()))
+        .pool(
+            Pool::builder("")
+                .token(hosts.token.clone())
+                .size(4)
+                .max_overflow(16)
+                .connect_timeout(Duration::from_secs(1))
+                .health_check_timeout(Duration::from_millis(500)),
+        )
+        .check_interval(Duration::from_millis(200))
+        .check_timeout(Duration::from_millis(500))
+        .eject_after(2)
+        .eject_backoff(Duration::from_millis(200), Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap()
 }
 
 fn shell(code: &str) -> ExecuteRequest {
@@ -129,16 +88,20 @@ fn placed(fleet: &Fleet) -> Vec<u64> {
 }
 
 async fn wait_health(fleet: &Fleet, node: usize, want: NodeHealth) {
-    wait_until(&format!("node {node} {want:?}"), Duration::from_secs(30), || {
-        let now = fleet.status()[node].clone();
-        async move {
-            if now.health == want {
-                Ok(())
-            } else {
-                Err(format!("{now:?}"))
+    wait_until(
+        &format!("node {node} {want:?}"),
+        Duration::from_secs(30),
+        || {
+            let now = fleet.status()[node].clone();
+            async move {
+                if now.health == want {
+                    Ok(())
+                } else {
+                    Err(format!("{now:?}"))
+                }
             }
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -147,12 +110,15 @@ async fn uniform_load_spreads_evenly_over_three_hosts() {
     let Some(hosts) = hosts("uniform_load_spreads_evenly_over_three_hosts", 4).await else {
         return;
     };
-    let fleet = hosts.fleet().await;
+    let fleet = fleet_of(&hosts).await;
     let out = run(&fleet, 120, 9, "sleep 0.1; echo ok").await;
     assert_eq!((out.ok, out.total()), (120, 120), "{out:?}");
     let placed = placed(&fleet);
     let (max, min) = (*placed.iter().max().unwrap(), *placed.iter().min().unwrap());
-    eprintln!("uniform load: placed per node {placed:?}, max/min {:.2}", max as f64 / min.max(1) as f64);
+    eprintln!(
+        "uniform load: placed per node {placed:?}, max/min {:.2}",
+        max as f64 / min.max(1) as f64
+    );
     assert_eq!(placed.iter().sum::<u64>(), 120, "{placed:?}");
     assert!(max as f64 <= 1.5 * min as f64, "{placed:?}");
 }
@@ -171,7 +137,7 @@ async fn a_busy_host_receives_less() {
     for _ in 0..4 {
         long.push(direct.execute_stream(shell("sleep 60")).await.unwrap());
     }
-    let fleet = hosts.fleet().await;
+    let fleet = fleet_of(&hosts).await;
     wait_until("host 0 to report its load", Duration::from_secs(10), || {
         let load = fleet.status()[0].load;
         async move {
@@ -190,36 +156,66 @@ async fn a_busy_host_receives_less() {
     drop(long);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_host_killed_mid_run_loses_no_execution_and_is_readmitted_after_restart() {
-    let test = "a_host_killed_mid_run_loses_no_execution_and_is_readmitted_after_restart";
-    let Some(mut hosts) = hosts(test, 4).await else {
-        return;
-    };
-    let fleet = Arc::new(hosts.fleet().await);
+/// Runs 60 one-second executions over the hosts, breaks host `node` with `fail` 1.5 s in, and checks that every
+/// execution ended in a result or `NodeLost` (at least one: the host had executions in flight), none hung, and
+/// nothing was placed on the host after its ejection. Then `recover`s it and checks it is re-admitted and placed
+/// on again.
+async fn break_mid_run(
+    mut hosts: Hosts,
+    node: usize,
+    what: &str,
+    fail: impl FnOnce(&mut Hosts),
+    recover: impl AsyncFnOnce(&mut Hosts),
+) {
+    let fleet = Arc::new(fleet_of(&hosts).await);
     let batch = {
         let fleet = fleet.clone();
         tokio::spawn(async move { run(&fleet, 60, 9, "sleep 1; echo ok").await })
     };
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let pid = hosts.daemons[1].pid().unwrap();
-    hosts.daemons[1].kill_hard();
-    wait_health(&fleet, 1, NodeHealth::Ejected).await;
-    let placed_at_ejection = placed(&fleet)[1];
+    fail(&mut hosts);
+    wait_health(&fleet, node, NodeHealth::Ejected).await;
+    let placed_at_ejection = placed(&fleet)[node];
     let out = batch.await.unwrap();
-    eprintln!("host 1 (pid {pid}) SIGKILLed mid-run: {out:?}, placed {:?}", placed(&fleet));
+    eprintln!(
+        "host {node} {what} mid-run: {out:?}, placed {:?}",
+        placed(&fleet)
+    );
     assert_eq!(out.total(), 60);
     assert_eq!((out.other.len(), out.hung), (0, 0), "{out:?}");
-    assert!(out.node_lost >= 1, "host 1 had executions in flight when killed: {out:?}");
+    assert!(
+        out.node_lost >= 1,
+        "host {node} had executions in flight: {out:?}"
+    );
     assert_eq!(out.ok + out.node_lost, 60, "{out:?}");
-    assert_eq!(placed(&fleet)[1], placed_at_ejection, "placed on an ejected node");
-    // Restarted on the same address: re-admitted, and placed on again.
-    hosts.daemons[1].restart().await;
-    wait_health(&fleet, 1, NodeHealth::Healthy).await;
-    let before = placed(&fleet)[1];
+    assert_eq!(
+        placed(&fleet)[node],
+        placed_at_ejection,
+        "placed on an ejected node"
+    );
+    recover(&mut hosts).await;
+    wait_health(&fleet, node, NodeHealth::Healthy).await;
+    let before = placed(&fleet)[node];
     let out = run(&fleet, 30, 6, "echo ok").await;
     assert_eq!((out.ok, out.total()), (30, 30), "{out:?}");
-    assert!(placed(&fleet)[1] > before, "{:?}", fleet.status());
+    assert!(placed(&fleet)[node] > before, "{:?}", fleet.status());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_host_killed_mid_run_loses_no_execution_and_is_readmitted_after_restart() {
+    let test = "a_host_killed_mid_run_loses_no_execution_and_is_readmitted_after_restart";
+    let Some(hosts) = hosts(test, 4).await else {
+        return;
+    };
+    break_mid_run(
+        hosts,
+        1,
+        "SIGKILLed",
+        |h| h.daemons[1].kill_hard(),
+        // Restarted on the same address, port and state.
+        async |h| h.daemons[1].restart().await,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -228,27 +224,14 @@ async fn a_partitioned_host_is_ejected_and_readmitted_when_its_link_returns() {
     let Some(hosts) = hosts(test, 4).await else {
         return;
     };
-    let fleet = Arc::new(hosts.fleet().await);
-    let batch = {
-        let fleet = fleet.clone();
-        tokio::spawn(async move { run(&fleet, 60, 9, "sleep 1; echo ok").await })
-    };
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    hosts.net.partition(2);
-    wait_health(&fleet, 2, NodeHealth::Ejected).await;
-    let placed_at_ejection = placed(&fleet)[2];
-    let out = batch.await.unwrap();
-    eprintln!("host 2 partitioned mid-run: {out:?}, placed {:?}", placed(&fleet));
-    assert_eq!(out.total(), 60);
-    assert_eq!((out.other.len(), out.hung), (0, 0), "{out:?}");
-    assert!(out.node_lost >= 1, "host 2 had executions in flight when cut off: {out:?}");
-    assert_eq!(placed(&fleet)[2], placed_at_ejection, "placed on an ejected node");
-    hosts.net.heal(2);
-    wait_health(&fleet, 2, NodeHealth::Healthy).await;
-    let before = placed(&fleet)[2];
-    let out = run(&fleet, 30, 6, "echo ok").await;
-    assert_eq!((out.ok, out.total()), (30, 30), "{out:?}");
-    assert!(placed(&fleet)[2] > before, "{:?}", fleet.status());
+    break_mid_run(
+        hosts,
+        2,
+        "partitioned (link down)",
+        |h| h.net.partition(2),
+        async |h| h.net.heal(2),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -282,26 +265,52 @@ async fn sandboxctl_runs_on_a_fleet_and_reports_each_node() {
         let out = ctl_env(
             &["exec", "-l", "shell", "--code", "echo ok"],
             None,
-            &[("SANDBOXD_ENDPOINTS", &endpoints), ("SANDBOXD_TOKEN", &token)],
+            &[
+                ("SANDBOXD_ENDPOINTS", &endpoints),
+                ("SANDBOXD_TOKEN", &token),
+            ],
         )
         .await;
-        assert_eq!((out.status.code(), out.stdout.as_slice()), (Some(0), &b"ok\n"[..]), "{out:?}");
+        assert_eq!(
+            (out.status.code(), out.stdout.as_slice()),
+            (Some(0), &b"ok\n"[..]),
+            "{out:?}"
+        );
     }
     // A dead node: exec still succeeds elsewhere; status says which node and why, and exits 69.
     hosts.daemons[0].kill_hard();
     for _ in 0..6 {
         let out = ctl_env(
-            &["--endpoints", &endpoints, "exec", "-l", "shell", "--code", "echo ok"],
+            &[
+                "--endpoints",
+                &endpoints,
+                "exec",
+                "-l",
+                "shell",
+                "--code",
+                "echo ok",
+            ],
             None,
             &[("SANDBOXD_TOKEN", &token)],
         )
         .await;
         assert_eq!(out.status.code(), Some(0), "{out:?}");
     }
-    let out = ctl_env(&["--endpoints", &endpoints, "fleet", "status"], None, &[("SANDBOXD_TOKEN", &token)]).await;
+    let out = ctl_env(
+        &["--endpoints", &endpoints, "fleet", "status"],
+        None,
+        &[("SANDBOXD_TOKEN", &token)],
+    )
+    .await;
     assert_eq!(out.status.code(), Some(69), "{out:?}");
     let table = String::from_utf8_lossy(&out.stdout).into_owned();
-    let first = table.lines().find(|l| l.starts_with(&hosts.urls()[0])).unwrap();
-    assert!(!first.contains("\thealthy\t") && first.contains("Cannot connect"), "{table}");
+    let first = table
+        .lines()
+        .find(|l| l.starts_with(&hosts.urls()[0]))
+        .unwrap();
+    assert!(
+        !first.contains("\thealthy\t") && first.contains("Cannot connect"),
+        "{table}"
+    );
     assert_eq!(table.matches("\thealthy\t").count(), 2, "{table}");
 }

@@ -50,7 +50,9 @@ fn overloaded(msg: &serde_json::Value) -> Vec<Reply> {
 fn executes_by_id(server: &FakeServer) -> HashMap<String, usize> {
     let mut by_id = HashMap::new();
     for m in server.received_of("execute") {
-        *by_id.entry(m["id"].as_str().unwrap().to_owned()).or_default() += 1;
+        *by_id
+            .entry(m["id"].as_str().unwrap().to_owned())
+            .or_default() += 1;
     }
     by_id
 }
@@ -138,7 +140,10 @@ async fn when_every_node_refuses_the_execution_ends_with_no_node() {
         }
         r => panic!("expected NoNode, got {r:?}"),
     }
-    assert_eq!(a.received_of("execute").len() + b.received_of("execute").len(), 2);
+    assert_eq!(
+        a.received_of("execute").len() + b.received_of("execute").len(),
+        2
+    );
     let empty = fleet_of(Vec::new()).await;
     let err = empty.execute(request()).await.unwrap_err();
     assert!(matches!(err, ClientError::NoNode { tried: 0, .. }), "{err}");
@@ -182,7 +187,9 @@ impl Nameserver {
         let task = tokio::spawn(async move {
             let mut buf = [0u8; 512];
             while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
-                let Ok(query) = Message::from_vec(&buf[..n]) else { continue };
+                let Ok(query) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
                 let mut response = Message::new();
                 response
                     .set_id(query.id())
@@ -194,14 +201,22 @@ impl Nameserver {
                 for q in query.queries() {
                     if q.query_type() == RecordType::A {
                         for ip in answers.lock().unwrap().iter() {
-                            response.add_answer(Record::from_rdata(q.name().clone(), 0, RData::A(A(*ip))));
+                            response.add_answer(Record::from_rdata(
+                                q.name().clone(),
+                                0,
+                                RData::A(A(*ip)),
+                            ));
                         }
                     }
                 }
                 let _ = socket.send_to(&response.to_vec().unwrap(), peer).await;
             }
         });
-        Nameserver { addr, records, task }
+        Nameserver {
+            addr,
+            records,
+            task,
+        }
     }
 }
 
@@ -209,12 +224,19 @@ impl Nameserver {
 async fn dns_discovery_follows_the_nameserver() {
     // Three fakes on the same port of three loopback addresses: what three hosts behind one name look like.
     let ips: Vec<Ipv4Addr> = (1..=3).map(|i| Ipv4Addr::new(127, 0, 0, i)).collect();
-    let first = FakeServer::start_on(SocketAddr::new(IpAddr::V4(ips[0]), 0), Arc::new(|_, m| fake::standard(m)), None, None).await;
+    let first = FakeServer::start_on(
+        SocketAddr::new(IpAddr::V4(ips[0]), 0),
+        Arc::new(|_, m| fake::standard(m)),
+        None,
+        None,
+    )
+    .await;
     let port = first.addr.port();
     let mut servers = vec![first];
     for ip in &ips[1..] {
         let addr = SocketAddr::new(IpAddr::V4(*ip), port);
-        servers.push(FakeServer::start_on(addr, Arc::new(|_, m| fake::standard(m)), None, None).await);
+        servers
+            .push(FakeServer::start_on(addr, Arc::new(|_, m| fake::standard(m)), None, None).await);
     }
     let ns = Nameserver::start(ips[..2].to_vec()).await;
     let mut dns = DnsDiscovery::new("sandboxd.fleet.test", port);
@@ -233,17 +255,30 @@ async fn dns_discovery_follows_the_nameserver() {
     assert_eq!(endpoints, vec![url(ips[0]), url(ips[1])]);
     // The first host leaves, the third joins.
     *ns.records.lock().unwrap() = ips[1..].to_vec();
-    test_support::daemon::wait_until("the fleet to follow the DNS change", Duration::from_secs(10), || {
-        let mut now = fleet.endpoints();
-        now.sort();
-        let want = vec![url(ips[1]), url(ips[2])];
-        async move { if now == want { Ok(()) } else { Err(format!("{now:?}")) } }
-    })
+    test_support::daemon::wait_until(
+        "the fleet to follow the DNS change",
+        Duration::from_secs(10),
+        || {
+            let mut now = fleet.endpoints();
+            now.sort();
+            let want = vec![url(ips[1]), url(ips[2])];
+            async move {
+                if now == want {
+                    Ok(())
+                } else {
+                    Err(format!("{now:?}"))
+                }
+            }
+        },
+    )
     .await;
     for _ in 0..20 {
         fleet.execute(request()).await.unwrap();
     }
-    let counts: Vec<usize> = servers.iter().map(|s| s.received_of("execute").len()).collect();
+    let counts: Vec<usize> = servers
+        .iter()
+        .map(|s| s.received_of("execute").len())
+        .collect();
     assert_eq!(counts[0], 0, "{counts:?}");
     assert_eq!(counts[1] + counts[2], 20, "{counts:?}");
     assert!(counts[2] > 0, "{counts:?}");
@@ -251,8 +286,17 @@ async fn dns_discovery_follows_the_nameserver() {
     ns.records.lock().unwrap().clear();
     test_support::daemon::wait_until("the fleet to empty", Duration::from_secs(10), || {
         let n = fleet.endpoints().len();
-        async move { if n == 0 { Ok(()) } else { Err(format!("{n} nodes")) } }
+        async move {
+            if n == 0 {
+                Ok(())
+            } else {
+                Err(format!("{n} nodes"))
+            }
+        }
     })
     .await;
-    assert!(matches!(fleet.execute(request()).await, Err(ClientError::NoNode { .. })));
+    assert!(matches!(
+        fleet.execute(request()).await,
+        Err(ClientError::NoNode { .. })
+    ));
 }

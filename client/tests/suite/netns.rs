@@ -2,9 +2,13 @@
 //! namespace joined to it by a veth pair, with its own address. Names and the /24 are unique per test process and
 //! network; everything is deleted when the [`Network`] drops (on panic too), and only what it created.
 
+#![allow(dead_code)]
+
 use std::net::Ipv4Addr;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::daemon::{require_daemon, Daemon, DaemonOpts};
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
@@ -65,10 +69,20 @@ impl Network {
             let netns = host.netns.clone();
             net.hosts.push(host);
             let host = &net.hosts[i];
-            ip(&["link", "add", &host.veth, "type", "veth", "peer", "name", &peer])?;
+            ip(&[
+                "link", "add", &host.veth, "type", "veth", "peer", "name", &peer,
+            ])?;
             ip(&["link", "set", &peer, "netns", &netns])?;
             ip(&["link", "set", &host.veth, "master", &bridge, "up"])?;
-            ip(&["-n", &netns, "addr", "add", &format!("{}/24", host.ip), "dev", &peer])?;
+            ip(&[
+                "-n",
+                &netns,
+                "addr",
+                "add",
+                &format!("{}/24", host.ip),
+                "dev",
+                &peer,
+            ])?;
             ip(&["-n", &netns, "link", "set", &peer, "up"])?;
             ip(&["-n", &netns, "link", "set", "lo", "up"])?;
         }
@@ -100,5 +114,49 @@ impl Drop for Network {
                 eprintln!("netns: {e}");
             }
         }
+    }
+}
+
+/// Three daemons on three hosts (real daemon: root), with one token, each with its own state directory, port,
+/// cgroup parent and uid range; `None` after saying why it cannot run. The daemons drop (stop) before the network.
+pub struct Hosts {
+    pub daemons: Vec<Daemon>,
+    pub net: Network,
+    pub token: String,
+}
+
+pub async fn hosts(test: &str, max_concurrent: usize) -> Option<Hosts> {
+    let bin = require_daemon(test)?;
+    let net = match Network::create(3) {
+        Ok(net) => net,
+        Err(e) => {
+            test_support::cannot_run(test, &format!("cannot create network namespaces: {e}"));
+            return None;
+        }
+    };
+    let token = format!("fleet-test-{:016x}", rand::random::<u64>());
+    let mut daemons = Vec::new();
+    for host in &net.hosts {
+        let opts = DaemonOpts {
+            max_concurrent,
+            max_queue: 64,
+            netns: Some(host.netns.clone()),
+            host: host.ip.to_string(),
+            token: Some(token.clone()),
+            ..DaemonOpts::default()
+        };
+        daemons.push(Daemon::start(&bin, opts).await);
+    }
+    Some(Hosts {
+        daemons,
+        net,
+        token,
+    })
+}
+
+impl Hosts {
+    /// The daemons' endpoints.
+    pub fn urls(&self) -> Vec<String> {
+        self.daemons.iter().map(|d| d.url()).collect()
     }
 }
