@@ -295,3 +295,78 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node on a port nothing listens on.
+    fn dead_node() -> Arc<Node> {
+        let url = "ws://127.0.0.1:1/ws";
+        let pool = Pool::builder(url).build().unwrap();
+        Arc::new(Node::new(url, pool, ConnectOptions::new(url)))
+    }
+
+    const CHECKS: Checks = Checks {
+        interval: Duration::from_secs(1),
+        timeout: Duration::from_millis(100),
+        eject_after: 2,
+        eject_base: Duration::from_millis(300),
+        eject_max: Duration::from_secs(2),
+    };
+
+    #[tokio::test]
+    async fn an_unreachable_node_is_ejected_and_checked_again_after_a_doubling_backoff() {
+        let node = dead_node();
+        let lost = node.lost();
+        assert!(node.admitted() && node.check_due());
+        assert_eq!(node.status().health, NodeHealth::Unknown);
+        node.unreachable(&ClientError::Closed, &CHECKS);
+        let status = node.status();
+        assert_eq!((status.health, status.ejections), (NodeHealth::Ejected, 1));
+        assert!(!node.admitted());
+        // The executions it had acknowledged learn it, with the reason.
+        let reason = lost.await;
+        assert!(
+            reason.contains("ejected") && reason.contains("closed"),
+            "{reason}"
+        );
+        assert!(!node.check_due());
+        tokio::time::sleep(Duration::from_millis(310)).await;
+        assert!(node.check_due());
+        // The check fails again: still ejected (not counted twice), the backoff doubled to 600 ms.
+        node.check(&CHECKS).await;
+        assert_eq!(node.status().ejections, 1);
+        assert!(!node.admitted() && !node.check_due());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!node.check_due());
+        tokio::time::sleep(Duration::from_millis(550)).await;
+        assert!(node.check_due());
+    }
+
+    #[tokio::test]
+    async fn one_failed_check_makes_a_node_suspect_and_two_eject_it() {
+        let node = dead_node();
+        node.check(&CHECKS).await;
+        let status = node.status();
+        assert_eq!(status.health, NodeHealth::Suspect);
+        assert!(status.last_error.is_some());
+        assert!(node.admitted());
+        node.check(&CHECKS).await;
+        assert_eq!(node.status().health, NodeHealth::Ejected);
+        assert!(!node.admitted());
+    }
+
+    #[test]
+    fn an_overloaded_refusal_raises_the_score_until_the_next_check() {
+        let node = dead_node();
+        let idle = node.score();
+        node.overloaded(&ClientError::Closed);
+        assert!(node.score() > idle);
+        let _a = node.start();
+        let with_one = node.score();
+        drop(_a);
+        assert!(node.score() < with_one);
+        assert_eq!(node.status().placed, 1);
+    }
+}
