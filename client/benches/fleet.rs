@@ -178,9 +178,9 @@ async fn node_death(fleet: &Arc<Fleet>, victim: &mut Daemon) {
         })
     };
     tokio::time::sleep(Duration::from_millis(1000)).await;
+    let mut last = placed(fleet)[2];
     let killed = Instant::now();
     victim.kill_hard();
-    let mut last = placed(fleet)[2];
     let mut last_change = killed;
     let mut ejected = None;
     while !run.is_finished() {
