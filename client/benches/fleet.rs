@@ -13,11 +13,14 @@
 #![allow(missing_docs)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 #[path = "../tests/suite/daemon.rs"]
 mod daemon;
 #[path = "../tests/suite/netns.rs"]
 mod netns;
 
+use common::percentile;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,10 +30,6 @@ use client::{
 };
 use daemon::Daemon;
 use futures_util::stream::{self, StreamExt};
-
-fn percentile(sorted: &[Duration], p: usize) -> Duration {
-    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
-}
 
 fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
@@ -58,12 +57,7 @@ fn request(code: &str) -> ExecuteRequest {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(run());
+    common::block_on(run());
 }
 
 async fn run() {
