@@ -12,9 +12,12 @@
 #![allow(missing_docs)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 #[path = "../tests/suite/daemon.rs"]
 mod daemon;
 
+use common::percentile;
 use std::time::{Duration, Instant};
 
 use client::{
@@ -22,10 +25,6 @@ use client::{
     RequestedLimits,
 };
 use daemon::{Daemon, DaemonOpts};
-
-fn percentile(sorted: &[Duration], p: usize) -> Duration {
-    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
-}
 
 fn summary(name: &str, mut v: Vec<Duration>) {
     v.sort();
@@ -49,12 +48,7 @@ fn true_request() -> ExecuteRequest {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(run());
+    common::block_on(run());
 }
 
 async fn run() {

@@ -9,9 +9,12 @@
 #![allow(missing_docs)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 #[path = "../tests/suite/daemon.rs"]
 mod daemon;
 
+use common::percentile;
 use std::time::Duration;
 
 use client::{
@@ -46,10 +49,6 @@ fn program(sock: &str) -> String {
     format!("SOCK = {sock:?}\nCALLS = {CALLS}\n{PROGRAM}")
 }
 
-fn percentile(sorted: &[f64], p: usize) -> f64 {
-    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
-}
-
 fn line(name: &str, mut v: Vec<f64>) {
     v.sort_by(|a, b| a.total_cmp(b));
     println!(
@@ -62,12 +61,7 @@ fn line(name: &str, mut v: Vec<f64>) {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(run());
+    common::block_on(run());
 }
 
 /// The baseline: a unix socket answering each `call` line with its args, as the broker would with an instant

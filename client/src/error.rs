@@ -11,6 +11,8 @@
 //! | execution timeout (client deadline) | [`ClientError::Timeout`] | `Timeout` | no |
 //! | server-reported error | [`ClientError::Server`] | `Execution` | per code: `SANDBOX_OVERLOADED`, `INTERNAL_ERROR`, `NETWORK_ERROR` yes, others no |
 //! | pool exhausted | [`ClientError::PoolExhausted`] | `Sandbox` | yes |
+//! | fleet: the node of an acknowledged execution lost | [`ClientError::NodeLost`] | `Sandbox` | yes |
+//! | fleet: no node could take the execution | [`ClientError::NoNode`] | `Sandbox` | yes |
 //! | request refused before sending | [`ClientError::InvalidRequest`] | `Validation` | no |
 
 use std::sync::Arc;
@@ -148,6 +150,27 @@ pub enum ClientError {
     /// The pool or connection was closed by its owner.
     #[error("The connection or pool was closed by its owner")]
     Closed,
+    /// A [`Fleet`](crate::Fleet) lost the node of an execution the node had acknowledged (its connection broke,
+    /// or it failed its health checks): the execution may or may not have run there, so the fleet does not send
+    /// it again by itself. Retryable: the caller decides whether running it twice is acceptable.
+    #[error("Node {node} was lost after it acknowledged execution {id}: {reason}")]
+    NodeLost {
+        /// The node's endpoint.
+        node: String,
+        /// The execution id.
+        id: String,
+        /// What happened.
+        reason: String,
+    },
+    /// A [`Fleet`](crate::Fleet) found no node to take the execution: none is admitted, or every node tried
+    /// refused it before acknowledging it (overloaded, unreachable).
+    #[error("No node of the fleet took the execution after {tried} attempt(s): {last}")]
+    NoNode {
+        /// Nodes tried.
+        tried: usize,
+        /// The last refusal, or why no node was tried.
+        last: String,
+    },
 }
 
 impl ClientError {
@@ -161,7 +184,9 @@ impl ClientError {
             | ClientError::Token { .. }
             | ClientError::Unresponsive { .. }
             | ClientError::Http { .. }
-            | ClientError::PoolExhausted { .. } => true,
+            | ClientError::PoolExhausted { .. }
+            | ClientError::NodeLost { .. }
+            | ClientError::NoNode { .. } => true,
             ClientError::Server { code, .. } => code.retryable(),
             ClientError::Unauthorized
             | ClientError::Handshake { .. }
@@ -187,8 +212,11 @@ impl ClientError {
             | ClientError::Connect { .. }
             | ClientError::ConnectTimeout { .. }
             | ClientError::Http { .. }
-            | ClientError::Unresponsive { .. } => Some(ErrorCode::NetworkError),
-            ClientError::PoolExhausted { .. } => Some(ErrorCode::SandboxOverloaded),
+            | ClientError::Unresponsive { .. }
+            | ClientError::NodeLost { .. } => Some(ErrorCode::NetworkError),
+            ClientError::PoolExhausted { .. } | ClientError::NoNode { .. } => {
+                Some(ErrorCode::SandboxOverloaded)
+            }
             ClientError::InvalidRequest(_) | ClientError::DuplicateId { .. } => {
                 Some(ErrorCode::InvalidRequest)
             }
@@ -255,6 +283,20 @@ mod tests {
         };
         assert!(exhausted.is_retryable());
         assert_eq!(exhausted.kind(), ErrorKind::Sandbox);
+        let lost = ClientError::NodeLost {
+            node: "ws://n/ws".into(),
+            id: "a".into(),
+            reason: "reset".into(),
+        };
+        assert!(lost.is_retryable());
+        assert_eq!(lost.code(), Some(ErrorCode::NetworkError));
+        assert_eq!(lost.kind(), ErrorKind::Sandbox);
+        let none = ClientError::NoNode {
+            tried: 0,
+            last: "no node admitted".into(),
+        };
+        assert!(none.is_retryable());
+        assert_eq!(none.code(), Some(ErrorCode::SandboxOverloaded));
     }
 
     #[test]

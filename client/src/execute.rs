@@ -103,12 +103,14 @@ pub trait Execute: Sync {
 
 /// Checked when the crate compiles: the futures of both implementations can be spawned on a multi-threaded
 /// runtime, the tool-answering one when its handler can.
-const _: fn(&crate::Pool, &crate::Connection, ExecuteRequest) = |pool, conn, request| {
-    fn send<T: Send>(_: T) {}
-    let answer = |_: ToolCall| async { Ok(serde_json::Value::Null) };
-    send(pool.execute(request.clone()));
-    send(pool.execute_stream(request.clone()));
-    send(pool.execute_with_tools(request.clone(), answer));
-    send(conn.execute_with(request.clone(), ExecOptions::default()));
-    send(conn.execute_with_tools(request, answer));
-};
+const _: fn(&crate::Pool, &crate::Connection, &crate::Fleet, ExecuteRequest) =
+    |pool, conn, fleet, request| {
+        fn send<T: Send>(_: T) {}
+        send(fleet.execute(request.clone()));
+        let answer = |_: ToolCall| async { Ok(serde_json::Value::Null) };
+        send(pool.execute(request.clone()));
+        send(pool.execute_stream(request.clone()));
+        send(pool.execute_with_tools(request.clone(), answer));
+        send(conn.execute_with(request.clone(), ExecOptions::default()));
+        send(conn.execute_with_tools(request, answer));
+    };

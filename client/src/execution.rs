@@ -65,6 +65,17 @@ pub struct Execution {
     done: bool,
     /// Whatever must stay alive until the execution ends (a pool's checked-out connection).
     lease: Option<Box<dyn Send + Sync>>,
+    /// The first event, read ahead by [`wait_ack`](Self::wait_ack) and handed out first.
+    read_ahead: Option<ServerEnvelope>,
+    /// The fleet node it runs on, once acknowledged there.
+    node: Option<NodeWatch>,
+}
+
+/// The fleet node an execution runs on, and a future that completes (with the reason) when the fleet declares
+/// the node lost.
+pub(crate) struct NodeWatch {
+    pub(crate) url: Arc<str>,
+    pub(crate) lost: Pin<Box<dyn Future<Output = String> + Send + Sync>>,
 }
 
 impl std::fmt::Debug for Execution {
@@ -94,12 +105,50 @@ impl Execution {
             max_output_bytes: parts.max_output_bytes,
             done: false,
             lease: None,
+            read_ahead: None,
+            node: None,
+        }
+    }
+
+    /// Reads up to the first event: `Ok` once the server took the execution (its `ack`, or any later event, which
+    /// is kept and handed out first), the error when it refused it or the connection failed before. Used by a
+    /// fleet to decide whether sending the request to another node can duplicate work (it cannot before this).
+    pub(crate) async fn wait_ack(&mut self) -> Result<(), ClientError> {
+        match self.next().await {
+            Some(Ok(envelope)) => {
+                self.read_ahead = Some(envelope);
+                Ok(())
+            }
+            Some(Err(e)) => Err(e),
+            None => Err(ClientError::Protocol {
+                reason: format!("execution {} ended before its ack", self.id),
+            }),
+        }
+    }
+
+    /// From now on, a lost connection, or `node.lost` completing, ends the execution with
+    /// [`ClientError::NodeLost`].
+    pub(crate) fn watch_node(&mut self, node: NodeWatch) {
+        self.node = Some(node);
+    }
+
+    fn node_lost(&self, reason: String) -> ClientError {
+        ClientError::NodeLost {
+            node: self
+                .node
+                .as_ref()
+                .map(|n| n.url.to_string())
+                .unwrap_or_default(),
+            id: self.id.clone(),
+            reason,
         }
     }
 
     /// Keeps `lease` checked out until the execution ends.
     pub(crate) fn hold(&mut self, lease: impl Send + Sync + 'static) {
-        self.lease = Some(Box::new(lease));
+        // What it held already (a pool's connection) is kept too, and released first.
+        let before = self.lease.take();
+        self.lease = Some(Box::new((before, lease)));
     }
 
     /// The execution id.
@@ -213,8 +262,18 @@ impl Stream for Execution {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
+        if let Some(envelope) = this.read_ahead.take() {
+            return Poll::Ready(Some(Ok(envelope)));
+        }
         if this.done {
             return Poll::Ready(None);
+        }
+        if let Some(node) = &mut this.node {
+            if let Poll::Ready(reason) = node.lost.as_mut().poll(cx) {
+                let error = this.node_lost(reason);
+                this.abandon();
+                return Poll::Ready(Some(Err(error)));
+            }
         }
         // The deadline first, so a flood of buffered events cannot hide it.
         if let Some(deadline) = &mut this.deadline {
@@ -257,6 +316,9 @@ impl Stream for Execution {
             }
             Poll::Ready(None) => {
                 let error = match this.failure.try_recv() {
+                    Ok(ClientError::Disconnected { reason }) if this.node.is_some() => {
+                        this.node_lost(reason)
+                    }
                     Ok(error) => error,
                     Err(_) => ClientError::Protocol {
                         reason: format!("execution {} ended without a result", this.id),

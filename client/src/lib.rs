@@ -28,6 +28,9 @@
 //!   type, `docs/spec/fsp-v1.md` Appendix A).
 //! - [`Auth`]: a static token or a [`TokenProvider`] asked on every (re)connect.
 //! - [`health()`]: `GET /healthz`.
+//! - [`Fleet`]: many hosts behind one client (static or DNS discovery, one pool per node, power-of-two-choices
+//!   placement on each node's load, ejection of failing nodes, retries that never run an execution twice); it
+//!   implements [`Execute`], so it replaces a [`Pool`] without other changes.
 //! - [`Gateway`]: agent sandboxes (`POST /sandboxes` and the adapter-shim endpoints), with an [`EventStream`] that
 //!   replays what a dropped connection lost.
 //!
@@ -63,6 +66,7 @@ pub mod connection;
 pub mod error;
 pub mod execute;
 pub mod execution;
+pub mod fleet;
 pub mod gateway;
 pub mod health;
 pub mod pool;
@@ -76,6 +80,7 @@ pub use connection::{Connection, ConnectionStatus};
 pub use error::{BoxError, ClientError, ErrorKind};
 pub use execute::Execute;
 pub use execution::{Execution, ExecutionResult};
+pub use fleet::{Discovery, DnsDiscovery, Fleet, FleetBuilder, NodeHealth, NodeStatus};
 pub use gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 pub use health::{health, healthz_url, Health};
 pub use pool::{Pool, PoolBuilder, PoolStats, PooledConnection};

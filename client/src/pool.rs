@@ -125,6 +125,18 @@ impl PoolBuilder {
         self
     }
 
+    /// The same settings for another endpoint (a fleet builds one pool per node from one builder).
+    pub(crate) fn for_url(&self, url: &str) -> Self {
+        let mut b = self.clone();
+        b.options.url = url.to_owned();
+        b
+    }
+
+    /// The connect options (a fleet's health checks use its TLS setup).
+    pub(crate) fn options(&self) -> &ConnectOptions {
+        &self.options
+    }
+
     /// Checks the configuration. Connects nothing yet (see [`Pool::warm_up`]).
     pub fn build(self) -> Result<Pool, ClientError> {
         if self.size == 0 {

@@ -5,9 +5,14 @@
 //! sandboxctl exec -l python --tool 'ls=ls -1' --code 'ls().split()'  # a tool served by a local command
 //! sandboxctl ping                                          # load and capabilities
 //! sandboxctl health                                        # GET /healthz
+//! sandboxctl --endpoints ws://a:7070/ws,ws://b:7070/ws exec -l shell --code 'hostname'  # placed on a fleet
+//! sandboxctl --dns sandboxd.internal:7070 fleet status     # per node: address, version, load, health, error
 //! ```
 //!
-//! The endpoint is `--url`, else `SANDBOXD_URL`, else the local daemon's `ws://127.0.0.1:7070/ws`. The token is
+//! The endpoint is `--url`, else `SANDBOXD_URL`, else the local daemon's `ws://127.0.0.1:7070/ws`. With
+//! `--endpoints` (or `SANDBOXD_ENDPOINTS`, comma-separated) or `--dns NAME:PORT` (or `SANDBOXD_DNS`; `--dns-server`
+//! names the nameserver), `exec` runs on a fleet: placed on the less loaded of two sampled nodes, and on another
+//! node when one refuses it before its `ack` (see `client::Fleet`). The token is
 //! `--token`, else `SANDBOXD_TOKEN`, else the content of `--token-file` (default `/var/lib/sandboxd/token`) when
 //! it is readable.
 //!
@@ -26,7 +31,7 @@ use client::{
     ExecuteRequest, Language, Reason, RequestedLimits, ServerMessage, DEFAULT_TOKEN_FILE,
     DEFAULT_URL,
 };
-use client::{CommandTool, ToolSpec};
+use client::{CommandTool, Discovery, DnsDiscovery, Fleet, NodeHealth, Pool, ToolSpec};
 use protocol::{ArtifactsRequest, FileEncoding, FileSpec};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -75,6 +80,21 @@ struct Cli {
     /// WebSocket endpoint of the daemon [default: ws://127.0.0.1:7070/ws].
     #[arg(long, global = true, env = "SANDBOXD_URL")]
     url: Option<String>,
+    /// A fleet: the WebSocket endpoints of its daemons, comma-separated (`exec` and `fleet status`).
+    #[arg(
+        long,
+        global = true,
+        env = "SANDBOXD_ENDPOINTS",
+        value_delimiter = ',',
+        conflicts_with = "dns"
+    )]
+    endpoints: Vec<String>,
+    /// A fleet discovered in DNS: NAME:PORT, one daemon per A/AAAA record of NAME (`exec` and `fleet status`).
+    #[arg(long, global = true, env = "SANDBOXD_DNS")]
+    dns: Option<String>,
+    /// The nameserver for `--dns` (IP:PORT) [default: the system's].
+    #[arg(long, global = true, requires = "dns")]
+    dns_server: Option<std::net::SocketAddr>,
     /// Bearer token.
     #[arg(long, global = true, env = "SANDBOXD_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -103,6 +123,20 @@ enum Command {
     /// Agent sandboxes: create, spawn, events, kill, rm (JSON in, JSON out).
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// A fleet of daemons (`--endpoints` or `--dns`).
+    #[command(subcommand)]
+    Fleet(FleetCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum FleetCommand {
+    /// Checks every node once and prints address, health, version, load/capacity and last error (exit 0 when
+    /// every node is healthy, 69 when one is not or there is none).
+    Status {
+        /// One JSON object per node, one per line.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -264,12 +298,111 @@ impl Cli {
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let options = connect_options(&cli).await;
     let (url, token) = (cli.url(), resolve_token(&cli).await);
+    let fleet = fleet_discovery(&cli)?;
     match cli.command {
-        Command::Exec(args) => exec(options, *args).await,
+        Command::Exec(args) => match fleet {
+            Some(discovery) => match build_fleet(discovery, token).await {
+                Ok(fleet) => exec(Target::Fleet(fleet), *args).await,
+                Err(e) => Ok(fail(&e).await),
+            },
+            None => exec(Target::One(options), *args).await,
+        },
+        Command::Fleet(FleetCommand::Status { json }) => {
+            let Some(discovery) = fleet else {
+                bail!("fleet status needs --endpoints or --dns");
+            };
+            match build_fleet(discovery, token).await {
+                Ok(fleet) => fleet_status(&fleet, json).await,
+                Err(e) => Ok(fail(&e).await),
+            }
+        }
         Command::Ping { json } => ping(options, json).await,
         Command::Health => health(&cli.url()).await,
         Command::Sandbox(cmd) => sandbox(&url, token, cmd).await,
     }
+}
+
+/// The fleet named by `--endpoints` or `--dns`, if any.
+fn fleet_discovery(cli: &Cli) -> anyhow::Result<Option<Discovery>> {
+    let endpoints: Vec<String> = cli
+        .endpoints
+        .iter()
+        .map(|e| e.trim().to_owned())
+        .filter(|e| !e.is_empty())
+        .collect();
+    if !endpoints.is_empty() {
+        return Ok(Some(Discovery::Static(endpoints)));
+    }
+    match cli.dns.as_deref().map(str::trim).filter(|d| !d.is_empty()) {
+        Some(spec) => {
+            let mut dns = DnsDiscovery::parse(spec)?;
+            dns.nameserver = cli.dns_server;
+            Ok(Some(Discovery::Dns(dns)))
+        }
+        None => Ok(None),
+    }
+}
+
+async fn build_fleet(discovery: Discovery, token: Option<String>) -> Result<Fleet, ClientError> {
+    let pool = Pool::builder("").size(1);
+    let pool = match token {
+        Some(t) => pool.token(t),
+        None => pool,
+    };
+    Fleet::builder(discovery).pool(pool).build().await
+}
+
+/// `fleet status`: one line (or JSON object) per node.
+async fn fleet_status(fleet: &Fleet, json: bool) -> anyhow::Result<ExitCode> {
+    let nodes = fleet.status();
+    let mut out = String::new();
+    if !json {
+        out.push_str("NODE\tHEALTH\tVERSION\tLOAD\tLAST ERROR\n");
+    }
+    for n in &nodes {
+        let load = n.load.unwrap_or_default();
+        if json {
+            let line = serde_json::json!({
+                "url": n.url,
+                "health": format!("{:?}", n.health).to_lowercase(),
+                "version": n.version,
+                "active_executions": n.load.map(|l| l.active_executions),
+                "queue_depth": n.load.map(|l| l.queue_depth),
+                "capacity": n.capacity,
+                "ejections": n.ejections,
+                "last_error": n.last_error,
+            });
+            out.push_str(&format!("{line}\n"));
+        } else {
+            out.push_str(&format!(
+                "{}\t{}\t{}\t{}+{}/{}\t{}\n",
+                n.url,
+                format!("{:?}", n.health).to_lowercase(),
+                n.version.as_deref().unwrap_or("-"),
+                load.active_executions,
+                load.queue_depth,
+                n.capacity.map_or("?".to_owned(), |c| c.to_string()),
+                n.last_error.as_deref().unwrap_or("-"),
+            ));
+        }
+    }
+    let mut stdout = tokio::io::stdout();
+    write_flush(&mut stdout, out.as_bytes()).await?;
+    let healthy = !nodes.is_empty() && nodes.iter().all(|n| n.health == NodeHealth::Healthy);
+    if nodes.is_empty() {
+        say("the fleet has no node".to_owned()).await;
+    }
+    Ok(if healthy {
+        ExitCode::SUCCESS
+    } else {
+        Exit::Unavailable.into()
+    })
+}
+
+/// Where `exec` runs: one daemon, or a fleet.
+enum Target {
+    One(ConnectOptions),
+    Fleet(Fleet),
 }
 
 /// The daemon's HTTP base (`http://host:port`) from its WebSocket endpoint.
@@ -575,12 +708,15 @@ async fn write_flush<W: AsyncWrite + Unpin>(w: &mut W, bytes: &[u8]) -> std::io:
     w.flush().await
 }
 
-async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCode> {
+async fn exec(target: Target, args: ExecArgs) -> anyhow::Result<ExitCode> {
     let request = build_request(&args).await?;
     let timeout_ms = request.limits.timeout_ms;
-    let conn = match Connection::connect(options).await {
-        Ok(c) => c,
-        Err(e) => return Ok(fail(&e).await),
+    let conn = match &target {
+        Target::One(options) => match Connection::connect(options.clone()).await {
+            Ok(c) => Some(c),
+            Err(e) => return Ok(fail(&e).await),
+        },
+        Target::Fleet(_) => None,
     };
     let exec_options = match args.deadline_ms {
         Some(ms) => ExecOptions::new().deadline(Duration::from_millis(ms)),
@@ -593,7 +729,12 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
         .collect::<Result<_, _>>()
         .map_err(anyhow::Error::msg)?;
     let mut calls = futures_util::stream::FuturesUnordered::<ToolRun>::new();
-    let mut execution = match conn.execute_stream_with(request, exec_options).await {
+    let started = match (&conn, &target) {
+        (_, Target::Fleet(fleet)) => fleet.execute_stream_with(request, exec_options).await,
+        (Some(conn), Target::One(_)) => conn.execute_stream_with(request, exec_options).await,
+        (None, Target::One(_)) => return Ok(Exit::Local.into()),
+    };
+    let mut execution = match started {
         Ok(e) => e,
         Err(e) => return Ok(fail(&e).await),
     };
@@ -653,7 +794,9 @@ async fn exec(options: ConnectOptions, args: ExecArgs) -> anyhow::Result<ExitCod
     if let (Some(value), false) = (&result.return_value, args.json) {
         write_flush(&mut stdout, format!("{value}\n").as_bytes()).await?;
     }
-    conn.close();
+    if let Some(conn) = conn {
+        conn.close();
+    }
     Ok(outcome(&result, timeout_ms).await)
 }
 

@@ -101,6 +101,13 @@ pub struct DaemonOpts {
     pub max_timeout_ms: u64,
     /// `agents.max_sandboxes` (with `max_concurrent`, at most 64: the uid range per daemon).
     pub max_sandboxes: usize,
+    /// Run the daemon in this network namespace (`/run/netns/<name>`, entered with `nsenter --net`, so its mount
+    /// namespace and cgroups stay the host's), listening on `host`.
+    pub netns: Option<String>,
+    /// The listen address (default 127.0.0.1).
+    pub host: String,
+    /// The accepted token (default: a fresh one per daemon).
+    pub token: Option<String>,
 }
 
 impl Default for DaemonOpts {
@@ -111,6 +118,9 @@ impl Default for DaemonOpts {
             max_output_bytes: 16 << 20,
             max_timeout_ms: 120_000,
             max_sandboxes: 16,
+            netns: None,
+            host: "127.0.0.1".into(),
+            token: None,
         }
     }
 }
@@ -121,7 +131,10 @@ pub struct Daemon {
     child: Option<Child>,
     dir: tempfile::TempDir,
     config: PathBuf,
-    /// Listen port on 127.0.0.1.
+    netns: Option<String>,
+    /// Listen address.
+    pub host: String,
+    /// Listen port.
     pub port: u16,
     /// An accepted token.
     pub token: String,
@@ -146,7 +159,10 @@ impl Daemon {
         // A uid region apart from the daemon's own suite (which starts at 1,000,000).
         let uid_base = daemon::uid_base(200_000_000, n);
         let cgroup_parent = format!("sandboxd-client-test-{pid}-{n}");
-        let token = format!("client-test-{pid}-{n}-{:016x}", rand::random::<u64>());
+        let token = opts
+            .token
+            .clone()
+            .unwrap_or_else(|| format!("client-test-{pid}-{n}-{:016x}", rand::random::<u64>()));
         daemon::launch_on_free_port(async |port| {
             let dir = tempfile::Builder::new()
                 .prefix("sandboxd-client-test-")
@@ -175,7 +191,8 @@ impl Daemon {
             };
             let config = test_support::fsp::with(
                 config.to_json(),
-                json!({"agents": {"max_sandboxes": opts.max_sandboxes}}),
+                json!({"agents": {"max_sandboxes": opts.max_sandboxes},
+                       "listen": format!("{}:{port}", opts.host)}),
             );
             let config_path = daemon::write_config(dir.path(), &config);
             let mut d = Daemon {
@@ -183,6 +200,8 @@ impl Daemon {
                 child: None,
                 dir,
                 config: config_path,
+                netns: opts.netns.clone(),
+                host: opts.host.clone(),
                 port,
                 token: token.clone(),
                 cgroup_parent: cgroup_parent.clone(),
@@ -199,8 +218,18 @@ impl Daemon {
 
     fn spawn(&mut self) {
         self.starts += 1;
-        let args = [Path::new("--config"), &self.config];
-        self.child = Some(daemon::spawn(&self.binary, &args, self.dir.path()));
+        self.child = Some(match &self.netns {
+            // nsenter execs the daemon: the child's pid is the daemon's.
+            Some(netns) => {
+                let net = PathBuf::from(format!("--net=/run/netns/{netns}"));
+                let args = [&net, &self.binary, Path::new("--config"), &self.config];
+                daemon::spawn(Path::new("nsenter"), &args, self.dir.path())
+            }
+            None => {
+                let args = [Path::new("--config"), &self.config];
+                daemon::spawn(&self.binary, &args, self.dir.path())
+            }
+        });
     }
 
     /// Waits until `/healthz` answers 200 and the token is accepted (so it is this daemon that answers).
@@ -230,14 +259,14 @@ impl Daemon {
         self.dir.path().join("state")
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `http://HOST:PORT`.
     pub fn http_base(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://{}:{}", self.host, self.port)
     }
 
-    /// `ws://127.0.0.1:PORT/ws`.
+    /// `ws://HOST:PORT/ws`.
     pub fn url(&self) -> String {
-        format!("ws://127.0.0.1:{}/ws", self.port)
+        format!("ws://{}:{}/ws", self.host, self.port)
     }
 
     /// The daemon's pid, while it runs.
@@ -312,7 +341,10 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();
-        daemon::print_log_if_failing(&format!("sandboxd (port {})", self.port), self.dir.path());
+        daemon::print_log_if_failing(
+            &format!("sandboxd ({}:{})", self.host, self.port),
+            self.dir.path(),
+        );
         remove_cgroup_parent(&self.cgroup_parent);
     }
 }

@@ -2,11 +2,14 @@
 
 pub mod daemon;
 pub mod fake;
+pub mod netns;
 
 mod agents;
 mod auth;
 mod daemon_failures;
 mod daemon_pool;
+mod fleet_hosts;
+mod fleet_rules;
 mod malformed;
 mod pool_behaviour;
 mod readme;

@@ -20,7 +20,7 @@ async fn ctl(d: &Daemon, args: &[&str], stdin: Option<&str>) -> Output {
     .await
 }
 
-async fn ctl_env(args: &[&str], stdin: Option<&str>, env: &[(&str, &str)]) -> Output {
+pub(super) async fn ctl_env(args: &[&str], stdin: Option<&str>, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(sandboxctl());
     cmd.args(args)
         .args(["--token-file", "/nonexistent/token"])

@@ -1,0 +1,302 @@
+//! The fleet's retry rules and discovery against scripted fake servers (run anywhere): a refusal or a dropped
+//! connection before `ack` moves the execution to another node, exactly once per node; a node lost after `ack`
+//! ends it with `NodeLost` and it is not sent again; DNS discovery follows a local nameserver's answers.
+//!
+//! The fakes serve no `/healthz`, so their checks fail: these fleets eject only after many failures in a row.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use client::{ClientError, Discovery, DnsDiscovery, Execute, Fleet, Language, RequestedLimits};
+use hickory_proto::op::{Message, MessageType};
+use hickory_proto::rr::rdata::A;
+use hickory_proto::rr::{RData, Record, RecordType};
+use serde_json::json;
+use tokio::net::UdpSocket;
+
+use super::fake::{self, FakeServer, Reply};
+
+fn request() -> client::ExecuteRequest {
+    client::ExecuteRequest::new(
+        client::new_execution_id(),
+        Language::Python,
+        "print('hi')",
+        RequestedLimits::new(5_000, 64),
+    )
+}
+
+async fn fleet_of(urls: Vec<String>) -> Fleet {
+    Fleet::builder(Discovery::Static(urls))
+        .eject_after(1_000)
+        .check_interval(Duration::from_secs(60))
+        .check_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap()
+}
+
+fn overloaded(msg: &serde_json::Value) -> Vec<Reply> {
+    match msg["type"].as_str() {
+        Some("ping") => vec![fake::pong()],
+        Some("execute") => vec![Reply::Json(json!({"v":1,"type":"error","id":msg["id"],
+            "code":"SANDBOX_OVERLOADED","message":"queue full","retryable":true,"ts":fake::ts()}))],
+        _ => vec![],
+    }
+}
+
+/// How many times each execution id reached `server`.
+fn executes_by_id(server: &FakeServer) -> HashMap<String, usize> {
+    let mut by_id = HashMap::new();
+    for m in server.received_of("execute") {
+        *by_id
+            .entry(m["id"].as_str().unwrap().to_owned())
+            .or_default() += 1;
+    }
+    by_id
+}
+
+#[tokio::test]
+async fn an_overloaded_refusal_is_placed_on_another_node() {
+    let busy = FakeServer::start(Arc::new(|_, m| overloaded(m))).await;
+    let free = FakeServer::start(Arc::new(|_, m| fake::standard(m))).await;
+    let fleet = fleet_of(vec![busy.url(), free.url()]).await;
+    for _ in 0..20 {
+        let r = fleet.execute(request()).await.unwrap();
+        assert_eq!(r.stdout_text(), "hi\n");
+    }
+    let ran = executes_by_id(&free);
+    assert_eq!(ran.len(), 20);
+    assert!(ran.values().all(|&n| n == 1), "{ran:?}");
+    // Every refusal was retried, once, on the free node.
+    let refused = executes_by_id(&busy);
+    assert!(refused.keys().all(|id| ran.contains_key(id)), "{refused:?}");
+    assert!(refused.values().all(|&n| n == 1), "{refused:?}");
+}
+
+#[tokio::test]
+async fn a_connection_dropped_before_ack_is_placed_on_another_node() {
+    let dropping = FakeServer::start(Arc::new(|_, m| match m["type"].as_str() {
+        Some("execute") => vec![Reply::Drop],
+        _ => fake::standard(m),
+    }))
+    .await;
+    let good = FakeServer::start(Arc::new(|_, m| fake::standard(m))).await;
+    let fleet = fleet_of(vec![dropping.url(), good.url()]).await;
+    for _ in 0..10 {
+        fleet.execute(request()).await.unwrap();
+    }
+    assert_eq!(executes_by_id(&good).len(), 10);
+    assert!(executes_by_id(&good).values().all(|&n| n == 1));
+}
+
+#[tokio::test]
+async fn a_node_lost_after_ack_ends_the_execution_with_node_lost_and_it_is_not_sent_again() {
+    let ack_then_drop = FakeServer::start(Arc::new(|_, m| match m["type"].as_str() {
+        Some("execute") => vec![
+            Reply::Json(json!({"v":1,"type":"ack","id":m["id"],"ts":fake::ts(),"queued":false})),
+            Reply::Drop,
+        ],
+        _ => fake::standard(m),
+    }))
+    .await;
+    let busy = FakeServer::start(Arc::new(|_, m| overloaded(m))).await;
+    let fleet = fleet_of(vec![ack_then_drop.url(), busy.url()]).await;
+    let (mut lost, mut other) = (0, Vec::new());
+    for _ in 0..10 {
+        match fleet.execute(request()).await {
+            Err(ClientError::NodeLost { node, .. }) => {
+                assert_eq!(node, ack_then_drop.url());
+                lost += 1;
+            }
+            r => other.push(format!("{r:?}")),
+        }
+    }
+    assert_eq!((lost, other.len()), (10, 0), "{other:?}");
+    let acked = executes_by_id(&ack_then_drop);
+    assert_eq!(acked.len(), 10);
+    assert!(acked.values().all(|&n| n == 1), "{acked:?}");
+    // None of them was sent to the other node after the ack.
+    let refused = executes_by_id(&busy);
+    assert!(refused.values().all(|&n| n == 1), "{refused:?}");
+    let err = ClientError::NodeLost {
+        node: String::new(),
+        id: String::new(),
+        reason: String::new(),
+    };
+    assert!(err.is_retryable());
+}
+
+#[tokio::test]
+async fn when_every_node_refuses_the_execution_ends_with_no_node() {
+    let a = FakeServer::start(Arc::new(|_, m| overloaded(m))).await;
+    let b = FakeServer::start(Arc::new(|_, m| overloaded(m))).await;
+    let fleet = fleet_of(vec![a.url(), b.url()]).await;
+    match fleet.execute(request()).await {
+        Err(ClientError::NoNode { tried, last }) => {
+            assert_eq!(tried, 2);
+            assert!(last.contains("SANDBOX_OVERLOADED"), "{last}");
+        }
+        r => panic!("expected NoNode, got {r:?}"),
+    }
+    assert_eq!(
+        a.received_of("execute").len() + b.received_of("execute").len(),
+        2
+    );
+    let empty = fleet_of(Vec::new()).await;
+    let err = empty.execute(request()).await.unwrap_err();
+    assert!(matches!(err, ClientError::NoNode { tried: 0, .. }), "{err}");
+    assert!(err.is_retryable());
+}
+
+#[tokio::test]
+async fn a_changed_static_list_is_followed_without_a_restart() {
+    let a = FakeServer::start(Arc::new(|_, m| fake::standard(m))).await;
+    let b = FakeServer::start(Arc::new(|_, m| fake::standard(m))).await;
+    let fleet = fleet_of(vec![a.url()]).await;
+    fleet.execute(request()).await.unwrap();
+    fleet.set_endpoints(&[b.url()]).unwrap();
+    assert_eq!(fleet.endpoints(), vec![b.url()]);
+    for _ in 0..5 {
+        fleet.execute(request()).await.unwrap();
+    }
+    assert_eq!(a.received_of("execute").len(), 1);
+    assert_eq!(b.received_of("execute").len(), 5);
+}
+
+/// A nameserver for one name's A records, which the test changes.
+struct Nameserver {
+    addr: SocketAddr,
+    records: Arc<Mutex<Vec<Ipv4Addr>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Nameserver {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Nameserver {
+    async fn start(records: Vec<Ipv4Addr>) -> Nameserver {
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        let records = Arc::new(Mutex::new(records));
+        let answers = records.clone();
+        let task = tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
+                let Ok(query) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let mut response = Message::new();
+                response
+                    .set_id(query.id())
+                    .set_message_type(MessageType::Response)
+                    .set_op_code(query.op_code())
+                    .set_recursion_desired(query.recursion_desired())
+                    .set_recursion_available(true)
+                    .add_queries(query.queries().to_vec());
+                for q in query.queries() {
+                    if q.query_type() == RecordType::A {
+                        for ip in answers.lock().unwrap().iter() {
+                            response.add_answer(Record::from_rdata(
+                                q.name().clone(),
+                                0,
+                                RData::A(A(*ip)),
+                            ));
+                        }
+                    }
+                }
+                let _ = socket.send_to(&response.to_vec().unwrap(), peer).await;
+            }
+        });
+        Nameserver {
+            addr,
+            records,
+            task,
+        }
+    }
+}
+
+#[tokio::test]
+async fn dns_discovery_follows_the_nameserver() {
+    // Three fakes on the same port of three loopback addresses: what three hosts behind one name look like.
+    let ips: Vec<Ipv4Addr> = (1..=3).map(|i| Ipv4Addr::new(127, 0, 0, i)).collect();
+    let first = FakeServer::start_on(
+        SocketAddr::new(IpAddr::V4(ips[0]), 0),
+        Arc::new(|_, m| fake::standard(m)),
+        None,
+        None,
+    )
+    .await;
+    let port = first.addr.port();
+    let mut servers = vec![first];
+    for ip in &ips[1..] {
+        let addr = SocketAddr::new(IpAddr::V4(*ip), port);
+        servers
+            .push(FakeServer::start_on(addr, Arc::new(|_, m| fake::standard(m)), None, None).await);
+    }
+    let ns = Nameserver::start(ips[..2].to_vec()).await;
+    let mut dns = DnsDiscovery::new("sandboxd.fleet.test", port);
+    dns.nameserver = Some(ns.addr);
+    dns.interval = Duration::from_millis(100);
+    let fleet = Fleet::builder(Discovery::Dns(dns))
+        .eject_after(1_000)
+        .check_interval(Duration::from_secs(60))
+        .check_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let url = |ip: Ipv4Addr| format!("ws://{ip}:{port}/ws");
+    let mut endpoints = fleet.endpoints();
+    endpoints.sort();
+    assert_eq!(endpoints, vec![url(ips[0]), url(ips[1])]);
+    // The first host leaves, the third joins.
+    *ns.records.lock().unwrap() = ips[1..].to_vec();
+    test_support::daemon::wait_until(
+        "the fleet to follow the DNS change",
+        Duration::from_secs(10),
+        || {
+            let mut now = fleet.endpoints();
+            now.sort();
+            let want = vec![url(ips[1]), url(ips[2])];
+            async move {
+                if now == want {
+                    Ok(())
+                } else {
+                    Err(format!("{now:?}"))
+                }
+            }
+        },
+    )
+    .await;
+    for _ in 0..20 {
+        fleet.execute(request()).await.unwrap();
+    }
+    let counts: Vec<usize> = servers
+        .iter()
+        .map(|s| s.received_of("execute").len())
+        .collect();
+    assert_eq!(counts[0], 0, "{counts:?}");
+    assert_eq!(counts[1] + counts[2], 20, "{counts:?}");
+    assert!(counts[2] > 0, "{counts:?}");
+    // No records: the nodes leave, nothing can be placed.
+    ns.records.lock().unwrap().clear();
+    test_support::daemon::wait_until("the fleet to empty", Duration::from_secs(10), || {
+        let n = fleet.endpoints().len();
+        async move {
+            if n == 0 {
+                Ok(())
+            } else {
+                Err(format!("{n} nodes"))
+            }
+        }
+    })
+    .await;
+    assert!(matches!(
+        fleet.execute(request()).await,
+        Err(ClientError::NoNode { .. })
+    ));
+}
