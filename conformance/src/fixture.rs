@@ -68,6 +68,8 @@ impl Default for FixtureConfig {
                 max_output_bytes: 64 << 20,
                 pids_max: 1024,
                 disk_mb: 1024,
+                // The fixture does not announce the `cpu_cores` extension.
+                cpu_cores: None,
             },
             max_frame_bytes: 16 << 20,
             faults: BTreeSet::new(),
@@ -593,6 +595,7 @@ fn resolve(shared: &Shared, req: &ExecuteRequest) -> Result<Limits, ErrorMessage
                 .min(max.max_output_bytes),
             pids_max: l.pids_max.unwrap_or(d.pids_max).min(max.pids_max),
             disk_mb: l.disk_mb.unwrap_or(d.disk_mb).min(max.disk_mb),
+            cpu_cores: None,
         });
     }
     req.resolve_limits(&max).map_err(ErrorMessage::from)

@@ -39,7 +39,7 @@ pub use envelope::{
 };
 pub use error::{ErrorCode, RequestError};
 pub use language::{Language, UnknownLanguage};
-pub use limits::{LimitDefaults, LimitError, Limits, RequestedLimits};
+pub use limits::{CpuCores, LimitDefaults, LimitError, Limits, RequestedLimits};
 pub use output::{Chunk, OutputEncoding, Utf8Chunker};
 pub use server::{
     encode, encode_with_ts, parse_server_envelope, parse_server_message, Capabilities, Environment,

@@ -37,6 +37,7 @@ pub const DEFAULT_MAX_LIMITS: Limits = Limits {
     max_output_bytes: 16 << 20,
     pids_max: 1024,
     disk_mb: 1024,
+    cpu_cores: Some(protocol::CpuCores::from_const(2.0)),
 };
 
 /// The daemon's configuration.
@@ -229,6 +230,10 @@ fn max_limits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Limits, D::Error
         fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Limits, A::Error> {
             let mut limits = DEFAULT_MAX_LIMITS;
             while let Some(key) = map.next_key::<String>()? {
+                if key == "cpu_cores" {
+                    limits.cpu_cores = Some(map.next_value()?);
+                    continue;
+                }
                 let value = map.next_value::<u64>()?;
                 if !limits.set(&key, value) {
                     return Err(serde::de::Error::unknown_field(&key, &Limits::NAMES));
@@ -697,7 +702,7 @@ mod tests {
     fn full_file_parses() {
         let c = Config::parse(
             "listen: 0.0.0.0:9000\nstate_dir: /srv/sbx\nauth:\n  tokens: [\"0123456789abcdef0123\"]\n\
-             capacity: {max_concurrent: 2, max_queue: 0}\nlimits:\n  max: {memory_mb: 512, timeout_ms: 1000}\n\
+             capacity: {max_concurrent: 2, max_queue: 0}\nlimits:\n  max: {memory_mb: 512, timeout_ms: 1000, cpu_cores: 0.5}\n\
              shutdown_grace_ms: 5\nsandbox: {cgroup_parent: sbx-test, uid_base: 300000}\n",
         )
         .unwrap();
@@ -705,6 +710,10 @@ mod tests {
         assert_eq!(c.capacity.max_queue, 0);
         assert_eq!(c.limits.max.memory_mb, 512);
         assert_eq!(c.limits.max.pids_max, DEFAULT_MAX_LIMITS.pids_max);
+        assert_eq!(
+            c.limits.max.cpu_cores.map(protocol::CpuCores::get),
+            Some(0.5)
+        );
         assert_eq!(c.sandbox.cgroup_parent, "sbx-test");
     }
 
@@ -721,6 +730,17 @@ mod tests {
             .to_string();
         assert!(
             e.contains("memory_mib") && e.contains("limits.max") && e.contains("line 3"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn cpu_cores_below_the_kernel_minimum_is_refused() {
+        let e = Config::parse("limits:\n  max:\n    cpu_cores: 0.001\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("limits.max.cpu_cores") && e.contains("at least 0.01"),
             "{e}"
         );
     }

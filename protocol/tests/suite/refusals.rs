@@ -391,6 +391,7 @@ fn limits_above_the_maximum_or_zero() {
         max_output_bytes: 4 << 20,
         pids_max: 128,
         disk_mb: 256,
+        cpu_cores: protocol::CpuCores::new(1.5),
     };
     let text = execute_with(|o| {
         drop(
@@ -464,6 +465,33 @@ fn limits_above_the_maximum_or_zero() {
         ),
         (512, 1 << 20, 64)
     );
+    assert_eq!(effective.cpu_cores, max.cpu_cores);
+    let text = execute_with(|o| {
+        drop(
+            o["limits"]
+                .as_object_mut()
+                .unwrap()
+                .insert("cpu_cores".into(), json!(1.75)),
+        )
+    });
+    let err = parse_execute(&text).resolve_limits(&max).unwrap_err();
+    assert_eq!(
+        err.message,
+        "Field limits.cpu_cores 1.75 exceeds the maximum 1.5"
+    );
+    // Below the kernel's smallest quota is not a number of cores at all: refused when parsed, naming the field.
+    let text = execute_with(|o| {
+        drop(
+            o["limits"]
+                .as_object_mut()
+                .unwrap()
+                .insert("cpu_cores".into(), json!(0)),
+        )
+    });
+    let err = parse_client_message(&text).unwrap_err();
+    assert_eq!(err.code, ErrorCode::InvalidRequest);
+    assert!(err.message.contains("limits.cpu_cores"), "{}", err.message);
+    assert!(err.message.contains("at least 0.01"), "{}", err.message);
 }
 
 #[test]

@@ -26,7 +26,7 @@ use protocol::{
     Capabilities, ErrorCode, ErrorMessage, ExecStatus, ExecuteRequest, Isolation, Language, Limits,
     Load, Pong, Reason, ResourceUsage, ResultMessage, ServerMessage,
 };
-use runtime::cgroups::CgroupLimits;
+use runtime::cgroups::{CgroupLimits, CpuQuota};
 use runtime::init::{ProgramExit, Report};
 use runtime::launch::Launch;
 use runtime::rootfs::{InputFile, CODE_DIR, WORKDIR};
@@ -393,10 +393,18 @@ impl Engine {
         container: &Container,
     ) -> Result<Launched, Failure> {
         let id = req.id.as_str();
+        let cpu_quota = match limits.cpu_cores {
+            Some(cores) => Some(
+                CpuQuota::from_cores(cores.get())
+                    .map_err(|e| ExecError::Prepare(runtime::Error::Cgroup(e)))?,
+            ),
+            None => None,
+        };
         let cgroup_limits = CgroupLimits {
             memory_bytes: limits.memory_mb << 20,
             pids_max: limits.pids_max,
             cpu_shares: limits.cpu_shares,
+            cpu_quota,
         };
         let code = req.code.clone().into_bytes();
         let t0 = Instant::now();
