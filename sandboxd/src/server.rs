@@ -225,7 +225,12 @@ async fn write(
             m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
         };
         let frame = match out {
-            Outgoing::Message(m) => Message::Text(protocol::encode(&m).into()),
+            Outgoing::Message(m) => {
+                if let ServerMessage::Error(e) = &m {
+                    crate::metrics::error_sent(e.code);
+                }
+                Message::Text(protocol::encode(&m).into())
+            }
             Outgoing::Close(code, reason) => {
                 let _ = sink
                     .send(Message::Close(Some(CloseFrame {

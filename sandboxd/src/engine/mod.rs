@@ -573,11 +573,23 @@ impl Engine {
         let o = outcome::classify(s.kill_reason, report.exit, usage.oom_kills)
             .map_err(ExecError::Unexplained)?;
         crate::metrics::exited(run.key, o.reason, wall);
+        let bytes = crate::metrics::ExecutionBytes {
+            tool_calls: run.tools.map_or(0, |b| b.calls()),
+            tool_result_bytes: run.tools.map_or(0, |b| b.result_bytes()),
+            output_bytes: s.stream.sent[0]
+                + s.stream.sent[1]
+                + run.tools.map_or(0, |b| b.return_value_bytes()),
+        };
+        crate::metrics::concluded(run.key, bytes);
         info!(
             reason = o.reason.as_str(),
             exit = ?o.exit,
             duration_ms,
             peak_memory_mb = resource_usage.peak_memory_mb,
+            cpu_time_ms = resource_usage.cpu_time_ms,
+            tool_calls = bytes.tool_calls,
+            tool_result_bytes = bytes.tool_result_bytes,
+            output_bytes = bytes.output_bytes,
             "program ended"
         );
         let environment = run.lang.environment(&self.seccomp_digest);
