@@ -30,8 +30,8 @@ pub mod validate;
 
 pub use artifacts::{Artifact, ArtifactManifest, DroppedArtifacts, SkippedArtifact};
 pub use client::{
-    parse_client_message, ArtifactsRequest, CancelRequest, ClientMessage, ExecuteRequest,
-    FileContentError, FileEncoding, FileSpec, PingRequest,
+    is_traceparent, parse_client_message, ArtifactsRequest, CancelRequest, ClientMessage,
+    ExecuteRequest, FileContentError, FileEncoding, FileSpec, PingRequest,
 };
 pub use envelope::{
     format_ts, is_valid_id, now_ts, parse_ts, TimestampError, MAX_ID_LEN, PROTOCOL_VERSION,

@@ -75,6 +75,8 @@ pub struct Config {
     pub tools: crate::tools::ToolsConfig,
     /// Agent sandboxes (the adapter-shim endpoints under `/sandboxes`).
     pub agents: AgentsConfig,
+    /// OpenTelemetry traces.
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 pub use agents::config::{AgentsConfig, AGENT_QUEUED_OVERHEAD, AGENT_STAMP_BYTES};
@@ -296,6 +298,7 @@ impl Default for Config {
             pool: PoolConfig::default(),
             tools: crate::tools::ToolsConfig::default(),
             agents: AgentsConfig::default(),
+            telemetry: crate::telemetry::TelemetryConfig::default(),
         }
     }
 }
@@ -373,6 +376,9 @@ impl Config {
     /// Checks what serde cannot: ranges, then identities and paths, then images and languages (in this order,
     /// so the first problem reported is stable).
     fn validate(&self) -> Result<(), ConfigError> {
+        self.telemetry
+            .validate()
+            .map_err(|(key, reason)| ConfigError::Value { key, reason })?;
         self.validate_numbers()?;
         self.validate_host()?;
         self.validate_images()
@@ -624,6 +630,7 @@ mod tests {
         languages: Option<u8>,
         pool: std::collections::BTreeMap<&'static str, Option<usize>>,
         agents: std::collections::BTreeMap<&'static str, String>,
+        telemetry: std::collections::BTreeMap<&'static str, Option<String>>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -673,6 +680,16 @@ mod tests {
                     ("max_line_bytes", c.agents.max_line_bytes.to_string()),
                     ("queue_bytes", c.agents.queue_bytes.to_string()),
                     ("replay_bytes", c.agents.replay_bytes.to_string()),
+                ]
+                .into(),
+                telemetry: [
+                    ("otlp_endpoint", c.telemetry.otlp_endpoint.clone()),
+                    ("protocol", Some("http/protobuf".into())),
+                    (
+                        "sampling_ratio",
+                        Some(c.telemetry.sampling_ratio.to_string()),
+                    ),
+                    ("resource_attributes", None),
                 ]
                 .into(),
             }

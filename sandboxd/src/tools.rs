@@ -44,7 +44,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
-use tracing::{debug, warn};
+use tracing::{debug, warn, Instrument};
 
 use self::lines::{Budget, Frame, Lease, Lines};
 
@@ -184,6 +184,8 @@ struct Shared {
     running: watch::Receiver<bool>,
     /// Set when the execution ends: no `tool_call` may come after it.
     closed: watch::Receiver<bool>,
+    /// The execution's span, the parent of each call's span (the connection tasks run outside it).
+    span: tracing::Span,
 }
 
 /// One execution's tool socket and its tasks; dropping it tears everything down.
@@ -237,6 +239,7 @@ impl Broker {
             return_value: Mutex::new(None),
             running: running_rx,
             closed: closed_rx,
+            span: tracing::Span::current(),
         });
         let accept = tokio::spawn(accept_loop(
             listener,
@@ -469,12 +472,14 @@ fn ending() -> Value {
     refusal("closed", "The execution is ending")
 }
 
-/// A tool call being answered: what its log line and metrics need.
+/// A tool call being answered: what its log line, metrics and span need.
 struct Called {
     name: String,
     listed: bool,
     args_bytes: usize,
     started: Instant,
+    /// `tool_call`, a child of the execution's span; ends when this is dropped, after [`Shared::record`].
+    span: tracing::Span,
 }
 
 impl Shared {
@@ -490,6 +495,11 @@ impl Shared {
         self.result_bytes
             .fetch_add(result_bytes as u64, Ordering::Relaxed);
         crate::metrics::tool_call(call.listed.then_some(call.name.as_str()), outcome, took);
+        call.span.record("result_bytes", result_bytes);
+        call.span.record("outcome", outcome);
+        if outcome != "ok" {
+            call.span.record("otel.status_code", "ERROR");
+        }
         debug!(
             id = %self.exec_id,
             tool = %call.name,
@@ -535,18 +545,33 @@ impl Shared {
                 timeout_ms,
             } => {
                 drop(line);
+                let args_bytes = args.get().len();
+                let span = tracing::info_span!(
+                    parent: &self.span,
+                    "tool_call",
+                    tool = %name,
+                    args_bytes,
+                    result_bytes = tracing::field::Empty,
+                    outcome = tracing::field::Empty,
+                    otel.status_code = tracing::field::Empty,
+                );
                 let called = Called {
                     listed: self.allowed.contains(&name),
                     name: name.clone(),
-                    args_bytes: args.get().len(),
+                    args_bytes,
                     started,
+                    span,
                 };
                 lease.shrink_to(called.args_bytes);
                 // The charge for the arguments goes with them: given back once the tool_call message holding them
                 // is sent (or dropped), not when this call returns; a call that timed out while its message still
                 // waits in the execution's queue keeps its bytes counted.
                 let args = args.holding(std::sync::Arc::new(lease));
-                (self.call(name, args, timeout_ms).await, Some(called))
+                let reply = self
+                    .call(name, args, timeout_ms)
+                    .instrument(called.span.clone())
+                    .await;
+                (reply, Some(called))
             }
         }
     }

@@ -271,7 +271,7 @@ fn unknown_fields_in_execute_are_refused() {
     );
     assert_eq!(
         err.message,
-        "Unknown field foo; expected one of language, code, stdin, env, limits, files, artifacts, tools, tool_timeout_ms"
+        "Unknown field foo; expected one of language, code, stdin, env, limits, files, artifacts, tools, tool_timeout_ms, traceparent"
     );
     let text = execute_with(|o| {
         drop(
@@ -658,4 +658,29 @@ fn artifact_globs() {
         req.artifacts.unwrap().types.unwrap()["out/**"],
         "test_report"
     );
+}
+
+#[test]
+fn traceparent_must_be_w3c() {
+    let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let text = execute_with(|o| drop(o.insert("traceparent".into(), json!(good))));
+    assert_eq!(parse_execute(&text).traceparent.as_deref(), Some(good));
+    for bad in [
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        "",
+    ] {
+        let text = execute_with(|o| drop(o.insert("traceparent".into(), json!(bad))));
+        let err = parse_client_message(&text).unwrap_err();
+        assert_eq!(err.code, ErrorCode::InvalidRequest, "{bad}");
+        assert!(
+            err.message.starts_with("Field traceparent"),
+            "{bad}: {}",
+            err.message
+        );
+        assert_eq!(err.id.as_deref(), Some("exec_1"));
+    }
 }

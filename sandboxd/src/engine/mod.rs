@@ -228,7 +228,7 @@ impl Engine {
             Admission::Run(slot) => slot,
             Admission::Queued(ticket) => {
                 tokio::select! {
-                    slot = ticket.wait() => match slot {
+                    slot = ticket.wait().instrument(tracing::info_span!("queue_wait")) => match slot {
                         Some(s) => s,
                         None => {
                             registration.release();
@@ -333,7 +333,12 @@ impl Engine {
             Err(e) => return (None, Err(Failure::Refused(e))),
         };
         // Never abandoned half-way: a container being created would be left behind.
-        let container = match self.pool.take(req.language, &lang, limits).await {
+        let container = match self
+            .pool
+            .take(req.language, &lang, limits)
+            .instrument(tracing::info_span!("container_take"))
+            .await
+        {
             Ok(c) => c,
             Err(e) => return (None, Err(ExecError::Create(e).into())),
         };
@@ -357,7 +362,11 @@ impl Engine {
             Ok(b) => b,
             Err(e) => return (Some(container), Err(ExecError::Tools(e).into())),
         };
-        let launched = match self.launch(req, limits, &lang, files, &container).await {
+        let launched = match self
+            .launch(req, limits, &lang, files, &container)
+            .instrument(tracing::info_span!("launch"))
+            .await
+        {
             Ok(launched) => launched,
             Err(e) => return (Some(container), Err(e)),
         };
@@ -371,7 +380,10 @@ impl Engine {
             key,
             out,
         };
-        let finished = self.supervise(&run, launched, control).await;
+        let finished = self
+            .supervise(&run, launched, control)
+            .instrument(tracing::info_span!("run"))
+            .await;
         debug!(
             container = %container.cid,
             warm = container.warm,
@@ -599,6 +611,7 @@ impl Engine {
             (Some(_), Reason::Cancelled) | (None, _) => None,
             (Some(wanted), _) => Some(
                 self.artifacts(wanted, run.container.handle.workspace(), id, &fingerprint)
+                    .instrument(tracing::info_span!("artifacts"))
                     .await?,
             ),
         };

@@ -24,4 +24,5 @@ mod ops;
 mod output;
 mod pool;
 mod requests;
+mod telemetry;
 mod tools;

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use super::harness::*;
 
 /// An `execute` offering `tools` (names only).
-fn exec_tools(id: &str, language: &str, code: &str, tools: &[&str]) -> Value {
+pub(super) fn exec_tools(id: &str, language: &str, code: &str, tools: &[&str]) -> Value {
     let tools: Vec<Value> = tools.iter().map(|n| json!({"name": n})).collect();
     with(
         exec_json(id, language, code, 30_000, 256),
@@ -34,7 +34,7 @@ fn tool_result(id: &str, call_id: &str, result: Result<Value, &str>) -> Value {
 
 /// Runs `exec` to its end, answering each `tool_call` with `handler` (`None`: no answer). Returns the execution's
 /// messages and the calls seen.
-async fn run_answering(
+pub(super) async fn run_answering(
     c: &mut Client,
     exec: Value,
     mut handler: impl FnMut(&ToolCall) -> Option<Result<Value, String>>,
