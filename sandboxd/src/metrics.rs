@@ -274,41 +274,46 @@ impl Metrics {
             "Unix time the daemon started",
             m.start_time.clone(),
         );
-        registry.register(
-            "execution_tool_calls",
-            "Tool calls forwarded per execution that ended with a result",
-            m.execution_tool_calls.clone(),
-        );
-        registry.register(
-            "execution_output_bytes",
-            "Bytes an execution returned to the client: stdout, stderr and the return value",
-            m.execution_output_bytes.clone(),
-        );
-        registry.register(
-            "execution_tool_result_bytes",
-            "Bytes of the tool results the code received inside the sandbox, per execution",
-            m.execution_tool_result_bytes.clone(),
-        );
-        registry.register(
-            "tool_calls",
-            "Tool calls made from inside executions, by tool and outcome (ok or the error code)",
-            m.tool_calls.clone(),
-        );
-        registry.register(
-            "tool_call_seconds",
-            "Time from a tool call's request to its reply, by tool",
-            m.tool_call_seconds.clone(),
-        );
-        registry.register(
-            "errors",
-            "Error messages sent to clients, by code",
-            m.errors.clone(),
-        );
+        m.register_tool_series(&mut registry);
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
         m.start_time.set(now.as_secs_f64());
         Self { registry, ..m }
+    }
+
+    /// The per-execution tool and byte series, the tool calls' series and the errors.
+    fn register_tool_series(&self, registry: &mut Registry) {
+        registry.register(
+            "execution_tool_calls",
+            "Tool calls forwarded per execution that ended with a result",
+            self.execution_tool_calls.clone(),
+        );
+        registry.register(
+            "execution_output_bytes",
+            "Bytes an execution returned to the client: stdout, stderr and the return value",
+            self.execution_output_bytes.clone(),
+        );
+        registry.register(
+            "execution_tool_result_bytes",
+            "Bytes of the tool results the code received inside the sandbox, per execution",
+            self.execution_tool_result_bytes.clone(),
+        );
+        registry.register(
+            "tool_calls",
+            "Tool calls made from inside executions, by tool and outcome (ok or the error code)",
+            self.tool_calls.clone(),
+        );
+        registry.register(
+            "tool_call_seconds",
+            "Time from a tool call's request to its reply, by tool",
+            self.tool_call_seconds.clone(),
+        );
+        registry.register(
+            "errors",
+            "Error messages sent to clients, by code",
+            self.errors.clone(),
+        );
     }
 
     fn count(&self, language: &str, reason: &str) {

@@ -136,6 +136,24 @@ return len(a) + len(b)
         }
     })
     .await;
+    assert_execution_tree(&spans, caller);
+    let agent_caller = "00f067aa0ba902b8";
+    let request = agent_request_span(&d, &got, trace_id, agent_caller).await;
+    assert_eq!(hex(&request.parent_span_id), agent_caller);
+    assert_eq!(
+        attr(&request.attributes, "path").as_deref(),
+        Some("/sandboxes/none/health")
+    );
+    let resource = got.0.lock().unwrap().1.clone();
+    assert_eq!(attr(&resource, "service.name").as_deref(), Some("sandboxd"));
+    assert_eq!(
+        attr(&resource, "deployment.environment").as_deref(),
+        Some("test")
+    );
+}
+
+/// The execution's span is the caller's child; its slot's span, the phases and the tool calls are below it.
+fn assert_execution_tree(spans: &[Span], caller: &str) {
     let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
     eprintln!("spans of the trace: {names:?}");
     let one = |pred: &dyn Fn(&Span) -> bool, what: &str| -> Span {
@@ -208,14 +226,17 @@ return len(a) + len(b)
         Some(StatusCode::Error as i32),
         "a failed call is an error span"
     );
+}
+
+/// Sends an agent endpoint request with a traceparent naming `caller`; the span the receiver gets for it.
+async fn agent_request_span(d: &Daemon, got: &Received, trace_id: &str, caller: &str) -> Span {
     // An agent endpoint's request span follows the traceparent header too (whatever the answer).
-    let agent_caller = "00f067aa0ba902b8";
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
         .await
         .unwrap();
     let head = format!(
         "GET /sandboxes/none/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
-         traceparent: 00-{trace_id}-{agent_caller}-01\r\nConnection: close\r\n\r\n",
+         traceparent: 00-{trace_id}-{caller}-01\r\nConnection: close\r\n\r\n",
         d.token()
     );
     tokio::io::AsyncWriteExt::write_all(&mut s, head.as_bytes())
@@ -225,7 +246,7 @@ return len(a) + len(b)
     tokio::io::AsyncReadExt::read_to_end(&mut s, &mut answer)
         .await
         .unwrap();
-    let request = wait_until("the agent request's span", Duration::from_secs(30), || {
+    wait_until("the agent request's span", Duration::from_secs(30), || {
         let got = got.clone();
         async move {
             let got = got.0.lock().unwrap();
@@ -236,16 +257,5 @@ return len(a) + len(b)
                 .ok_or_else(|| "not yet".to_owned())
         }
     })
-    .await;
-    assert_eq!(hex(&request.parent_span_id), agent_caller);
-    assert_eq!(
-        attr(&request.attributes, "path").as_deref(),
-        Some("/sandboxes/none/health")
-    );
-    let resource = got.0.lock().unwrap().1.clone();
-    assert_eq!(attr(&resource, "service.name").as_deref(), Some("sandboxd"));
-    assert_eq!(
-        attr(&resource, "deployment.environment").as_deref(),
-        Some("test")
-    );
+    .await
 }
