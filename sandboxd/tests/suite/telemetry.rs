@@ -19,7 +19,7 @@ use prost::Message;
 use serde_json::json;
 
 use super::harness::{privileged, wait_until, with, Client, Daemon, DaemonOpts};
-use super::tools::{exec_tools, run_answering};
+use super::tools::{exec_tools, run_answering, READS_AND_A_FAILED_CALL};
 
 /// What the receiver got: the spans, and the resource attributes they came with.
 #[derive(Clone, Default)]
@@ -85,20 +85,16 @@ async fn an_execution_and_its_tool_calls_are_spans_under_the_callers_traceparent
     .await;
     let mut c = Client::connect(&d).await;
     let (trace_id, caller) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
-    let code = r#"
-import os
-a = read_file(path="a")
-b = read_file(path="b")
-try:
-    boom()
-except ToolError:
-    pass
+    let code = format!(
+        "import os\n{READS_AND_A_FAILED_CALL}{}",
+        r#"
 os.makedirs("out", exist_ok=True)
 open("out/n.txt", "w").write(str(len(a) + len(b)))
 return len(a) + len(b)
-"#;
+"#
+    );
     let exec = with(
-        exec_tools("traced", "python", code, &["read_file", "boom"]),
+        exec_tools("traced", "python", &code, &["read_file", "boom"]),
         json!({"traceparent": format!("00-{trace_id}-{caller}-01"), "artifacts": {"paths": ["out/**"]}}),
     );
     let (run, calls) = run_answering(&mut c, exec, |call| match call.name.as_str() {

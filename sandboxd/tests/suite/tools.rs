@@ -8,6 +8,16 @@ use serde_json::{json, Value};
 
 use super::harness::*;
 
+/// Python that calls `read_file` twice (into `a` and `b`) and `boom` once, which fails.
+pub(super) const READS_AND_A_FAILED_CALL: &str = r#"
+a = read_file(path="a")
+b = read_file(path="b")
+try:
+    boom()
+except ToolError:
+    pass
+"#;
+
 /// An `execute` offering `tools` (names only).
 pub(super) fn exec_tools(id: &str, language: &str, code: &str, tools: &[&str]) -> Value {
     let tools: Vec<Value> = tools.iter().map(|n| json!({"name": n})).collect();
@@ -769,23 +779,20 @@ async fn tool_calls_show_in_the_metrics_and_the_summary_line() {
     let (code, before) = get_with_token(d.port, "/metrics", Some(d.token())).await;
     assert_eq!(code, 200, "{before}");
     // Two big results filtered down to a short answer, one failing call, one tool that is not offered.
-    let code = r#"
-a = read_file(path="a")
-b = read_file(path="b")
-try:
-    boom()
-except ToolError:
-    pass
+    let code = format!(
+        "{READS_AND_A_FAILED_CALL}{}",
+        r#"
 try:
     call("not_offered", {})
 except ToolError:
     pass
 print("done")
 return f"{len(a) + len(b)} bytes"
-"#;
+"#
+    );
     let (run, calls) = run_answering(
         &mut c,
-        exec_tools("m1", "python", code, &["read_file", "boom"]),
+        exec_tools("m1", "python", &code, &["read_file", "boom"]),
         |call| match call.name.as_str() {
             "read_file" => Some(Ok(json!("x".repeat(5000)))),
             _ => Some(Err("no".into())),
