@@ -171,12 +171,10 @@ impl Engine {
 
     /// Protocol extensions this server implements.
     pub fn extensions(&self) -> Vec<String> {
-        vec![
-            "files".into(),
-            "base64_output".into(),
-            "artifacts".into(),
-            "tool_calls".into(),
-        ]
+        protocol::SANDBOXD_EXTENSIONS
+            .iter()
+            .map(|e| (*e).to_owned())
+            .collect()
     }
 
     /// The `pong` for a `ping`.

@@ -216,6 +216,16 @@ async fn cpu_cores_caps_a_busy_loop_at_its_quota() {
     };
     let d = Daemon::start(DaemonOpts::default()).await;
     let mut c = Client::connect(&d).await;
+    let caps = c.ping().await.capabilities.expect("pong capabilities");
+    assert!(
+        caps.extensions.iter().any(|e| e == "cpu_cores"),
+        "{:?}",
+        caps.extensions
+    );
+    assert_eq!(
+        caps.max_limits.cpu_cores.map(protocol::CpuCores::get),
+        Some(2.0)
+    );
     // Two processes spinning for 4 s: without the quota they could use two cores.
     let code = r#"
 import os, time
