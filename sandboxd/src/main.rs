@@ -152,7 +152,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// The log on stderr (text or JSON, filtered by `SANDBOXD_LOG`), and the trace export when `traces` is given.
+/// The log on stderr (text or JSON, filtered by `SANDBOXD_LOG`), and the trace export (spans at info and above,
+/// whatever the log's filter) when `traces` is given.
 fn init_logging(format: LogFormat, traces: Option<telemetry::OtelLayer>) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SANDBOXD_LOG").unwrap_or_else(|_| {
         // libcontainer warns that it has no libseccomp: sandboxd installs its own filter instead.
@@ -175,18 +176,17 @@ fn init_logging(format: LogFormat, traces: Option<telemetry::OtelLayer>) {
         };
     let fmt = tracing_subscriber::fmt::layer().with_writer(move || log);
     let fmt = match format {
-        LogFormat::Text => fmt.with_ansi(false).boxed(),
+        LogFormat::Text => fmt.with_ansi(false).with_filter(filter).boxed(),
         LogFormat::Json => fmt
             .json()
             .flatten_event(true)
             .with_current_span(true)
+            .with_filter(filter)
             .boxed(),
     };
-    tracing_subscriber::registry()
-        .with(traces)
-        .with(filter)
-        .with(fmt)
-        .init();
+    // The log level does not silence the traces: their spans are the daemon's own, all at info.
+    let traces = traces.map(|t| t.with_filter(tracing_subscriber::filter::LevelFilter::INFO));
+    tracing_subscriber::registry().with(traces).with(fmt).init();
 }
 
 fn load_config(cli: &Cli) -> anyhow::Result<Config> {
