@@ -68,6 +68,8 @@ impl Default for FixtureConfig {
                 max_output_bytes: 64 << 20,
                 pids_max: 1024,
                 disk_mb: 1024,
+                // The fixture does not announce the `cpu_cores` extension.
+                cpu_cores: None,
             },
             max_frame_bytes: 16 << 20,
             faults: BTreeSet::new(),
@@ -197,9 +199,9 @@ impl Shared {
     }
 }
 
-/// A queued outgoing frame.
+/// A queued outgoing frame (the message boxed: it is much larger than a close).
 enum Out {
-    Msg(ServerMessage),
+    Msg(Box<ServerMessage>),
     Close(u16),
 }
 
@@ -350,7 +352,7 @@ async fn write_frames(
         let out = tokio::select! {
             biased;
             m = prio.recv() => match m { Some(m) => m, None => break },
-            m = exec.recv() => match m { Some(m) => Out::Msg(m), None => break },
+            m = exec.recv() => match m { Some(m) => Out::Msg(Box::new(m)), None => break },
             _ = tick.tick() => {
                 if last_output.elapsed() > Duration::from_secs(2) {
                     while let Some(p) = held.pop_front() {
@@ -373,6 +375,7 @@ async fn write_frames(
                 break;
             }
             Out::Msg(m) => {
+                let m = *m;
                 if matches!(m, ServerMessage::Stdout(_) | ServerMessage::Stderr(_)) {
                     last_output = Instant::now();
                 }
@@ -418,7 +421,7 @@ impl Conn {
         if self.shared.has(Fault::ErrorWithoutId) {
             e.id = None;
         }
-        let _ = self.prio.send(Out::Msg(ServerMessage::Error(e)));
+        let _ = self.prio.send(Out::Msg(Box::new(ServerMessage::Error(e))));
     }
 
     /// One text frame from the client.
@@ -433,7 +436,7 @@ impl Conn {
             Ok(ClientMessage::Ping(_)) => {
                 let _ = self
                     .prio
-                    .send(Out::Msg(ServerMessage::Pong(self.shared.pong())));
+                    .send(Out::Msg(Box::new(ServerMessage::Pong(self.shared.pong()))));
             }
             Ok(ClientMessage::Cancel(c)) => self.on_cancel(&c.id),
             Ok(ClientMessage::ToolResult(r)) => self.waiters.deliver(r),
@@ -513,10 +516,10 @@ impl Conn {
             let tx = self.prio.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_secs(3)).await;
-                let _ = tx.send(Out::Msg(ServerMessage::Error(e)));
+                let _ = tx.send(Out::Msg(Box::new(ServerMessage::Error(e))));
             });
         } else {
-            let _ = self.prio.send(Out::Msg(ServerMessage::Error(e)));
+            let _ = self.prio.send(Out::Msg(Box::new(ServerMessage::Error(e))));
         }
     }
 }
@@ -593,6 +596,7 @@ fn resolve(shared: &Shared, req: &ExecuteRequest) -> Result<Limits, ErrorMessage
                 .min(max.max_output_bytes),
             pids_max: l.pids_max.unwrap_or(d.pids_max).min(max.pids_max),
             disk_mb: l.disk_mb.unwrap_or(d.disk_mb).min(max.disk_mb),
+            cpu_cores: None,
         });
     }
     req.resolve_limits(&max).map_err(ErrorMessage::from)

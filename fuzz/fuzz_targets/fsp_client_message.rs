@@ -8,7 +8,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use protocol::{
-    encode_with_ts, parse_client_message, parse_server_message, ClientMessage, Limits,
+    encode_with_ts, parse_client_message, parse_server_message, ClientMessage, CpuCores, Limits,
     ServerMessage,
 };
 
@@ -20,6 +20,7 @@ const NO_MAX: Limits = Limits {
     max_output_bytes: u64::MAX,
     pids_max: u64::MAX,
     disk_mb: u64::MAX,
+    cpu_cores: Some(CpuCores::from_const(f64::MAX)),
 };
 
 fuzz_target!(|text: &str| {

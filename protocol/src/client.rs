@@ -140,6 +140,10 @@ pub struct ExecuteRequest {
     /// addition; `None` and `true`: the server's choice).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warm: Option<bool>,
+    /// The caller's span as a W3C `traceparent` (`00-<trace id>-<span id>-<flags>`, sandboxd addition): the
+    /// server's spans for this execution become its children.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 impl ExecuteRequest {
@@ -163,6 +167,7 @@ impl ExecuteRequest {
             tools: Vec::new(),
             tool_timeout_ms: None,
             warm: None,
+            traceparent: None,
         }
     }
 
@@ -190,6 +195,14 @@ impl ExecuteRequest {
         }
         if let Err(message) = check_files(&self.files) {
             return fail(message);
+        }
+        if let Some(t) = &self.traceparent {
+            if !is_traceparent(t) {
+                return fail(format!(
+                    "Field traceparent: {:?} is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>, ids not all zero)",
+                    t.chars().take(64).collect::<String>()
+                ));
+            }
         }
         if let Some(artifacts) = &self.artifacts {
             if let Err(message) = artifacts.check() {
@@ -403,6 +416,7 @@ struct ExecuteBody {
     tool_timeout_ms: Option<u64>,
     #[serde(default)]
     warm: Option<bool>,
+    traceparent: Option<String>,
 }
 
 /// The fields of `tool_result` besides the envelope. Unknown fields are refused.
@@ -584,9 +598,24 @@ fn parse_execute(
         tools: body.tools.unwrap_or_default(),
         tool_timeout_ms: body.tool_timeout_ms,
         warm: body.warm,
+        traceparent: body.traceparent,
     };
     request.validate()?;
     Ok(request)
+}
+
+/// A W3C trace-context `traceparent` of version 00: `00-<trace id: 32 lowercase hex>-<parent id: 16>-<flags: 2>`,
+/// neither id all zeros.
+pub fn is_traceparent(t: &str) -> bool {
+    let parts: Vec<&str> = t.split('-').collect();
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let nonzero = |s: &str| s.bytes().any(|b| b != b'0');
+    matches!(parts[..], [v, trace, parent, flags]
+        if v == "00" && hex(trace, 32) && hex(parent, 16) && hex(flags, 2) && nonzero(trace) && nonzero(parent))
 }
 
 /// A message naming the field a deserialization error is about, e.g. `Missing field limits.timeout_ms` or

@@ -30,8 +30,8 @@ pub mod validate;
 
 pub use artifacts::{Artifact, ArtifactManifest, DroppedArtifacts, SkippedArtifact};
 pub use client::{
-    parse_client_message, ArtifactsRequest, CancelRequest, ClientMessage, ExecuteRequest,
-    FileContentError, FileEncoding, FileSpec, PingRequest,
+    is_traceparent, parse_client_message, ArtifactsRequest, CancelRequest, ClientMessage,
+    ExecuteRequest, FileContentError, FileEncoding, FileSpec, PingRequest,
 };
 pub use envelope::{
     format_ts, is_valid_id, now_ts, parse_ts, TimestampError, MAX_ID_LEN, PROTOCOL_VERSION,
@@ -39,7 +39,7 @@ pub use envelope::{
 };
 pub use error::{ErrorCode, RequestError};
 pub use language::{Language, UnknownLanguage};
-pub use limits::{LimitDefaults, LimitError, Limits, RequestedLimits};
+pub use limits::{CpuCores, LimitDefaults, LimitError, Limits, RequestedLimits};
 pub use output::{Chunk, OutputEncoding, Utf8Chunker};
 pub use server::{
     encode, encode_with_ts, parse_server_envelope, parse_server_message, Capabilities, Environment,

@@ -2,6 +2,8 @@
 //!
 //! A requested value above the server's maximum is refused, never clamped, and so is 0.
 
+use std::hash::{Hash, Hasher};
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::RequestError;
@@ -24,6 +26,67 @@ pub struct Limits {
     pub pids_max: u64,
     /// Size of the writable scratch space, in MiB.
     pub disk_mb: u64,
+    /// Hard CPU limit, in cores (a CFS quota; extension `cpu_cores`). Absent from a server without the extension.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_cores: Option<CpuCores>,
+}
+
+/// A hard CPU limit in cores, e.g. `0.5` for half of one core: a finite number of at least [`CpuCores::MIN`].
+///
+/// On the wire a plain JSON number; a value out of range is refused when parsed.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd, Serialize, Deserialize)]
+#[serde(try_from = "f64", into = "f64")]
+pub struct CpuCores(f64);
+
+impl CpuCores {
+    /// The smallest limit: 1 ms of CPU time per 100 ms period, the kernel's smallest CFS quota.
+    pub const MIN: f64 = 0.01;
+
+    /// `cores` if it is a finite number of at least [`Self::MIN`].
+    pub fn new(cores: f64) -> Option<Self> {
+        (cores.is_finite() && cores >= Self::MIN).then_some(Self(cores))
+    }
+
+    /// `cores` unchecked, for constants; the caller keeps it finite and at least [`Self::MIN`].
+    pub const fn from_const(cores: f64) -> Self {
+        Self(cores)
+    }
+
+    /// The number of cores.
+    pub const fn get(self) -> f64 {
+        self.0
+    }
+}
+
+impl TryFrom<f64> for CpuCores {
+    type Error = String;
+
+    fn try_from(cores: f64) -> Result<Self, String> {
+        Self::new(cores)
+            .ok_or_else(|| format!("must be a number of cores of at least {}", Self::MIN))
+    }
+}
+
+impl From<CpuCores> for f64 {
+    fn from(c: CpuCores) -> f64 {
+        c.0
+    }
+}
+
+impl std::fmt::Display for CpuCores {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+// Never NaN (refused on construction), so equality is reflexive; 0.0 and -0.0 are refused too, so equal values
+// have equal bits.
+impl Eq for CpuCores {}
+
+impl Hash for CpuCores {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.to_bits().hash(state);
+    }
 }
 
 /// Defaults for the limits `execute` may leave out.
@@ -48,17 +111,18 @@ impl Limits {
         disk_mb: 64,
     };
 
-    /// Every limit's wire name, in declaration order.
-    pub const NAMES: [&'static str; 6] = [
+    /// Every limit's wire name, in declaration order: the integer limits of [`Self::entries`], then `cpu_cores`.
+    pub const NAMES: [&'static str; 7] = [
         "timeout_ms",
         "memory_mb",
         "cpu_shares",
         "max_output_bytes",
         "pids_max",
         "disk_mb",
+        "cpu_cores",
     ];
 
-    /// Sets the limit named `name` (a wire name) to `value`; `false` if no limit has that name.
+    /// Sets the integer limit named `name` (a wire name) to `value`; `false` if no integer limit has that name.
     pub fn set(&mut self, name: &str, value: u64) -> bool {
         let field = match name {
             "timeout_ms" => &mut self.timeout_ms,
@@ -73,7 +137,7 @@ impl Limits {
         true
     }
 
-    /// Each limit with its wire name, in declaration order.
+    /// Each integer limit with its wire name, in declaration order (every limit but `cpu_cores`).
     pub const fn entries(&self) -> [(&'static str, u64); 6] {
         let n = Self::NAMES;
         [
@@ -107,6 +171,9 @@ pub struct RequestedLimits {
     /// Scratch space in MiB; default [`LimitDefaults::disk_mb`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_mb: Option<u64>,
+    /// Hard CPU limit in cores (extension `cpu_cores`); default the server's maximum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_cores: Option<CpuCores>,
 }
 
 impl RequestedLimits {
@@ -119,12 +186,15 @@ impl RequestedLimits {
             max_output_bytes: None,
             pids_max: None,
             disk_mb: None,
+            cpu_cores: None,
         }
     }
 
     /// The limits in effect: defaults filled in, then every value checked against `max`.
     ///
-    /// Refuses 0 and any value above its maximum (naming the limit and the maximum); never clamps.
+    /// Refuses 0 and any value above its maximum (naming the limit and the maximum); never clamps. `cpu_cores`
+    /// defaults to `max.cpu_cores`; a `max` without one (a server that does not enforce it) refuses a request
+    /// that asks for it rather than ignoring it.
     pub fn resolve(&self, max: &Limits) -> Result<Limits, LimitError> {
         let defaults = Limits::DEFAULTS;
         let limits = Limits {
@@ -134,6 +204,7 @@ impl RequestedLimits {
             max_output_bytes: self.max_output_bytes.unwrap_or(defaults.max_output_bytes),
             pids_max: self.pids_max.unwrap_or(defaults.pids_max),
             disk_mb: self.disk_mb.unwrap_or(defaults.disk_mb),
+            cpu_cores: self.cpu_cores.or(max.cpu_cores),
         };
         for ((limit, value), (_, max)) in limits.entries().into_iter().zip(max.entries()) {
             if value == 0 {
@@ -143,7 +214,13 @@ impl RequestedLimits {
                 return Err(LimitError::AboveMaximum { limit, value, max });
             }
         }
-        Ok(limits)
+        match (limits.cpu_cores, max.cpu_cores) {
+            (Some(value), Some(max)) if value > max => {
+                Err(LimitError::CoresAboveMaximum { value, max })
+            }
+            (Some(_), None) => Err(LimitError::NotEnforced { limit: "cpu_cores" }),
+            _ => Ok(limits),
+        }
     }
 }
 
@@ -166,13 +243,30 @@ pub enum LimitError {
         /// The server's maximum.
         max: u64,
     },
+    /// `cpu_cores` is above the server's configured maximum.
+    #[error("Field limits.cpu_cores {value} exceeds the maximum {max}")]
+    CoresAboveMaximum {
+        /// The requested value.
+        value: CpuCores,
+        /// The server's maximum.
+        max: CpuCores,
+    },
+    /// The server has no maximum for the limit: it does not enforce it.
+    #[error("Field limits.{limit} is not enforced by this server")]
+    NotEnforced {
+        /// Wire name of the limit.
+        limit: &'static str,
+    },
 }
 
 impl LimitError {
     /// Wire name of the refused limit.
     pub const fn limit(&self) -> &'static str {
         match self {
-            LimitError::Zero { limit } | LimitError::AboveMaximum { limit, .. } => limit,
+            LimitError::Zero { limit }
+            | LimitError::AboveMaximum { limit, .. }
+            | LimitError::NotEnforced { limit } => limit,
+            LimitError::CoresAboveMaximum { .. } => "cpu_cores",
         }
     }
 
@@ -193,6 +287,7 @@ mod tests {
         max_output_bytes: 8 * 1024 * 1024,
         pids_max: 256,
         disk_mb: 512,
+        cpu_cores: Some(CpuCores::from_const(2.0)),
     };
 
     #[test]
@@ -206,7 +301,8 @@ mod tests {
                 cpu_shares: 512,
                 max_output_bytes: 1_048_576,
                 pids_max: 64,
-                disk_mb: 64
+                disk_mb: 64,
+                cpu_cores: MAX.cpu_cores,
             }
         );
         let exact = RequestedLimits {
@@ -216,6 +312,7 @@ mod tests {
             max_output_bytes: Some(MAX.max_output_bytes),
             pids_max: Some(MAX.pids_max),
             disk_mb: Some(MAX.disk_mb),
+            cpu_cores: MAX.cpu_cores,
         };
         assert_eq!(exact.resolve(&MAX).unwrap(), MAX);
     }
@@ -296,5 +393,62 @@ mod tests {
             assert_eq!(req_err.id.as_deref(), Some("exec_1"));
             assert_eq!(req_err.code, crate::ErrorCode::InvalidRequest);
         }
+    }
+
+    #[test]
+    fn cpu_cores_defaults_to_the_maximum_and_is_refused_above_it() {
+        let half: RequestedLimits =
+            serde_json::from_str(r#"{"timeout_ms":1,"memory_mb":1,"cpu_cores":0.5}"#).unwrap();
+        let limits = half.resolve(&MAX).unwrap();
+        assert_eq!(limits.cpu_cores.map(CpuCores::get), Some(0.5));
+        assert_eq!(
+            serde_json::to_value(limits).unwrap()["cpu_cores"],
+            serde_json::json!(0.5)
+        );
+        let default = RequestedLimits::new(1, 1).resolve(&MAX).unwrap();
+        assert_eq!(default.cpu_cores, MAX.cpu_cores);
+        let over = RequestedLimits {
+            cpu_cores: CpuCores::new(2.5),
+            ..RequestedLimits::new(1, 1)
+        };
+        let err = over.resolve(&MAX).unwrap_err();
+        assert_eq!(err.limit(), "cpu_cores");
+        assert_eq!(
+            err.to_string(),
+            "Field limits.cpu_cores 2.5 exceeds the maximum 2"
+        );
+        // A server without a maximum does not enforce the limit: asking for it is refused, leaving it out is not.
+        let plain = Limits {
+            cpu_cores: None,
+            ..MAX
+        };
+        assert_eq!(
+            over.resolve(&plain).unwrap_err(),
+            LimitError::NotEnforced { limit: "cpu_cores" }
+        );
+        assert_eq!(
+            RequestedLimits::new(1, 1)
+                .resolve(&plain)
+                .unwrap()
+                .cpu_cores,
+            None
+        );
+    }
+
+    #[test]
+    fn cpu_cores_below_the_kernel_minimum_does_not_parse() {
+        for bad in ["0", "-1", "0.001"] {
+            let json = format!(r#"{{"timeout_ms":1,"memory_mb":1,"cpu_cores":{bad}}}"#);
+            let err = serde_json::from_str::<RequestedLimits>(&json).unwrap_err();
+            assert!(err.to_string().contains("at least 0.01"), "{bad}: {err}");
+        }
+        assert_eq!(CpuCores::new(0.01).map(CpuCores::get), Some(0.01));
+        assert_eq!(CpuCores::new(f64::NAN), None);
+        // An old server's ack has no cpu_cores.
+        let ack: Limits = serde_json::from_str(
+            r#"{"timeout_ms":1,"memory_mb":1,"cpu_shares":2,"max_output_bytes":1,"pids_max":1,"disk_mb":1}"#,
+        )
+        .unwrap();
+        assert_eq!(ack.cpu_cores, None);
     }
 }

@@ -17,7 +17,13 @@ use crate::output::{Chunk, OutputEncoding};
 use crate::tools::ToolCall;
 
 /// The protocol extensions sandboxd implements, for `pong.capabilities.extensions`.
-pub const SANDBOXD_EXTENSIONS: &[&str] = &["files", "artifacts", "base64_output", "tool_calls"];
+pub const SANDBOXD_EXTENSIONS: &[&str] = &[
+    "files",
+    "artifacts",
+    "base64_output",
+    "tool_calls",
+    "cpu_cores",
+];
 
 /// A message the server sends. Tagged by `type`; [`encode`] adds `v` and `ts`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

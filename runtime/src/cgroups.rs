@@ -111,6 +111,37 @@ pub struct CgroupLimits {
     pub pids_max: u64,
     /// v1 `cpu.shares` (converted to `cpu.weight` on v2 as runc and libcgroups do).
     pub cpu_shares: u64,
+    /// Hard CPU limit; `None` leaves the leaf's quota as it is (none in a new leaf).
+    pub cpu_quota: Option<CpuQuota>,
+}
+
+/// The CFS period every quota is written with: 100 ms, the kernel's default.
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// A hard CPU limit: `quota_us` of CPU time in every [`CPU_PERIOD_US`] (v1 `cpu.cfs_quota_us` and
+/// `cpu.cfs_period_us`, v2 `cpu.max`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuQuota {
+    quota_us: u64,
+}
+
+impl CpuQuota {
+    /// The quota of `cores` (e.g. 0.5: 50 ms per 100 ms), rounded to the microsecond. Refuses anything under the
+    /// kernel's smallest quota, 1 ms per period (0.01 cores), rather than raising it.
+    pub fn from_cores(cores: f64) -> Result<Self, CgroupError> {
+        let quota = (cores * CPU_PERIOD_US as f64).round();
+        if !(quota.is_finite() && (1000.0..=i64::MAX as f64).contains(&quota)) {
+            return Err(CgroupError::InvalidQuota(cores));
+        }
+        Ok(Self {
+            quota_us: quota as u64,
+        })
+    }
+
+    /// Microseconds of CPU time per [`CPU_PERIOD_US`].
+    pub fn quota_us(self) -> u64 {
+        self.quota_us
+    }
 }
 
 /// The cgroup v2 `cpu.weight` for v1 `cpu.shares` (`[2, 262144]` onto `[1, 10000]`, runc's formula).
@@ -438,8 +469,8 @@ impl Cgroups {
         }
     }
 
-    /// Sets the limits of a live container's cgroup through cgroups-rs: memory (and memory+swap, so no swap), pids
-    /// and cpu weight.
+    /// Sets the limits of a live container's cgroup through cgroups-rs: memory (and memory+swap, so no swap), pids,
+    /// cpu weight and the cpu quota when one is given.
     ///
     /// A container created ahead of time gets the request's limits here, before its program is launched. Each
     /// file is written on its own rather than through libcgroups' or cgroups-rs's `apply`, which walk every
@@ -488,6 +519,9 @@ impl Cgroups {
         };
         cpu.set_shares(shares)
             .map_err(refused("the cpu weight", cpu.path()))?;
+        if let Some(quota) = limits.cpu_quota {
+            write_quota(cpu, quota)?;
+        }
         Ok(())
     }
 
@@ -584,15 +618,9 @@ impl Cgroups {
 
     /// Sets a hard CPU quota of `cores` (v1 `cpu.cfs_quota_us` over a 100 ms period, v2 `cpu.max`).
     pub fn set_cpu_quota(&self, id: &str, cores: f64) -> Result<()> {
-        if !(cores.is_finite() && cores > 0.0) {
-            return Err(CgroupError::InvalidQuota(cores).into());
-        }
-        let period: u64 = 100_000;
-        let quota = ((cores * period as f64) as i64).max(1000);
+        let quota = CpuQuota::from_cores(cores)?;
         let cg = self.cgroup(id);
-        let cpu: &CpuController = existing(&cg, "cpu", "a cpu quota")?;
-        cpu.set_cfs_quota_and_period(Some(quota), Some(period))
-            .map_err(refused("a cpu quota", cpu.path()))?;
+        write_quota(existing(&cg, "cpu", "a cpu quota")?, quota)?;
         Ok(())
     }
 
@@ -707,6 +735,14 @@ fn refused<'a>(
         leaf: leaf.to_owned(),
         source,
     }
+}
+
+/// Writes `quota` over [`CPU_PERIOD_US`] into the leaf of `cpu`; an error when the controller refuses it (a v1
+/// kernel without CFS bandwidth control has no `cpu.cfs_quota_us`).
+fn write_quota(cpu: &CpuController, quota: CpuQuota) -> Result<(), CgroupError> {
+    let quota_us = to_i64("cpu quota", quota.quota_us)?;
+    cpu.set_cfs_quota_and_period(Some(quota_us), Some(CPU_PERIOD_US))
+        .map_err(refused("a cpu quota", cpu.path()))
 }
 
 /// A limit as cgroups-rs takes it (`i64`).
@@ -981,13 +1017,17 @@ mod tests {
             memory_bytes: 128 << 20,
             pids_max: 64,
             cpu_shares: 512,
+            cpu_quota: Some(CpuQuota::from_cores(0.5).unwrap()),
         };
         cg.set_limits("c1", &limits).unwrap();
         let read = |p: PathBuf| fs::read_to_string(p).unwrap();
         assert_eq!(read(mem.join("memory.limit_in_bytes")), "134217728");
         assert_eq!(read(mem.join("memory.memsw.limit_in_bytes")), "134217728");
         assert_eq!(read(t.path().join("pids/sbx/c1/pids.max")), "64");
-        assert_eq!(read(t.path().join("cpu,cpuacct/sbx/c1/cpu.shares")), "512");
+        let cpu = t.path().join("cpu,cpuacct/sbx/c1");
+        assert_eq!(read(cpu.join("cpu.shares")), "512");
+        assert_eq!(read(cpu.join("cpu.cfs_quota_us")), "50000");
+        assert_eq!(read(cpu.join("cpu.cfs_period_us")), "100000");
         // A missing leaf is an error, never a silently unlimited container.
         assert!(cg.set_limits("c2", &limits).is_err());
     }
@@ -999,20 +1039,30 @@ mod tests {
         let leaf = t.path().join("sbx/c1");
         write(&leaf.join("memory.max"), "max");
         write(&leaf.join("memory.swap.max"), "max");
-        cg.set_limits(
-            "c1",
-            &CgroupLimits {
-                memory_bytes: 64 << 20,
-                pids_max: 32,
-                cpu_shares: 1024,
-            },
-        )
-        .unwrap();
+        // The kernel's default in a new cgroup; cgroups-rs reads it before writing both values.
+        write(&leaf.join("cpu.max"), "max 100000\n");
+        let mut limits = CgroupLimits {
+            memory_bytes: 64 << 20,
+            pids_max: 32,
+            cpu_shares: 1024,
+            cpu_quota: Some(CpuQuota::from_cores(0.5).unwrap()),
+        };
+        cg.set_limits("c1", &limits).unwrap();
         let read = |n: &str| fs::read_to_string(leaf.join(n)).unwrap();
         assert_eq!(read("memory.max"), "67108864");
         assert_eq!(read("memory.swap.max"), "0");
         assert_eq!(read("pids.max"), "32");
         assert_eq!(read("cpu.weight"), "39");
+        assert_eq!(read("cpu.max"), "50000 100000");
+        // No quota asked for: the leaf's stays as it is.
+        limits.cpu_quota = None;
+        cg.set_limits("c1", &limits).unwrap();
+        assert_eq!(read("cpu.max"), "50000 100000");
+        // A cpu controller that cannot take a quota fails the limits (closed), it is not skipped.
+        fs::remove_file(leaf.join("cpu.max")).unwrap();
+        limits.cpu_quota = Some(CpuQuota::from_cores(1.0).unwrap());
+        let err = cg.set_limits("c1", &limits).unwrap_err().to_string();
+        assert!(err.contains("cpu quota"), "{err}");
         assert_eq!(shares_to_weight(2), 1);
         assert_eq!(shares_to_weight(262_144), 10_000);
     }
@@ -1021,6 +1071,7 @@ mod tests {
         memory_bytes: 64 << 20,
         pids_max: 32,
         cpu_shares: 1024,
+        cpu_quota: None,
     };
 
     #[test]
@@ -1143,6 +1194,10 @@ mod tests {
         assert_eq!(cg.memory_current("c1").unwrap(), 2 << 20);
         assert!(cg.set_cpu_quota("c1", 0.0).is_err());
         assert!(cg.set_cpu_quota("c1", f64::NAN).is_err());
+        // Under the kernel's 1 ms per period is refused, not raised to it.
+        assert!(cg.set_cpu_quota("c1", 0.009).is_err());
+        assert_eq!(CpuQuota::from_cores(0.01).unwrap().quota_us(), 1000);
+        assert_eq!(CpuQuota::from_cores(0.333_333).unwrap().quota_us(), 33_333);
     }
 
     #[test]

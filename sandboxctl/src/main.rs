@@ -208,6 +208,9 @@ struct ExecArgs {
     /// CPU weight (server default 512).
     #[arg(long)]
     cpu_shares: Option<u64>,
+    /// Hard CPU limit in cores, e.g. 0.5 (server default: its maximum).
+    #[arg(long, value_parser = parse_cores)]
+    cpu_cores: Option<protocol::CpuCores>,
     /// stdout + stderr limit in bytes (server default 1 MiB).
     #[arg(long)]
     max_output_bytes: Option<u64>,
@@ -243,6 +246,12 @@ struct ExecArgs {
     /// How long one tool call may take, in milliseconds (server default 30 s).
     #[arg(long)]
     tool_timeout_ms: Option<u64>,
+}
+
+/// `--cpu-cores`: a number of cores the protocol accepts.
+fn parse_cores(s: &str) -> Result<protocol::CpuCores, String> {
+    let cores: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    protocol::CpuCores::try_from(cores)
 }
 
 fn main() -> ExitCode {
@@ -584,6 +593,7 @@ async fn ping(options: ConnectOptions, json: bool) -> anyhow::Result<ExitCode> {
                 .entries()
                 .iter()
                 .map(|(k, v)| format!("{k}={v}"))
+                .chain(c.max_limits.cpu_cores.map(|c| format!("cpu_cores={c}")))
                 .collect::<Vec<_>>()
                 .join(" ");
             let i = &c.isolation;
@@ -652,6 +662,7 @@ async fn build_request(args: &ExecArgs) -> anyhow::Result<ExecuteRequest> {
     };
     let mut limits = RequestedLimits::new(args.timeout_ms, args.memory_mb);
     limits.cpu_shares = args.cpu_shares;
+    limits.cpu_cores = args.cpu_cores;
     limits.max_output_bytes = args.max_output_bytes;
     limits.pids_max = args.pids_max;
     limits.disk_mb = args.disk_mb;

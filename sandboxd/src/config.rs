@@ -37,6 +37,7 @@ pub const DEFAULT_MAX_LIMITS: Limits = Limits {
     max_output_bytes: 16 << 20,
     pids_max: 1024,
     disk_mb: 1024,
+    cpu_cores: Some(protocol::CpuCores::from_const(2.0)),
 };
 
 /// The daemon's configuration.
@@ -74,6 +75,8 @@ pub struct Config {
     pub tools: crate::tools::ToolsConfig,
     /// Agent sandboxes (the adapter-shim endpoints under `/sandboxes`).
     pub agents: AgentsConfig,
+    /// OpenTelemetry traces.
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 pub use agents::config::{AgentsConfig, AGENT_QUEUED_OVERHEAD, AGENT_STAMP_BYTES};
@@ -244,6 +247,10 @@ fn max_limits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Limits, D::Error
         fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Limits, A::Error> {
             let mut limits = DEFAULT_MAX_LIMITS;
             while let Some(key) = map.next_key::<String>()? {
+                if key == "cpu_cores" {
+                    limits.cpu_cores = Some(map.next_value()?);
+                    continue;
+                }
                 let value = map.next_value::<u64>()?;
                 if !limits.set(&key, value) {
                     return Err(serde::de::Error::unknown_field(&key, &Limits::NAMES));
@@ -306,6 +313,7 @@ impl Default for Config {
             pool: PoolConfig::default(),
             tools: crate::tools::ToolsConfig::default(),
             agents: AgentsConfig::default(),
+            telemetry: crate::telemetry::TelemetryConfig::default(),
         }
     }
 }
@@ -383,6 +391,9 @@ impl Config {
     /// Checks what serde cannot: ranges, then identities and paths, then images and languages (in this order,
     /// so the first problem reported is stable).
     fn validate(&self) -> Result<(), ConfigError> {
+        self.telemetry
+            .validate()
+            .map_err(|(key, reason)| ConfigError::Value { key, reason })?;
         self.validate_numbers()?;
         self.validate_host()?;
         self.validate_images()
@@ -642,6 +653,7 @@ mod tests {
         languages: Option<u8>,
         pool: std::collections::BTreeMap<&'static str, Option<usize>>,
         agents: std::collections::BTreeMap<&'static str, String>,
+        telemetry: std::collections::BTreeMap<&'static str, Option<String>>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -693,6 +705,16 @@ mod tests {
                     ("replay_bytes", c.agents.replay_bytes.to_string()),
                 ]
                 .into(),
+                telemetry: [
+                    ("otlp_endpoint", c.telemetry.otlp_endpoint.clone()),
+                    ("protocol", Some("http/protobuf".into())),
+                    (
+                        "sampling_ratio",
+                        Some(c.telemetry.sampling_ratio.to_string()),
+                    ),
+                    ("resource_attributes", None),
+                ]
+                .into(),
             }
         }
     }
@@ -720,7 +742,7 @@ mod tests {
     fn full_file_parses() {
         let c = Config::parse(
             "listen: 0.0.0.0:9000\nstate_dir: /srv/sbx\nauth:\n  tokens: [\"0123456789abcdef0123\"]\n\
-             capacity: {max_concurrent: 2, max_queue: 0}\nlimits:\n  max: {memory_mb: 512, timeout_ms: 1000}\n\
+             capacity: {max_concurrent: 2, max_queue: 0}\nlimits:\n  max: {memory_mb: 512, timeout_ms: 1000, cpu_cores: 0.5}\n\
              shutdown_grace_ms: 5\nsandbox: {cgroup_parent: sbx-test, uid_base: 300000}\n",
         )
         .unwrap();
@@ -728,6 +750,10 @@ mod tests {
         assert_eq!(c.capacity.max_queue, 0);
         assert_eq!(c.limits.max.memory_mb, 512);
         assert_eq!(c.limits.max.pids_max, DEFAULT_MAX_LIMITS.pids_max);
+        assert_eq!(
+            c.limits.max.cpu_cores.map(protocol::CpuCores::get),
+            Some(0.5)
+        );
         assert_eq!(c.sandbox.cgroup_parent, "sbx-test");
     }
 
@@ -757,6 +783,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("images.data.preload"), "{e}");
+    }
+
+    #[test]
+    fn cpu_cores_below_the_kernel_minimum_is_refused() {
+        let e = Config::parse("limits:\n  max:\n    cpu_cores: 0.001\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("limits.max.cpu_cores") && e.contains("at least 0.01"),
+            "{e}"
+        );
     }
 
     #[test]

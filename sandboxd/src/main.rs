@@ -21,6 +21,7 @@ mod registry;
 mod selftest;
 mod server;
 mod store;
+mod telemetry;
 mod tools;
 mod upload;
 mod warm;
@@ -40,6 +41,9 @@ use runtime::cgroups::Cgroups;
 use runtime::helper::{HelperClient, HelperConfig};
 use runtime::rootfs::HostImage;
 use tracing::{error, info, warn};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::Layer;
 
 use crate::config::Config;
 use crate::engine::Engine;
@@ -98,8 +102,24 @@ enum LogFormat {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
-    let config = match load_config(&cli) {
+    let config = load_config(&cli);
+    // Traces only for the daemon itself, not for its subcommands.
+    let traces = match (&config, &cli.command) {
+        (Ok(c), None) => telemetry::layer(&c.telemetry),
+        _ => Ok(None),
+    };
+    let traces = match traces {
+        Ok(t) => t,
+        Err(e) => {
+            init_logging(cli.log_format, None);
+            let e = anyhow::Error::new(e);
+            error!("{e:#}");
+            eprintln!("sandboxd: {e:#}");
+            return ExitCode::from(Exit::Config as u8);
+        }
+    };
+    init_logging(cli.log_format, traces);
+    let config = match config {
         Ok(c) => c,
         Err(e) => {
             error!("{e:#}");
@@ -133,7 +153,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(format: LogFormat) {
+/// The log on stderr (text or JSON, filtered by `SANDBOXD_LOG`), and the trace export (spans at info and above,
+/// whatever the log's filter) when `traces` is given.
+fn init_logging(format: LogFormat, traces: Option<telemetry::OtelLayer>) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("SANDBOXD_LOG").unwrap_or_else(|_| {
         // libcontainer warns that it has no libseccomp: sandboxd installs its own filter instead.
         tracing_subscriber::EnvFilter::new(
@@ -153,17 +175,19 @@ fn init_logging(format: LogFormat) {
                 std::process::exit(Exit::Runtime as i32)
             }
         };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(move || log);
-    match format {
-        LogFormat::Text => builder.with_ansi(false).init(),
-        LogFormat::Json => builder
+    let fmt = tracing_subscriber::fmt::layer().with_writer(move || log);
+    let fmt = match format {
+        LogFormat::Text => fmt.with_ansi(false).with_filter(filter).boxed(),
+        LogFormat::Json => fmt
             .json()
             .flatten_event(true)
             .with_current_span(true)
-            .init(),
-    }
+            .with_filter(filter)
+            .boxed(),
+    };
+    // The log level does not silence the traces: their spans are the daemon's own, all at info.
+    let traces = traces.map(|t| t.with_filter(tracing_subscriber::filter::LevelFilter::INFO));
+    tracing_subscriber::registry().with(traces).with(fmt).init();
 }
 
 fn load_config(cli: &Cli) -> anyhow::Result<Config> {
@@ -287,7 +311,10 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         .thread_name("sandboxd")
         .build()
         .context("cannot start the async runtime")?;
+    telemetry::set_runtime(rt.handle().clone());
     let result = rt.block_on(prepared.run());
+    // Batched spans go out while the runtime that sends them still runs.
+    telemetry::flush();
     // The helper exits on Shutdown (or when our socket closes); wait so nothing outlives us.
     drop(rt);
     for pid in helper_pids {

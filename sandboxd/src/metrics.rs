@@ -22,6 +22,15 @@
 //! | `artifacts_stored_bytes` | gauge | | bytes of artifact blobs in the store |
 //! | `leftovers_found_total` | counter | `kind` (`cgroup`, `state`, `mount`) | what a previous instance left behind, found (and removed) at start |
 //! | `start_time_seconds` | gauge | | Unix time the daemon started |
+//! | `execution_tool_calls` | histogram | `language` | tool calls forwarded per execution that ended with a result (0 without tools) |
+//! | `execution_output_bytes` | histogram | `language` | bytes an execution returned to the client: stdout, stderr and the return value's JSON |
+//! | `execution_tool_result_bytes` | histogram | `language` | bytes of the tool results the code received inside the sandbox, per execution |
+//! | `tool_calls_total` | counter | `tool`, `outcome` (`ok` or the error code the code saw: `not_allowed`, `timeout`, `tool_error`, `invalid`, `limit`, `closed`) | tool calls made from inside executions |
+//! | `tool_call_seconds` | histogram | `tool` | a tool call's time from its request to its reply |
+//! | `errors_total` | counter | `code` | `error` messages sent to clients, by code |
+//!
+//! The `tool` label is the tool's name for the first [`MAX_TOOL_SERIES`] names seen and `_other` after that
+//! (names come from clients); a call of a tool the request did not list is `_unlisted`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -40,7 +49,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use protocol::{Language, Reason};
+use protocol::{ErrorCode, Language, Reason};
+
+/// Distinct tool names given their own `tool` label; later ones share `_other`.
+pub const MAX_TOOL_SERIES: usize = 256;
 
 /// The content type of the OpenMetrics text format (Prometheus scrapes it natively).
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -86,7 +98,48 @@ struct KindLabels {
     kind: String,
 }
 
-type Latency = Family<LangLabels, Histogram, fn() -> Histogram>;
+/// `tool` and `outcome` of a tool call.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ToolOutcomeLabels {
+    tool: String,
+    outcome: String,
+}
+
+/// `tool` of a tool call's latency.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ToolLabels {
+    tool: String,
+}
+
+/// `code` of an `error` message.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CodeLabels {
+    code: String,
+}
+
+/// A histogram per language.
+type PerLanguage = Family<LangLabels, Histogram, fn() -> Histogram>;
+
+/// 0, then 1 to 8192 doubling: tool calls per execution (`tools.max_calls` is 10000 by default).
+fn count_histogram() -> Histogram {
+    Histogram::new(std::iter::once(0.0).chain(exponential_buckets(1.0, 2.0, 14)))
+}
+
+/// 64 B to 256 MiB, quadrupling: what an execution returns, and what its tools returned into it.
+fn bytes_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(64.0, 4.0, 12))
+}
+
+/// What one execution's tool calls added up to, and what it returned to the client.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExecutionBytes {
+    /// Tool calls forwarded to the client.
+    pub tool_calls: u64,
+    /// Bytes of the tool results the code received.
+    pub tool_result_bytes: u64,
+    /// Bytes returned to the client: stdout, stderr and the return value's JSON.
+    pub output_bytes: u64,
+}
 
 /// 1 ms to ~4.4 min, doubling: covers a queue wait of nothing up to the largest default timeout.
 fn latency_histogram() -> Histogram {
@@ -107,10 +160,10 @@ struct Phases {
 pub struct Metrics {
     registry: Registry,
     executions: Family<EndLabels, Counter>,
-    queue_wait: Latency,
-    create: Latency,
-    run: Latency,
-    total: Latency,
+    queue_wait: PerLanguage,
+    create: PerLanguage,
+    run: PerLanguage,
+    total: PerLanguage,
     queue_depth: Gauge,
     slots_in_use: Gauge,
     slots: Gauge,
@@ -118,6 +171,13 @@ pub struct Metrics {
     artifacts_bytes: Gauge<i64, AtomicI64>,
     leftovers: Family<KindLabels, Counter>,
     start_time: Gauge<f64, AtomicU64>,
+    execution_tool_calls: PerLanguage,
+    execution_output_bytes: PerLanguage,
+    execution_tool_result_bytes: PerLanguage,
+    tool_calls: Family<ToolOutcomeLabels, Counter>,
+    tool_call_seconds: Family<ToolLabels, Histogram, fn() -> Histogram>,
+    errors: Family<CodeLabels, Counter>,
+    tool_names: Mutex<std::collections::HashSet<String>>,
     in_slot: Mutex<HashMap<String, Phases>>,
 }
 
@@ -144,6 +204,13 @@ impl Metrics {
             artifacts_bytes: Gauge::default(),
             leftovers: Family::default(),
             start_time: Gauge::default(),
+            execution_tool_calls: Family::new_with_constructor(count_histogram),
+            execution_output_bytes: Family::new_with_constructor(bytes_histogram),
+            execution_tool_result_bytes: Family::new_with_constructor(bytes_histogram),
+            tool_calls: Family::default(),
+            tool_call_seconds: Family::new_with_constructor(latency_histogram),
+            errors: Family::default(),
+            tool_names: Mutex::new(std::collections::HashSet::new()),
             in_slot: Mutex::new(HashMap::new()),
             registry: Registry::default(),
         };
@@ -207,11 +274,46 @@ impl Metrics {
             "Unix time the daemon started",
             m.start_time.clone(),
         );
+        m.register_tool_series(&mut registry);
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
         m.start_time.set(now.as_secs_f64());
         Self { registry, ..m }
+    }
+
+    /// The per-execution tool and byte series, the tool calls' series and the errors.
+    fn register_tool_series(&self, registry: &mut Registry) {
+        registry.register(
+            "execution_tool_calls",
+            "Tool calls forwarded per execution that ended with a result",
+            self.execution_tool_calls.clone(),
+        );
+        registry.register(
+            "execution_output_bytes",
+            "Bytes an execution returned to the client: stdout, stderr and the return value",
+            self.execution_output_bytes.clone(),
+        );
+        registry.register(
+            "execution_tool_result_bytes",
+            "Bytes of the tool results the code received inside the sandbox, per execution",
+            self.execution_tool_result_bytes.clone(),
+        );
+        registry.register(
+            "tool_calls",
+            "Tool calls made from inside executions, by tool and outcome (ok or the error code)",
+            self.tool_calls.clone(),
+        );
+        registry.register(
+            "tool_call_seconds",
+            "Time from a tool call's request to its reply, by tool",
+            self.tool_call_seconds.clone(),
+        );
+        registry.register(
+            "errors",
+            "Error messages sent to clients, by code",
+            self.errors.clone(),
+        );
     }
 
     fn count(&self, language: &str, reason: &str) {
@@ -223,7 +325,7 @@ impl Metrics {
             .inc();
     }
 
-    fn observe(family: &Latency, language: &str, d: Duration) {
+    fn observe(family: &PerLanguage, language: &str, d: Duration) {
         family
             .get_or_create(&LangLabels {
                 language: language.to_owned(),
@@ -254,6 +356,12 @@ impl Metrics {
                 kind: kind.to_owned(),
             })
             .inc();
+    }
+
+    /// The `tool` label of `name` (see [`bounded_label`]).
+    fn tool_label(&self, name: &str) -> String {
+        let mut names = self.tool_names.lock().unwrap_or_else(|p| p.into_inner());
+        bounded_label(&mut names, name, MAX_TOOL_SERIES)
     }
 
     /// The exposition text, with the admission and pool gauges as given (read at scrape time).
@@ -337,6 +445,56 @@ pub fn finished(cid: &str) {
     Metrics::observe(&m.total, p.language, p.arrived.elapsed());
 }
 
+/// `name` itself if it is among the first `max` names seen (remembered in `seen`), `_other` after.
+fn bounded_label(seen: &mut std::collections::HashSet<String>, name: &str, max: usize) -> String {
+    if seen.contains(name) || seen.len() < max {
+        seen.insert(name.to_owned());
+        return name.to_owned();
+    }
+    "_other".into()
+}
+
+/// Execution `key` concluded with a result: its tool calls and bytes are observed under its language.
+pub fn concluded(key: &str, bytes: ExecutionBytes) {
+    let m = get();
+    let Some(language) = m.phases().get(key).map(|p| p.language) else {
+        return;
+    };
+    let labels = LangLabels {
+        language: language.to_owned(),
+    };
+    let observe = |f: &PerLanguage, v: u64| f.get_or_create(&labels).observe(v as f64);
+    observe(&m.execution_tool_calls, bytes.tool_calls);
+    observe(&m.execution_output_bytes, bytes.output_bytes);
+    observe(&m.execution_tool_result_bytes, bytes.tool_result_bytes);
+}
+
+/// A tool call from inside an execution got its reply after `took`: `outcome` is `ok` or the error code the code
+/// saw. `tool` is `None` for a tool the request did not list.
+pub fn tool_call(tool: Option<&str>, outcome: &str, took: Duration) {
+    let m = get();
+    let tool = tool.map_or_else(|| "_unlisted".to_owned(), |t| m.tool_label(t));
+    m.tool_calls
+        .get_or_create(&ToolOutcomeLabels {
+            tool: tool.clone(),
+            outcome: outcome.to_owned(),
+        })
+        .inc();
+    m.tool_call_seconds
+        .get_or_create(&ToolLabels { tool })
+        .observe(took.as_secs_f64());
+}
+
+/// An `error` message with `code` was sent to a client.
+pub fn error_sent(code: ErrorCode) {
+    get()
+        .errors
+        .get_or_create(&CodeLabels {
+            code: code.as_str().to_owned(),
+        })
+        .inc();
+}
+
 /// Counts the mounts below `dir` (a previous instance's execution mounts would be there).
 pub fn count_leftover_mounts(dir: &Path) {
     let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
@@ -411,8 +569,17 @@ mod tests {
         t.slot_acquired(cid);
         created(cid);
         exited(cid, Reason::Timeout, Duration::from_millis(30));
+        concluded(
+            cid,
+            ExecutionBytes {
+                tool_calls: 3,
+                tool_result_bytes: 5000,
+                output_bytes: 20,
+            },
+        );
         finished(cid);
         finished(cid); // a second call finds nothing and counts nothing
+        concluded(cid, ExecutionBytes::default()); // nor does a conclusion after the end
         let labels = EndLabels {
             language: "elixir".into(),
             reason: "timeout".into(),
@@ -427,6 +594,14 @@ mod tests {
             "sandboxd_create_seconds_count{language=\"elixir\"}",
             "sandboxd_run_seconds_count{language=\"elixir\"}",
             "sandboxd_total_seconds_count{language=\"elixir\"}",
+            "sandboxd_execution_tool_calls_count{language=\"elixir\"} 1",
+            "sandboxd_execution_tool_calls_sum{language=\"elixir\"} 3.0",
+            // 3 calls: above the 2 bucket, within the 4 bucket.
+            "sandboxd_execution_tool_calls_bucket{le=\"2.0\",language=\"elixir\"} 0",
+            "sandboxd_execution_tool_calls_bucket{le=\"4.0\",language=\"elixir\"} 1",
+            "sandboxd_execution_tool_result_bytes_sum{language=\"elixir\"} 5000.0",
+            "sandboxd_execution_output_bytes_sum{language=\"elixir\"} 20.0",
+            "sandboxd_execution_output_bytes_count{language=\"elixir\"} 1",
             "sandboxd_pool_size 0",
         ] {
             assert!(text.contains(series), "{series} missing from:\n{text}");
@@ -441,8 +616,11 @@ mod tests {
         ExecutionTimer::begin(Language::Javascript).slot_acquired(cid);
         created(cid);
         exited(cid, Reason::Exited, Duration::from_millis(1));
+        concluded(cid, ExecutionBytes::default());
         finished(cid);
         get().leftover("unit-test");
+        tool_call(Some("unit_drift"), "ok", Duration::ZERO);
+        error_sent(ErrorCode::InternalError);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &get().registry).unwrap();
         let readme = include_str!("../../README.md");
@@ -480,6 +658,32 @@ mod tests {
             checked > 20,
             "only {checked} series names found in the docs"
         );
+    }
+
+    #[test]
+    fn tool_calls_and_errors_are_counted_with_bounded_labels() {
+        tool_call(Some("unit_tool"), "ok", Duration::from_millis(3));
+        tool_call(Some("unit_tool"), "timeout", Duration::from_millis(40));
+        tool_call(None, "not_allowed", Duration::ZERO);
+        error_sent(ErrorCode::LanguageNotSupported);
+        let text = get().encode(Gauges::default()).unwrap();
+        for series in [
+            "sandboxd_tool_calls_total{tool=\"unit_tool\",outcome=\"ok\"} 1",
+            "sandboxd_tool_calls_total{tool=\"unit_tool\",outcome=\"timeout\"} 1",
+            "sandboxd_tool_call_seconds_count{tool=\"unit_tool\"} 2",
+            "sandboxd_tool_call_seconds_sum{tool=\"unit_tool\"} 0.043",
+            "sandboxd_tool_calls_total{tool=\"_unlisted\",outcome=\"not_allowed\"}",
+            "sandboxd_errors_total{code=\"LANGUAGE_NOT_SUPPORTED\"} 1",
+        ] {
+            assert!(text.contains(series), "{series} missing from:\n{text}");
+        }
+        // Names come from clients: past the bound they share one label.
+        let mut seen = std::collections::HashSet::new();
+        for name in ["a", "b", "a"] {
+            assert_eq!(bounded_label(&mut seen, name, 2), name);
+        }
+        assert_eq!(bounded_label(&mut seen, "c", 2), "_other");
+        assert_eq!(bounded_label(&mut seen, "b", 2), "b");
     }
 
     #[test]

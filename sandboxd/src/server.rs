@@ -49,13 +49,30 @@ pub struct AppState {
 /// The router.
 pub fn router(state: AppState) -> Router {
     // Agent sandboxes: their routes with their own state.
-    let agents = agents::router().with_state(state.agents.clone());
+    let agents = agents::router()
+        .with_state(state.agents.clone())
+        .layer(axum::middleware::from_fn(traced));
     Router::new()
         .route("/healthz", get(healthz))
         .route("/ws", get(ws))
         .route("/artifacts/sha256/{hex}", get(artifact))
         .merge(agents)
         .with_state(state)
+}
+
+/// An agent request's span (`agent_request`, method and path), a child of the caller's span when the request
+/// carries a W3C `traceparent` header.
+async fn traced(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let span =
+        tracing::info_span!("agent_request", method = %req.method(), path = %req.uri().path());
+    if let Some(parent) = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+    {
+        crate::telemetry::set_parent(&span, parent);
+    }
+    next.run(req).instrument(span).await
 }
 
 async fn healthz(State(state): State<AppState>) -> Response {
@@ -225,7 +242,12 @@ async fn write(
             m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
         };
         let frame = match out {
-            Outgoing::Message(m) => Message::Text(protocol::encode(&m).into()),
+            Outgoing::Message(m) => {
+                if let ServerMessage::Error(e) = &m {
+                    crate::metrics::error_sent(e.code);
+                }
+                Message::Text(protocol::encode(&m).into())
+            }
             Outgoing::Close(code, reason) => {
                 let _ = sink
                     .send(Message::Close(Some(CloseFrame {
@@ -266,6 +288,9 @@ fn execute(
         }
         admission => {
             let span = tracing::info_span!("execution", id = %req.id);
+            if let Some(parent) = &req.traceparent {
+                crate::telemetry::set_parent(&span, parent);
+            }
             engine.daemon().spawn_execution(
                 engine
                     .clone()

@@ -32,7 +32,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use protocol::{
     ExecuteRequest, Language, RawArgs, ServerMessage, ToolCall, ToolRequest, ToolResult,
@@ -44,7 +44,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinSet;
-use tracing::{debug, warn};
+use tracing::{debug, warn, Instrument};
 
 use self::lines::{Budget, Frame, Lease, Lines};
 
@@ -175,6 +175,8 @@ struct Shared {
     seq: AtomicU64,
     requests: AtomicU64,
     forwarded: AtomicU64,
+    /// Bytes of the reply lines of calls that succeeded: what the tools returned into the sandbox.
+    result_bytes: AtomicU64,
     budget: Budget,
     /// The return value and the lease holding its bytes.
     return_value: Mutex<Option<(Box<RawValue>, Lease)>>,
@@ -182,6 +184,8 @@ struct Shared {
     running: watch::Receiver<bool>,
     /// Set when the execution ends: no `tool_call` may come after it.
     closed: watch::Receiver<bool>,
+    /// The execution's span, the parent of each call's span (the connection tasks run outside it).
+    span: tracing::Span,
 }
 
 /// One execution's tool socket and its tasks; dropping it tears everything down.
@@ -230,10 +234,12 @@ impl Broker {
             seq: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             forwarded: AtomicU64::new(0),
+            result_bytes: AtomicU64::new(0),
             budget: Budget::new(config.max_memory_bytes),
             return_value: Mutex::new(None),
             running: running_rx,
             closed: closed_rx,
+            span: tracing::Span::current(),
         });
         let accept = tokio::spawn(accept_loop(
             listener,
@@ -270,6 +276,21 @@ impl Broker {
     /// Calls forwarded to the client as `tool_call`.
     pub fn calls(&self) -> u64 {
         self.shared.forwarded.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of the successful tool results the code received (their reply lines).
+    pub fn result_bytes(&self) -> u64 {
+        self.shared.result_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of the return value's JSON; 0 when the code returned nothing.
+    pub fn return_value_bytes(&self) -> u64 {
+        let kept = self
+            .shared
+            .return_value
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        kept.as_ref().map_or(0, |(raw, _)| raw.get().len() as u64)
     }
 
     /// The value the code returned, if it returned one.
@@ -407,8 +428,13 @@ async fn serve(stream: tokio::net::UnixStream, shared: &Shared, max_line: usize)
                 return;
             }
         };
+        let mut called = None;
         let (reply, last) = match frame {
-            Frame::Line(line, lease) => (shared.handle(line, lease).await, false),
+            Frame::Line(line, lease) => {
+                let (reply, call) = shared.handle(line, lease).await;
+                called = call;
+                (reply, false)
+            }
             Frame::OverBudget => (
                 refusal(
                     "limit",
@@ -429,6 +455,9 @@ async fn serve(stream: tokio::net::UnixStream, shared: &Shared, max_line: usize)
         };
         let mut text = reply.to_string();
         text.push('\n');
+        if let Some(call) = called {
+            shared.record(call, &reply, text.len());
+        }
         if write.write_all(text.as_bytes()).await.is_err() || last {
             return;
         }
@@ -443,29 +472,63 @@ fn ending() -> Value {
     refusal("closed", "The execution is ending")
 }
 
+/// A tool call being answered: what its log line, metrics and span need.
+struct Called {
+    name: String,
+    listed: bool,
+    args_bytes: usize,
+    started: Instant,
+    /// `tool_call`, a child of the execution's span; ends when this is dropped, after [`Shared::record`].
+    span: tracing::Span,
+}
+
 impl Shared {
     fn ended(&self) -> bool {
         *self.closed.borrow()
     }
 
-    /// Answers one line; `lease` holds its bytes until the reply (a call: until its tool_call message is dropped).
-    async fn handle(&self, line: Vec<u8>, mut lease: Lease) -> Value {
+    /// A call got `reply` (`reply_bytes` on the wire): counted, its result bytes added up, and logged at debug.
+    fn record(&self, call: Called, reply: &Value, reply_bytes: usize) {
+        let took = call.started.elapsed();
+        let outcome = reply["error"]["code"].as_str().unwrap_or("ok");
+        let result_bytes = if outcome == "ok" { reply_bytes } else { 0 };
+        self.result_bytes
+            .fetch_add(result_bytes as u64, Ordering::Relaxed);
+        crate::metrics::tool_call(call.listed.then_some(call.name.as_str()), outcome, took);
+        call.span.record("result_bytes", result_bytes);
+        call.span.record("outcome", outcome);
+        if outcome != "ok" {
+            call.span.record("otel.status_code", "ERROR");
+        }
+        debug!(
+            id = %self.exec_id,
+            tool = %call.name,
+            args_bytes = call.args_bytes,
+            result_bytes,
+            duration_us = took.as_micros() as u64,
+            outcome,
+            "tool call"
+        );
+    }
+
+    /// Answers one line, and says which tool it called if it was a call; `lease` holds its bytes until the reply
+    /// (a call: until its tool_call message is dropped).
+    async fn handle(&self, line: Vec<u8>, mut lease: Lease) -> (Value, Option<Called>) {
+        let started = Instant::now();
         if self.ended() {
-            return ending();
+            return (ending(), None);
         }
         let n = self.requests.fetch_add(1, Ordering::Relaxed);
         if n >= self.max_calls {
-            return refusal(
-                "limit",
-                &format!(
-                    "This execution may make at most {} tool requests",
-                    self.max_calls
-                ),
+            let message = format!(
+                "This execution may make at most {} tool requests",
+                self.max_calls
             );
+            return (refusal("limit", &message), None);
         }
         let request = match protocol::parse_tool_request(&line) {
             Ok(r) => r,
-            Err(e) => return refusal("invalid", &e.to_string()),
+            Err(e) => return (refusal("invalid", &e.to_string()), None),
         };
         match request {
             ToolRequest::Return { value } => {
@@ -474,7 +537,7 @@ impl Shared {
                 lease.shrink_to(value.as_ref().map_or(0, |v| v.get().len()));
                 *self.return_value.lock().unwrap_or_else(|p| p.into_inner()) =
                     value.map(|v| (v, lease));
-                json!({"ok": true, "result": null})
+                (json!({"ok": true, "result": null}), None)
             }
             ToolRequest::Call {
                 name,
@@ -482,12 +545,33 @@ impl Shared {
                 timeout_ms,
             } => {
                 drop(line);
-                lease.shrink_to(args.get().len());
+                let args_bytes = args.get().len();
+                let span = tracing::info_span!(
+                    parent: &self.span,
+                    "tool_call",
+                    tool = %name,
+                    args_bytes,
+                    result_bytes = tracing::field::Empty,
+                    outcome = tracing::field::Empty,
+                    otel.status_code = tracing::field::Empty,
+                );
+                let called = Called {
+                    listed: self.allowed.contains(&name),
+                    name: name.clone(),
+                    args_bytes,
+                    started,
+                    span,
+                };
+                lease.shrink_to(called.args_bytes);
                 // The charge for the arguments goes with them: given back once the tool_call message holding them
                 // is sent (or dropped), not when this call returns; a call that timed out while its message still
                 // waits in the execution's queue keeps its bytes counted.
                 let args = args.holding(std::sync::Arc::new(lease));
-                self.call(name, args, timeout_ms).await
+                let reply = self
+                    .call(name, args, timeout_ms)
+                    .instrument(called.span.clone())
+                    .await;
+                (reply, Some(called))
             }
         }
     }
@@ -625,21 +709,17 @@ mod tests {
     }
 
     fn setup(config: &ToolsConfig, timeout_ms: u64) -> Setup {
+        setup_with(&request(), config, timeout_ms)
+    }
+
+    fn setup_with(req: &ExecuteRequest, config: &ToolsConfig, timeout_ms: u64) -> Setup {
         let dir = tempfile::tempdir().unwrap();
         let (tx, calls) = mpsc::channel(4);
         let inbox = Inbox::default();
         let uid = nix::unistd::getuid().as_raw();
-        let broker = Broker::start(
-            &request(),
-            dir.path(),
-            uid,
-            timeout_ms,
-            config,
-            tx,
-            inbox.clone(),
-        )
-        .unwrap()
-        .unwrap();
+        let broker = Broker::start(req, dir.path(), uid, timeout_ms, config, tx, inbox.clone())
+            .unwrap()
+            .unwrap();
         broker.started();
         Setup {
             socket: dir.path().join(SOCKET_NAME),
@@ -655,6 +735,111 @@ mod tests {
         let mut reply = String::new();
         conn.read_line(&mut reply).await.unwrap();
         serde_json::from_str(&reply).unwrap()
+    }
+
+    /// A log sink for a test's subscriber.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+        type Writer = Captured;
+        fn make_writer(&'a self) -> Captured {
+            self.clone()
+        }
+    }
+
+    #[tokio::test]
+    async fn each_call_is_counted_timed_and_logged_with_the_execution_id() {
+        // A current-thread runtime: the broker's tasks log on this thread, into this subscriber.
+        let logs = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(logs.clone())
+            .finish();
+        let _log = tracing::subscriber::set_default(subscriber);
+        // A tool name no other test uses: the metrics are process-wide.
+        let mut req = request();
+        req.id = "exec_m".into();
+        req.tools = vec![ToolSpec::new("metrics_probe")];
+        let mut s = setup_with(&req, &ToolsConfig::default(), 5000);
+        let mut conn = BufReader::new(UnixStream::connect(&s.socket).await.unwrap());
+        let inbox = s.inbox.clone();
+        let answer = tokio::spawn(async move {
+            for ok in [true, false] {
+                let Some(ServerMessage::ToolCall(call)) = s.calls.recv().await else {
+                    panic!("no tool_call");
+                };
+                let result = if ok {
+                    ToolResult::success("exec_m", &call.call_id, json!("x".repeat(100)))
+                } else {
+                    ToolResult::failure("exec_m", &call.call_id, "broken")
+                };
+                assert!(inbox.deliver(result));
+            }
+        });
+        let ok = ask(&mut conn, "{\"op\":\"call\",\"name\":\"metrics_probe\"}\n").await;
+        assert_eq!(ok["ok"], true, "{ok}");
+        let failed = ask(&mut conn, "{\"op\":\"call\",\"name\":\"metrics_probe\"}\n").await;
+        assert_eq!(failed["error"]["code"], "tool_error", "{failed}");
+        let unlisted = ask(&mut conn, "{\"op\":\"call\",\"name\":\"nope\"}\n").await;
+        assert_eq!(unlisted["error"]["code"], "not_allowed", "{unlisted}");
+        ask(&mut conn, "{\"op\":\"return\",\"value\":\"short\"}\n").await;
+        answer.await.unwrap();
+
+        assert_eq!(s.broker.calls(), 2);
+        // The successful call's reply line: {"ok":true,"result":"xxx..."} and its newline.
+        let ok_line = json!({"ok": true, "result": "x".repeat(100)})
+            .to_string()
+            .len()
+            + 1;
+        assert_eq!(s.broker.result_bytes(), ok_line as u64);
+        assert_eq!(s.broker.return_value_bytes(), "\"short\"".len() as u64);
+
+        let text = crate::metrics::get()
+            .encode(crate::metrics::Gauges::default())
+            .unwrap();
+        for series in [
+            "sandboxd_tool_calls_total{tool=\"metrics_probe\",outcome=\"ok\"} 1",
+            "sandboxd_tool_calls_total{tool=\"metrics_probe\",outcome=\"tool_error\"} 1",
+            "sandboxd_tool_call_seconds_count{tool=\"metrics_probe\"} 2",
+            "sandboxd_tool_calls_total{tool=\"_unlisted\",outcome=\"not_allowed\"}",
+        ] {
+            assert!(text.contains(series), "{series} missing from:\n{text}");
+        }
+        let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = logs
+            .lines()
+            .filter(|l| l.contains("tool call") && l.contains("DEBUG"))
+            .collect();
+        assert_eq!(lines.len(), 3, "one debug line per call:\n{logs}");
+        for (line, tool, outcome) in [
+            (lines[0], "metrics_probe", "ok"),
+            (lines[1], "metrics_probe", "tool_error"),
+            (lines[2], "nope", "not_allowed"),
+        ] {
+            assert!(
+                line.contains("id=exec_m")
+                    && line.contains(&format!("tool={tool}"))
+                    && line.contains(&format!("outcome=\"{outcome}\"")),
+                "{line}"
+            );
+        }
+        assert!(
+            lines[0].contains(&format!("result_bytes={ok_line}")),
+            "{}",
+            lines[0]
+        );
     }
 
     #[tokio::test]

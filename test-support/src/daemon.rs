@@ -100,16 +100,12 @@ pub struct DaemonConfig {
 impl DaemonConfig {
     /// The config as JSON (add to it with [`crate::fsp::merge`]).
     pub fn to_json(&self) -> Value {
-        let m = self.max_limits;
         json!({
             "listen": format!("127.0.0.1:{}", self.port),
             "state_dir": self.state_dir,
             "auth": {"tokens": [self.token]},
             "capacity": {"max_concurrent": self.max_concurrent, "max_queue": self.max_queue},
-            "limits": {"max": {
-                "timeout_ms": m.timeout_ms, "memory_mb": m.memory_mb, "cpu_shares": m.cpu_shares,
-                "max_output_bytes": m.max_output_bytes, "pids_max": m.pids_max, "disk_mb": m.disk_mb,
-            }},
+            "limits": {"max": self.max_limits},
             "shutdown_grace_ms": self.shutdown_grace_ms,
             "sandbox": {"cgroup_parent": self.cgroup_parent, "uid_base": self.uid_base},
             "pool": {"size": self.pool_size},
@@ -260,6 +256,7 @@ mod tests {
                 max_output_bytes: 4,
                 pids_max: 5,
                 disk_mb: 6,
+                cpu_cores: protocol::CpuCores::new(0.25),
             },
             shutdown_grace_ms: 1000,
             cgroup_parent: "p".into(),
@@ -277,7 +274,7 @@ mod tests {
         assert_eq!(
             v["limits"]["max"],
             json!({"timeout_ms": 1, "memory_mb": 2, "cpu_shares": 3, "max_output_bytes": 4, "pids_max": 5,
-                   "disk_mb": 6})
+                   "disk_mb": 6, "cpu_cores": 0.25})
         );
     }
 

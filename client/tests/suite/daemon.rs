@@ -181,6 +181,7 @@ impl Daemon {
                     max_output_bytes: opts.max_output_bytes,
                     pids_max: 256,
                     disk_mb: 256,
+                    cpu_cores: protocol::CpuCores::new(2.0),
                 },
                 shutdown_grace_ms: 1000,
                 cgroup_parent: cgroup_parent.clone(),

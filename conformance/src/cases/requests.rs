@@ -15,7 +15,7 @@ use crate::ctx::{load_of, max_limits_json, Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::msgs::{cancel, with};
 use crate::wire::{short, Exec, LANGUAGES, LIMIT_NAMES};
-use crate::{check, skip};
+use crate::{check, fail, skip};
 
 const LANG: &str = "A language the server or the image cannot run MUST get `error` `LANGUAGE_NOT_SUPPORTED` (non-retryable). `ping`'s capabilities list the languages that work.";
 const MAX: &str = "A value above the server's configured maximum MUST be refused with `INVALID_REQUEST` naming the limit and the maximum; it is never silently clamped.";
@@ -63,7 +63,48 @@ pub static CASES: &[Case] = &[
     case!("P.3.26", Must, "3 (cancel)", "Cancel kills the whole process tree", CANCEL, cancel_tree),
     case!("P.3.27", Must, "3 (ping), 4 (pong)", "ping is answered with pong and its load", PING, ping_pong),
     case!("P.3.28", Must, "3 (ping)", "ping is answered within 1 s during an output flood", FLOOD, ping_during_flood),
+    case!("E.cpu.1", Must, "3 (execute: cpu_cores)", "cpu_cores: left out it is the announced maximum; above it is refused", CPU_CORES, cpu_cores),
 ];
+
+const CPU_CORES: &str = "`limits.cpu_cores` (extension `cpu_cores`): defaults to the server's maximum (`max_limits.cpu_cores`), reported in `ack.limits`; above the maximum it is refused with `INVALID_REQUEST` naming the limit and the maximum.";
+
+/// The extension `cpu_cores`: the default in ack, and a refusal above the announced maximum.
+async fn cpu_cores(ctx: C) -> CaseResult {
+    if ctx.extension("cpu_cores") != Some(true) {
+        skip!("the cpu_cores extension is not announced in pong.capabilities.extensions");
+    }
+    let Some(max) = ctx.server.pong["capabilities"]["max_limits"]["cpu_cores"].as_f64() else {
+        fail!("cpu_cores is announced but max_limits.cpu_cores is not a number");
+    };
+    let lang = ctx.shell()?;
+    let mut c = ctx.connect().await?;
+    let id = ctx.id("cores");
+    let e = c
+        .run(&ctx.exec(&id, lang, "echo ok"), ctx.end_within(TIMEOUT_MS))
+        .await?;
+    let got = e.ack().map(|a| a["limits"]["cpu_cores"].clone());
+    check!(
+        got.as_ref().and_then(Value::as_f64) == Some(max),
+        "ack.limits.cpu_cores is {got:?}, expected the maximum {max}: {}",
+        e.dump()
+    );
+    let id = ctx.id("cores-over");
+    let over = max + 1.0;
+    let exec = with(
+        ctx.exec(&id, lang, "echo ran"),
+        json!({"limits": {"cpu_cores": over}}),
+    );
+    refused(
+        &ctx,
+        &mut c,
+        text(&exec),
+        "INVALID_REQUEST",
+        Some(&id),
+        &["cpu_cores", &max.to_string()],
+    )
+    .await?;
+    Ok(String::new())
+}
 
 async fn unknown_language(ctx: C) -> CaseResult {
     let mut c = ctx.connect().await?;

@@ -34,6 +34,8 @@ fn full_request() -> ExecuteRequest {
         paths: vec!["out/**".into()],
         types: Some(BTreeMap::from([("out/**".into(), "log_bundle".into())])),
     });
+    req.limits.cpu_cores = protocol::CpuCores::new(0.5);
+    req.traceparent = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
     req
 }
 
@@ -52,7 +54,11 @@ fn execute_round_trips() {
     let value: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(
         value["limits"],
-        json!({"timeout_ms":5000,"memory_mb":128,"pids_max":32})
+        json!({"timeout_ms":5000,"memory_mb":128,"pids_max":32,"cpu_cores":0.5})
+    );
+    assert_eq!(
+        value["traceparent"],
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     );
     assert_eq!(
         value["files"][1],

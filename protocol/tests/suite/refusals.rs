@@ -271,7 +271,7 @@ fn unknown_fields_in_execute_are_refused() {
     );
     assert_eq!(
         err.message,
-        "Unknown field foo; expected one of language, code, stdin, env, limits, files, artifacts, tools, tool_timeout_ms, warm"
+        "Unknown field foo; expected one of language, code, stdin, env, limits, files, artifacts, tools, tool_timeout_ms, warm, traceparent"
     );
     let text = execute_with(|o| {
         drop(
@@ -391,6 +391,7 @@ fn limits_above_the_maximum_or_zero() {
         max_output_bytes: 4 << 20,
         pids_max: 128,
         disk_mb: 256,
+        cpu_cores: protocol::CpuCores::new(1.5),
     };
     let text = execute_with(|o| {
         drop(
@@ -464,6 +465,33 @@ fn limits_above_the_maximum_or_zero() {
         ),
         (512, 1 << 20, 64)
     );
+    assert_eq!(effective.cpu_cores, max.cpu_cores);
+    let text = execute_with(|o| {
+        drop(
+            o["limits"]
+                .as_object_mut()
+                .unwrap()
+                .insert("cpu_cores".into(), json!(1.75)),
+        )
+    });
+    let err = parse_execute(&text).resolve_limits(&max).unwrap_err();
+    assert_eq!(
+        err.message,
+        "Field limits.cpu_cores 1.75 exceeds the maximum 1.5"
+    );
+    // Below the kernel's smallest quota is not a number of cores at all: refused when parsed, naming the field.
+    let text = execute_with(|o| {
+        drop(
+            o["limits"]
+                .as_object_mut()
+                .unwrap()
+                .insert("cpu_cores".into(), json!(0)),
+        )
+    });
+    let err = parse_client_message(&text).unwrap_err();
+    assert_eq!(err.code, ErrorCode::InvalidRequest);
+    assert!(err.message.contains("limits.cpu_cores"), "{}", err.message);
+    assert!(err.message.contains("at least 0.01"), "{}", err.message);
 }
 
 #[test]
@@ -630,4 +658,29 @@ fn artifact_globs() {
         req.artifacts.unwrap().types.unwrap()["out/**"],
         "test_report"
     );
+}
+
+#[test]
+fn traceparent_must_be_w3c() {
+    let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let text = execute_with(|o| drop(o.insert("traceparent".into(), json!(good))));
+    assert_eq!(parse_execute(&text).traceparent.as_deref(), Some(good));
+    for bad in [
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        "",
+    ] {
+        let text = execute_with(|o| drop(o.insert("traceparent".into(), json!(bad))));
+        let err = parse_client_message(&text).unwrap_err();
+        assert_eq!(err.code, ErrorCode::InvalidRequest, "{bad}");
+        assert!(
+            err.message.starts_with("Field traceparent"),
+            "{bad}: {}",
+            err.message
+        );
+        assert_eq!(err.id.as_deref(), Some("exec_1"));
+    }
 }

@@ -276,6 +276,7 @@ fn environment_fingerprint_is_the_documented_hash_of_every_part() {
         max_output_bytes: 1 << 20,
         pids_max: 64,
         disk_mb: 64,
+        cpu_cores: protocol::CpuCores::new(2.0),
     };
     let text = format!(
         "image={};sandboxd=0.1.0;seccomp={};limits={}",

@@ -152,6 +152,7 @@ fn spec_execute() {
             max_output_bytes: Some(1048576),
             pids_max: Some(64),
             disk_mb: Some(64),
+            cpu_cores: None,
         }
     );
     assert_eq!(req.files.len(), 1);

@@ -338,10 +338,12 @@ fn limits(r: &Option<oci_spec::runtime::LinuxResources>) -> Result<CgroupLimits,
         .and_then(|p| u64::try_from(p.limit()).ok());
     let shares = r.cpu().as_ref().and_then(|c| c.shares());
     match (memory, pids, shares) {
+        // The quota an execution asks for is written by `Cgroups::set_limits` before its program starts.
         (Some(memory_bytes), Some(pids_max), Some(cpu_shares)) => Ok(CgroupLimits {
             memory_bytes,
             pids_max,
             cpu_shares,
+            cpu_quota: None,
         }),
         _ => Err(unsupported(
             "limits without a memory limit equal to memory+swap, a pids limit and cpu shares",
@@ -451,7 +453,8 @@ mod tests {
             CgroupLimits {
                 memory_bytes: 64 << 20,
                 pids_max: 64,
-                cpu_shares: 512
+                cpu_shares: 512,
+                cpu_quota: None,
             }
         );
         let kinds: Vec<_> = b.mounts.iter().map(|m| m.destination.clone()).collect();

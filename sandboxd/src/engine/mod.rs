@@ -26,7 +26,7 @@ use protocol::{
     Capabilities, ErrorCode, ErrorMessage, ExecStatus, ExecuteRequest, Isolation, Language, Limits,
     Load, Pong, Reason, ResourceUsage, ResultMessage, ServerMessage,
 };
-use runtime::cgroups::CgroupLimits;
+use runtime::cgroups::{CgroupLimits, CpuQuota};
 use runtime::init::{ProgramExit, Report};
 use runtime::launch::Launch;
 use runtime::rootfs::{InputFile, CODE_DIR, WORKDIR};
@@ -171,12 +171,10 @@ impl Engine {
 
     /// Protocol extensions this server implements.
     pub fn extensions(&self) -> Vec<String> {
-        vec![
-            "files".into(),
-            "base64_output".into(),
-            "artifacts".into(),
-            "tool_calls".into(),
-        ]
+        protocol::SANDBOXD_EXTENSIONS
+            .iter()
+            .map(|e| (*e).to_owned())
+            .collect()
     }
 
     /// The `pong` for a `ping`.
@@ -228,7 +226,7 @@ impl Engine {
             Admission::Run(slot) => slot,
             Admission::Queued(ticket) => {
                 tokio::select! {
-                    slot = ticket.wait() => match slot {
+                    slot = ticket.wait().instrument(tracing::info_span!("queue_wait")) => match slot {
                         Some(s) => s,
                         None => {
                             registration.release();
@@ -333,7 +331,12 @@ impl Engine {
             Err(e) => return (None, Err(Failure::Refused(e))),
         };
         // Never abandoned half-way: a container being created would be left behind.
-        let container = match self.pool.take(req.language, &lang, limits).await {
+        let container = match self
+            .pool
+            .take(req.language, &lang, limits)
+            .instrument(tracing::info_span!("container_take"))
+            .await
+        {
             Ok(c) => c,
             Err(e) => return (None, Err(ExecError::Create(e).into())),
         };
@@ -357,7 +360,11 @@ impl Engine {
             Ok(b) => b,
             Err(e) => return (Some(container), Err(ExecError::Tools(e).into())),
         };
-        let launched = match self.launch(req, limits, &lang, files, &container).await {
+        let launched = match self
+            .launch(req, limits, &lang, files, &container)
+            .instrument(tracing::info_span!("launch"))
+            .await
+        {
             Ok(launched) => launched,
             Err(e) => return (Some(container), Err(e)),
         };
@@ -371,7 +378,10 @@ impl Engine {
             key,
             out,
         };
-        let finished = self.supervise(&run, launched, control).await;
+        let finished = self
+            .supervise(&run, launched, control)
+            .instrument(tracing::info_span!("run"))
+            .await;
         debug!(
             container = %container.cid,
             warm = container.warm,
@@ -393,10 +403,18 @@ impl Engine {
         container: &Container,
     ) -> Result<Launched, Failure> {
         let id = req.id.as_str();
+        let cpu_quota = match limits.cpu_cores {
+            Some(cores) => Some(
+                CpuQuota::from_cores(cores.get())
+                    .map_err(|e| ExecError::Prepare(runtime::Error::Cgroup(e)))?,
+            ),
+            None => None,
+        };
         let cgroup_limits = CgroupLimits {
             memory_bytes: limits.memory_mb << 20,
             pids_max: limits.pids_max,
             cpu_shares: limits.cpu_shares,
+            cpu_quota,
         };
         let code = req.code.clone().into_bytes();
         let t0 = Instant::now();
@@ -568,11 +586,23 @@ impl Engine {
         let o = outcome::classify(s.kill_reason, report.exit, usage.oom_kills)
             .map_err(ExecError::Unexplained)?;
         crate::metrics::exited(run.key, o.reason, wall);
+        let bytes = crate::metrics::ExecutionBytes {
+            tool_calls: run.tools.map_or(0, |b| b.calls()),
+            tool_result_bytes: run.tools.map_or(0, |b| b.result_bytes()),
+            output_bytes: s.stream.sent[0]
+                + s.stream.sent[1]
+                + run.tools.map_or(0, |b| b.return_value_bytes()),
+        };
+        crate::metrics::concluded(run.key, bytes);
         info!(
             reason = o.reason.as_str(),
             exit = ?o.exit,
             duration_ms,
             peak_memory_mb = resource_usage.peak_memory_mb,
+            cpu_time_ms = resource_usage.cpu_time_ms,
+            tool_calls = bytes.tool_calls,
+            tool_result_bytes = bytes.tool_result_bytes,
+            output_bytes = bytes.output_bytes,
             "program ended"
         );
         let environment = run.lang.environment(&self.seccomp_digest);
@@ -582,6 +612,7 @@ impl Engine {
             (Some(_), Reason::Cancelled) | (None, _) => None,
             (Some(wanted), _) => Some(
                 self.artifacts(wanted, run.container.handle.workspace(), id, &fingerprint)
+                    .instrument(tracing::info_span!("artifacts"))
                     .await?,
             ),
         };

@@ -42,6 +42,7 @@ async fn hello(test: &str, language: &str, code: &str) {
             max_output_bytes: 1_048_576,
             pids_max: 64,
             disk_mb: 64,
+            cpu_cores: protocol::CpuCores::new(2.0),
         }),
         "ack.limits: the limits in effect with the defaults filled in"
     );

@@ -187,6 +187,7 @@ pub const MAX_LIMITS: Limits = Limits {
     max_output_bytes: 16 << 20,
     pids_max: 256,
     disk_mb: 256,
+    cpu_cores: Some(protocol::CpuCores::from_const(2.0)),
 };
 
 impl Default for DaemonOpts {

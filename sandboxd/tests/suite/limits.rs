@@ -186,3 +186,117 @@ print(json.dumps({"written_mb": written, "errno": error}))
         r.dump()
     );
 }
+
+/// The CPU time a container's cgroup has used, in microseconds (v1 `cpuacct.usage`, v2 `usage_usec` in
+/// `cpu.stat`), from any of its leaves that accounts it.
+fn cgroup_cpu_usage_us(leaves: &[std::path::PathBuf]) -> Option<u64> {
+    leaves.iter().find_map(|l| {
+        if let Ok(ns) = std::fs::read_to_string(l.join("cpuacct.usage")) {
+            return ns.trim().parse::<u64>().ok().map(|ns| ns / 1000);
+        }
+        let stat = std::fs::read_to_string(l.join("cpu.stat")).ok()?;
+        stat.lines()
+            .find_map(|line| line.strip_prefix("usage_usec "))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+/// Whether `leaf` carries the hard quota of half a core (v1 `cpu.cfs_quota_us` 50000 over the 100 ms period, v2
+/// `cpu.max`).
+fn has_half_core_quota(leaf: &std::path::Path) -> bool {
+    let read = |f: &str| std::fs::read_to_string(leaf.join(f)).unwrap_or_default();
+    (read("cpu.cfs_quota_us").trim() == "50000" && read("cpu.cfs_period_us").trim() == "100000")
+        || read("cpu.max").trim() == "50000 100000"
+}
+
+#[tokio::test]
+async fn cpu_cores_caps_a_busy_loop_at_its_quota() {
+    let Some(_g) = privileged("cpu_cores_caps_a_busy_loop_at_its_quota").await else {
+        return;
+    };
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    let caps = c.ping().await.capabilities.expect("pong capabilities");
+    assert!(
+        caps.extensions.iter().any(|e| e == "cpu_cores"),
+        "{:?}",
+        caps.extensions
+    );
+    assert_eq!(
+        caps.max_limits.cpu_cores.map(protocol::CpuCores::get),
+        Some(2.0)
+    );
+    // Two processes spinning for 4 s: without the quota they could use two cores.
+    let code = r#"
+import os, time
+end = time.time() + 4
+child = os.fork()
+print("spinning", flush=True)
+while time.time() < end:
+    pass
+if child:
+    os.waitpid(child, 0)
+"#;
+    let req = with(
+        exec_json("busy", "python", code, 30_000, 128),
+        json!({"limits": {"cpu_cores": 0.5}}),
+    );
+    c.send_json(&req).await;
+    c.observe("the loop to spin", stdout_contains("busy", "spinning"))
+        .await;
+    // The quota is on the container's leaf while the program runs (written before it started).
+    let leaves = d.cgroup_leftovers();
+    let quota: Vec<_> = leaves.iter().filter(|l| has_half_core_quota(l)).collect();
+    assert_eq!(
+        quota.len(),
+        1,
+        "exactly the running container's leaf has the 0.5-core quota: {leaves:?}"
+    );
+    let name = quota[0].file_name().map(ToOwned::to_owned);
+    let mine: Vec<_> = leaves
+        .into_iter()
+        .filter(|l| l.file_name().map(ToOwned::to_owned) == name)
+        .collect();
+    // Usage over one second of the loop.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = cgroup_cpu_usage_us(&mine).expect("the leaf accounts cpu time");
+    let t0 = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let used = cgroup_cpu_usage_us(&mine).expect("the leaf accounts cpu time") - before;
+    let cores = used as f64 / t0.elapsed().as_micros() as f64;
+    eprintln!("cpu_cores 0.5, two spinning processes: {cores:.3} cores over one second");
+    // Generous bounds: the upper one is the quota (plus a period of slack at the window's edges); the lower one only
+    // says the loop ran, since the machine's other load may leave it less than its quota.
+    assert!(
+        (0.15..=0.62).contains(&cores),
+        "the loop used {cores:.3} cores with a quota of 0.5"
+    );
+
+    let r = c.collect("busy").await;
+    assert_eq!(
+        r.terminal_status(),
+        Some(ExecStatus::Completed),
+        "{}",
+        r.dump()
+    );
+    let (limits, _) = r.ack();
+    assert_eq!(
+        limits
+            .and_then(|l| l.cpu_cores)
+            .map(protocol::CpuCores::get),
+        Some(0.5),
+        "ack.limits.cpu_cores reports the limit in effect: {}",
+        r.dump()
+    );
+    let res = r.result();
+    let ratio = res.resource_usage.cpu_time_ms as f64 / res.duration_ms as f64;
+    eprintln!(
+        "whole run: {} ms cpu in {} ms ({ratio:.3} cores)",
+        res.resource_usage.cpu_time_ms, res.duration_ms
+    );
+    assert!(
+        ratio <= 0.62,
+        "the whole run stayed under its quota: {}",
+        r.dump()
+    );
+}

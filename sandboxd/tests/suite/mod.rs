@@ -24,5 +24,6 @@ mod ops;
 mod output;
 mod pool;
 mod requests;
+mod telemetry;
 mod tools;
 mod warm;

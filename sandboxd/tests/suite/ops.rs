@@ -232,7 +232,7 @@ fn unit_passes_systemd_analyze_verify() {
 }
 
 /// A minimal HTTP/1.1 GET with optional bearer token: status code and body.
-async fn get_with_token(port: u16, path: &str, token: Option<&str>) -> (u16, String) {
+pub(super) async fn get_with_token(port: u16, path: &str, token: Option<&str>) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .unwrap();
@@ -264,7 +264,7 @@ async fn get_with_token(port: u16, path: &str, token: Option<&str>) -> (u16, Str
 }
 
 /// The value of one series (`name{labels}` exactly as exposed), 0 when absent.
-fn series(text: &str, name: &str) -> f64 {
+pub(super) fn series(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .find_map(|l| {

@@ -259,6 +259,12 @@ async fn limits_above_the_maximum_are_refused_not_clamped() {
         (json!({"pids_max": 100_000}), "pids_max", "256"),
         (json!({"disk_mb": 257}), "disk_mb", "256"),
         (json!({"cpu_shares": 1025}), "cpu_shares", "1024"),
+        (json!({"cpu_cores": 2.5}), "limits.cpu_cores 2.5", "2"),
+        (
+            json!({"cpu_cores": 0.001}),
+            "limits.cpu_cores",
+            "at least 0.01",
+        ),
         (
             json!({"max_output_bytes": 16_777_217}),
             "max_output_bytes",
@@ -281,7 +287,8 @@ async fn limits_above_the_maximum_are_refused_not_clamped() {
     // The maximum itself is accepted and in effect as asked.
     let exec = with(
         exec_json("lim-max", "shell", "echo x", 60_000, 1024),
-        json!({"limits": {"pids_max": 256, "disk_mb": 256, "cpu_shares": 1024, "max_output_bytes": 16_777_216}}),
+        json!({"limits": {"pids_max": 256, "disk_mb": 256, "cpu_shares": 1024, "max_output_bytes": 16_777_216,
+                          "cpu_cores": 2.0}}),
     );
     let r = c.run_completed(exec).await;
     assert_eq!(r.ack().0, Some(super::harness::MAX_LIMITS), "{}", r.dump());

@@ -8,8 +8,18 @@ use serde_json::{json, Value};
 
 use super::harness::*;
 
+/// Python that calls `read_file` twice (into `a` and `b`) and `boom` once, which fails.
+pub(super) const READS_AND_A_FAILED_CALL: &str = r#"
+a = read_file(path="a")
+b = read_file(path="b")
+try:
+    boom()
+except ToolError:
+    pass
+"#;
+
 /// An `execute` offering `tools` (names only).
-fn exec_tools(id: &str, language: &str, code: &str, tools: &[&str]) -> Value {
+pub(super) fn exec_tools(id: &str, language: &str, code: &str, tools: &[&str]) -> Value {
     let tools: Vec<Value> = tools.iter().map(|n| json!({"name": n})).collect();
     with(
         exec_json(id, language, code, 30_000, 256),
@@ -34,7 +44,7 @@ fn tool_result(id: &str, call_id: &str, result: Result<Value, &str>) -> Value {
 
 /// Runs `exec` to its end, answering each `tool_call` with `handler` (`None`: no answer). Returns the execution's
 /// messages and the calls seen.
-async fn run_answering(
+pub(super) async fn run_answering(
     c: &mut Client,
     exec: Value,
     mut handler: impl FnMut(&ToolCall) -> Option<Result<Value, String>>,
@@ -753,4 +763,123 @@ threading.Event().wait()
     // Nothing of the execution after its result.
     let late = c.next_frame(Duration::from_millis(500)).await;
     assert!(late.is_none(), "{late:?}");
+}
+
+/// An execution with three tool calls moves every tool series of `/metrics`, and the daemon logs one summary line
+/// for it with the call count and the bytes.
+#[tokio::test]
+async fn tool_calls_show_in_the_metrics_and_the_summary_line() {
+    let Some(_g) = privileged("tool_calls_show_in_the_metrics_and_the_summary_line").await else {
+        return;
+    };
+    use super::ops::{get_with_token, series};
+    let d = Daemon::start(DaemonOpts::default()).await;
+    let mut c = Client::connect(&d).await;
+    // The daemon's start-up self-test runs executions too: every check below is a difference.
+    let (code, before) = get_with_token(d.port, "/metrics", Some(d.token())).await;
+    assert_eq!(code, 200, "{before}");
+    // Two big results filtered down to a short answer, one failing call, one tool that is not offered.
+    let code = format!(
+        "{READS_AND_A_FAILED_CALL}{}",
+        r#"
+try:
+    call("not_offered", {})
+except ToolError:
+    pass
+print("done")
+return f"{len(a) + len(b)} bytes"
+"#
+    );
+    let (run, calls) = run_answering(
+        &mut c,
+        exec_tools("m1", "python", &code, &["read_file", "boom"]),
+        |call| match call.name.as_str() {
+            "read_file" => Some(Ok(json!("x".repeat(5000)))),
+            _ => Some(Err("no".into())),
+        },
+    )
+    .await;
+    assert_eq!(calls.len(), 3, "{}", run.dump());
+    let res = run.result();
+    assert_eq!(
+        res.return_value.as_deref(),
+        Some(&json!("10000 bytes")),
+        "{}",
+        run.dump()
+    );
+    let output_bytes = res.stdout_bytes + res.stderr_bytes + "\"10000 bytes\"".len() as u64;
+    // A refused request counts under its code.
+    let refused = c.run(exec_json("m2", "python", "1", 1000, 1 << 30)).await;
+    assert!(
+        matches!(&refused.messages[..], [ServerMessage::Error(e)] if e.code == ErrorCode::InvalidRequest),
+        "{}",
+        refused.dump()
+    );
+
+    let token = d.token().to_owned();
+    let counted = "sandboxd_execution_tool_calls_count{language=\"python\"}";
+    let text = wait_until(
+        "the execution to be counted",
+        Duration::from_secs(10),
+        || {
+            let (token, before) = (token.clone(), before.clone());
+            async move {
+                let (code, text) = get_with_token(d.port, "/metrics", Some(&token)).await;
+                if code == 200 && series(&text, counted) > series(&before, counted) {
+                    Ok(text)
+                } else {
+                    Err(format!("{code}:\n{text}"))
+                }
+            }
+        },
+    )
+    .await;
+    let delta = |name: &str| series(&text, name) - series(&before, name);
+    for (name, want) in [
+        (
+            "sandboxd_execution_tool_calls_count{language=\"python\"}",
+            1.0,
+        ),
+        (
+            "sandboxd_execution_tool_calls_sum{language=\"python\"}",
+            3.0,
+        ),
+        (
+            "sandboxd_execution_output_bytes_sum{language=\"python\"}",
+            output_bytes as f64,
+        ),
+        (
+            "sandboxd_tool_calls_total{tool=\"read_file\",outcome=\"ok\"}",
+            2.0,
+        ),
+        (
+            "sandboxd_tool_calls_total{tool=\"boom\",outcome=\"tool_error\"}",
+            1.0,
+        ),
+        (
+            "sandboxd_tool_calls_total{tool=\"_unlisted\",outcome=\"not_allowed\"}",
+            1.0,
+        ),
+        ("sandboxd_tool_call_seconds_count{tool=\"read_file\"}", 2.0),
+        ("sandboxd_tool_call_seconds_count{tool=\"boom\"}", 1.0),
+        ("sandboxd_errors_total{code=\"INVALID_REQUEST\"}", 1.0),
+    ] {
+        assert_eq!(delta(name), want, "{name}:\n{text}");
+    }
+    // The two results of 5000 characters, as JSON lines, entered the sandbox.
+    let inside = delta("sandboxd_execution_tool_result_bytes_sum{language=\"python\"}");
+    assert!((10_000.0..11_000.0).contains(&inside), "{inside}:\n{text}");
+
+    let log = d.log();
+    let summary = log
+        .lines()
+        .find(|l| l.contains("id=m1") && l.contains("program ended"))
+        .unwrap_or_else(|| panic!("no summary line for m1:\n{log}"));
+    assert!(
+        summary.contains(" INFO ")
+            && summary.contains("tool_calls=3")
+            && summary.contains(&format!("output_bytes={output_bytes}"))
+            && summary.contains("tool_result_bytes="),
+        "{summary}"
+    );
 }
