@@ -83,7 +83,7 @@ impl Containers for AgentContainers {
     fn image_environment(&self, image: &str) -> Option<BTreeMap<String, String>> {
         self.images
             .get(image)
-            .map(|i| crate::engine::base_environment(i))
+            .map(|i| crate::images::base_environment(i))
     }
 
     fn create_workspace<'a>(

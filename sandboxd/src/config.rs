@@ -538,7 +538,7 @@ impl Config {
                     reason: image_store::ImageError::InvalidName(name.clone()).to_string(),
                 });
             }
-            if let Some(m) = image.preload.iter().find(|m| !crate::warm::module_name(m)) {
+            if let Some(m) = image.preload.iter().find(|m| !python_module_name(m)) {
                 return Err(ConfigError::Value {
                     key: "images",
                     reason: format!(
@@ -594,6 +594,17 @@ fn positive(key: &'static str, v: u64) -> Result<(), ConfigError> {
     } else {
         Ok(())
     }
+}
+
+/// Whether `name` is a dotted python module name (`pandas`, `os.path`), as `images.<name>.preload` lists them.
+fn python_module_name(name: &str) -> bool {
+    name.split('.').all(|part| {
+        let mut chars = part.chars();
+        chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
 }
 
 #[cfg(test)]
@@ -783,6 +794,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("images.data.preload"), "{e}");
+    }
+
+    #[test]
+    fn preload_names_are_dotted_module_names() {
+        for ok in ["numpy", "os.path", "_private", "a1.b_2"] {
+            assert!(python_module_name(ok), "{ok}");
+        }
+        for bad in ["", "1abc", "a..b", "a-b", "-c", "a b", "a.", "é"] {
+            assert!(!python_module_name(bad), "{bad}");
+        }
     }
 
     #[test]

@@ -363,6 +363,24 @@ fn check_program(root: &Path, program: &str) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Every program's environment before its request's (or sandbox template's) own: sandboxd's base, then the
+/// image's.
+pub fn base_environment(image: &RootImage) -> BTreeMap<String, String> {
+    let mut env: BTreeMap<String, String> = [
+        ("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        ("HOME", runtime::rootfs::WORKDIR),
+        ("TMPDIR", "/tmp"),
+        ("LANG", "C.UTF-8"),
+        ("PYTHONUNBUFFERED", "1"),
+        ("PYTHONDONTWRITEBYTECODE", "1"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    env.extend(image.env.iter().cloned());
+    env
+}
+
 #[cfg(test)]
 mod tests {
     /// The store refuses layers whose runtime mount points are not directories; the runtime checks the same names

@@ -32,7 +32,7 @@ pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
     let skip = args.len();
     args.extend(["-c".to_owned(), stub.to_owned(), skip.to_string()]);
     args.extend(rt.image.preload.iter().cloned());
-    let env = crate::engine::base_environment(&rt.image)
+    let env = crate::images::base_environment(&rt.image)
         .into_iter()
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
@@ -40,17 +40,6 @@ pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
         args,
         env,
         warm: false,
-    })
-}
-
-/// Whether `name` is a dotted python module name (`pandas`, `os.path`), as `images.<name>.preload` lists them.
-pub fn module_name(name: &str) -> bool {
-    name.split('.').all(|part| {
-        let mut chars = part.chars();
-        chars
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
     })
 }
 
@@ -150,15 +139,5 @@ mod tests {
         assert_eq!(l.args[3], "1");
         assert!(l.env.iter().any(|e| e == "PYTHONUNBUFFERED=1"));
         assert_eq!(l.args.len(), 4, "no preload");
-    }
-
-    #[test]
-    fn preload_names_are_dotted_module_names() {
-        for ok in ["numpy", "os.path", "_private", "a1.b_2"] {
-            assert!(module_name(ok), "{ok}");
-        }
-        for bad in ["", "1abc", "a..b", "a-b", "-c", "a b", "a.", "é"] {
-            assert!(!module_name(bad), "{bad}");
-        }
     }
 }

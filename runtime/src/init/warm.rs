@@ -3,7 +3,7 @@
 //! Interpreters spend most of a short program's time starting (python: site and its imports, about 10 ms), so a
 //! pooled container's init starts the interpreter ahead of time, with a small stub as its program
 //! (`sandboxd`'s `warm` module has them). It is forked and executed exactly as a launched program is
-//! ([`super::run_program`]): after the init confined itself (no capabilities, landlock, seccomp, `no_new_privs`),
+//! ([`super::program::run_program`]): after the init confined itself (no capabilities, landlock, seccomp, `no_new_privs`),
 //! inside the container's namespaces, cgroup and rlimits, with default signal dispositions. It differs from a
 //! launched program only in what it runs first and in its stdio, which until the launch are placeholders of the
 //! kinds the daemon passes (stdin a memfd, stdout and stderr pipes), so the interpreter sets its streams up the same
@@ -21,7 +21,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use nix::sys::signal::Signal;
 use nix::unistd::{ForkResult, Pid};
 
-use super::{run_program, to_cstrings};
+use super::program::{run_program, to_cstrings};
 use crate::error::InitError;
 use crate::launch::Launch;
 

@@ -29,7 +29,7 @@ use protocol::{
 use runtime::cgroups::{CgroupLimits, CpuQuota};
 use runtime::init::{ProgramExit, Report};
 use runtime::launch::Launch;
-use runtime::rootfs::{InputFile, CODE_DIR, WORKDIR};
+use runtime::rootfs::{InputFile, CODE_DIR};
 use tokio::sync::mpsc::error::SendError;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn, Instrument};
@@ -805,26 +805,8 @@ fn command(lang: &LanguageRuntime) -> Vec<String> {
 
 /// The program's environment: sandboxd's base, then the image's, then the request's.
 fn environment(lang: &LanguageRuntime, req: &ExecuteRequest) -> BTreeMap<String, String> {
-    let mut env = base_environment(&lang.image);
+    let mut env = crate::images::base_environment(&lang.image);
     env.extend(req.env.clone());
-    env
-}
-
-/// Every program's environment before its request's (or sandbox template's) own: sandboxd's base, then the
-/// image's.
-pub fn base_environment(image: &crate::images::RootImage) -> BTreeMap<String, String> {
-    let mut env: BTreeMap<String, String> = [
-        ("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        ("HOME", WORKDIR),
-        ("TMPDIR", "/tmp"),
-        ("LANG", "C.UTF-8"),
-        ("PYTHONUNBUFFERED", "1"),
-        ("PYTHONDONTWRITEBYTECODE", "1"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect();
-    env.extend(image.env.iter().cloned());
     env
 }
 
