@@ -767,7 +767,14 @@ mod tests {
             .with_ansi(false)
             .with_writer(logs.clone())
             .finish();
+        // tracing caches each callsite's interest process-wide, computed by whichever thread
+        // hits it first: while at most one dispatcher is registered, a sibling test thread with
+        // no subscriber computes it against nothing and pins `tool call` to never. A second,
+        // inert dispatcher held for the test makes every registration ask all registered
+        // dispatchers (this one included), and the rebuild re-asks what was cached before.
+        let _anchor = tracing::Dispatch::new(tracing_subscriber::registry());
         let _log = tracing::subscriber::set_default(subscriber);
+        tracing::callsite::rebuild_interest_cache();
         // A tool name no other test uses: the metrics are process-wide.
         let mut req = request();
         req.id = "exec_m".into();
@@ -788,6 +795,9 @@ mod tests {
                 assert!(inbox.deliver(result));
             }
         });
+        // Again just before the calls: a registration that began before the anchor existed and
+        // landed after the first rebuild is re-asked here.
+        tracing::callsite::rebuild_interest_cache();
         let ok = ask(&mut conn, "{\"op\":\"call\",\"name\":\"metrics_probe\"}\n").await;
         assert_eq!(ok["ok"], true, "{ok}");
         let failed = ask(&mut conn, "{\"op\":\"call\",\"name\":\"metrics_probe\"}\n").await;
