@@ -335,10 +335,28 @@ impl Cgroups {
                     .filter(|c| !have.split_whitespace().any(|h| h == **c))
                     .copied()
                     .collect();
+                if !missing.is_empty() {
+                    return Err(CgroupError::V2ControllersMissing {
+                        missing,
+                        file: path,
+                    }
+                    .into());
+                }
+                // Offered by the host is not enough: the cgroup the parent is created in must have them in its
+                // subtree control, or the parent's own `+cpu` is refused (ENOENT). systemd enables them down to a
+                // unit with Delegate=yes; a daemon started elsewhere finds only what other units asked for.
+                let above = Path::new(&self.parent).parent().unwrap_or(Path::new(""));
+                let path = self.root.join(above).join("cgroup.subtree_control");
+                let enabled = fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+                let missing: Vec<_> = V2_REQUIRED
+                    .iter()
+                    .filter(|c| !enabled.split_whitespace().any(|h| h == **c))
+                    .copied()
+                    .collect();
                 if missing.is_empty() {
                     Ok(())
                 } else {
-                    Err(CgroupError::V2ControllersMissing {
+                    Err(CgroupError::V2ControllersNotEnabled {
                         missing,
                         file: path,
                     }
@@ -891,7 +909,32 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         write(&t.path().join("cgroup.procs"), "");
         write(&t.path().join("cgroup.controllers"), controllers);
+        write(&t.path().join("cgroup.subtree_control"), controllers);
         t
+    }
+
+    /// Offered by the host but not enabled where the parent is created (a daemon outside a delegating unit): a
+    /// refusal at start naming the controllers, the file and the fix, not an I/O error on the parent.
+    #[test]
+    fn v2_controllers_not_enabled_above_the_parent_fail_closed() {
+        let t = fake_v2("cpuset cpu io memory pids");
+        write(&t.path().join("cgroup.subtree_control"), "memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sandboxd").unwrap();
+        let err = cg.check_controllers().unwrap_err().to_string();
+        assert!(
+            err.contains("cpu are not enabled")
+                && err.contains("cgroup.subtree_control")
+                && err.contains("Delegate=yes"),
+            "{err}"
+        );
+        // A nested parent is checked where it is created.
+        write(
+            &t.path().join("system.slice/cgroup.subtree_control"),
+            "cpu memory pids",
+        );
+        let cg =
+            Cgroups::with_version(CgroupVersion::V2, t.path(), "system.slice/sandboxd").unwrap();
+        cg.check_controllers().unwrap();
     }
 
     #[test]
@@ -1258,7 +1301,10 @@ mod tests {
     fn a_real_leaf_is_limited_frozen_thawed_and_removed() {
         let root = Path::new(DEFAULT_ROOT);
         if !test_support::is_root() {
-            test_support::cannot_run("a_real_leaf_is_limited_frozen_thawed_and_removed", "needs root");
+            test_support::cannot_run(
+                "a_real_leaf_is_limited_frozen_thawed_and_removed",
+                "needs root",
+            );
             return;
         }
         let parent = format!("sandboxd-test-leaf-{}", std::process::id());
@@ -1287,7 +1333,10 @@ mod tests {
             cg.create_leaf("c1", &LIMITS).unwrap();
             cg.attach("c1", pid as i32).unwrap();
             let pids = cg.leaf("pids", "c1").unwrap();
-            assert_eq!(fs::read_to_string(pids.join("pids.max")).unwrap().trim(), "32");
+            assert_eq!(
+                fs::read_to_string(pids.join("pids.max")).unwrap().trim(),
+                "32"
+            );
             let procs = fs::read_to_string(pids.join("cgroup.procs")).unwrap();
             assert_eq!(procs.trim(), pid.to_string());
             assert!(!cg.frozen("c1").unwrap());

@@ -64,17 +64,48 @@ SANDBOXD_PATH=$repo/target/debug/sandboxd
 INTEGRATION_FILTERS="$integration_filters"
 ENV
 
-accel=(-accel tcg)
-if [ -r /dev/kvm ] && [ -w /dev/kvm ]; then accel=(-enable-kvm -cpu host); fi
-echo "== vm $mode: $(cat "$image/kernel") ($suite), ${accel[*]}"
+# KVM when /dev/kvm opens; TCG otherwise, and when KVM cannot run this kernel (nested KVM without EPT, as on
+# CI's machine, fails to emulate the VEX instructions of the kernel's decompressor: "KVM internal error"). Under
+# TCG the guest is several times slower: the integration tests are cut to the named subset below.
+tcg_filters="suite::limits::memory_limit_ends_in_oom suite::limits::pids_and_disk_limits_are_enforced \
+suite::lifecycle::restart_after_a_crash_removes_the_leftover_container \
+suite::pool::a_pooled_container_gets_the_requests_memory_and_pids_limits"
+deadline=$(( $(date +%s) + ${SANDBOXD_VM_TIMEOUT:-1500} ))
+# boot ACCEL-ARGS...: runs the guest to its power-off; 0 when it finished, 2 when KVM failed, 1 on a timeout.
+boot() {
+  rm -rf "$job/results" && mkdir -p "$job/results"
+  qemu-system-x86_64 "$@" -machine q35 -smp 2 -m 4096 \
+    -kernel "$image/vmlinuz" -initrd "$image/initrd.img" \
+    -append "root=/dev/vda rw console=ttyS0 panic=-1 systemd.unified_cgroup_hierarchy=1 cgroup_no_v1=all $lsm" \
+    -drive "file=$image/disk.raw,format=raw,if=virtio,snapshot=on" \
+    -virtfs "local,path=$job,mount_tag=job,security_model=none,multidevs=remap" \
+    -nic none -display none -serial "file:$job/console.log" -monitor none -no-reboot >"$job/qemu.log" 2>&1 &
+  local qpid=$!
+  while kill -0 "$qpid" 2>/dev/null; do
+    if grep -q "KVM internal error" "$job/qemu.log"; then
+      kill "$qpid"; wait "$qpid" 2>/dev/null; return 2
+    fi
+    if [ "$(date +%s)" -gt "$deadline" ]; then
+      kill "$qpid"; wait "$qpid" 2>/dev/null; echo "vm $mode: timed out"; return 1
+    fi
+    sleep 1
+  done
+  wait "$qpid"
+}
 set +e
-timeout "${SANDBOXD_VM_TIMEOUT:-1500}" qemu-system-x86_64 "${accel[@]}" -machine q35 -smp 2 -m 4096 \
-  -kernel "$image/vmlinuz" -initrd "$image/initrd.img" \
-  -append "root=/dev/vda rw console=ttyS0 panic=-1 systemd.unified_cgroup_hierarchy=1 cgroup_no_v1=all $lsm" \
-  -drive "file=$image/disk.raw,format=raw,if=virtio,snapshot=on" \
-  -virtfs "local,path=$job,mount_tag=job,security_model=none,multidevs=remap" \
-  -nic none -display none -serial "file:$job/console.log" -monitor none -no-reboot
-qemu_rc=$?
+qemu_rc=2
+if [ -r /dev/kvm ] && [ -w /dev/kvm ]; then
+  echo "== vm $mode: $(cat "$image/kernel") ($suite), KVM"
+  boot -enable-kvm -cpu host
+  qemu_rc=$?
+  [ "$qemu_rc" = 2 ] && echo "vm $mode: KVM cannot run this guest here ($(grep -m1 "error" "$job/qemu.log")); TCG instead"
+fi
+if [ "$qemu_rc" = 2 ]; then
+  echo "== vm $mode: $(cat "$image/kernel") ($suite), TCG: integration tests cut to $tcg_filters"
+  sed -i "s|^INTEGRATION_FILTERS=.*|INTEGRATION_FILTERS=\"$tcg_filters\"|" "$job/env"
+  boot -accel tcg,thread=multi -cpu max
+  qemu_rc=$?
+fi
 set -e
 t_end=$(date +%s)
 results=$job/results
