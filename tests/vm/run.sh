@@ -74,16 +74,26 @@ deadline=$(( $(date +%s) + ${SANDBOXD_VM_TIMEOUT:-1500} ))
 # boot ACCEL-ARGS...: runs the guest to its power-off; 0 when it finished, 2 when KVM failed, 1 on a timeout.
 boot() {
   rm -rf "$job/results" && mkdir -p "$job/results"
+  done_at=""
   qemu-system-x86_64 "$@" -machine q35 -smp 2 -m 4096 \
     -kernel "$image/vmlinuz" -initrd "$image/initrd.img" \
     -append "root=/dev/vda rw console=ttyS0 panic=-1 systemd.unified_cgroup_hierarchy=1 cgroup_no_v1=all $lsm" \
     -drive "file=$image/disk.raw,format=raw,if=virtio,snapshot=on" \
     -virtfs "local,path=$job,mount_tag=job,security_model=none,multidevs=remap" \
     -nic none -display none -serial "file:$job/console.log" -monitor none -no-reboot >"$job/qemu.log" 2>&1 &
-  local qpid=$!
+  local qpid=$! started
+  started=$(date +%s)
   while kill -0 "$qpid" 2>/dev/null; do
-    if grep -q "KVM internal error" "$job/qemu.log"; then
+    # KVM failing: an internal error, or a guest that has not printed a line within a minute (under KVM the
+    # kernel prints at once; nested KVM may instead hang silently before the first line).
+    if grep -q "KVM internal error" "$job/qemu.log" ||
+      { [ "$1" = -enable-kvm ] && [ ! -s "$job/console.log" ] && [ "$(date +%s)" -gt $((started + 60)) ]; }; then
       kill "$qpid"; wait "$qpid" 2>/dev/null; return 2
+    fi
+    # The guest powers itself off after writing `done`; one that lingers is stopped here.
+    if [ -f "$job/results/done" ] && [ -z "${done_at:-}" ]; then done_at=$(date +%s); fi
+    if [ -n "${done_at:-}" ] && [ "$(date +%s)" -gt $((done_at + 30)) ]; then
+      kill "$qpid"; wait "$qpid" 2>/dev/null; return 0
     fi
     if [ "$(date +%s)" -gt "$deadline" ]; then
       kill "$qpid"; wait "$qpid" 2>/dev/null; echo "vm $mode: timed out"; return 1
@@ -98,7 +108,8 @@ if [ -r /dev/kvm ] && [ -w /dev/kvm ]; then
   echo "== vm $mode: $(cat "$image/kernel") ($suite), KVM"
   boot -enable-kvm -cpu host
   qemu_rc=$?
-  [ "$qemu_rc" = 2 ] && echo "vm $mode: KVM cannot run this guest here ($(grep -m1 "error" "$job/qemu.log")); TCG instead"
+  [ "$qemu_rc" = 2 ] && echo "vm $mode: KVM cannot run this guest here ($(grep -m1 "error" "$job/qemu.log" ||
+    echo "no console output within a minute")); TCG instead"
 fi
 if [ "$qemu_rc" = 2 ]; then
   echo "== vm $mode: $(cat "$image/kernel") ($suite), TCG: integration tests cut to $tcg_filters"
