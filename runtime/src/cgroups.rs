@@ -329,12 +329,7 @@ impl Cgroups {
             }
             CgroupVersion::V2 => {
                 let path = self.root.join("cgroup.controllers");
-                let have = fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-                let missing: Vec<_> = V2_REQUIRED
-                    .iter()
-                    .filter(|c| !have.split_whitespace().any(|h| h == **c))
-                    .copied()
-                    .collect();
+                let missing = v2_missing(&path)?;
                 if !missing.is_empty() {
                     return Err(CgroupError::V2ControllersMissing {
                         missing,
@@ -347,12 +342,7 @@ impl Cgroups {
                 // unit with Delegate=yes; a daemon started elsewhere finds only what other units asked for.
                 let above = Path::new(&self.parent).parent().unwrap_or(Path::new(""));
                 let path = self.root.join(above).join("cgroup.subtree_control");
-                let enabled = fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-                let missing: Vec<_> = V2_REQUIRED
-                    .iter()
-                    .filter(|c| !enabled.split_whitespace().any(|h| h == **c))
-                    .copied()
-                    .collect();
+                let missing = v2_missing(&path)?;
                 if missing.is_empty() {
                     Ok(())
                 } else {
@@ -693,6 +683,17 @@ impl Cgroups {
         }
         Ok(())
     }
+}
+
+/// The controllers of [`V2_REQUIRED`] a v2 controller list (`cgroup.controllers`, `cgroup.subtree_control`)
+/// lacks.
+fn v2_missing(path: &Path) -> Result<Vec<&'static str>> {
+    let listed = fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    Ok(V2_REQUIRED
+        .iter()
+        .filter(|c| !listed.split_whitespace().any(|h| h == **c))
+        .copied()
+        .collect())
 }
 
 /// The controller `T` of a cgroup, whose leaf must exist; `name` and `needed_for` name the error when no hierarchy
