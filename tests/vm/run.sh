@@ -73,7 +73,8 @@ suite::pool::a_pooled_container_gets_the_requests_memory_and_pids_limits"
 deadline=$(( $(date +%s) + ${SANDBOXD_VM_TIMEOUT:-1500} ))
 # boot ACCEL-ARGS...: runs the guest to its power-off; 0 when it finished, 2 when KVM failed, 1 on a timeout.
 boot() {
-  rm -rf "$job/results" && mkdir -p "$job/results"
+  # Fresh logs: the loop below must not read the last attempt's.
+  rm -rf "$job/results" "$job/qemu.log" "$job/console.log" && mkdir -p "$job/results"
   done_at=""
   qemu-system-x86_64 "$@" -machine q35 -smp 2 -m 4096 \
     -kernel "$image/vmlinuz" -initrd "$image/initrd.img" \
