@@ -360,16 +360,24 @@ impl Cgroups {
             }
             CgroupVersion::V2 => {
                 let path = self.root.join("cgroup.controllers");
-                let have = fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-                let missing: Vec<_> = V2_REQUIRED
-                    .iter()
-                    .filter(|c| !have.split_whitespace().any(|h| h == **c))
-                    .copied()
-                    .collect();
+                let missing = v2_missing(&path)?;
+                if !missing.is_empty() {
+                    return Err(CgroupError::V2ControllersMissing {
+                        missing,
+                        file: path,
+                    }
+                    .into());
+                }
+                // Offered by the host is not enough: the cgroup the parent is created in must have them in its
+                // subtree control, or the parent's own `+cpu` is refused (ENOENT). systemd enables them down to a
+                // unit with Delegate=yes; a daemon started elsewhere finds only what other units asked for.
+                let above = Path::new(&self.parent).parent().unwrap_or(Path::new(""));
+                let path = self.root.join(above).join("cgroup.subtree_control");
+                let missing = v2_missing(&path)?;
                 if missing.is_empty() {
                     Ok(())
                 } else {
-                    Err(CgroupError::V2ControllersMissing {
+                    Err(CgroupError::V2ControllersNotEnabled {
                         missing,
                         file: path,
                     }
@@ -545,10 +553,9 @@ impl Cgroups {
     /// Kills every process in each leftover cgroup (they are ours: nothing else lives under our parent), then
     /// removes the directories, deepest first.
     pub fn remove_leftovers(&self) -> Vec<Result<Removed>> {
-        self.leftovers()
-            .into_iter()
-            .map(|dir| remove_tree(&dir))
-            .collect()
+        let dirs = self.leftovers();
+        dirs.iter().for_each(|d| thaw_tree(d));
+        dirs.iter().map(|dir| remove_tree(dir)).collect()
     }
 
     /// Freezes every process of a container's cgroup (v1 `freezer.state`, v2 `cgroup.freeze`) and waits until the
@@ -682,25 +689,39 @@ impl Cgroups {
 
     /// Removes one execution's leaf in every hierarchy if it is still there (libcontainer normally does this).
     pub fn remove_leaf(&self, id: &str) -> Result<()> {
-        for h in self.hierarchies() {
-            let dir = h.join(&self.parent).join(id);
-            if dir.exists() {
-                remove_tree(&dir)?;
-            }
-        }
-        Ok(())
+        self.remove_all(&format!("{}/{}", self.parent, id))
     }
 
     /// Removes the (empty) parent in every hierarchy; used at daemon shutdown.
     pub fn remove_parent(&self) -> Result<()> {
-        for h in self.hierarchies() {
-            let dir = h.join(&self.parent);
-            if dir.exists() {
-                remove_tree(&dir)?;
-            }
+        self.remove_all(&self.parent)
+    }
+
+    /// Removes cgroup `path` (relative) in every hierarchy, thawed everywhere first.
+    fn remove_all(&self, path: &str) -> Result<()> {
+        let dirs: Vec<PathBuf> = self
+            .hierarchies()
+            .iter()
+            .map(|h| h.join(path))
+            .filter(|d| d.exists())
+            .collect();
+        dirs.iter().for_each(|d| thaw_tree(d));
+        for dir in &dirs {
+            remove_tree(dir)?;
         }
         Ok(())
     }
+}
+
+/// The controllers of [`V2_REQUIRED`] a v2 controller list (`cgroup.controllers`, `cgroup.subtree_control`)
+/// lacks.
+fn v2_missing(path: &Path) -> Result<Vec<&'static str>> {
+    let listed = fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    Ok(V2_REQUIRED
+        .iter()
+        .filter(|c| !listed.split_whitespace().any(|h| h == **c))
+        .copied()
+        .collect())
 }
 
 /// The controller `T` of a cgroup, whose leaf must exist; `name` and `needed_for` name the error when no hierarchy
@@ -783,6 +804,22 @@ fn scan_hierarchies(version: CgroupVersion, root: &Path) -> Vec<PathBuf> {
             }
             out.sort();
             out
+        }
+    }
+}
+
+/// Thaws every cgroup of a tree, best effort (files a hierarchy lacks are skipped). A frozen v1 task cannot die
+/// until thawed, and on v1 the freezer is a hierarchy of its own: [`remove_tree`] kills through whichever hierarchy
+/// comes first, so the whole leaf is thawed in every hierarchy before any kill (a paused agent's leaf, say, left by
+/// a crash). v2 lets SIGKILL through a freeze; thawing there too keeps one path.
+fn thaw_tree(dir: &Path) {
+    let _ = fs::write(dir.join("freezer.state"), "THAWED");
+    let _ = fs::write(dir.join("cgroup.freeze"), "0");
+    if let Ok(entries) = fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                thaw_tree(&e.path());
+            }
         }
     }
 }
@@ -909,7 +946,32 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         write(&t.path().join("cgroup.procs"), "");
         write(&t.path().join("cgroup.controllers"), controllers);
+        write(&t.path().join("cgroup.subtree_control"), controllers);
         t
+    }
+
+    /// Offered by the host but not enabled where the parent is created (a daemon outside a delegating unit): a
+    /// refusal at start naming the controllers, the file and the fix, not an I/O error on the parent.
+    #[test]
+    fn v2_controllers_not_enabled_above_the_parent_fail_closed() {
+        let t = fake_v2("cpuset cpu io memory pids");
+        write(&t.path().join("cgroup.subtree_control"), "memory pids");
+        let cg = Cgroups::with_version(CgroupVersion::V2, t.path(), "sandboxd").unwrap();
+        let err = cg.check_controllers().unwrap_err().to_string();
+        assert!(
+            err.contains("cpu are not enabled")
+                && err.contains("cgroup.subtree_control")
+                && err.contains("Delegate=yes"),
+            "{err}"
+        );
+        // A nested parent is checked where it is created.
+        write(
+            &t.path().join("system.slice/cgroup.subtree_control"),
+            "cpu memory pids",
+        );
+        let cg =
+            Cgroups::with_version(CgroupVersion::V2, t.path(), "system.slice/sandboxd").unwrap();
+        cg.check_controllers().unwrap();
     }
 
     #[test]
@@ -1287,27 +1349,36 @@ mod tests {
         assert!(cg.attach("c1", -1).is_err());
     }
 
-    /// A real v1 freezer: a busy child in a cgroup of our own is frozen (its cpu time stops) and thawed again.
+    /// A real leaf on the host's own hierarchy (v1 or v2, as detected): the parent and the leaf are created with
+    /// their limits, a busy child moved in, frozen (its cpu time stops) and thawed, its usage read, and the leaf
+    /// and the parent removed with the child still in it. On v2 this is the unified tree `sandboxd` runs on in
+    /// production (tests/vm runs it there); on a v1 host the hierarchies of the controllers sandboxd uses.
     #[test]
-    fn v1_freeze_for_real() {
+    fn a_real_leaf_is_limited_frozen_thawed_and_removed() {
         let root = Path::new(DEFAULT_ROOT);
-        if !test_support::is_root() || !root.join("freezer/cgroup.procs").exists() {
+        if !test_support::is_root() {
             test_support::cannot_run(
-                "v1_freeze_for_real",
-                "needs root and a cgroup v1 freezer hierarchy",
+                "a_real_leaf_is_limited_frozen_thawed_and_removed",
+                "needs root",
             );
             return;
         }
-        let parent = format!("sandboxd-test-freeze-{}", std::process::id());
-        let cg = Cgroups::with_version(CgroupVersion::V1, root, &parent).unwrap();
-        let leaf = root.join("freezer").join(&parent).join("c1");
-        fs::create_dir_all(&leaf).unwrap();
+        let parent = format!("sandboxd-test-leaf-{}", std::process::id());
+        let cg = Cgroups::detect(root, &parent).unwrap();
+        cg.check_controllers().unwrap();
+        if cg.controllers.dir("freezer").is_none() {
+            test_support::cannot_run(
+                "a_real_leaf_is_limited_frozen_thawed_and_removed",
+                "the host has no freezer (v1 without a freezer hierarchy)",
+            );
+            return;
+        }
+        cg.ensure_parent().unwrap();
         let mut child = std::process::Command::new("/bin/sh")
             .args(["-c", "while :; do :; done"])
             .spawn()
             .unwrap();
         let pid = child.id();
-        fs::write(leaf.join("cgroup.procs"), pid.to_string()).unwrap();
         let ticks = || -> u64 {
             let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
             let after = &stat[stat.rfind(')').unwrap() + 2..];
@@ -1315,6 +1386,15 @@ mod tests {
             f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
         };
         let outcome = std::panic::catch_unwind(|| {
+            cg.create_leaf("c1", &LIMITS).unwrap();
+            cg.attach("c1", pid as i32).unwrap();
+            let pids = cg.leaf("pids", "c1").unwrap();
+            assert_eq!(
+                fs::read_to_string(pids.join("pids.max")).unwrap().trim(),
+                "32"
+            );
+            let procs = fs::read_to_string(pids.join("cgroup.procs")).unwrap();
+            assert_eq!(procs.trim(), pid.to_string());
             assert!(!cg.frozen("c1").unwrap());
             cg.freeze("c1").unwrap();
             assert!(cg.frozen("c1").unwrap());
@@ -1326,13 +1406,28 @@ mod tests {
             let before = ticks();
             std::thread::sleep(Duration::from_millis(300));
             assert!(ticks() > before, "a thawed task did not run");
+            // The busy loop charges cpu time to the leaf (its memory was charged before the move).
+            let usage = cg.usage("c1").unwrap();
+            assert!(usage.cpu_time_ns > 0, "{usage:?}");
+            // A frozen leaf with a live task in it is removed too (the task is killed).
+            cg.freeze("c1").unwrap();
+            cg.remove_leaf("c1").unwrap();
         });
+        // A frozen child would never be reaped.
+        let _ = cg.thaw("c1");
         let _ = child.kill();
         let _ = child.wait();
-        let _ = cg.remove_parent();
-        assert!(!root.join("freezer").join(&parent).exists());
+        let removed = cg.remove_parent();
+        let left: Vec<_> = cg
+            .hierarchies()
+            .iter()
+            .map(|h| h.join(&parent))
+            .filter(|d| d.exists())
+            .collect();
         if let Err(p) = outcome {
             std::panic::resume_unwind(p);
         }
+        removed.unwrap();
+        assert!(left.is_empty(), "left behind: {left:?}");
     }
 }

@@ -223,6 +223,20 @@ pub enum CgroupError {
         /// The `cgroup.controllers` file read.
         file: PathBuf,
     },
+    /// v2 controllers sandboxd needs are not enabled for the cgroup its parent is created in (the daemon runs
+    /// outside a delegating unit and nothing enabled them there).
+    #[error(
+        "cgroup v2 controller(s) {} are not enabled in {}, so sandbox.cgroup_parent cannot use them: run sandboxd \
+         under systemd/sandboxd.service (Delegate=yes enables them), or enable them with `echo '{}' > {}`",
+        .missing.join(", "), .file.display(), .missing.iter().map(|c| format!("+{c}")).collect::<Vec<_>>().join(" "),
+        .file.display()
+    )]
+    V2ControllersNotEnabled {
+        /// The controllers missing.
+        missing: Vec<&'static str>,
+        /// The `cgroup.subtree_control` file read.
+        file: PathBuf,
+    },
     /// The host has swap but no memory+swap accounting, so a memory limit cannot forbid swap.
     #[error(
         "The host has swap but memory.memsw is missing (boot with swapaccount=1), so \"no swap\" cannot be enforced"

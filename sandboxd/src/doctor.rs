@@ -219,7 +219,8 @@ fn confinement_checks(config: &Config) -> Vec<Check> {
         "landlock",
         abi >= config.sandbox.landlock_min_abi,
         format!("ABI {abi} (required: {})", config.sandbox.landlock_min_abi),
-        "enable CONFIG_SECURITY_LANDLOCK and add landlock to the lsm= boot parameter, or use a newer kernel",
+        "ABI 0: enable CONFIG_SECURITY_LANDLOCK and add landlock to the lsm= boot parameter; an older ABI: boot a newer \
+         kernel, or accept the weaker layer by lowering sandbox.landlock_min_abi to the ABI found",
         true,
     ));
 
@@ -304,6 +305,24 @@ fn parse_kernel(release: &str) -> (u32, u32) {
     (major, minor)
 }
 
+/// Why the daemon refuses to start on a kernel whose Landlock ABI `abi` is below `min_abi`, and the fix: without
+/// Landlock, enable it; with an older ABI, a newer kernel or (accepting what that ABI leaves unrestricted) a lower
+/// `sandbox.landlock_min_abi`.
+pub fn landlock_refusal(abi: i32, min_abi: i32) -> String {
+    let found = format!("landlock ABI {abi} found, sandbox.landlock_min_abi requires {min_abi}");
+    if abi < 1 {
+        format!(
+            "{found}: Landlock is not enabled in this kernel (enable CONFIG_SECURITY_LANDLOCK and add landlock to \
+             the lsm= boot parameter)"
+        )
+    } else {
+        format!(
+            "{found}: boot a kernel with a newer Landlock ABI, or accept ABI {abi} (it restricts fewer file-system \
+             rights) with `landlock_min_abi: {abi}` under `sandbox:` in the config"
+        )
+    }
+}
+
 /// Prints the report; returns whether every required check passed.
 pub fn print(checks: &[Check]) -> bool {
     for c in checks {
@@ -352,6 +371,21 @@ mod tests {
         assert_eq!(short.verdict, Verdict::Warn, "{}", short.detail);
         assert!(short.fix.contains("kernel.pty.max"));
         assert_eq!(pty_check(&config, None, Some(1)).verdict, Verdict::Warn);
+    }
+
+    #[test]
+    fn landlock_refusal_names_the_key_and_the_fix() {
+        let none = landlock_refusal(0, 3);
+        assert!(
+            none.contains("ABI 0 found") && none.contains("lsm="),
+            "{none}"
+        );
+        let old = landlock_refusal(2, 3);
+        assert!(
+            old.contains("sandbox.landlock_min_abi requires 3")
+                && old.contains("`landlock_min_abi: 2`"),
+            "{old}"
+        );
     }
 
     #[test]

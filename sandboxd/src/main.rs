@@ -334,11 +334,10 @@ fn isolation_layers(config: &Config) -> anyhow::Result<(Cgroups, runtime::seccom
     let seccomp = runtime::seccomp::compile(profile_text, arch)?;
     let landlock_abi = runtime::sys::landlock_abi();
     if landlock_abi < config.sandbox.landlock_min_abi {
-        bail!(
-            "landlock ABI {} found, sandbox.landlock_min_abi requires {} (enable CONFIG_SECURITY_LANDLOCK and lsm=landlock, or a newer kernel)",
+        bail!(doctor::landlock_refusal(
             landlock_abi,
             config.sandbox.landlock_min_abi
-        );
+        ));
     }
     let landlock_abi = landlock_abi.min(runtime::landlock::MAX_ABI);
     info!(seccomp = %seccomp.digest, landlock_abi, "isolation layers ready");

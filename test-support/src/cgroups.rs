@@ -13,8 +13,13 @@ pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// How long [`remove_cgroup_parent`] keeps trying (a killed task leaves its cgroup a moment later).
 const REMOVE_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Every hierarchy directory under [`CGROUP_ROOT`] (symlinks such as `cpu -> cpu,cpuacct` skipped).
+/// Every hierarchy directory under [`CGROUP_ROOT`] (symlinks such as `cpu -> cpu,cpuacct` skipped); on a unified
+/// (v2) host the root itself, whose subdirectories are cgroups (`system.slice`, a daemon's parent), not hierarchies.
 pub fn cgroup_hierarchies() -> Vec<PathBuf> {
+    let root = Path::new(CGROUP_ROOT);
+    if root.join("cgroup.controllers").exists() {
+        return vec![root.to_owned()];
+    }
     let mut out = Vec::new();
     if let Ok(entries) = std::fs::read_dir(CGROUP_ROOT) {
         for e in entries.flatten() {
@@ -73,8 +78,9 @@ pub fn remove_cgroup_parent(parent: &str) {
         }
         all.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
         for d in &all {
-            // A frozen task cannot die: thaw first (v1 freezer; a no-op elsewhere).
+            // A frozen task cannot die: thaw first (v1 freezer.state, v2 cgroup.freeze; absent files are skipped).
             let _ = std::fs::write(d.join("freezer.state"), "THAWED");
+            let _ = std::fs::write(d.join("cgroup.freeze"), "0");
             if let Ok(procs) = std::fs::read_to_string(d.join("cgroup.procs")) {
                 for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
                     let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);

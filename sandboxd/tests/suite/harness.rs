@@ -36,8 +36,9 @@ pub const WARM_STUB_MARK: &str = "# sandboxd's warm python stub";
 /// The daemon binary under test.
 pub const SANDBOXD: &str = env!("CARGO_BIN_EXE_sandboxd");
 
-/// How long a daemon may take to answer `/healthz` after it was started.
-const READY_DEADLINE: Duration = Duration::from_secs(20);
+/// How long a daemon may take to answer `/healthz` after it was started (its start-up runs one self-test execution
+/// per language: a few seconds here, 20-40 s in an emulated guest, tests/vm under TCG).
+const READY_DEADLINE: Duration = Duration::from_secs(60);
 /// Default deadline of one client wait (a message, an execution's end).
 const CLIENT_DEADLINE: Duration = Duration::from_secs(30);
 
