@@ -45,12 +45,40 @@ pub enum SelfTestError {
     /// The execution ended with an `error` message.
     #[error("the self-test execution failed: {0}")]
     Failed(String),
+    /// A module of the image's preload list does not import on the image.
+    #[error("images.{image}.preload: {detail}: the module does not import on the image (install it in the image or take it off the list)")]
+    Preload {
+        /// The image's name.
+        image: String,
+        /// The module and the exception it raised.
+        detail: String,
+    },
 }
+
+/// What the python self-test prints before the module and the exception when a preload module does not import.
+const PRELOAD_FAILED: &str = "preload-failed ";
 
 /// The self-test program per language: from inside the container, check that the seccomp filter is installed, no
 /// capability is held and `no_new_privs` is set, then print `self-test-ok`. Only the language's own interpreter is
-/// used (an image may have no grep).
-fn self_test_program(lang: Language) -> &'static str {
+/// used (an image may have no grep). A python program first imports the image's `preload` modules: the warm
+/// interpreter imports them before it waits and skips one that fails, so one that cannot be imported is refused here,
+/// at start, rather than found by the first program that uses it.
+fn self_test_program(lang: Language, preload: &[String]) -> String {
+    let checks = isolation_check(lang);
+    if lang != Language::Python || preload.is_empty() {
+        return checks.to_owned();
+    }
+    // Module names are dotted identifiers (checked by the config), written as a JSON (and so python) list.
+    let modules = serde_json::to_string(preload).unwrap_or_default();
+    format!(
+        "import importlib\nfor _m in {modules}:\n    try:\n        importlib.import_module(_m)\n    \
+         except BaseException as _e:\n        print(\"{PRELOAD_FAILED}\" + _m + \": \" + type(_e).__name__ + \": \" + str(_e))\n        \
+         raise SystemExit(3)\n{checks}"
+    )
+}
+
+/// The isolation check of [`self_test_program`] in `lang`.
+fn isolation_check(lang: Language) -> &'static str {
     match lang {
         Language::Shell => {
             r#"ok=0
@@ -105,10 +133,12 @@ async fn self_test_one(engine: Arc<Engine>, lang: Language) -> Result<(), SelfTe
     let (registration, control) = registry.register(&id).ok_or(SelfTestError::IdInUse)?;
     let max = engine.max_limits();
     // Interpreters like the BEAM need more than the default 64 MiB to start.
+    let image = engine.languages().get(&lang).map(|rt| rt.image.clone());
+    let preload = image.as_ref().map_or(&[][..], |i| &i.preload[..]);
     let req = protocol::ExecuteRequest::new(
         &id,
         lang,
-        self_test_program(lang),
+        self_test_program(lang, preload),
         protocol::RequestedLimits::new(max.timeout_ms.min(60_000), max.memory_mb.min(512)),
     );
     let limits = req.resolve_limits(&max).map_err(SelfTestError::Limits)?;
@@ -129,6 +159,14 @@ async fn self_test_one(engine: Arc<Engine>, lang: Language) -> Result<(), SelfTe
                 if r.exit_code == Some(0) && stdout.contains("self-test-ok") =>
             {
                 outcome = Ok(());
+                break;
+            }
+            ServerMessage::Result(_) if stdout.contains(PRELOAD_FAILED) => {
+                let detail = stdout.split_once(PRELOAD_FAILED).map_or("", |(_, d)| d);
+                outcome = Err(SelfTestError::Preload {
+                    image: image.as_ref().map_or_else(String::new, |i| i.name.clone()),
+                    detail: detail.trim().chars().take(400).collect(),
+                });
                 break;
             }
             ServerMessage::Result(r) => {
@@ -153,4 +191,52 @@ async fn self_test_one(engine: Arc<Engine>, lang: Language) -> Result<(), SelfTe
     let _ = task.await;
     drop(registry);
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The python program, run by the host's python3 (outside a container its isolation check prints the status
+    /// instead of `self-test-ok`): a module that imports passes on to the check, one that does not is named.
+    fn run_python(preload: &[&str]) -> (Option<i32>, String) {
+        let preload: Vec<String> = preload.iter().map(|s| (*s).to_owned()).collect();
+        let out = std::process::Command::new("python3")
+            .args(["-c", &self_test_program(Language::Python, &preload)])
+            .output()
+            .expect("python3 runs");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into(),
+        )
+    }
+
+    #[test]
+    fn a_preload_module_that_does_not_import_is_named() {
+        let (code, out) = run_python(&["json", "sandboxd_no_such_module", "os"]);
+        assert_eq!(code, Some(3), "{out}");
+        assert_eq!(
+            out.trim(),
+            "preload-failed sandboxd_no_such_module: ModuleNotFoundError: No module named 'sandboxd_no_such_module'"
+        );
+    }
+
+    #[test]
+    fn preload_modules_that_import_go_on_to_the_isolation_check() {
+        let (code, out) = run_python(&["json", "os.path"]);
+        assert_eq!(code, Some(0), "{out}");
+        assert!(
+            !out.contains(PRELOAD_FAILED) && out.contains("Seccomp"),
+            "{out}"
+        );
+        // Without a preload list the program is the isolation check alone.
+        assert_eq!(
+            self_test_program(Language::Python, &[]),
+            isolation_check(Language::Python)
+        );
+        assert_eq!(
+            self_test_program(Language::Shell, &["json".into()]),
+            isolation_check(Language::Shell)
+        );
+    }
 }

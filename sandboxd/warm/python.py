@@ -19,7 +19,8 @@ def _sandboxd_warm():
 
     skip, fd = int(sys.argv[1]), int(sys.argv[-1])
     for name in sys.argv[2:-1]:
-        # The image's preload list: one that cannot be imported here fails in the program that imports it.
+        # The image's preload list, each module checked at start by the self-test. One that fails here all the same
+        # (a limit of the pooled container) fails again in the program that imports it, as without preloading.
         try:
             __import__(name)
         except Exception:

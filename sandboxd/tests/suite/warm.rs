@@ -7,7 +7,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::harness::{
-    exec_json, privileged, wait_until, with, Client, Collected, Daemon, DaemonOpts,
+    cannot_run, cgroup_parent_dirs, exec_json, free_port, privileged, run_until_exit, wait_until,
+    with, CgroupParentGuard, Client, Collected, Daemon, DaemonOpts,
 };
 
 /// One program of the corpus: a name, the code, and what else its `execute` carries (stdin, env, files).
@@ -271,4 +272,78 @@ async fn a_request_that_sets_a_start_up_variable_gets_a_plain_interpreter() {
     )
     .await;
     assert_eq!(r.stdout_text(), "False 1\n", "{}", r.dump());
+}
+
+/// The python image `images/build.sh` makes, from `SANDBOXD_TEST_IMAGES` (`.ci/run` sets it).
+fn python_test_image() -> Option<std::path::PathBuf> {
+    let spec = std::env::var("SANDBOXD_TEST_IMAGES").ok()?;
+    let layout = spec
+        .split(',')
+        .find_map(|item| item.strip_prefix("python="))?;
+    Some(std::fs::canonicalize(layout).unwrap())
+}
+
+/// An image's `preload` modules are imported by the waiting interpreter before the program runs (a warm program
+/// finds them in `sys.modules`, a plain one does not), and checked at start: a module that does not import on the
+/// image stops the daemon, which names the key and the module, instead of being skipped by every warm interpreter.
+#[tokio::test]
+async fn preload_modules_are_imported_ahead_and_checked_at_start() {
+    let test = "preload_modules_are_imported_ahead_and_checked_at_start";
+    let Some(_g) = privileged(test).await else {
+        return;
+    };
+    let Some(layout) = python_test_image() else {
+        // On CI this fails: .ci/run builds the images and sets it.
+        return cannot_run(
+            test,
+            "SANDBOXD_TEST_IMAGES has no python image (images/build.sh python; then SANDBOXD_TEST_IMAGES=python=images/out/python/oci)",
+        );
+    };
+    let languages = json!({"python": {"image": "python", "command": ["/usr/bin/python3"]}});
+
+    // Refused at start: the module is named with the key, and nothing is left behind.
+    let dir = tempfile::tempdir().unwrap();
+    let parent = format!("sandboxd-test-{}-preload", std::process::id());
+    let _cg = CgroupParentGuard(parent.clone());
+    let config = dir.path().join("c.yaml");
+    let bad = json!({
+        "listen": format!("127.0.0.1:{}", free_port()),
+        "state_dir": dir.path().join("state"),
+        "auth": {"tokens": ["a-token-of-enough-length"]},
+        "sandbox": {"cgroup_parent": parent, "uid_base": 925_000},
+        "images": {"python": {"layout": layout, "preload": ["json", "sandboxd_no_such_module"]}},
+        "languages": languages,
+    });
+    std::fs::write(&config, bad.to_string()).unwrap();
+    let (status, stderr) = run_until_exit(&config, Duration::from_secs(120)).await;
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("images.python.preload")
+            && stderr.contains("No module named 'sandboxd_no_such_module'"),
+        "names the key and the module: {stderr}"
+    );
+    assert!(
+        cgroup_parent_dirs(&parent).is_empty(),
+        "a refused start leaves no cgroup parent"
+    );
+
+    // Modules that import: in the warm interpreter before the program, not in a plain one.
+    let d = Daemon::start(DaemonOpts {
+        pool_size: 2,
+        extra_config: Some(json!({
+            "images": {"python": {"layout": layout, "preload": ["sqlite3", "xml.dom.minidom"]}},
+            "languages": languages,
+        })),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let mut c = Client::connect(&d).await;
+    let code = "import sys\nprint('sqlite3' in sys.modules, 'xml.dom.minidom' in sys.modules)";
+    for (id, warm, want) in [
+        ("preload-warm", true, "True True\n"),
+        ("preload-plain", false, "False False\n"),
+    ] {
+        let r = run(&mut c, &d, id, code, &json!({}), warm).await;
+        assert_eq!(r.stdout_text(), want, "{id}: {}", r.dump());
+    }
 }
