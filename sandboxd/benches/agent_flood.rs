@@ -62,7 +62,7 @@ time.sleep(3600)
 "#;
 
 struct Daemon {
-    child: std::process::Child,
+    child: common::Stopped,
     port: u16,
     state: PathBuf,
     _dir: tempfile::TempDir,
@@ -93,7 +93,7 @@ impl Daemon {
             .spawn()
             .expect("start sandboxd");
         let d = Self {
-            child,
+            child: common::Stopped(child),
             port,
             state,
             _dir: dir,
@@ -107,19 +107,10 @@ impl Daemon {
     }
 
     fn pid(&self) -> i32 {
-        self.child.id() as i32
+        self.child.pid()
     }
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.pid()),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-    }
-}
 
 /// One HTTP/1.1 request with the bench token: (status, body).
 fn http(port: u16, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {

@@ -36,7 +36,8 @@ const SPARSE_SAMPLES: usize = 30;
 const PLAIN_CLIENT_SAMPLES: usize = 80;
 
 struct Daemon {
-    child: std::process::Child,
+    /// Stopped when the bench drops it.
+    _child: common::Stopped,
     port: u16,
     _dir: tempfile::TempDir,
     /// The cpuacct groups whose usage adds up to the daemon's CPU time: the daemon's own (made here) and its
@@ -159,7 +160,7 @@ impl Daemon {
         }
         let child = cmd.spawn().expect("start sandboxd");
         let d = Self {
-            child,
+            _child: common::Stopped(child),
             port,
             _dir: dir,
             cpu,
@@ -215,15 +216,6 @@ impl Daemon {
     }
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-    }
-}
 
 type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;

@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +20,8 @@ const TOKEN: &str = "bench-token-0123456789abcdef";
 const SAMPLES: usize = 60;
 
 struct Daemon {
-    child: Child,
+    /// Stopped when the bench drops it.
+    _child: common::Stopped,
     pool: Pool,
     _dir: tempfile::TempDir,
 }
@@ -60,7 +61,7 @@ impl Daemon {
             .build()
             .unwrap();
         Self {
-            child,
+            _child: common::Stopped(child),
             pool,
             _dir: dir,
         }
@@ -90,15 +91,6 @@ impl Daemon {
     }
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-    }
-}
 
 /// An OTLP/HTTP receiver that counts the export requests it gets and answers each with success.
 async fn receiver(count: Arc<AtomicUsize>) -> String {

@@ -27,3 +27,26 @@ pub fn healthz(port: u16) -> Option<Value> {
     }
     serde_json::from_str(r.split("\r\n\r\n").nth(1)?).ok()
 }
+
+/// A daemon process this bench started: SIGTERM (it drains and removes its containers) and reaped when dropped.
+/// (The soak bench stops its daemon its own way, checking the drain.)
+#[allow(dead_code)]
+pub struct Stopped(pub std::process::Child);
+
+#[allow(dead_code)]
+impl Stopped {
+    /// The daemon's pid.
+    pub fn pid(&self) -> i32 {
+        self.0.id() as i32
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid()),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.0.wait();
+    }
+}
