@@ -106,6 +106,7 @@ impl Agents {
     }
 
     /// `POST /sandboxes`.
+    #[tracing::instrument(name = "agent_create", skip_all, fields(sandbox = tracing::field::Empty))]
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, PluginError> {
         let (limits, image, template, files) = self.admit(&req)?;
         let id = format!(
@@ -113,6 +114,7 @@ impl Agents {
             self.nonce,
             self.seq.fetch_add(1, Ordering::Relaxed)
         );
+        tracing::Span::current().record("sandbox", id.as_str());
         let manifest = serde_json::json!({
             "sandboxId": id,
             "agentId": req.bootstrap.agent_id,

@@ -355,13 +355,20 @@ async fn events(
             )
         }
     };
+    // The gateway's connection is one span, a child of the upgrade's request, with the events it was sent.
+    let span = tracing::info_span!(
+        "agent_events",
+        sandbox = %sb.id,
+        delivered = tracing::field::Empty,
+    );
     upgrade
         .max_message_size(64 << 10)
-        .on_upgrade(move |ws| stream_events(sb, ws))
+        .on_upgrade(move |ws| tracing::Instrument::instrument(stream_events(sb, ws), span))
 }
 
 /// Sends queued events to this gateway until it goes away or a newer one connects.
 async fn stream_events(sb: Arc<Sandbox>, ws: WebSocket) {
+    let mut delivered = 0u64;
     let hub = sb.hub.clone();
     let mut changed = hub.subscribe();
     let g = hub.attach();
@@ -378,6 +385,7 @@ async fn stream_events(sb: Arc<Sandbox>, ws: WebSocket) {
                     {
                         break 'outer;
                     }
+                    delivered += 1;
                 }
                 Ok(None) => break,
                 Err(crate::events::Replaced) => {
@@ -395,6 +403,7 @@ async fn stream_events(sb: Arc<Sandbox>, ws: WebSocket) {
         }
     }
     hub.detach(g);
+    tracing::Span::current().record("delivered", delivered);
 }
 
 #[cfg(test)]

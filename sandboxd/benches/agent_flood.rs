@@ -111,7 +111,6 @@ impl Daemon {
     }
 }
 
-
 /// One HTTP/1.1 request with the bench token: (status, body).
 fn http(port: u16, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
     let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {

@@ -216,7 +216,6 @@ impl Daemon {
     }
 }
 
-
 type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 

@@ -91,7 +91,6 @@ impl Daemon {
     }
 }
 
-
 /// An OTLP/HTTP receiver that counts the export requests it gets and answers each with success.
 async fn receiver(count: Arc<AtomicUsize>) -> String {
     let app = axum::Router::new().route(

@@ -105,7 +105,7 @@ fn main() -> ExitCode {
     let config = load_config(&cli);
     // Traces only for the daemon itself, not for its subcommands.
     let traces = match (&config, &cli.command) {
-        (Ok(c), None) => telemetry::layer(&c.telemetry),
+        (Ok(c), None) => telemetry::start(&c.telemetry),
         _ => Ok(None),
     };
     let traces = match traces {

@@ -441,8 +441,10 @@ pub fn finished(cid: &str) {
     let Some(p) = m.phases().remove(cid) else {
         return;
     };
-    m.count(p.language, p.reason.unwrap_or("error"));
-    Metrics::observe(&m.total, p.language, p.arrived.elapsed());
+    let (reason, took) = (p.reason.unwrap_or("error"), p.arrived.elapsed());
+    m.count(p.language, reason);
+    Metrics::observe(&m.total, p.language, took);
+    crate::telemetry::metrics::execution_ended(p.language, reason, took);
 }
 
 /// `name` itself if it is among the first `max` names seen (remembered in `seen`), `_other` after.
@@ -467,6 +469,12 @@ pub fn concluded(key: &str, bytes: ExecutionBytes) {
     observe(&m.execution_tool_calls, bytes.tool_calls);
     observe(&m.execution_output_bytes, bytes.output_bytes);
     observe(&m.execution_tool_result_bytes, bytes.tool_result_bytes);
+    crate::telemetry::metrics::execution_concluded(
+        language,
+        bytes.tool_calls,
+        bytes.output_bytes,
+        bytes.tool_result_bytes,
+    );
 }
 
 /// A tool call from inside an execution got its reply after `took`: `outcome` is `ok` or the error code the code
@@ -480,6 +488,7 @@ pub fn tool_call(tool: Option<&str>, outcome: &str, took: Duration) {
             outcome: outcome.to_owned(),
         })
         .inc();
+    crate::telemetry::metrics::tool_call(&tool, outcome, took);
     m.tool_call_seconds
         .get_or_create(&ToolLabels { tool })
         .observe(took.as_secs_f64());
@@ -487,6 +496,7 @@ pub fn tool_call(tool: Option<&str>, outcome: &str, took: Duration) {
 
 /// An `error` message with `code` was sent to a client.
 pub fn error_sent(code: ErrorCode) {
+    crate::telemetry::metrics::error_sent(code.as_str());
     get()
         .errors
         .get_or_create(&CodeLabels {

@@ -1,5 +1,6 @@
 //! Traces: the daemon's `tracing` spans exported as OpenTelemetry spans over OTLP (config `telemetry:`), through
-//! `tracing-opentelemetry`, so one instrumentation feeds both the log and the traces.
+//! `tracing-opentelemetry`, so one instrumentation feeds both the log and the traces; and the design's metrics
+//! over the same endpoint ([`metrics`]).
 //!
 //! Off by default: without `telemetry.otlp_endpoint` no layer is installed ([`layer`] gives `None`), and a
 //! request's `traceparent` is not even parsed. On, the spans of an execution (its `execution` span, with
@@ -32,6 +33,8 @@ use serde::Deserialize;
 use tracing_opentelemetry::{OpenTelemetryLayer, OpenTelemetrySpanExt};
 use tracing_subscriber::Registry;
 
+pub mod metrics;
+
 /// How long one export may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -48,6 +51,9 @@ pub struct TelemetryConfig {
     pub sampling_ratio: f64,
     /// Attributes of the `sandboxd` resource, e.g. `deployment.environment: prod`.
     pub resource_attributes: BTreeMap<String, String>,
+    /// How often the metrics ([`metrics`]) are sent to `<otlp_endpoint>/v1/metrics`, in milliseconds; 0: traces
+    /// only.
+    pub metrics_interval_ms: u64,
 }
 
 impl Default for TelemetryConfig {
@@ -57,6 +63,7 @@ impl Default for TelemetryConfig {
             protocol: OtlpProtocol::HttpProtobuf,
             sampling_ratio: 1.0,
             resource_attributes: BTreeMap::new(),
+            metrics_interval_ms: 60_000,
         }
     }
 }
@@ -74,6 +81,12 @@ impl TelemetryConfig {
     pub fn validate(&self) -> Result<(), (&'static str, String)> {
         if !(0.0..=1.0).contains(&self.sampling_ratio) {
             return Err(("telemetry.sampling_ratio", "must be between 0 and 1".into()));
+        }
+        if self.metrics_interval_ms != 0 && self.metrics_interval_ms < 100 {
+            return Err((
+                "telemetry.metrics_interval_ms",
+                "must be 0 (no metrics export) or at least 100".into(),
+            ));
         }
         if let Some(e) = &self.otlp_endpoint {
             let uri: hyper::Uri = e
@@ -108,43 +121,44 @@ static RUNTIME: OnceLock<tokio::runtime::Handle> = OnceLock::new();
 /// The provider that owns the batch processor, for [`flush`].
 static PROVIDER: OnceLock<SdkTracerProvider> = OnceLock::new();
 
-/// The tracing layer; `None` when no endpoint is configured.
-pub fn layer(config: &TelemetryConfig) -> Result<Option<OtelLayer>, TelemetryError> {
+/// Starts the export: the metrics' periodic reader (unless `metrics_interval_ms` is 0) and the tracing layer to
+/// install; `None` when no endpoint is configured.
+pub fn start(config: &TelemetryConfig) -> Result<Option<OtelLayer>, TelemetryError> {
     let Some(endpoint) = &config.otlp_endpoint else {
         return Ok(None);
     };
     let base = endpoint.trim_end_matches('/');
-    let url = if base.ends_with("/v1/traces") {
-        base.to_owned()
-    } else {
-        format!("{base}/v1/traces")
-    };
-    let client = OnRuntime(
-        opentelemetry_http::hyper::HyperClient::with_default_connector(EXPORT_TIMEOUT, None),
-    );
+    let base = base.strip_suffix("/v1/traces").unwrap_or(base);
+    let url = format!("{base}/v1/traces");
+    if config.metrics_interval_ms > 0 {
+        let exporter = opentelemetry_otlp::MetricExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .with_endpoint(format!("{base}/v1/metrics"))
+            .with_timeout(EXPORT_TIMEOUT)
+            .with_http_client(client())
+            .build()
+            .map_err(TelemetryError::Exporter)?;
+        metrics::start(
+            exporter,
+            resource(config),
+            Duration::from_millis(config.metrics_interval_ms),
+        );
+    }
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
         .with_protocol(Protocol::HttpBinary)
         .with_endpoint(url)
         .with_timeout(EXPORT_TIMEOUT)
-        .with_http_client(client)
+        .with_http_client(client())
         .build()
         .map_err(TelemetryError::Exporter)?;
-    let resource = Resource::builder()
-        .with_service_name("sandboxd")
-        .with_attributes(
-            config
-                .resource_attributes
-                .iter()
-                .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
-        )
-        .build();
     let provider = SdkTracerProvider::builder()
         .with_span_processor(BatchSpanProcessor::builder(exporter).build())
         .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
             config.sampling_ratio,
         ))))
-        .with_resource(resource)
+        .with_resource(resource(config))
         .build();
     let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("sandboxd"));
     let _ = PROVIDER.set(provider);
@@ -152,8 +166,28 @@ pub fn layer(config: &TelemetryConfig) -> Result<Option<OtelLayer>, TelemetryErr
     Ok(Some(layer))
 }
 
-/// Sends the spans still batched and stops the exporter; while the runtime of [`set_runtime`] still runs.
+/// The exporters' HTTP client.
+fn client() -> OnRuntime {
+    OnRuntime(opentelemetry_http::hyper::HyperClient::with_default_connector(EXPORT_TIMEOUT, None))
+}
+
+/// The `sandboxd` resource with the configured attributes.
+fn resource(config: &TelemetryConfig) -> Resource {
+    Resource::builder()
+        .with_service_name("sandboxd")
+        .with_attributes(
+            config
+                .resource_attributes
+                .iter()
+                .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+        )
+        .build()
+}
+
+/// Sends the spans still batched and the metrics recorded since the last export, and stops the exporters; while
+/// the runtime of [`set_runtime`] still runs.
 pub fn flush() {
+    metrics::flush();
     if let Some(p) = PROVIDER.get() {
         if let Err(e) = p.shutdown() {
             tracing::warn!(error = %e, "cannot flush the trace exporter");
@@ -211,7 +245,7 @@ mod tests {
     #[test]
     fn off_by_default_and_validated() {
         let c = TelemetryConfig::default();
-        assert!(layer(&c).unwrap().is_none());
+        assert!(start(&c).unwrap().is_none());
         assert!(c.validate().is_ok());
         let bad = TelemetryConfig {
             sampling_ratio: 1.5,

@@ -14,6 +14,7 @@ use super::{unavailable, Sandbox};
 
 impl Sandbox {
     /// `POST /pause`: freezes the agent's cgroup.
+    #[tracing::instrument(name = "agent_pause", skip_all, fields(sandbox = %self.id))]
     pub async fn pause(&self) -> Result<SerializedAgentState, PluginError> {
         let ops = self.ops.lock().await;
         let Some(run) = Self::live(&ops) else {
@@ -41,9 +42,9 @@ impl Sandbox {
         Ok(self.serialize(&ops, SerializedBy::Pause))
     }
 
-    /// `POST /resume`: thaws a paused agent.
     /// `POST /resume`: thaws a paused agent; with no agent running, starts a new run from the state's brief
     /// snapshot and hands the agent its checkpoint (`resume` in the brief line).
+    #[tracing::instrument(name = "agent_resume", skip_all, fields(sandbox = %self.id))]
     pub async fn resume(
         self: &Arc<Self>,
         state: SerializedAgentState,

@@ -60,6 +60,7 @@ impl Sandbox {
     }
 
     /// `POST /spawn`.
+    #[tracing::instrument(name = "agent_spawn", skip_all, fields(sandbox = %self.id))]
     pub async fn spawn(self: &Arc<Self>, brief: AgentBrief) -> Result<AgentHandle, PluginError> {
         let mut ops = self.ops.lock().await;
         self.spawn_locked(&mut ops, brief, None).await
@@ -112,7 +113,15 @@ impl Sandbox {
             killing: killing.clone(),
             container: c.clone(),
         });
-        let span = tracing::info_span!("agent", sandbox = %self.id, run = %run_id);
+        // The run's span: a child of the spawn (or resume) that started it, open until the run has ended, with how
+        // it ended (`completed`, `killed` or `crashed`, the last an error).
+        let span = tracing::info_span!(
+            "agent",
+            sandbox = %self.id,
+            run = %run_id,
+            outcome = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
         tokio::spawn(
             self.clone()
                 .supervise(
@@ -258,8 +267,18 @@ impl Sandbox {
                 AgentStatus::Completed
             });
         }
+        let span = tracing::Span::current();
+        span.record(
+            "outcome",
+            match (&crashed, killed) {
+                (Some(_), _) => "crashed",
+                (None, true) => "killed",
+                (None, false) => "completed",
+            },
+        );
         match &crashed {
             Some(why) => {
+                span.record("otel.status_code", "ERROR");
                 warn!(reason = %why, "agent crashed");
                 self.hub.emit(
                     &run_id,
@@ -292,6 +311,7 @@ impl Sandbox {
     }
 
     /// `POST /kill`.
+    #[tracing::instrument(name = "agent_kill", skip_all, fields(sandbox = %self.id))]
     pub async fn kill(&self, req: KillRequest) -> Result<KillResponse, PluginError> {
         let mut ops = self.ops.lock().await;
         if Self::live(&ops).is_none() {
@@ -362,6 +382,7 @@ impl Sandbox {
     }
 
     /// Kills the run (if any), stops the tasks and removes the workspace. Idempotent.
+    #[tracing::instrument(name = "agent_destroy", skip_all, fields(sandbox = %self.id))]
     pub async fn destroy(&self) {
         let mut ops = self.ops.lock().await;
         if Self::live(&ops).is_some() {

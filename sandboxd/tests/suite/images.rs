@@ -613,13 +613,24 @@ async fn recipe_images_run_fsp_executions() {
 
 /// One HTTP/1.1 request with the daemon's token (`Connection: close`): status and JSON body.
 pub(super) async fn agent_http(d: &Daemon, method: &str, path: &str, body: &Value) -> (u16, Value) {
+    agent_http_with(d, method, path, body, "").await
+}
+
+/// [`agent_http`] with more header lines (`extra`: each line ending in `\r\n`).
+pub(super) async fn agent_http_with(
+    d: &Daemon,
+    method: &str,
+    path: &str,
+    body: &Value,
+    extra: &str,
+) -> (u16, Value) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
         .await
         .unwrap();
     let body = body.to_string();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {}\r\n{extra}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         d.token(),
         body.len()
     );

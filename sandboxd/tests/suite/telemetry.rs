@@ -8,11 +8,16 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::metrics::v1::metric::Data;
+use opentelemetry_proto::tonic::metrics::v1::Metric;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
@@ -23,7 +28,37 @@ use super::tools::{exec_tools, run_answering, READS_AND_A_FAILED_CALL};
 
 /// What the receiver got: the spans, and the resource attributes they came with.
 #[derive(Clone, Default)]
-struct Received(Arc<Mutex<(Vec<Span>, Vec<KeyValue>)>>);
+struct Received(Arc<Mutex<(Vec<Span>, Vec<KeyValue>)>>, Metrics);
+
+impl Received {
+    /// The spans received so far of trace `trace_id` (hex).
+    fn trace(&self, trace_id: &str) -> Vec<Span> {
+        let got = self.0.lock().unwrap();
+        got.0
+            .iter()
+            .filter(|s| hex(&s.trace_id) == trace_id)
+            .cloned()
+            .collect()
+    }
+}
+
+/// The metrics of the latest export (cumulative: each export has every series).
+#[derive(Clone, Default)]
+struct Metrics(Arc<Mutex<Vec<Metric>>>);
+
+async fn export_metrics(State(got): State<Received>, body: Bytes) -> Vec<u8> {
+    let req = ExportMetricsServiceRequest::decode(body).expect("an OTLP protobuf metrics request");
+    let metrics: Vec<Metric> = req
+        .resource_metrics
+        .into_iter()
+        .flat_map(|rm| rm.scope_metrics)
+        .flat_map(|sm| sm.metrics)
+        .collect();
+    if !metrics.is_empty() {
+        *got.1 .0.lock().unwrap() = metrics;
+    }
+    ExportMetricsServiceResponse::default().encode_to_vec()
+}
 
 async fn export(State(got): State<Received>, body: Bytes) -> Vec<u8> {
     let req = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf export request");
@@ -44,6 +79,7 @@ async fn receiver() -> (String, Received) {
     let got = Received::default();
     let app = Router::new()
         .route("/v1/traces", post(export))
+        .route("/v1/metrics", post(export_metrics))
         .with_state(got.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -79,6 +115,7 @@ async fn an_execution_and_its_tool_calls_are_spans_under_the_callers_traceparent
         extra_config: Some(json!({"telemetry": {
             "otlp_endpoint": url,
             "resource_attributes": {"deployment.environment": "test"},
+            "metrics_interval_ms": 200,
         }})),
         ..DaemonOpts::default()
     })
@@ -108,13 +145,7 @@ return len(a) + len(b)
     let spans = wait_until("the execution's spans", Duration::from_secs(30), || {
         let got = got.clone();
         async move {
-            let got = got.0.lock().unwrap();
-            let mine: Vec<Span> = got
-                .0
-                .iter()
-                .filter(|s| hex(&s.trace_id) == trace_id)
-                .cloned()
-                .collect();
+            let mine = got.trace(trace_id);
             let tools = mine.iter().filter(|s| s.name == "tool_call").count();
             let roots = mine
                 .iter()
@@ -140,6 +171,7 @@ return len(a) + len(b)
         attr(&request.attributes, "path").as_deref(),
         Some("/sandboxes/none/health")
     );
+    assert_otlp_metrics(&got).await;
     let resource = got.0.lock().unwrap().1.clone();
     assert_eq!(attr(&resource, "service.name").as_deref(), Some("sandboxd"));
     assert_eq!(
@@ -254,4 +286,276 @@ async fn agent_request_span(d: &Daemon, got: &Received, trace_id: &str, caller: 
         }
     })
     .await
+}
+
+/// One agent endpoint request with the daemon's token and a `traceparent` header: status and JSON body.
+async fn traced_http(
+    d: &Daemon,
+    method: &str,
+    path: &str,
+    body: &serde_json::Value,
+    traceparent: &str,
+) -> (u16, serde_json::Value) {
+    let extra = format!("traceparent: {traceparent}\r\n");
+    super::images::agent_http_with(d, method, path, body, &extra).await
+}
+
+/// An agent sandbox's life is spans under the callers' traceparents: each endpoint's request span has its
+/// lifecycle span below it (create, spawn, pause, resume, kill, destroy), the run is a span under its spawn that
+/// ends with how the run ended, and the gateway's event connection is a span with the events it was sent.
+#[tokio::test]
+async fn an_agent_sandboxs_lifecycle_and_event_delivery_are_spans() {
+    let Some(_g) = privileged("an_agent_sandboxs_lifecycle_and_event_delivery_are_spans").await
+    else {
+        return;
+    };
+    let (url, got) = receiver().await;
+    let d = Daemon::start(DaemonOpts {
+        extra_config: Some(json!({"telemetry": {"otlp_endpoint": url}})),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let trace_id = "5bf92f3577b34da6a3ce929d0e0e4737";
+    let (id, seen) = agent_lifecycle(&d, trace_id).await;
+    let names = [
+        "agent_create",
+        "agent_events",
+        "agent_spawn",
+        "agent_pause",
+        "agent_resume",
+        "agent_kill",
+        "agent_destroy",
+    ];
+    let spans = wait_until("the agent's spans", Duration::from_secs(30), || {
+        let got = got.clone();
+        async move {
+            let mine = got.trace(trace_id);
+            let have = |n: &str| mine.iter().any(|s| s.name == n);
+            let runs = mine.iter().filter(|s| s.name == "agent").count();
+            if names.iter().all(|n| have(n)) && runs == 2 {
+                Ok(mine)
+            } else {
+                Err(format!(
+                    "{:?}",
+                    mine.iter().map(|s| &s.name).collect::<Vec<_>>()
+                ))
+            }
+        }
+    })
+    .await;
+    let by_id = |id: &[u8]| spans.iter().find(|s| s.span_id == id);
+    // The caller of the request a span was made in.
+    let caller = |span: &Span| -> String {
+        let request = by_id(&span.parent_span_id)
+            .unwrap_or_else(|| panic!("{}'s parent is not in the trace", span.name));
+        assert_eq!(request.name, "agent_request", "{}", span.name);
+        hex(&request.parent_span_id)
+    };
+    // Each lifecycle span's parent is its request's span, whose parent is that step's caller.
+    for (i, name) in names.iter().enumerate() {
+        let want = format!("{:016x}", i + 1);
+        let span = spans
+            .iter()
+            .find(|s| s.name == *name && caller(s) == want)
+            .unwrap_or_else(|| panic!("no {name} under caller {want}"));
+        assert_eq!(
+            attr(&span.attributes, "sandbox").as_deref(),
+            Some(id.as_str()),
+            "{name}"
+        );
+    }
+    // The runs: each under its spawn; the killed one is not an error, the one that failed is a crash.
+    for (spawned_by, outcome, error) in [(3, "killed", false), (8, "crashed", true)] {
+        let run = spans
+            .iter()
+            .find(|s| {
+                s.name == "agent" && attr(&s.attributes, "outcome").as_deref() == Some(outcome)
+            })
+            .unwrap_or_else(|| panic!("no {outcome} run"));
+        let spawn = by_id(&run.parent_span_id).expect("the run's spawn");
+        assert_eq!(spawn.name, "agent_spawn");
+        assert_eq!(caller(spawn), format!("{spawned_by:016x}"), "{outcome}");
+        assert_eq!(
+            run.status.as_ref().map(|s| s.code) == Some(StatusCode::Error as i32),
+            error,
+            "{outcome}: {:?}",
+            run.status
+        );
+    }
+    // The gateway was sent what it read (started, paused, resumed, killed, ...).
+    let events = spans.iter().find(|s| s.name == "agent_events").unwrap();
+    let delivered: usize = attr(&events.attributes, "delivered")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        delivered >= seen.len() && seen.len() >= 4,
+        "{delivered} {seen:?}"
+    );
+}
+
+/// The sum of a counter's points whose attributes include every one of `with`; for a histogram, the sum of its
+/// observations.
+fn total(m: &Metric, with: &[(&str, &str)]) -> u64 {
+    let matches = |attrs: &[KeyValue]| {
+        with.iter()
+            .all(|(k, v)| attr(attrs, k).as_deref() == Some(*v))
+    };
+    match &m.data {
+        Some(Data::Sum(s)) => s
+            .data_points
+            .iter()
+            .filter(|p| matches(&p.attributes))
+            .map(|p| match p.value {
+                Some(opentelemetry_proto::tonic::metrics::v1::number_data_point::Value::AsInt(
+                    i,
+                )) => i as u64,
+                _ => 0,
+            })
+            .sum(),
+        Some(Data::Histogram(h)) => h
+            .data_points
+            .iter()
+            .filter(|p| matches(&p.attributes))
+            .map(|p| p.sum.unwrap_or(0.0) as u64)
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// A metric's name, the attributes its points must have, and the least total (see [`total`]).
+type Want = (&'static str, &'static [(&'static str, &'static str)], u64);
+
+/// The traced execution's observations reached the OTLP receiver too (beyond the start-up self-test's one
+/// execution per language, which makes no tool call): its end, its three tool calls by tool and outcome with their
+/// latency, and its tool calls and the bytes its tools returned, per execution.
+async fn assert_otlp_metrics(got: &Received) {
+    let wants: [Want; 6] = [
+        (
+            "sandboxd.executions",
+            &[("language", "python"), ("reason", "exited")],
+            2,
+        ),
+        (
+            "sandboxd.tool_calls",
+            &[("tool", "read_file"), ("outcome", "ok")],
+            2,
+        ),
+        (
+            "sandboxd.tool_calls",
+            &[("tool", "boom"), ("outcome", "tool_error")],
+            1,
+        ),
+        (
+            "sandboxd.execution.tool_calls",
+            &[("language", "python")],
+            3,
+        ),
+        // Two results of 1000 characters and their JSON.
+        (
+            "sandboxd.execution.tool_result_bytes",
+            &[("language", "python")],
+            2000,
+        ),
+        (
+            "sandboxd.execution.output_bytes",
+            &[("language", "python")],
+            1,
+        ),
+    ];
+    wait_until("the metrics export", Duration::from_secs(30), || {
+        let got = got.clone();
+        async move {
+            let metrics = got.1 .0.lock().unwrap().clone();
+            let missing: Vec<String> = wants
+                .iter()
+                .filter(|(name, with, n)| {
+                    !metrics.iter().any(|m| m.name == *name && total(m, with) >= *n)
+                })
+                .map(|(name, with, n)| format!("{name} {with:?} >= {n}"))
+                .collect();
+            // The latencies: one observation per call (a histogram's count).
+            let latencies = metrics.iter().any(|m| {
+                m.name == "sandboxd.tool_call.duration"
+                    && matches!(&m.data, Some(Data::Histogram(h))
+                        if h.data_points.iter().any(|p| attr(&p.attributes, "tool").as_deref() == Some("read_file") && p.count == 2))
+            });
+            if missing.is_empty() && latencies {
+                Ok(())
+            } else {
+                Err(format!(
+                    "missing {missing:?} (tool latencies: {latencies}) in {:?}",
+                    metrics.iter().map(|m| &m.name).collect::<Vec<_>>()
+                ))
+            }
+        }
+    })
+    .await;
+}
+
+/// Drives an agent sandbox through its life, each step's request under caller span `n` of `trace_id`
+/// (0000000000000001 for create, ...2 for the event stream, and so on): create, events, spawn, pause, resume,
+/// kill, a spawn that fails on its own (8, its health polled with 9), delete (7). The sandbox's id and the events
+/// the gateway read.
+async fn agent_lifecycle(d: &Daemon, trace_id: &str) -> (String, Vec<String>) {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let tp = |n: u8| format!("00-{trace_id}-{:016x}-01", n);
+    let sandbox = json!({
+        "workspaceRequirements": {"resourceLimits": {"memoryMb": 256, "diskMb": 16}},
+        "bootstrap": {"backendUrl": "http://127.0.0.1:9", "backendToken": "t", "agentId": "a",
+                      "tokenExpiresAt": "2099-01-01T00:00:00Z",
+                      "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"},
+    });
+    let (status, created) = traced_http(d, "POST", "/sandboxes", &sandbox, &tp(1)).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    let mut req = format!("ws://127.0.0.1:{}/sandboxes/{id}/events", d.port)
+        .into_client_request()
+        .unwrap();
+    for (k, v) in [
+        ("authorization", format!("Bearer {}", d.token())),
+        ("traceparent", tp(2)),
+    ] {
+        req.headers_mut().insert(k, v.parse().unwrap());
+    }
+    let (mut ws, _) = tokio_tungstenite::connect_async(req).await.unwrap();
+    let brief = json!({"agentId": "a", "providerConfig": {"command": ["/bin/sleep", "60"]}});
+    let path = |op: &str| format!("/sandboxes/{id}/{op}");
+    let (status, h) = traced_http(d, "POST", &path("spawn"), &brief, &tp(3)).await;
+    assert_eq!(status, 200, "{h}");
+    let (status, state) = traced_http(d, "POST", &path("pause"), &json!({}), &tp(4)).await;
+    assert_eq!(status, 200, "{state}");
+    let (status, h) = traced_http(d, "POST", &path("resume"), &state, &tp(5)).await;
+    assert_eq!(status, 200, "{h}");
+    let (status, k) = traced_http(d, "POST", &path("kill"), &json!({"grace": false}), &tp(6)).await;
+    assert_eq!(status, 200, "{k}");
+    // The gateway reads the events up to the kill's, then goes away.
+    let mut seen = Vec::new();
+    while !seen.iter().any(|e: &String| e.contains("\"killed\"")) {
+        let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
+            .await
+            .expect("events up to the kill")
+            .expect("the stream stays open")
+            .unwrap();
+        seen.push(m.into_text().unwrap().to_string());
+    }
+    drop(ws);
+    // A run that fails on its own is a crash.
+    let brief = json!({"agentId": "a", "providerConfig": {"command": ["/bin/false"]}});
+    let (status, h) = traced_http(d, "POST", &path("spawn"), &brief, &tp(8)).await;
+    assert_eq!(status, 200, "{h}");
+    wait_until("the second run's end", Duration::from_secs(30), || async {
+        let (_, health) = traced_http(d, "GET", &path("health"), &json!({}), &tp(9)).await;
+        match health["agentStatus"].as_str() {
+            Some("error") => Ok(()),
+            _ => Err(health.to_string()),
+        }
+    })
+    .await;
+    let (status, _) =
+        traced_http(d, "DELETE", &format!("/sandboxes/{id}"), &json!({}), &tp(7)).await;
+    assert_eq!(status, 204);
+
+    (id, seen)
 }
