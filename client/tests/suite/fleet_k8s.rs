@@ -4,54 +4,30 @@
 //! ending the build with a typed error that names the fix.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use client::{ClientError, Discovery, Execute, Fleet, KubernetesError, Language, RequestedLimits};
+use client::{ClientError, Discovery, Execute, Fleet, KubernetesError};
 use futures_util::stream::{self, StreamExt};
 
 use super::daemon::wait_until;
-use super::fake::{self, FakeServer};
+use super::fake::{self, wait_endpoints, FakeServer};
 use super::k8s_stub::{ApiStub, NAMESPACE, SERVICE};
 use super::sandboxctl::ctl_env;
 
 fn request() -> client::ExecuteRequest {
-    client::ExecuteRequest::new(
-        client::new_execution_id(),
-        Language::Python,
-        "print('hi')",
-        RequestedLimits::new(5_000, 64),
-    )
+    fake::hi_request()
 }
 
-/// Three fakes on the same port of 127.0.0.1, .2 and .3: what three pods behind one Service look like.
+/// The three fakes of [`fake::three_hosts`], their addresses as `IpAddr`.
 async fn three_nodes() -> (Vec<FakeServer>, Vec<IpAddr>, u16) {
-    let ips: Vec<IpAddr> = (1..=3)
-        .map(|i| IpAddr::V4(Ipv4Addr::new(127, 0, 0, i)))
-        .collect();
-    let first = FakeServer::start_on(
-        SocketAddr::new(ips[0], 0),
-        Arc::new(|_, m| fake::standard(m)),
-        None,
-        None,
-    )
-    .await;
-    let port = first.addr.port();
-    let mut servers = vec![first];
-    for ip in &ips[1..] {
-        let addr = SocketAddr::new(*ip, port);
-        servers
-            .push(FakeServer::start_on(addr, Arc::new(|_, m| fake::standard(m)), None, None).await);
-    }
-    (servers, ips, port)
+    let (servers, ips, port) = fake::three_hosts().await;
+    (servers, ips.into_iter().map(IpAddr::V4).collect(), port)
 }
 
 async fn fleet_of(discovery: client::KubernetesDiscovery) -> Result<Fleet, ClientError> {
-    Fleet::builder(Discovery::Kubernetes(discovery))
-        .eject_after(1_000)
-        .check_interval(Duration::from_secs(60))
-        .check_timeout(Duration::from_millis(300))
+    fake::fleet_of_fakes(Discovery::Kubernetes(discovery))
         .build()
         .await
 }
@@ -60,26 +36,6 @@ fn token_file(dir: &tempfile::TempDir, token: &str) -> std::path::PathBuf {
     let path = dir.path().join("token");
     std::fs::write(&path, format!("{token}\n")).unwrap();
     path
-}
-
-async fn wait_endpoints(fleet: &Fleet, want: Vec<String>) {
-    wait_until(
-        "the fleet to follow the slices",
-        Duration::from_secs(10),
-        || {
-            let mut now = fleet.endpoints();
-            now.sort();
-            let want = want.clone();
-            async move {
-                if now == want {
-                    Ok(())
-                } else {
-                    Err(format!("{now:?}"))
-                }
-            }
-        },
-    )
-    .await;
 }
 
 #[tokio::test]
@@ -102,10 +58,7 @@ async fn kubernetes_discovery_lists_ready_endpoints_with_the_token() {
     for _ in 0..20 {
         fleet.execute(request()).await.unwrap();
     }
-    let counts: Vec<usize> = servers
-        .iter()
-        .map(|s| s.received_of("execute").len())
-        .collect();
+    let counts = fake::executes_per_server(&servers);
     assert_eq!(
         counts[2], 0,
         "a not-ready endpoint was placed on: {counts:?}"
@@ -205,10 +158,7 @@ async fn kubernetes_discovery_follows_slices_changing_under_load() {
         };
         *outcomes.entry(kind).or_default() += 1;
     }
-    let counts: Vec<usize> = servers
-        .iter()
-        .map(|s| s.received_of("execute").len())
-        .collect();
+    let counts = fake::executes_per_server(&servers);
     eprintln!("slices changing under load: {outcomes:?}, executions per node {counts:?}");
     assert_eq!(results.len(), 400);
     // Leaving the slices retires a node: nothing new goes there, nothing in flight is lost.
