@@ -1,7 +1,7 @@
 //! Kubernetes discovery against a stub API server serving recorded EndpointSlices (run anywhere): the initial
 //! list, slices changing under load (a node added, a node removed, picked up without a restart), not-ready
-//! endpoints ignored, the bearer token sent (and read again when it rotates), and a refusal or a missing token
-//! ending the build with a typed error that names the fix.
+//! endpoints ignored, the bearer token sent (and read again when it rotates), https with the CA file, sandboxctl's
+//! flags, and a refusal or a missing token ending the build with a typed error that names the fix.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -295,5 +295,34 @@ async fn sandboxctl_discovers_a_fleet_in_kubernetes() {
     assert!(
         stderr.contains("HTTP 403") && stderr.contains("rbac.yaml"),
         "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn kubernetes_discovery_over_https_trusts_the_ca_file_only() {
+    let (_servers, ips, port) = three_nodes().await;
+    let (api, ca_pem) = ApiStub::start_tls().await;
+    api.serve(&[(SocketAddr::new(ips[0], port), true)]);
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.crt");
+    std::fs::write(&ca, &ca_pem).unwrap();
+    let mut k8s = api.discovery(&token_file(&dir, "tls-token"));
+    k8s.api_url = Some(api.tls_url());
+    k8s.ca_file = ca;
+    let fleet = fleet_of(k8s.clone()).await.unwrap();
+    assert_eq!(
+        fleet.endpoints(),
+        vec![format!("ws://{}:{port}/ws", ips[0])]
+    );
+    assert!(api.requests()[0].contains("authorization: Bearer tls-token\r\n"));
+    // Another CA: the API server's certificate is refused.
+    let (_other, other_pem) = ApiStub::start_tls().await;
+    let other = dir.path().join("other-ca.crt");
+    std::fs::write(&other, other_pem).unwrap();
+    k8s.ca_file = other;
+    let err = fleet_of(k8s).await.unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Kubernetes(KubernetesError::Api { reason, .. }) if reason.contains("TLS")),
+        "{err:?}"
     );
 }

@@ -9,9 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use client::KubernetesDiscovery;
+use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 
 /// The recorded list: one IPv4 slice of the Service `sandboxd`, a ready endpoint, a not-ready one, ports
 /// `metrics` and `fsp`.
@@ -40,8 +42,30 @@ impl Drop for ApiStub {
 }
 
 impl ApiStub {
-    /// Listens on a fresh loopback port and serves an empty list until told otherwise.
+    /// Listens on a fresh loopback port (`http://`) and serves an empty list until told otherwise.
     pub async fn start() -> ApiStub {
+        Self::start_with(None).await
+    }
+
+    /// The same over `https://`, with a self-signed certificate for 127.0.0.1; also returns the certificate in
+    /// PEM, the CA a client must trust.
+    pub async fn start_tls() -> (ApiStub, String) {
+        let rcgen::CertifiedKey { cert, key_pair } =
+            rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_pair.serialize_der()));
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], key)
+        .unwrap();
+        let stub = Self::start_with(Some(TlsAcceptor::from(Arc::new(config)))).await;
+        (stub, cert.pem())
+    }
+
+    async fn start_with(tls: Option<TlsAcceptor>) -> ApiStub {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let answer = Arc::new(Mutex::new(Answer {
@@ -52,33 +76,17 @@ impl ApiStub {
         let task = {
             let (answer, heads) = (answer.clone(), heads.clone());
             tokio::spawn(async move {
-                while let Ok((mut tcp, _)) = listener.accept().await {
-                    let (answer, heads) = (answer.clone(), heads.clone());
+                while let Ok((tcp, _)) = listener.accept().await {
+                    let (answer, heads, tls) = (answer.clone(), heads.clone(), tls.clone());
                     tokio::spawn(async move {
-                        let mut head = Vec::new();
-                        let mut byte = [0u8; 1];
-                        while !head.ends_with(b"\r\n\r\n") {
-                            match tcp.read(&mut byte).await {
-                                Ok(1) => head.push(byte[0]),
-                                _ => return,
+                        match tls {
+                            Some(acceptor) => {
+                                if let Ok(stream) = acceptor.accept(tcp).await {
+                                    answer_one(stream, &answer, &heads).await;
+                                }
                             }
+                            None => answer_one(tcp, &answer, &heads).await,
                         }
-                        heads
-                            .lock()
-                            .unwrap()
-                            .push(String::from_utf8_lossy(&head).into_owned());
-                        let response = {
-                            let a = answer.lock().unwrap();
-                            format!(
-                                "HTTP/1.1 {} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
-                                 connection: close\r\n\r\n{}",
-                                a.status,
-                                a.body.len(),
-                                a.body
-                            )
-                        };
-                        let _ = tcp.write_all(response.as_bytes()).await;
-                        let _ = tcp.shutdown().await;
                     });
                 }
             })
@@ -94,6 +102,11 @@ impl ApiStub {
     /// `http://ADDR`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// `https://ADDR`.
+    pub fn tls_url(&self) -> String {
+        format!("https://{}", self.addr)
     }
 
     /// From now on, the list holds `endpoints` (address and `fsp` port, ready).
@@ -128,6 +141,38 @@ impl ApiStub {
         k8s.interval = Duration::from_millis(100);
         k8s
     }
+}
+
+/// Reads one request's head, keeps it, and writes the current answer.
+async fn answer_one<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    answer: &Mutex<Answer>,
+    heads: &Mutex<Vec<String>>,
+) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte).await {
+            Ok(1) => head.push(byte[0]),
+            _ => return,
+        }
+    }
+    heads
+        .lock()
+        .unwrap()
+        .push(String::from_utf8_lossy(&head).into_owned());
+    let response = {
+        let a = answer.lock().unwrap();
+        format!(
+            "HTTP/1.1 {} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+             connection: close\r\n\r\n{}",
+            a.status,
+            a.body.len(),
+            a.body
+        )
+    };
+    let _ = stream.write_all(response.as_bytes()).await;
+    let _ = stream.shutdown().await;
 }
 
 /// The recorded list with its endpoints replaced by `endpoints` (each one a copy of the recorded ready or
