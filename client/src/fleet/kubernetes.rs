@@ -176,6 +176,13 @@ impl KubernetesLister {
                 ns.trim().to_owned()
             }
         };
+        for (what, name) in [("Service", &spec.service), ("namespace", &namespace)] {
+            if !is_dns_label(name) {
+                return Err(ClientError::Config(format!(
+                    "Kubernetes {what} {name:?}: not a DNS label (lowercase letters, digits and '-', at most 63)"
+                )));
+            }
+        }
         let tls_config = if api.tls {
             Some(ca_config(&spec.ca_file)?)
         } else {
@@ -244,6 +251,18 @@ impl KubernetesLister {
             reason,
         }
     }
+}
+
+/// Whether `name` is an RFC 1123 label, as Service and namespace names are (so it goes into the path and the label
+/// selector as it is).
+fn is_dns_label(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
 }
 
 /// `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`.
@@ -469,6 +488,21 @@ mod tests {
             err.contains("/nonexistent/namespace") && err.contains("--k8s-namespace"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn service_and_namespace_must_be_dns_labels() {
+        assert!(is_dns_label("sandboxd") && is_dns_label("a-1"));
+        for bad in ["", "-a", "a-", "Sandboxd", "a/b", "a&b=c", &"a".repeat(64)] {
+            assert!(!is_dns_label(bad), "{bad:?}");
+        }
+        let mut spec = KubernetesDiscovery::new("x&labelSelector=y");
+        spec.api_url = Some("http://127.0.0.1:6443".into());
+        spec.namespace = Some("sandboxd".into());
+        assert!(matches!(
+            KubernetesLister::new(spec).err(),
+            Some(ClientError::Config(_))
+        ));
     }
 
     #[test]
