@@ -316,3 +316,28 @@ pub fn executes_per_server(servers: &[FakeServer]) -> Vec<usize> {
         .map(|s| s.received_of("execute").len())
         .collect()
 }
+
+/// A TLS acceptor with a self-signed certificate for `name` (a host name or an IP address), and the certificate
+/// (DER and PEM) a client must trust.
+pub fn self_signed(
+    name: &str,
+) -> (
+    tokio_rustls::TlsAcceptor,
+    rustls::pki_types::CertificateDer<'static>,
+    String,
+) {
+    use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let rcgen::CertifiedKey { cert, key_pair } =
+        rcgen::generate_simple_self_signed(vec![name.to_owned()]).unwrap();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_pair.serialize_der()));
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![cert.der().clone()], key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    (acceptor, cert.der().clone(), cert.pem())
+}

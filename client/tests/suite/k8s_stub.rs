@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use client::KubernetesDiscovery;
-use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -50,19 +49,9 @@ impl ApiStub {
     /// The same over `https://`, with a self-signed certificate for 127.0.0.1; also returns the certificate in
     /// PEM, the CA a client must trust.
     pub async fn start_tls() -> (ApiStub, String) {
-        let rcgen::CertifiedKey { cert, key_pair } =
-            rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
-        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_pair.serialize_der()));
-        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(vec![cert.der().clone()], key)
-        .unwrap();
-        let stub = Self::start_with(Some(TlsAcceptor::from(Arc::new(config)))).await;
-        (stub, cert.pem())
+        let (acceptor, _, pem) = super::fake::self_signed("127.0.0.1");
+        let stub = Self::start_with(Some(acceptor)).await;
+        (stub, pem)
     }
 
     async fn start_with(tls: Option<TlsAcceptor>) -> ApiStub {
