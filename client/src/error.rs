@@ -13,6 +13,7 @@
 //! | pool exhausted | [`ClientError::PoolExhausted`] | `Sandbox` | yes |
 //! | fleet: the node of an acknowledged execution lost | [`ClientError::NodeLost`] | `Sandbox` | yes |
 //! | fleet: no node could take the execution | [`ClientError::NoNode`] | `Sandbox` | yes |
+//! | fleet: Kubernetes discovery failed | [`ClientError::Kubernetes`] | `Sandbox` | when the API was not reached |
 //! | request refused before sending | [`ClientError::InvalidRequest`] | `Validation` | no |
 
 use std::sync::Arc;
@@ -171,6 +172,10 @@ pub enum ClientError {
         /// The last refusal, or why no node was tried.
         last: String,
     },
+    /// Kubernetes discovery could not list a [`Fleet`](crate::Fleet)'s nodes (refused, no token, not in a pod);
+    /// the message names the fix.
+    #[error(transparent)]
+    Kubernetes(#[from] crate::fleet::KubernetesError),
 }
 
 impl ClientError {
@@ -188,6 +193,7 @@ impl ClientError {
             | ClientError::NodeLost { .. }
             | ClientError::NoNode { .. } => true,
             ClientError::Server { code, .. } => code.retryable(),
+            ClientError::Kubernetes(e) => e.is_retryable(),
             ClientError::Unauthorized
             | ClientError::Handshake { .. }
             | ClientError::Malformed { .. }
@@ -223,6 +229,7 @@ impl ClientError {
             ClientError::Unauthorized
             | ClientError::Handshake { .. }
             | ClientError::Token { .. }
+            | ClientError::Kubernetes(_)
             | ClientError::Malformed { .. }
             | ClientError::Protocol { .. }
             | ClientError::Config(_)

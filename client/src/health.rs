@@ -57,51 +57,80 @@ pub async fn health(
 ) -> Result<Health, ClientError> {
     let target = Target::parse(ws_url)?;
     let url = healthz_url(ws_url)?;
-    let fail = |reason: String| ClientError::Http {
-        url: url.clone(),
-        reason,
-    };
+    let (status, body) = get(
+        &target,
+        "/healthz",
+        None,
+        tls_config,
+        timeout,
+        MAX_RESPONSE_BYTES,
+    )
+    .await
+    .map_err(|reason| ClientError::Http { url, reason })?;
+    let body = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    Ok(Health { status, body })
+}
+
+/// One `GET path_and_query` of `target` within `timeout` (connect, TLS, request and body together), with an
+/// optional bearer token; `tls_config` is used for TLS targets (default: webpki roots). The status and body (at
+/// most `max_bytes`) of any answer; a failure is a reason.
+pub(crate) async fn get(
+    target: &Target,
+    path_and_query: &str,
+    bearer: Option<&str>,
+    tls_config: Option<Arc<rustls::ClientConfig>>,
+    timeout: Duration,
+    max_bytes: usize,
+) -> Result<(u16, Bytes), String> {
+    let host = target.host_header();
     let exchange = async {
         let tcp = TcpStream::connect((target.host.as_str(), target.port))
             .await
-            .map_err(|e| fail(format!("connect: {e}")))?;
+            .map_err(|e| format!("connect: {e}"))?;
         if target.tls {
             let config = match tls_config {
                 Some(c) => c,
-                None => tls::default_config()?,
+                None => tls::default_config().map_err(|e| e.to_string())?,
             };
             let name = ServerName::try_from(target.host.clone())
-                .map_err(|e| fail(format!("server name: {e}")))?;
+                .map_err(|e| format!("server name: {e}"))?;
             let stream = tokio_rustls::TlsConnector::from(config)
                 .connect(name, tcp)
                 .await
-                .map_err(|e| fail(format!("TLS: {e}")))?;
-            get_healthz(stream, &target.host_header())
-                .await
-                .map_err(fail)
+                .map_err(|e| format!("TLS: {e}"))?;
+            get_once(stream, path_and_query, &host, bearer, max_bytes).await
         } else {
-            get_healthz(tcp, &target.host_header()).await.map_err(fail)
+            get_once(tcp, path_and_query, &host, bearer, max_bytes).await
         }
     };
     tokio::time::timeout(timeout, exchange)
         .await
-        .map_err(|_| fail(format!("no answer within {timeout:?}")))?
+        .map_err(|_| format!("no answer within {timeout:?}"))?
 }
 
-/// One `GET /healthz` over `stream`: hyper drives the connection in this task (nothing outlives the call), reads
-/// the head, decodes the body whatever its framing (content-length, chunked or to close) up to
-/// [`MAX_RESPONSE_BYTES`], and the body is parsed as JSON (`Null` when it is not).
-async fn get_healthz<S>(stream: S, host: &str) -> Result<Health, String>
+/// One GET over `stream`: hyper drives the connection in this task (nothing outlives the call), reads the head,
+/// and decodes the body whatever its framing (content-length, chunked or to close) up to `max_bytes`.
+async fn get_once<S>(
+    stream: S,
+    path_and_query: &str,
+    host: &str,
+    bearer: Option<&str>,
+    max_bytes: usize,
+) -> Result<(u16, Bytes), String>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (mut sender, connection) = http1::handshake::<_, Empty<Bytes>>(TokioIo::new(stream))
         .await
         .map_err(|e| format!("HTTP handshake: {e}"))?;
-    let request = hyper::Request::get("/healthz")
+    let mut request = hyper::Request::get(path_and_query)
         .header(hyper::header::HOST, host)
         .header(hyper::header::ACCEPT, "application/json")
-        .header(hyper::header::CONNECTION, "close")
+        .header(hyper::header::CONNECTION, "close");
+    if let Some(token) = bearer {
+        request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let request = request
         .body(Empty::new())
         .map_err(|e| format!("request: {e}"))?;
     let exchange = async move {
@@ -110,13 +139,12 @@ where
             .await
             .map_err(|e| format!("send: {e}"))?;
         let status = response.status().as_u16();
-        let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
+        let body = Limited::new(response.into_body(), max_bytes)
             .collect()
             .await
             .map_err(|e| format!("read: {e}"))?
             .to_bytes();
-        let body = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
-        Ok(Health { status, body })
+        Ok((status, body))
     };
     // The connection ends once the response is read (`Connection: close`); its own error, if any, is the one the
     // exchange already reports.
@@ -124,21 +152,37 @@ where
     answer
 }
 
-/// Host, port and scheme of a `ws://` or `wss://` URL.
-struct Target {
-    tls: bool,
+/// Host, port and scheme of a `ws://`, `wss://`, `http://` or `https://` URL.
+pub(crate) struct Target {
+    pub(crate) tls: bool,
     host: String,
     port: u16,
 }
 
 impl Target {
-    fn parse(ws_url: &str) -> Result<Target, ClientError> {
-        let bad = |why: &str| ClientError::Config(format!("URL {ws_url:?}: {why}"));
-        let uri: Uri = ws_url.parse().map_err(|_| bad("not a URL"))?;
+    /// A `ws://` or `wss://` URL.
+    pub(crate) fn parse(ws_url: &str) -> Result<Target, ClientError> {
+        Target::parse_with(ws_url, ["ws", "wss"])
+    }
+
+    /// An `http://` or `https://` URL (its path is ignored).
+    pub(crate) fn parse_http(url: &str) -> Result<Target, ClientError> {
+        Target::parse_with(url, ["http", "https"])
+    }
+
+    /// A URL whose scheme is `schemes[0]` (plain) or `schemes[1]` (TLS).
+    fn parse_with(url: &str, schemes: [&str; 2]) -> Result<Target, ClientError> {
+        let bad = |why: &str| ClientError::Config(format!("URL {url:?}: {why}"));
+        let uri: Uri = url.parse().map_err(|_| bad("not a URL"))?;
         let tls = match uri.scheme_str() {
-            Some(s) if s.eq_ignore_ascii_case("ws") => false,
-            Some(s) if s.eq_ignore_ascii_case("wss") => true,
-            _ => return Err(bad("the scheme must be ws or wss")),
+            Some(s) if s.eq_ignore_ascii_case(schemes[0]) => false,
+            Some(s) if s.eq_ignore_ascii_case(schemes[1]) => true,
+            _ => {
+                return Err(bad(&format!(
+                    "the scheme must be {} or {}",
+                    schemes[0], schemes[1]
+                )))
+            }
         };
         let host = uri.host().ok_or_else(|| bad("no host"))?;
         let host = host

@@ -80,7 +80,10 @@ pub use connection::{Connection, ConnectionStatus};
 pub use error::{BoxError, ClientError, ErrorKind};
 pub use execute::Execute;
 pub use execution::{Execution, ExecutionResult};
-pub use fleet::{Discovery, DnsDiscovery, Fleet, FleetBuilder, NodeHealth, NodeStatus};
+pub use fleet::{
+    Discovery, DnsDiscovery, Fleet, FleetBuilder, KubernetesDiscovery, KubernetesError, NodeHealth,
+    NodeStatus, DEFAULT_K8S_PORT_NAME,
+};
 pub use gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 pub use health::{health, healthz_url, Health};
 pub use pool::{Pool, PoolBuilder, PoolStats, PooledConnection};

@@ -7,11 +7,13 @@
 //! sandboxctl health                                        # GET /healthz
 //! sandboxctl --endpoints ws://a:7070/ws,ws://b:7070/ws exec -l shell --code 'hostname'  # placed on a fleet
 //! sandboxctl --dns sandboxd.internal:7070 fleet status     # per node: address, version, load, health, error
+//! sandboxctl --k8s-service sandboxd fleet status          # in a pod: the Service's EndpointSlices
 //! ```
 //!
 //! The endpoint is `--url`, else `SANDBOXD_URL`, else the local daemon's `ws://127.0.0.1:7070/ws`. With
 //! `--endpoints` (or `SANDBOXD_ENDPOINTS`, comma-separated) or `--dns NAME:PORT` (or `SANDBOXD_DNS`; `--dns-server`
-//! names the nameserver), `exec` runs on a fleet: placed on the less loaded of two sampled nodes, and on another
+//! names the nameserver) or `--k8s-service NAME` (or `SANDBOXD_K8S_SERVICE`: the ready addresses of the headless
+//! Service's EndpointSlices, port `--k8s-port-name`, read with the pod's service account), `exec` runs on a fleet: placed on the less loaded of two sampled nodes, and on another
 //! node when one refuses it before its `ack` (see `client::Fleet`). The token is
 //! `--token`, else `SANDBOXD_TOKEN`, else the content of `--token-file` (default `/var/lib/sandboxd/token`) when
 //! it is readable.
@@ -31,7 +33,10 @@ use client::{
     ExecuteRequest, Language, Reason, RequestedLimits, ServerMessage, DEFAULT_TOKEN_FILE,
     DEFAULT_URL,
 };
-use client::{CommandTool, Discovery, DnsDiscovery, Fleet, NodeHealth, Pool, ToolSpec};
+use client::{
+    CommandTool, Discovery, DnsDiscovery, Fleet, KubernetesDiscovery, NodeHealth, Pool, ToolSpec,
+    DEFAULT_K8S_PORT_NAME,
+};
 use protocol::{ArtifactsRequest, FileEncoding, FileSpec};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
@@ -43,7 +48,8 @@ use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 enum Exit {
     /// Success.
     Ok0 = 0,
-    /// A local problem: a file that cannot be read, a bad `--env` or `--file-in`, a bad URL.
+    /// A local problem: a file that cannot be read, a bad `--env` or `--file-in`, a bad URL, Kubernetes
+    /// discovery refused or without a token.
     Local = 1,
     /// The sandbox refused the request (`INVALID_REQUEST`, `LANGUAGE_NOT_SUPPORTED`, ...): do not retry as is.
     Refused = 65,
@@ -95,6 +101,8 @@ struct Cli {
     /// The nameserver for `--dns` (IP:PORT) [default: the system's].
     #[arg(long, global = true, requires = "dns")]
     dns_server: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    k8s: K8sArgs,
     /// Bearer token.
     #[arg(long, global = true, env = "SANDBOXD_TOKEN", hide_env_values = true)]
     token: Option<String>,
@@ -106,6 +114,57 @@ struct Cli {
     verbose: u8,
     #[command(subcommand)]
     command: Command,
+}
+
+/// Kubernetes discovery of a fleet.
+#[derive(Args, Debug)]
+struct K8sArgs {
+    /// A fleet discovered in Kubernetes: the headless Service whose EndpointSlices' ready addresses are the
+    /// daemons (`exec` and `fleet status`; read with the pod's service-account token).
+    #[arg(
+        long = "k8s-service",
+        global = true,
+        env = "SANDBOXD_K8S_SERVICE",
+        conflicts_with = "dns"
+    )]
+    k8s_service: Option<String>,
+    /// The Service's namespace [default: the pod's].
+    #[arg(long = "k8s-namespace", global = true, requires = "k8s_service")]
+    k8s_namespace: Option<String>,
+    /// The name of the Service port serving FSP.
+    #[arg(long = "k8s-port-name", global = true, default_value = DEFAULT_K8S_PORT_NAME)]
+    k8s_port_name: String,
+    /// The API server's URL [default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT].
+    #[arg(long = "k8s-api", global = true, requires = "k8s_service")]
+    k8s_api: Option<String>,
+    /// The bearer token file [default: the service account's].
+    #[arg(long = "k8s-token-file", global = true, requires = "k8s_service")]
+    k8s_token_file: Option<PathBuf>,
+    /// The API server's CA [default: the service account's].
+    #[arg(long = "k8s-ca-file", global = true, requires = "k8s_service")]
+    k8s_ca_file: Option<PathBuf>,
+}
+
+impl K8sArgs {
+    /// The discovery these flags name, if `--k8s-service` is given.
+    fn discovery(&self) -> Option<KubernetesDiscovery> {
+        let service = self
+            .k8s_service
+            .as_deref()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())?;
+        let mut k8s = KubernetesDiscovery::new(service);
+        k8s.namespace.clone_from(&self.k8s_namespace);
+        k8s.port_name.clone_from(&self.k8s_port_name);
+        k8s.api_url.clone_from(&self.k8s_api);
+        if let Some(f) = &self.k8s_token_file {
+            k8s.token_file.clone_from(f);
+        }
+        if let Some(f) = &self.k8s_ca_file {
+            k8s.ca_file.clone_from(f);
+        }
+        Some(k8s)
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -123,7 +182,7 @@ enum Command {
     /// Agent sandboxes: create, spawn, events, kill, rm (JSON in, JSON out).
     #[command(subcommand)]
     Sandbox(SandboxCommand),
-    /// A fleet of daemons (`--endpoints` or `--dns`).
+    /// A fleet of daemons (`--endpoints`, `--dns` or `--k8s-service`).
     #[command(subcommand)]
     Fleet(FleetCommand),
 }
@@ -318,7 +377,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         },
         Command::Fleet(FleetCommand::Status { json }) => {
             let Some(discovery) = fleet else {
-                bail!("fleet status needs --endpoints or --dns");
+                bail!("fleet status needs --endpoints, --dns or --k8s-service");
             };
             match build_fleet(discovery, token).await {
                 Ok(fleet) => fleet_status(&fleet, json).await,
@@ -331,7 +390,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// The fleet named by `--endpoints` or `--dns`, if any.
+/// The fleet named by `--endpoints`, `--dns` or `--k8s-service`, if any.
 fn fleet_discovery(cli: &Cli) -> anyhow::Result<Option<Discovery>> {
     let endpoints: Vec<String> = cli
         .endpoints
@@ -348,7 +407,7 @@ fn fleet_discovery(cli: &Cli) -> anyhow::Result<Option<Discovery>> {
             dns.nameserver = cli.dns_server;
             Ok(Some(Discovery::Dns(dns)))
         }
-        None => Ok(None),
+        None => Ok(cli.k8s.discovery().map(Discovery::Kubernetes)),
     }
 }
 
@@ -555,6 +614,7 @@ async fn fail(e: &ClientError) -> ExitCode {
         ClientError::Unauthorized => Exit::Unauthorized,
         ClientError::Malformed { .. } | ClientError::Protocol { .. } => Exit::Protocol,
         ClientError::Config(_) => Exit::Local,
+        ClientError::Kubernetes(k) if !k.is_retryable() => Exit::Local,
         e if e.is_retryable() => Exit::Unavailable,
         _ => Exit::Refused,
     };

@@ -611,6 +611,44 @@ fn python_module_name(name: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// The Kubernetes ConfigMap's config.yaml is one the daemon accepts, listening on every address at the port
+    /// the DaemonSet names `fsp`, and its drain ends before the pod's termination grace period does.
+    #[test]
+    fn the_kubernetes_config_map_is_accepted() {
+        let doc = |text: &str| -> serde_yaml_ng::Value { serde_yaml_ng::from_str(text).unwrap() };
+        let map = doc(include_str!("../../deploy/kubernetes/configmap.yaml"));
+        let text = map["data"]["config.yaml"].as_str().unwrap();
+        let config = Config::parse(text).unwrap();
+        let daemonset = doc(include_str!("../../deploy/kubernetes/daemonset.yaml"));
+        let pod = &daemonset["spec"]["template"]["spec"];
+        let container = &pod["containers"][0];
+        let port = &container["ports"][0];
+        assert_eq!(port["name"].as_str(), Some("fsp"));
+        assert_eq!(
+            config.listen,
+            SocketAddr::from(([0, 0, 0, 0], port["containerPort"].as_u64().unwrap() as u16))
+        );
+        assert_eq!(
+            config.state_dir,
+            Path::new(
+                container["volumeMounts"]
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .find(|m| m["name"] == "state")
+                    .unwrap()["mountPath"]
+                    .as_str()
+                    .unwrap()
+            )
+        );
+        let grace_s = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+        assert!(
+            config.shutdown_grace_ms + 5_000 <= grace_s * 1000,
+            "shutdown_grace_ms {} leaves less than 5 s of the {grace_s} s grace period",
+            config.shutdown_grace_ms
+        );
+    }
+
     /// The README's configuration reference is every key with its default: it must parse (so it names no
     /// unknown key) and equal `Config::default()`.
     #[test]

@@ -1,6 +1,8 @@
-//! Where a fleet's endpoints come from: a static list, or a DNS name whose A/AAAA records are resolved again
+//! Where a fleet's endpoints come from: a static list, a DNS name whose A/AAAA records are resolved again
 //! periodically (one endpoint per address), through hickory-resolver (the system's resolver configuration, or a
-//! nameserver the caller names; tokio's `lookup_host` cannot be pointed at one).
+//! nameserver the caller names; tokio's `lookup_host` cannot be pointed at one), or the EndpointSlices of a
+//! Kubernetes Service ([`super::kubernetes`]). The two that change are both a [`Source`] the fleet asks again on
+//! its own schedule.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -9,6 +11,7 @@ use hickory_resolver::config::{NameServerConfigGroup, ResolverConfig};
 use hickory_resolver::name_server::TokioConnectionProvider;
 use hickory_resolver::{ResolveErrorKind, TokioResolver};
 
+use super::kubernetes::{KubernetesDiscovery, KubernetesLister};
 use crate::error::ClientError;
 
 /// Default time between two resolutions of a DNS name.
@@ -21,6 +24,51 @@ pub enum Discovery {
     Static(Vec<String>),
     /// The A and AAAA records of a name.
     Dns(DnsDiscovery),
+    /// The ready addresses of a Kubernetes Service's EndpointSlices.
+    Kubernetes(KubernetesDiscovery),
+}
+
+/// `ws://<ip>:<port><path>` (`wss://` with `tls`), the address in brackets for IPv6.
+pub(crate) fn ws_url(tls: bool, ip: IpAddr, port: u16, path: &str) -> String {
+    let scheme = if tls { "wss" } else { "ws" };
+    match ip {
+        IpAddr::V4(v4) => format!("{scheme}://{v4}:{port}{path}"),
+        IpAddr::V6(v6) => format!("{scheme}://[{v6}]:{port}{path}"),
+    }
+}
+
+/// A discovery whose answer changes: asked once when the fleet is built, then every `interval`.
+pub(crate) enum Source {
+    Dns(Box<DnsResolver>),
+    Kubernetes(Box<KubernetesLister>),
+}
+
+impl Source {
+    /// The source of `discovery`; `None` for a static list.
+    pub(crate) fn new(discovery: &Discovery) -> Result<Option<Source>, ClientError> {
+        Ok(match discovery {
+            Discovery::Static(_) => None,
+            Discovery::Dns(spec) => Some(Source::Dns(Box::new(DnsResolver::new(spec.clone())?))),
+            Discovery::Kubernetes(spec) => Some(Source::Kubernetes(Box::new(
+                KubernetesLister::new(spec.clone())?,
+            ))),
+        })
+    }
+
+    pub(crate) fn interval(&self) -> Duration {
+        match self {
+            Source::Dns(d) => d.interval(),
+            Source::Kubernetes(k) => k.interval(),
+        }
+    }
+
+    /// The endpoints now, sorted; an error leaves the fleet's nodes as they are.
+    pub(crate) async fn endpoints(&self) -> Result<Vec<String>, ClientError> {
+        match self {
+            Source::Dns(d) => d.resolve().await,
+            Source::Kubernetes(k) => Ok(k.list().await?),
+        }
+    }
 }
 
 /// A DNS name whose addresses are the nodes: `ws://<address>:<port><path>` for each A and AAAA record, resolved
@@ -73,11 +121,7 @@ impl DnsDiscovery {
 
     /// The endpoint URL of one address.
     pub fn url(&self, ip: IpAddr) -> String {
-        let scheme = if self.tls { "wss" } else { "ws" };
-        match ip {
-            IpAddr::V4(v4) => format!("{scheme}://{v4}:{}{}", self.port, self.path),
-            IpAddr::V6(v6) => format!("{scheme}://[{v6}]:{}{}", self.port, self.path),
-        }
+        ws_url(self.tls, ip, self.port, &self.path)
     }
 }
 

@@ -2,9 +2,10 @@
 //! [`Pool`] runs on a fleet unchanged.
 //!
 //! - **Endpoints** come from a [`Discovery`]: a static list (changed at run time with
-//!   [`Fleet::set_endpoints`]) or a DNS name whose A/AAAA records are resolved again periodically. Nodes that
-//!   join are used from the next placement on; nodes that leave receive nothing new (their executions in flight
-//!   go on).
+//!   [`Fleet::set_endpoints`]), a DNS name whose A/AAAA records are resolved again periodically, or the
+//!   EndpointSlices of a Kubernetes headless Service listed again periodically ([`KubernetesDiscovery`]). Nodes
+//!   that join are used from the next placement on; nodes that leave receive nothing new (their executions in
+//!   flight go on).
 //! - **One [`Pool`] per node**, built from one [`PoolBuilder`] (token, sizes, timeouts, TLS).
 //! - **Placement** by power-of-K choices (K = 2): K admitted nodes sampled at random, the one with the lowest
 //!   load score taken. The score is the node's running plus queued executions from its last `pong`, plus this
@@ -38,6 +39,7 @@
 //! runtime), which stops when the last clone of the fleet is dropped.
 
 mod discovery;
+mod kubernetes;
 mod node;
 mod place;
 
@@ -45,8 +47,12 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use discovery::DnsResolver;
+use discovery::Source;
 pub use discovery::{Discovery, DnsDiscovery, DEFAULT_DNS_INTERVAL};
+pub use kubernetes::{
+    KubernetesDiscovery, KubernetesError, DEFAULT_K8S_INTERVAL, DEFAULT_K8S_PORT_NAME,
+    SERVICE_ACCOUNT_DIR,
+};
 use node::{Checks, Node};
 pub use node::{NodeHealth, NodeStatus};
 use protocol::{ErrorCode, ExecuteRequest};
@@ -123,10 +129,7 @@ impl FleetBuilder {
     pub async fn build(self) -> Result<Fleet, ClientError> {
         // A pool for a placeholder URL checks everything but the URL once, before any node exists.
         self.pool.for_url("ws://placeholder/ws").build()?;
-        let dns = match &self.discovery {
-            Discovery::Dns(spec) => Some(DnsResolver::new(spec.clone())?),
-            Discovery::Static(_) => None,
-        };
+        let source = Source::new(&self.discovery)?;
         let inner = Arc::new(Inner {
             pool: self.pool,
             choices: self.choices,
@@ -135,13 +138,13 @@ impl FleetBuilder {
             stop: CancellationToken::new(),
         });
         let fleet = Fleet { inner };
-        match (&self.discovery, &dns) {
+        match (&self.discovery, &source) {
             (Discovery::Static(urls), _) => fleet.set_endpoints(urls)?,
-            (Discovery::Dns(_), Some(dns)) => fleet.set_endpoints(&dns.resolve().await?)?,
-            (Discovery::Dns(_), None) => {}
+            (_, Some(source)) => fleet.set_endpoints(&source.endpoints().await?)?,
+            (_, None) => {}
         }
         fleet.check_now().await;
-        tokio::spawn(background(Arc::downgrade(&fleet.inner), dns));
+        tokio::spawn(background(Arc::downgrade(&fleet.inner), source));
         Ok(fleet)
     }
 }
@@ -357,16 +360,18 @@ impl Execute for Fleet {
     }
 }
 
-/// Checks the nodes every interval and resolves DNS discovery on its own schedule, until the fleet is dropped.
-async fn background(fleet: Weak<Inner>, dns: Option<DnsResolver>) {
+/// Checks the nodes every interval and asks the discovery source again on its own schedule, until the fleet is
+/// dropped.
+async fn background(fleet: Weak<Inner>, source: Option<Source>) {
     let Some((stop, every)) = fleet.upgrade().map(|i| (i.stop.clone(), i.checks.interval)) else {
         return;
     };
     let mut checks = tokio::time::interval(every);
     checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut resolve = tokio::time::interval(
-        dns.as_ref()
-            .map_or(Duration::from_secs(3600), |d| d.interval()),
+        source
+            .as_ref()
+            .map_or(Duration::from_secs(3600), Source::interval),
     );
     resolve.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -376,15 +381,15 @@ async fn background(fleet: Weak<Inner>, dns: Option<DnsResolver>) {
                 let Some(inner) = fleet.upgrade() else { return };
                 Fleet { inner }.check_now().await;
             }
-            _ = resolve.tick(), if dns.is_some() => {
-                let (Some(dns), Some(inner)) = (&dns, fleet.upgrade()) else { return };
-                match dns.resolve().await {
+            _ = resolve.tick(), if source.is_some() => {
+                let (Some(source), Some(inner)) = (&source, fleet.upgrade()) else { return };
+                match source.endpoints().await {
                     Ok(urls) => {
                         if let Err(e) = (Fleet { inner }).set_endpoints(&urls) {
-                            tracing::warn!(error = %e, "fleet: DNS answer not usable");
+                            tracing::warn!(error = %e, "fleet: discovery answer not usable");
                         }
                     }
-                    Err(e) => tracing::warn!(error = %e, "fleet: DNS discovery failed; keeping the nodes"),
+                    Err(e) => tracing::warn!(error = %e, "fleet: discovery failed; keeping the nodes"),
                 }
             }
         }

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -253,4 +253,91 @@ async fn serve<S: AsyncRead + AsyncWrite + Unpin>(stream: S, ctx: Ctx) {
         }
     }
     ctx.closed.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Three standard fakes on the same port of 127.0.0.1, .2 and .3 (what three hosts behind one name or Service
+/// look like): the servers, their addresses and the port.
+pub async fn three_hosts() -> (Vec<FakeServer>, Vec<Ipv4Addr>, u16) {
+    let ips: Vec<Ipv4Addr> = (1..=3).map(|i| Ipv4Addr::new(127, 0, 0, i)).collect();
+    let mut servers: Vec<FakeServer> = Vec::new();
+    for ip in &ips {
+        let port = servers.first().map_or(0, |s| s.addr.port());
+        let addr = SocketAddr::new(IpAddr::V4(*ip), port);
+        servers.push(FakeServer::start_on(addr, Arc::new(|_, m| standard(m)), None, None).await);
+    }
+    let port = servers[0].addr.port();
+    (servers, ips, port)
+}
+
+/// Waits until the fleet's endpoints, sorted, are `want`.
+pub async fn wait_endpoints(fleet: &client::Fleet, want: Vec<String>) {
+    super::daemon::wait_until(
+        "the fleet to follow discovery",
+        std::time::Duration::from_secs(10),
+        || {
+            let mut now = fleet.endpoints();
+            now.sort();
+            let want = want.clone();
+            async move {
+                if now == want {
+                    Ok(())
+                } else {
+                    Err(format!("{now:?}"))
+                }
+            }
+        },
+    )
+    .await;
+}
+
+/// A `print('hi')` in python with small limits.
+pub fn hi_request() -> client::ExecuteRequest {
+    client::ExecuteRequest::new(
+        client::new_execution_id(),
+        client::Language::Python,
+        "print('hi')",
+        client::RequestedLimits::new(5_000, 64),
+    )
+}
+
+/// A fleet builder for fakes: the fakes serve no `/healthz`, so their checks fail; this fleet checks once a
+/// minute and ejects only after many failures in a row.
+pub fn fleet_of_fakes(discovery: client::Discovery) -> client::FleetBuilder {
+    client::Fleet::builder(discovery)
+        .eject_after(1_000)
+        .check_interval(std::time::Duration::from_secs(60))
+        .check_timeout(std::time::Duration::from_millis(300))
+}
+
+/// How many `execute` messages each server received.
+pub fn executes_per_server(servers: &[FakeServer]) -> Vec<usize> {
+    servers
+        .iter()
+        .map(|s| s.received_of("execute").len())
+        .collect()
+}
+
+/// A TLS acceptor with a self-signed certificate for `name` (a host name or an IP address), and the certificate
+/// (DER and PEM) a client must trust.
+pub fn self_signed(
+    name: &str,
+) -> (
+    tokio_rustls::TlsAcceptor,
+    rustls::pki_types::CertificateDer<'static>,
+    String,
+) {
+    use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let rcgen::CertifiedKey { cert, key_pair } =
+        rcgen::generate_simple_self_signed(vec![name.to_owned()]).unwrap();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_pair.serialize_der()));
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![cert.der().clone()], key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    (acceptor, cert.der().clone(), cert.pem())
 }

@@ -13,6 +13,7 @@ use client::{
 use futures_util::stream::{self, StreamExt};
 
 use super::daemon::wait_until;
+use super::k8s_stub::ApiStub;
 use super::netns::{hosts, Hosts};
 use super::sandboxctl::ctl_env;
 
@@ -313,4 +314,68 @@ async fn sandboxctl_runs_on_a_fleet_and_reports_each_node() {
         "{table}"
     );
     assert_eq!(table.matches("\thealthy\t").count(), 2, "{table}");
+}
+
+/// The address of `ws://IP:PORT/ws`.
+fn socket_addr(url: &str) -> std::net::SocketAddr {
+    url.trim_start_matches("ws://")
+        .trim_end_matches("/ws")
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kubernetes_discovery_follows_a_slice_change_under_load() {
+    let test = "kubernetes_discovery_follows_a_slice_change_under_load";
+    let Some(hosts) = hosts(test, 4).await else {
+        return;
+    };
+    let nodes: Vec<_> = hosts.urls().iter().map(|u| socket_addr(u)).collect();
+    let api = ApiStub::start().await;
+    let serve = |which: &[(usize, bool)]| {
+        let endpoints: Vec<_> = which.iter().map(|&(i, ready)| (nodes[i], ready)).collect();
+        api.serve(&endpoints);
+    };
+    serve(&[(0, true), (1, true), (2, false)]);
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "t\n").unwrap();
+    let fleet = Arc::new(
+        Fleet::builder(Discovery::Kubernetes(api.discovery(&token)))
+            .pool(
+                Pool::builder("")
+                    .token(hosts.token.clone())
+                    .size(4)
+                    .max_overflow(16),
+            )
+            .check_interval(Duration::from_millis(200))
+            .build()
+            .await
+            .unwrap(),
+    );
+    assert_eq!(fleet.endpoints().len(), 2, "{:?}", fleet.endpoints());
+    let batch = {
+        let fleet = fleet.clone();
+        tokio::spawn(async move { run(&fleet, 90, 9, "sleep 0.2; echo ok").await })
+    };
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Host 0 leaves (its pod terminating: not ready), host 2 becomes ready.
+    serve(&[(0, false), (1, true), (2, true)]);
+    let out = batch.await.unwrap();
+    let status = fleet.status();
+    eprintln!(
+        "kubernetes slice change under load: {out:?}, nodes {:?}",
+        status
+            .iter()
+            .map(|s| (&s.url, s.placed))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!((out.ok, out.total()), (90, 90), "{out:?}");
+    let mut endpoints = fleet.endpoints();
+    endpoints.sort();
+    let mut want = vec![hosts.urls()[1].clone(), hosts.urls()[2].clone()];
+    want.sort();
+    assert_eq!(endpoints, want);
+    let joined = status.iter().find(|s| s.url == hosts.urls()[2]).unwrap();
+    assert!(joined.placed > 0, "{status:?}");
 }

@@ -5,11 +5,11 @@
 //! The fakes serve no `/healthz`, so their checks fail: these fleets eject only after many failures in a row.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use client::{ClientError, Discovery, DnsDiscovery, Execute, Fleet, Language, RequestedLimits};
+use client::{ClientError, Discovery, DnsDiscovery, Execute, Fleet};
 use hickory_proto::op::{Message, MessageType};
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{RData, Record, RecordType};
@@ -19,19 +19,11 @@ use tokio::net::UdpSocket;
 use super::fake::{self, FakeServer, Reply};
 
 fn request() -> client::ExecuteRequest {
-    client::ExecuteRequest::new(
-        client::new_execution_id(),
-        Language::Python,
-        "print('hi')",
-        RequestedLimits::new(5_000, 64),
-    )
+    fake::hi_request()
 }
 
 async fn fleet_of(urls: Vec<String>) -> Fleet {
-    Fleet::builder(Discovery::Static(urls))
-        .eject_after(1_000)
-        .check_interval(Duration::from_secs(60))
-        .check_timeout(Duration::from_millis(300))
+    fake::fleet_of_fakes(Discovery::Static(urls))
         .build()
         .await
         .unwrap()
@@ -222,30 +214,12 @@ impl Nameserver {
 
 #[tokio::test]
 async fn dns_discovery_follows_the_nameserver() {
-    // Three fakes on the same port of three loopback addresses: what three hosts behind one name look like.
-    let ips: Vec<Ipv4Addr> = (1..=3).map(|i| Ipv4Addr::new(127, 0, 0, i)).collect();
-    let first = FakeServer::start_on(
-        SocketAddr::new(IpAddr::V4(ips[0]), 0),
-        Arc::new(|_, m| fake::standard(m)),
-        None,
-        None,
-    )
-    .await;
-    let port = first.addr.port();
-    let mut servers = vec![first];
-    for ip in &ips[1..] {
-        let addr = SocketAddr::new(IpAddr::V4(*ip), port);
-        servers
-            .push(FakeServer::start_on(addr, Arc::new(|_, m| fake::standard(m)), None, None).await);
-    }
+    let (servers, ips, port) = fake::three_hosts().await;
     let ns = Nameserver::start(ips[..2].to_vec()).await;
     let mut dns = DnsDiscovery::new("sandboxd.fleet.test", port);
     dns.nameserver = Some(ns.addr);
     dns.interval = Duration::from_millis(100);
-    let fleet = Fleet::builder(Discovery::Dns(dns))
-        .eject_after(1_000)
-        .check_interval(Duration::from_secs(60))
-        .check_timeout(Duration::from_millis(300))
+    let fleet = fake::fleet_of_fakes(Discovery::Dns(dns))
         .build()
         .await
         .unwrap();
@@ -255,30 +229,11 @@ async fn dns_discovery_follows_the_nameserver() {
     assert_eq!(endpoints, vec![url(ips[0]), url(ips[1])]);
     // The first host leaves, the third joins.
     *ns.records.lock().unwrap() = ips[1..].to_vec();
-    test_support::daemon::wait_until(
-        "the fleet to follow the DNS change",
-        Duration::from_secs(10),
-        || {
-            let mut now = fleet.endpoints();
-            now.sort();
-            let want = vec![url(ips[1]), url(ips[2])];
-            async move {
-                if now == want {
-                    Ok(())
-                } else {
-                    Err(format!("{now:?}"))
-                }
-            }
-        },
-    )
-    .await;
+    fake::wait_endpoints(&fleet, vec![url(ips[1]), url(ips[2])]).await;
     for _ in 0..20 {
         fleet.execute(request()).await.unwrap();
     }
-    let counts: Vec<usize> = servers
-        .iter()
-        .map(|s| s.received_of("execute").len())
-        .collect();
+    let counts = fake::executes_per_server(&servers);
     assert_eq!(counts[0], 0, "{counts:?}");
     assert_eq!(counts[1] + counts[2], 20, "{counts:?}");
     assert!(counts[2] > 0, "{counts:?}");

@@ -2,6 +2,7 @@
 
 pub mod daemon;
 pub mod fake;
+pub mod k8s_stub;
 pub mod netns;
 
 mod agents;
@@ -9,6 +10,7 @@ mod auth;
 mod daemon_failures;
 mod daemon_pool;
 mod fleet_hosts;
+mod fleet_k8s;
 mod fleet_rules;
 mod malformed;
 mod pool_behaviour;

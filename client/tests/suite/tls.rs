@@ -4,28 +4,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use client::{ClientError, ConnectOptions, Connection, Execute, Pool};
-use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use super::fake::{self, FakeServer};
 
 async fn tls_server() -> (FakeServer, rustls::pki_types::CertificateDer<'static>) {
-    let rcgen::CertifiedKey { cert, key_pair } =
-        rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
-    let cert_der = cert.der().clone();
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key_pair.serialize_der()));
-    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(vec![cert_der.clone()], key)
-    .unwrap();
+    let (acceptor, cert_der, _) = fake::self_signed("localhost");
     let server = FakeServer::start_on(
         "127.0.0.1:0".parse().unwrap(),
         Arc::new(|_, m| fake::standard(m)),
         Some("tls-token".into()),
-        Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),
+        Some(acceptor),
     )
     .await;
     (server, cert_der)
