@@ -16,6 +16,7 @@
 //! | fleet: Kubernetes discovery failed | [`ClientError::Kubernetes`] | `Sandbox` | when the API was not reached |
 //! | request refused before sending | [`ClientError::InvalidRequest`] | `Validation` | no |
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -175,7 +176,7 @@ pub enum ClientError {
     /// Kubernetes discovery could not list a [`Fleet`](crate::Fleet)'s nodes (refused, no token, not in a pod);
     /// the message names the fix.
     #[error(transparent)]
-    Kubernetes(#[from] crate::fleet::KubernetesError),
+    Kubernetes(#[from] KubernetesError),
 }
 
 impl ClientError {
@@ -326,5 +327,73 @@ mod tests {
         fn assert_send_sync<T: Send + Sync + 'static>() {}
         assert_send_sync::<ClientError>();
         assert!(std::mem::size_of::<ClientError>() <= 128);
+    }
+}
+
+/// Why Kubernetes discovery could not list the nodes; each message names the fix.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum KubernetesError {
+    /// No API URL was given and the pod's environment does not name one.
+    #[error(
+        "Not in a Kubernetes pod: KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are not set; \
+         give the API server's URL (--k8s-api)"
+    )]
+    NotInCluster,
+    /// The service-account token could not be read.
+    #[error(
+        "Cannot read the service-account token {path}: {reason}; mount the pod's token \
+         (automountServiceAccountToken: true) or name a token file (--k8s-token-file)"
+    )]
+    Token {
+        /// The token file.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// No namespace was given and the namespace file could not be read.
+    #[error("Cannot read the pod's namespace from {path}: {reason}; name the namespace (--k8s-namespace)")]
+    Namespace {
+        /// The namespace file.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// The API server's CA could not be read or used.
+    #[error(
+        "Cannot use the API server's CA {path}: {reason}; mount the service-account CA or name one (--k8s-ca-file)"
+    )]
+    Ca {
+        /// The CA file.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// The API server refused the list (401, 403 or 404).
+    #[error("The API server refused to list the EndpointSlices of {namespace}/{service} (HTTP {status}): {fix}")]
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// The namespace.
+        namespace: String,
+        /// The Service.
+        service: String,
+        /// What to change, and the API server's own message.
+        fix: String,
+    },
+    /// The list failed otherwise (connection, another status, an answer that is not an EndpointSliceList).
+    #[error("Listing EndpointSlices from {url} failed: {reason}")]
+    Api {
+        /// The list URL.
+        url: String,
+        /// What failed.
+        reason: String,
+    },
+}
+
+impl KubernetesError {
+    /// Whether listing again later may succeed without a change of configuration or RBAC.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, KubernetesError::Api { .. })
     }
 }

@@ -12,6 +12,7 @@ use hickory_resolver::name_server::TokioConnectionProvider;
 use hickory_resolver::{ResolveErrorKind, TokioResolver};
 
 use super::kubernetes::{KubernetesDiscovery, KubernetesLister};
+use super::node::ws_url;
 use crate::error::ClientError;
 
 /// Default time between two resolutions of a DNS name.
@@ -26,15 +27,6 @@ pub enum Discovery {
     Dns(DnsDiscovery),
     /// The ready addresses of a Kubernetes Service's EndpointSlices.
     Kubernetes(KubernetesDiscovery),
-}
-
-/// `ws://<ip>:<port><path>` (`wss://` with `tls`), the address in brackets for IPv6.
-pub(crate) fn ws_url(tls: bool, ip: IpAddr, port: u16, path: &str) -> String {
-    let scheme = if tls { "wss" } else { "ws" };
-    match ip {
-        IpAddr::V4(v4) => format!("{scheme}://{v4}:{port}{path}"),
-        IpAddr::V6(v6) => format!("{scheme}://[{v6}]:{port}{path}"),
-    }
 }
 
 /// A discovery whose answer changes: asked once when the fleet is built, then every `interval`.

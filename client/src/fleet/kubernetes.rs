@@ -15,8 +15,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 use serde::Deserialize;
 
-use super::discovery::ws_url;
-use crate::error::ClientError;
+use super::node::ws_url;
+use crate::error::{ClientError, KubernetesError};
 use crate::health::{self, Target};
 use crate::tls;
 
@@ -30,74 +30,6 @@ pub const DEFAULT_K8S_PORT_NAME: &str = "fsp";
 const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest list answer read.
 const MAX_LIST_BYTES: usize = 16 << 20;
-
-/// Why Kubernetes discovery could not list the nodes; each message names the fix.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum KubernetesError {
-    /// No API URL was given and the pod's environment does not name one.
-    #[error(
-        "Not in a Kubernetes pod: KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are not set; \
-         give the API server's URL (--k8s-api)"
-    )]
-    NotInCluster,
-    /// The service-account token could not be read.
-    #[error(
-        "Cannot read the service-account token {path}: {reason}; mount the pod's token \
-         (automountServiceAccountToken: true) or name a token file (--k8s-token-file)"
-    )]
-    Token {
-        /// The token file.
-        path: PathBuf,
-        /// What failed.
-        reason: String,
-    },
-    /// No namespace was given and the namespace file could not be read.
-    #[error("Cannot read the pod's namespace from {path}: {reason}; name the namespace (--k8s-namespace)")]
-    Namespace {
-        /// The namespace file.
-        path: PathBuf,
-        /// What failed.
-        reason: String,
-    },
-    /// The API server's CA could not be read or used.
-    #[error(
-        "Cannot use the API server's CA {path}: {reason}; mount the service-account CA or name one (--k8s-ca-file)"
-    )]
-    Ca {
-        /// The CA file.
-        path: PathBuf,
-        /// What failed.
-        reason: String,
-    },
-    /// The API server refused the list (401, 403 or 404).
-    #[error("The API server refused to list the EndpointSlices of {namespace}/{service} (HTTP {status}): {fix}")]
-    Refused {
-        /// The HTTP status.
-        status: u16,
-        /// The namespace.
-        namespace: String,
-        /// The Service.
-        service: String,
-        /// What to change, and the API server's own message.
-        fix: String,
-    },
-    /// The list failed otherwise (connection, another status, an answer that is not an EndpointSliceList).
-    #[error("Listing EndpointSlices from {url} failed: {reason}")]
-    Api {
-        /// The list URL.
-        url: String,
-        /// What failed.
-        reason: String,
-    },
-}
-
-impl KubernetesError {
-    /// Whether listing again later may succeed without a change of configuration or RBAC.
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, KubernetesError::Api { .. })
-    }
-}
 
 /// The EndpointSlices of a headless Service: `ws://<address>:<port><path>` for each ready address of each slice
 /// whose ports include `port_name`, listed again every `interval`. An endpoint that stops being ready (its pod is

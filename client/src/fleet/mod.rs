@@ -47,11 +47,11 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
+pub use crate::error::KubernetesError;
 use discovery::Source;
 pub use discovery::{Discovery, DnsDiscovery, DEFAULT_DNS_INTERVAL};
 pub use kubernetes::{
-    KubernetesDiscovery, KubernetesError, DEFAULT_K8S_INTERVAL, DEFAULT_K8S_PORT_NAME,
-    SERVICE_ACCOUNT_DIR,
+    KubernetesDiscovery, DEFAULT_K8S_INTERVAL, DEFAULT_K8S_PORT_NAME, SERVICE_ACCOUNT_DIR,
 };
 use node::{Checks, Node};
 pub use node::{NodeHealth, NodeStatus};

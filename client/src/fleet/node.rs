@@ -7,6 +7,7 @@
 //! `eject_max` while it keeps failing). The first check that passes re-admits it.
 
 use std::future::Future;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -293,6 +294,15 @@ impl Node {
         if let Some(c) = self.lock().probe.take() {
             c.close();
         }
+    }
+}
+
+/// `ws://<ip>:<port><path>` (`wss://` with `tls`), the address in brackets for IPv6.
+pub(crate) fn ws_url(tls: bool, ip: IpAddr, port: u16, path: &str) -> String {
+    let scheme = if tls { "wss" } else { "ws" };
+    match ip {
+        IpAddr::V4(v4) => format!("{scheme}://{v4}:{port}{path}"),
+        IpAddr::V6(v6) => format!("{scheme}://[{v6}]:{port}{path}"),
     }
 }
 
