@@ -30,6 +30,8 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 /// Largest answer read.
 const MAX_ANSWER: usize = 64 << 20;
+/// Time a connection has to be established.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Per-request deadline.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -43,6 +45,22 @@ pub enum GatewayError {
         status: u16,
         /// The refusal.
         error: PluginError,
+    },
+    /// The daemon could not be reached: the request was not sent.
+    #[error("Cannot connect to {url}: {reason}")]
+    Connect {
+        /// The URL.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// No node of a [`Fleet`](crate::Fleet) took the sandbox: each was unreachable or at its sandbox limit.
+    #[error("No node of the fleet took the sandbox after {tried} attempt(s): {last}")]
+    NoNode {
+        /// Nodes tried.
+        tried: usize,
+        /// The last node's refusal.
+        last: String,
     },
     /// The call did not get an answer.
     #[error("Request to {url} failed: {reason}")]
@@ -70,7 +88,9 @@ impl GatewayError {
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::Plugin { error, .. } => error.retryable(),
-            Self::Http { .. } | Self::Events(_) => true,
+            Self::Connect { .. } | Self::NoNode { .. } | Self::Http { .. } | Self::Events(_) => {
+                true
+            }
             Self::Malformed { .. } => false,
         }
     }
@@ -93,12 +113,15 @@ struct Http {
 
 impl Http {
     fn new(token: &str) -> Self {
+        // A host that does not answer the handshake (a link down) is a connect error, so a fleet can ask another.
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
         Self {
             // No connection reuse: a daemon closes a connection after refusing an oversize body, and a pooled
             // connection closed under a request fails it; one TCP handshake on the gateway's link is cheap.
             client: Client::builder(TokioExecutor::new())
                 .pool_max_idle_per_host(0)
-                .build_http(),
+                .build(connector),
             token: token.to_owned(),
         }
     }
@@ -127,7 +150,16 @@ impl Http {
         let resp = tokio::time::timeout(REQUEST_TIMEOUT, self.client.request(req))
             .await
             .map_err(|_| fail("timed out".into()))?
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| {
+                if e.is_connect() {
+                    GatewayError::Connect {
+                        url: url.to_owned(),
+                        reason: e.to_string(),
+                    }
+                } else {
+                    fail(e.to_string())
+                }
+            })?;
         let status = resp.status().as_u16();
         let body = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER)
             .collect()
@@ -136,6 +168,25 @@ impl Http {
             .to_bytes()
             .to_vec();
         Ok(RawAnswer { status, body })
+    }
+
+    /// `DELETE url`: 204, or the daemon's refusal.
+    async fn delete(&self, url: &str) -> Result<(), GatewayError> {
+        let a = self
+            .raw("DELETE", url, Vec::new(), Some(&self.token))
+            .await?;
+        if a.status == 204 {
+            return Ok(());
+        }
+        let error: PluginError =
+            serde_json::from_slice(&a.body).map_err(|e| GatewayError::Malformed {
+                url: url.to_owned(),
+                reason: format!("HTTP {} without a PluginError body: {e}", a.status),
+            })?;
+        Err(GatewayError::Plugin {
+            status: a.status,
+            error,
+        })
     }
 
     async fn call<T: DeserializeOwned>(
@@ -200,23 +251,9 @@ impl Gateway {
 
     /// `DELETE /sandboxes/<id>`.
     pub async fn delete(&self, id: &str) -> Result<(), GatewayError> {
-        let url = format!("{}/sandboxes/{id}", self.base);
-        let a = self
-            .http
-            .raw("DELETE", &url, Vec::new(), Some(&self.http.token))
-            .await?;
-        if a.status == 204 {
-            return Ok(());
-        }
-        let error: PluginError =
-            serde_json::from_slice(&a.body).map_err(|e| GatewayError::Malformed {
-                url: url.clone(),
-                reason: format!("HTTP {} without a PluginError body: {e}", a.status),
-            })?;
-        Err(GatewayError::Plugin {
-            status: a.status,
-            error,
-        })
+        self.http
+            .delete(&format!("{}/sandboxes/{id}", self.base))
+            .await
     }
 
     /// Any request with any body and token (`None`: no `Authorization`), for probing refusals.
@@ -257,6 +294,11 @@ impl SandboxClient {
     /// The sandbox id.
     pub fn id(&self) -> &str {
         &self.transport.id
+    }
+
+    /// `DELETE` the sandbox, on the daemon that serves it.
+    pub async fn delete(&self) -> Result<(), GatewayError> {
+        self.http.delete(&self.transport.rpc_endpoint).await
     }
 
     /// `POST /spawn`.

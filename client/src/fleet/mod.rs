@@ -58,10 +58,13 @@ pub use node::{NodeHealth, NodeStatus};
 use protocol::{ErrorCode, ExecuteRequest};
 use tokio_util::sync::CancellationToken;
 
+use agent_api::{CreateSandboxRequest, PluginError};
+
 use crate::config::ExecOptions;
 use crate::error::ClientError;
 use crate::execute::Execute;
 use crate::execution::{Execution, NodeWatch};
+use crate::gateway::{GatewayError, SandboxClient};
 use crate::pool::{Pool, PoolBuilder};
 
 /// Default number of nodes sampled per placement.
@@ -298,6 +301,61 @@ impl Fleet {
             lost,
         });
         Ok(execution)
+    }
+}
+
+impl Fleet {
+    /// Creates an agent sandbox (`POST /sandboxes`) on a node placed as executions are (power-of-K choices on
+    /// load), with the fleet's token. The client returned names that node in its endpoints, so its calls, its
+    /// event stream and replay reach it afterwards. A node that creates nothing (unreachable: the request was not
+    /// sent; or at its sandbox limit: a retryable `provider_unavailable`) is skipped for another; any other
+    /// answer is returned as it is (a request that reached a node is never sent to a second one).
+    pub async fn create_sandbox(
+        &self,
+        req: &CreateSandboxRequest,
+    ) -> Result<SandboxClient, GatewayError> {
+        let mut tried = HashSet::new();
+        let mut last = "no node is admitted".to_owned();
+        while let Some(node) = self.place(&tried) {
+            tried.insert(node.url.clone());
+            let gateway = match node.gateway().await {
+                Ok(g) => g,
+                Err(why) => {
+                    last = why;
+                    continue;
+                }
+            };
+            let _placed = node.start();
+            match gateway.create(req).await {
+                Ok(sandbox) => return Ok(sandbox),
+                Err(e) if skipped(&e) => {
+                    tracing::debug!(node = %node.url, error = %e, "placing the sandbox on another node");
+                    last = format!("{}: {e}", node.url);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(GatewayError::NoNode {
+            tried: tried.len(),
+            last,
+        })
+    }
+
+    /// Deletes a sandbox this fleet created (`DELETE` on its own node).
+    pub async fn delete_sandbox(&self, sandbox: &SandboxClient) -> Result<(), GatewayError> {
+        sandbox.delete().await
+    }
+}
+
+/// Whether a failed create means the node made nothing, so another node may be asked.
+fn skipped(e: &GatewayError) -> bool {
+    match e {
+        GatewayError::Connect { .. } => true,
+        GatewayError::Plugin {
+            error: PluginError::ProviderUnavailable { retryable, .. },
+            ..
+        } => *retryable,
+        _ => false,
     }
 }
 

@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::ConnectOptions;
 use crate::connection::Connection;
 use crate::error::ClientError;
+use crate::gateway::Gateway;
 use crate::health::health;
 use crate::pool::Pool;
 
@@ -121,6 +122,23 @@ impl Node {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A gateway to the node's agent endpoints (`http://host:port`, with the fleet's token); `None` for a
+    /// `wss://` node (the gateway is plain HTTP) or a token provider that fails.
+    pub(crate) async fn gateway(&self) -> Result<Gateway, String> {
+        let healthz = crate::health::healthz_url(&self.url).map_err(|e| e.to_string())?;
+        let base = healthz
+            .strip_suffix("/healthz")
+            .filter(|b| b.starts_with("http://"))
+            .ok_or_else(|| format!("{}: the gateway speaks plain http only", self.url))?;
+        let token = self
+            .probe_options
+            .auth
+            .current()
+            .await
+            .map_err(|e| format!("the token provider failed: {e}"))?;
+        Ok(Gateway::new(base, token.as_deref().unwrap_or("")))
     }
 
     /// Whether executions may be placed here.

@@ -127,7 +127,7 @@ fn expires_in(secs: i64) -> String {
         .unwrap()
 }
 
-fn create_request(backend_port: u16, token_ttl_s: i64) -> CreateSandboxRequest {
+pub(super) fn create_request(backend_port: u16, token_ttl_s: i64) -> CreateSandboxRequest {
     serde_json::from_value(json!({
         "workspaceRequirements": {
             "mounts": [], "capabilities": ["terminal", "network_internal_only"],

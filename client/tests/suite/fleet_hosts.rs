@@ -379,3 +379,75 @@ async fn kubernetes_discovery_follows_a_slice_change_under_load() {
     let joined = status.iter().find(|s| s.url == hosts.urls()[2]).unwrap();
     assert!(joined.placed > 0, "{status:?}");
 }
+
+/// Agent sandboxes placed on the fleet: spread over the hosts, each client's endpoints naming its own host (its
+/// health answers there; another host would not know the id); hosts at their sandbox limit are skipped until
+/// none is left (a typed `NoNode`, nothing created twice); a SIGKILLed host is skipped, and every sandbox is
+/// deleted on its own host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agent_sandboxes_are_placed_on_the_fleet_and_reached_on_their_hosts() {
+    use client::gateway::GatewayError;
+    let test = "agent_sandboxes_are_placed_on_the_fleet_and_reached_on_their_hosts";
+    let Some(mut hosts) = hosts(test, 4).await else {
+        return;
+    };
+    let fleet = fleet_of(&hosts).await;
+    let req = super::agents::create_request(9, 3600);
+    let urls = hosts.urls();
+    let host_of = |sb: &client::gateway::SandboxClient| {
+        let hostport = sb
+            .transport
+            .rpc_endpoint
+            .trim_start_matches("http://")
+            .split('/')
+            .next()
+            .unwrap()
+            .to_owned();
+        urls.iter()
+            .position(|u| u.contains(&format!("//{hostport}/")))
+            .unwrap_or_else(|| panic!("{hostport} is none of {urls:?}"))
+    };
+    let mut sandboxes = Vec::new();
+    for _ in 0..12 {
+        sandboxes.push(fleet.create_sandbox(&req).await.unwrap());
+    }
+    let mut per_host = [0usize; 3];
+    for sb in &sandboxes {
+        per_host[host_of(sb)] += 1;
+        sb.health().await.unwrap();
+    }
+    eprintln!("agent sandboxes placed per host: {per_host:?}");
+    assert!(
+        per_host.iter().filter(|n| **n > 0).count() >= 2,
+        "{per_host:?}"
+    );
+
+    // Until every host is at its limit (16 each): the full ones are skipped, then none is left.
+    let refused = loop {
+        match fleet.create_sandbox(&req).await {
+            Ok(sb) => sandboxes.push(sb),
+            Err(e) => break e,
+        }
+        assert!(sandboxes.len() <= 48, "more sandboxes than the hosts allow");
+    };
+    assert_eq!(sandboxes.len(), 48, "{refused}");
+    assert!(
+        matches!(refused, GatewayError::NoNode { tried: 3, .. }),
+        "{refused:?}"
+    );
+    assert!(refused.is_retryable());
+
+    // A host killed: after its sandboxes are gone elsewhere, new ones land on the others only.
+    for sb in sandboxes.drain(..) {
+        sb.delete().await.unwrap();
+    }
+    hosts.daemons[0].kill_hard();
+    for _ in 0..6 {
+        let sb = fleet.create_sandbox(&req).await.unwrap();
+        assert_ne!(host_of(&sb), 0, "placed on the killed host");
+        sandboxes.push(sb);
+    }
+    for sb in sandboxes {
+        sb.delete().await.unwrap();
+    }
+}
