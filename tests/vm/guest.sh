@@ -86,7 +86,7 @@ delegated() {
 # (capability sets, no_new_privs, seccomp), then copies of the unit each without one setting: a copy that starts
 # names a setting the failure needs (a failure that needs several together names each of them).
 hardening_diagnosis() {
-  local key pid=0 i
+  local key pid=0
   systemctl stop sandboxd
   for key in "" User CapabilityBoundingSet NoNewPrivileges ProtectSystem PrivateTmp ProtectHome ProtectKernelModules \
     Delegate; do
@@ -96,7 +96,7 @@ hardening_diagnosis() {
     systemctl daemon-reload
     systemctl start --no-block sandboxd-diag
     if [ -z "$key" ]; then
-      for i in $(seq 100); do
+      for _ in $(seq 100); do
         pid=$(systemctl show -p MainPID --value sandboxd-diag)
         [ "${pid:-0}" -gt 0 ] && break
         sleep 0.1
