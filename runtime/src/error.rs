@@ -315,6 +315,25 @@ pub enum CapsError {
         /// What it holds.
         held: Vec<String>,
     },
+    /// The daemon's effective set lacks capabilities its container helper uses.
+    #[error("The daemon lacks {} in its effective capability set; {}", .missing.join(", "), missing_fix(*.in_bounding))]
+    Missing {
+        /// What is missing, in the order checked.
+        missing: Vec<String>,
+        /// Whether the bounding set still holds all of them.
+        in_bounding: bool,
+    },
+}
+
+fn missing_fix(in_bounding: bool) -> &'static str {
+    if in_bounding {
+        "the bounding set still has them, so they were dropped before sandboxd started and no_new_privs kept \
+         execve from restoring them. systemd 255 and later drop CAP_SETUID from a unit that names User= (even \
+         root) and sets a seccomp-based directive (ProtectKernelModules=, SystemCallFilter=, ...): leave User= out, \
+         system services run as root by default"
+    } else {
+        "add them to the service's capability bounding set (CapabilityBoundingSet=, docker --cap-add)"
+    }
 }
 
 // Errors of landlock (`crate::landlock`).

@@ -141,6 +141,17 @@ fn process_checks() -> Vec<Check> {
         "run sandboxd as root (it creates namespaces, cgroups and mounts)",
         true,
     ));
+    let held = runtime::caps::ensure_held(&runtime::caps::HELPER_NEEDS);
+    out.push(check(
+        "capabilities",
+        held.is_ok(),
+        match &held {
+            Ok(()) => "CAP_SYS_ADMIN, CAP_SETGID and CAP_SETUID in the effective set".into(),
+            Err(e) => Chain(e).to_string(),
+        },
+        "start sandboxd with these capabilities (the detail says what took them away)",
+        true,
+    ));
 
     let release = nix::sys::utsname::uname()
         .map(|u| u.release().to_string_lossy().into_owned())

@@ -328,6 +328,7 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
 /// Fails closed on every layer: a layer the host cannot provide stops the daemon here, not an execution later.
 /// Returns the cgroup setup, the compiled seccomp profile and the landlock ABI to use.
 fn isolation_layers(config: &Config) -> anyhow::Result<(Cgroups, runtime::seccomp::Profile, i32)> {
+    runtime::caps::ensure_held(&runtime::caps::HELPER_NEEDS)?;
     let cgroups = Cgroups::detect(&config.sandbox.cgroup_root, &config.sandbox.cgroup_parent)?;
     cgroups.check_controllers()?;
     let (profile_text, arch) = runtime::seccomp::native_profile()?;
