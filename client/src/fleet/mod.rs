@@ -340,11 +340,6 @@ impl Fleet {
             last,
         })
     }
-
-    /// Deletes a sandbox this fleet created (`DELETE` on its own node).
-    pub async fn delete_sandbox(&self, sandbox: &SandboxClient) -> Result<(), GatewayError> {
-        sandbox.delete().await
-    }
 }
 
 /// Whether a failed create means the node made nothing, so another node may be asked.
