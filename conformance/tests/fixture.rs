@@ -21,7 +21,7 @@ use conformance::{run_suite, RunConfig, RunReport, Verdict, Xfail};
 const EXPECTED_NON_STRICT: &[&str] = &["R.limits.2", "I.caps.1", "I.caps.2", "I.nnp.1", "I.fs.4"];
 
 /// Fault runs at the same time.
-const PARALLEL: usize = 4;
+const PARALLEL: usize = 12;
 
 async fn run(faults: BTreeSet<Fault>) -> RunReport {
     let config = FixtureConfig {
