@@ -1,11 +1,16 @@
 //! `cargo bench -p sandboxd-client --bench fleet`: a fleet of three real daemons, each in its own network
 //! namespace on a bridge (root needed; the daemon binary is `target/<profile>/sandboxd` or `$SANDBOXD_BIN`),
-//! against a single-endpoint pool in the same run.
+//! each with 4 warm containers (`pool.size`, as a production host has), against a single-endpoint pool in the
+//! same run.
 //!
 //! Prints:
 //! - placement: the decision alone (`Fleet::pick`, sampling two nodes and comparing their scores), p50 over
 //!   100 000 calls, and `execute` of `true` end to end through the fleet and through a pool to one node,
-//!   interleaved, p50 and p99 of each and the difference of the p50s;
+//!   interleaved, p50 and p99 of each and the difference of the p50s: back to back, and settled (every node
+//!   idle for 40 ms before each execution, the order alternating, 500 pairs), which leaves out the daemons'
+//!   refill, with the median of the paired differences;
+//! - the fleet's own cost: the same comparison against three in-process fake nodes that answer at once, where
+//!   the client is all there is to measure (5 000 pairs);
 //! - balance under uniform load: executions placed per node, max/min, over 300 executions 12 at a time;
 //! - a node SIGKILLed under load: the time from the kill until no new execution is placed on it (its last
 //!   placement), until it is ejected, and how the executions submitted in that window ended (result, `NodeLost`,
@@ -17,6 +22,8 @@ mod common;
 
 #[path = "../tests/suite/daemon.rs"]
 mod daemon;
+#[path = "../tests/suite/fake.rs"]
+mod fake;
 #[path = "../tests/suite/netns.rs"]
 mod netns;
 
@@ -65,10 +72,11 @@ async fn run() {
         daemon::require_daemon("fleet bench");
         return;
     };
-    let Some(hosts) = netns::hosts("fleet bench", 4).await else {
+    let Some(hosts) = netns::hosts_with("fleet bench", 4, 12).await else {
         return;
     };
     println!("sandboxd binary: {}", bin.display());
+    client_cost().await;
     let token = hosts.token.clone();
     let urls = hosts.urls();
     let pool_builder = |url: &str| {
@@ -118,9 +126,92 @@ async fn placement(fleet: &Fleet, single: &Pool) {
     let f = summary("execute(`true`) through the fleet", &mut via_fleet);
     let p = summary("execute(`true`) through a one-node pool", &mut via_pool);
     println!(
-        "fleet overhead at p50: {:+.1} µs ({:.3}x the pool)",
+        "back to back: fleet overhead at p50: {:+.1} µs ({:.3}x the pool)",
         us(f) - us(p),
         f.as_secs_f64() / p.as_secs_f64()
+    );
+    // Back to back, each figure also carries the daemons' state: a node that ran the previous execution is
+    // still refilling its container pool (issue 26's refill tax), and three daemons share two cores with the
+    // client. With every node idle for SETTLE before each execution, and the order alternating, what is left
+    // of the difference is the client's own cost: the placement, the wait for the ack, the node watch.
+    const SETTLE: Duration = Duration::from_millis(40);
+    let (mut via_fleet, mut via_pool) = (Vec::new(), Vec::new());
+    for i in 0..500 {
+        for fleet_now in [i % 2 == 0, i % 2 == 1] {
+            tokio::time::sleep(SETTLE).await;
+            let start = Instant::now();
+            if fleet_now {
+                fleet.execute(request("true")).await.unwrap();
+                via_fleet.push(start.elapsed());
+            } else {
+                single.execute(request("true")).await.unwrap();
+                via_pool.push(start.elapsed());
+            }
+        }
+    }
+    // Each pair ran back to back on a settled fleet: the median of the paired differences is the least
+    // disturbed by the daemons' own spread.
+    let mut paired: Vec<f64> = via_fleet
+        .iter()
+        .zip(&via_pool)
+        .map(|(f, p)| us(*f) - us(*p))
+        .collect();
+    paired.sort_by(f64::total_cmp);
+    let f = summary("settled: execute(`true`) through the fleet", &mut via_fleet);
+    let p = summary("settled: execute(`true`), a one-node pool", &mut via_pool);
+    println!(
+        "settled: fleet overhead at p50: {:+.1} µs ({:.3}x the pool); median of the {} paired differences \
+         {:+.1} µs",
+        us(f) - us(p),
+        f.as_secs_f64() / p.as_secs_f64(),
+        paired.len(),
+        paired[paired.len() / 2]
+    );
+}
+
+/// The fleet's own cost, without a daemon's spread around it: three in-process fake nodes (loopback, answering
+/// each `execute` at once with ack, status, output and result), a fleet over them against a pool to one of
+/// them, interleaved.
+async fn client_cost() {
+    let (servers, _, _) = fake::three_hosts().await;
+    let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
+    let fleet = fake::fleet_of_fakes(Discovery::Static(urls.clone()))
+        .pool(Pool::builder("").size(4))
+        .build()
+        .await
+        .unwrap();
+    let single = Pool::builder(&urls[0]).size(4).build().unwrap();
+    for _ in 0..200 {
+        fleet.execute(request("true")).await.unwrap();
+        single.execute(request("true")).await.unwrap();
+    }
+    let (mut via_fleet, mut via_pool, mut paired) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..5_000 {
+        let mut pair = [Duration::ZERO; 2];
+        for fleet_now in [i % 2 == 0, i % 2 == 1] {
+            let start = Instant::now();
+            if fleet_now {
+                fleet.execute(request("true")).await.unwrap();
+                pair[0] = start.elapsed();
+            } else {
+                single.execute(request("true")).await.unwrap();
+                pair[1] = start.elapsed();
+            }
+        }
+        via_fleet.push(pair[0]);
+        via_pool.push(pair[1]);
+        paired.push(us(pair[0]) - us(pair[1]));
+    }
+    paired.sort_by(f64::total_cmp);
+    let f = summary("fake nodes: execute through the fleet", &mut via_fleet);
+    let p = summary("fake nodes: execute, a one-node pool", &mut via_pool);
+    println!(
+        "fake nodes: the fleet's own cost at p50: {:+.1} µs ({:.3}x the pool); median of the {} paired \
+         differences {:+.1} µs",
+        us(f) - us(p),
+        f.as_secs_f64() / p.as_secs_f64(),
+        paired.len(),
+        paired[paired.len() / 2]
     );
 }
 

@@ -108,6 +108,9 @@ pub struct DaemonOpts {
     pub host: String,
     /// The accepted token (default: a fresh one per daemon).
     pub token: Option<String>,
+    /// `pool.size`: warm containers (default 0: every process of the uid range belongs to a running execution,
+    /// which some tests rely on; the daemon's own suite covers the pool).
+    pub pool_size: usize,
 }
 
 impl Default for DaemonOpts {
@@ -121,6 +124,7 @@ impl Default for DaemonOpts {
             netns: None,
             host: "127.0.0.1".into(),
             token: None,
+            pool_size: 0,
         }
     }
 }
@@ -151,8 +155,8 @@ impl Daemon {
     /// Starts a daemon and waits until it serves.
     pub async fn start(binary: &Path, opts: DaemonOpts) -> Daemon {
         assert!(
-            2 * opts.max_concurrent + opts.max_sandboxes <= 64,
-            "uid ranges are 64 wide (2 per slot, 1 per sandbox)"
+            2 * opts.max_concurrent + opts.pool_size + 4 + opts.max_sandboxes <= 64,
+            "uid ranges are 64 wide (2 per slot, 1 per pooled container, 4 spare, 1 per sandbox)"
         );
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
         let pid = std::process::id();
@@ -186,9 +190,7 @@ impl Daemon {
                 shutdown_grace_ms: 1000,
                 cgroup_parent: cgroup_parent.clone(),
                 uid_base,
-                // No warm pool: every process of the uid range belongs to a running execution (the daemon's own
-                // suite covers the pool).
-                pool_size: 0,
+                pool_size: opts.pool_size,
             };
             let config = test_support::fsp::with(
                 config.to_json(),

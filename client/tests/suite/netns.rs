@@ -126,6 +126,11 @@ pub struct Hosts {
 }
 
 pub async fn hosts(test: &str, max_concurrent: usize) -> Option<Hosts> {
+    hosts_with(test, max_concurrent, 0).await
+}
+
+/// [`hosts`], with `pool_size` warm containers on each daemon.
+pub async fn hosts_with(test: &str, max_concurrent: usize, pool_size: usize) -> Option<Hosts> {
     let bin = require_daemon(test)?;
     let net = match Network::create(3) {
         Ok(net) => net,
@@ -143,6 +148,7 @@ pub async fn hosts(test: &str, max_concurrent: usize) -> Option<Hosts> {
             netns: Some(host.netns.clone()),
             host: host.ip.to_string(),
             token: Some(token.clone()),
+            pool_size,
             ..DaemonOpts::default()
         };
         daemons.push(Daemon::start(&bin, opts).await);
