@@ -238,8 +238,22 @@ async fn execute(
     language: &str,
     code: &str,
 ) -> (Duration, Option<Duration>) {
-    let msg = json!({"v":1,"type":"execute","id":id,"ts":"2026-01-01T00:00:00.000Z","language":language,
+    execute_with(ws, id, language, code, &json!({})).await
+}
+
+/// [`execute`] with more fields of the `execute` message (`extra`'s, e.g. `tools`).
+async fn execute_with(
+    ws: &mut Ws,
+    id: &str,
+    language: &str,
+    code: &str,
+    extra: &Value,
+) -> (Duration, Option<Duration>) {
+    let mut msg = json!({"v":1,"type":"execute","id":id,"ts":"2026-01-01T00:00:00.000Z","language":language,
                      "code":code,"limits":{"timeout_ms":30000,"memory_mb":256}});
+    if let (Some(msg), Some(extra)) = (msg.as_object_mut(), extra.as_object()) {
+        msg.extend(extra.clone());
+    }
     let t0 = Instant::now();
     ws.send(Message::Text(msg.to_string().into()))
         .await

@@ -5,9 +5,15 @@
 //! imports `site` and the stub's few modules, and waits. At the launch it takes the request's stdio, environment
 //! and arguments and runs the code file as `__main__`, as `python3 /sandbox/main.py` would. What the interpreter
 //! reads only while it starts cannot change afterwards, so a request that sets such a variable
-//! ([`STARTUP_VARIABLES`]), lists tools (the SDK reads the execution's tool list when it is imported) or asks for a
-//! plain start gets a freshly executed interpreter instead ([`wanted`]), and so does one whose arguments and
-//! environment `execve` could refuse ([`fits_exec`]) and a container from the cold path.
+//! ([`STARTUP_VARIABLES`]) or asks for a plain start gets a freshly executed interpreter instead ([`wanted`]), and
+//! so does one whose arguments and environment `execve` could refuse ([`fits_exec`]) and a container from the cold
+//! path.
+//!
+//! The tool SDK (`sandbox_tools.py`) is imported ahead too, with what its runner imports; it reads the
+//! execution's tool list at the launch of an execution with tools, and stays out of `sys.modules` otherwise. The
+//! runner's `PYTHONPATH` is put on `sys.path` where a plain start has it, which the stub can do only when the
+//! interpreter started without one: with an image that sets `PYTHONPATH`, an execution with tools gets a plain
+//! start ([`takes_tools`]).
 
 use protocol::{ExecuteRequest, Language};
 use runtime::launch::Launch;
@@ -30,7 +36,12 @@ pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
     };
     let mut args = rt.command.clone();
     let skip = args.len();
-    args.extend(["-c".to_owned(), stub.to_owned(), skip.to_string()]);
+    args.extend([
+        "-c".to_owned(),
+        stub.to_owned(),
+        skip.to_string(),
+        crate::tools::PY_SDK.to_owned(),
+    ]);
     args.extend(rt.image.preload.iter().cloned());
     let env = crate::images::base_environment(&rt.image)
         .into_iter()
@@ -54,10 +65,16 @@ pub fn enable(languages: &mut crate::images::Languages, enabled: bool) {
     }
 }
 
-/// Whether `req` may run in the waiting interpreter: it asks for no plain start, lists no tools, and sets no
-/// variable the interpreter reads while it starts.
+/// Whether `req` may run in the waiting interpreter: it asks for no plain start and sets no variable the
+/// interpreter reads while it starts (with tools, [`takes_tools`] too).
 pub fn wanted(req: &ExecuteRequest) -> bool {
-    req.warm != Some(false) && req.tools.is_empty() && !req.env.keys().any(|k| read_at_startup(k))
+    req.warm != Some(false) && !req.env.keys().any(|k| read_at_startup(k))
+}
+
+/// Whether an execution with tools may run in `rt`'s waiting interpreter: its image sets no `PYTHONPATH` (the
+/// runner's would replace it, which a started interpreter cannot undo).
+pub fn takes_tools(rt: &LanguageRuntime) -> bool {
+    !crate::images::base_environment(&rt.image).contains_key("PYTHONPATH")
 }
 
 /// The most bytes of arguments and environment a launch may hand to the waiting interpreter, and the longest
@@ -93,7 +110,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn start_up_variables_and_tools_ask_for_a_plain_start() {
+    fn start_up_variables_ask_for_a_plain_start() {
         let mut req = ExecuteRequest::new(
             "a",
             Language::Python,
@@ -101,6 +118,9 @@ mod tests {
             protocol::RequestedLimits::new(1000, 64),
         );
         assert!(wanted(&req));
+        req.tools
+            .push(serde_json::from_value(serde_json::json!({"name": "read_file"})).unwrap());
+        assert!(wanted(&req), "tools run warm too");
         req.env.insert("API_KEY".into(), "x".into());
         assert!(wanted(&req));
         for key in ["PYTHONPATH", "LC_ALL", "LANG", "HOME"] {
@@ -137,7 +157,24 @@ mod tests {
         assert_eq!(l.args[0], "/usr/bin/python3");
         assert_eq!(l.args[1], "-c");
         assert_eq!(l.args[3], "1");
+        assert_eq!(l.args[4], crate::tools::PY_SDK);
         assert!(l.env.iter().any(|e| e == "PYTHONUNBUFFERED=1"));
-        assert_eq!(l.args.len(), 4, "no preload");
+        assert_eq!(l.args.len(), 5, "no preload");
+        assert!(takes_tools(&rt));
+        std::sync::Arc::get_mut(&mut rt.image)
+            .unwrap()
+            .env
+            .push(("PYTHONPATH".into(), "/opt/lib".into()));
+        assert!(!takes_tools(&rt), "the image's PYTHONPATH");
+    }
+
+    #[test]
+    fn the_stub_preloads_the_sdk_where_the_daemon_writes_it() {
+        let path = format!("{}/sandbox_tools.py", runtime::rootfs::CODE_DIR);
+        assert!(
+            PYTHON.contains(&format!("_SANDBOXD_SDK = \"{path}\"")),
+            "{path}"
+        );
+        assert!(crate::tools::PY_SDK.contains("\"__sandboxd_preload__\" not in globals()"));
     }
 }

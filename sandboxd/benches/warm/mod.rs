@@ -1,12 +1,15 @@
 //! The warm interpreter's rows of the latency bench: python `print(1)` against a bare `python3 -c 'print(1)'` and
-//! the baseline daemon, sample by sample; the same back to back (no gap between one daemon's executions, so its
+//! the baseline daemon, sample by sample, without and with a tool listed (the tool SDK loads); the same back to
+//! back (no gap between one daemon's executions, so its
 //! pool refills and removals run while the next execution does); and the memory a ready pooled container holds.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use super::{connect, execute, pct, timed, Daemon};
+use serde_json::json;
+
+use super::{connect, execute, execute_with, pct, timed, Daemon};
 
 const SAMPLES: usize = 100;
 /// Executions per block of the back-to-back rows; blocks of each column alternate.
@@ -70,6 +73,37 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
         }
         rows.push((
             "python `print(1)`".into(),
+            cols,
+            hits_misses(before, warm.pool()),
+        ));
+        // With a tool listed (none called): the tool SDK and its runner load too. The baseline (a daemon from
+        // before the SDK was imported ahead) starts a plain interpreter for it.
+        let tools = json!({"tools": [{"name": "echo"}]});
+        let mut cols: [Vec<Duration>; 3] = Default::default();
+        let before = warm.pool();
+        for i in 0..5 + SAMPLES {
+            let keep = i >= 5;
+            let id = format!("pyt-w-{i}");
+            let w = execute_with(&mut ws, &id, "python", "print(1)\n", &tools)
+                .await
+                .0;
+            let b = match &mut bs {
+                Some(bs) => Some(
+                    execute_with(bs, &format!("pyt-b-{i}"), "python", "print(1)\n", &tools)
+                        .await
+                        .0,
+                ),
+                None => None,
+            };
+            let bare = bare_python();
+            if keep {
+                cols[0].push(w);
+                cols[1].extend(b);
+                cols[2].push(bare);
+            }
+        }
+        rows.push((
+            "python `print(1)` with a tool".into(),
             cols,
             hits_misses(before, warm.pool()),
         ));

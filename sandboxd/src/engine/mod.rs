@@ -453,8 +453,10 @@ impl Engine {
             env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
             warm: false,
         };
-        launch.warm =
-            container.interpreter && crate::warm::wanted(req) && crate::warm::fits_exec(&launch);
+        launch.warm = container.interpreter
+            && crate::warm::wanted(req)
+            && (req.tools.is_empty() || crate::warm::takes_tools(lang))
+            && crate::warm::fits_exec(&launch);
         let sent_ns = runtime::init::monotonic_ns();
         container
             .handle

@@ -1,6 +1,7 @@
 //! Warm interpreters: a program run in the interpreter a pooled container started ahead of time behaves as the
 //! same program in a freshly started one. Every program of the corpus runs both ways (warm from a full pool,
-//! plain with `"warm": false`) and the two runs must agree on stdout, stderr, exit code and signal.
+//! plain with `"warm": false`) and the two runs must agree on stdout, stderr, exit code and signal (and, for the
+//! programs with tools, the tool calls and the return value).
 
 use std::time::Duration;
 
@@ -134,14 +135,61 @@ fn corpus() -> Vec<Case> {
     ]
 }
 
-/// stdout, stderr, exit code and signal of one run.
-fn observed(r: &Collected) -> (String, String, Option<i32>, Option<String>) {
+/// Programs with tools: the tool SDK is imported ahead in the waiting interpreter. `echo` answers with its
+/// arguments, any other tool with an error.
+fn tool_corpus() -> Vec<Case> {
+    vec![
+        case(
+            "tools_module",
+            "import sys, sandbox_tools\nprint(__name__, __file__, sys.argv, sys.path[:3], sandbox_tools.__file__)\n\
+             print(sorted(k for k in vars(sandbox_tools) if not k.startswith('__')), sandbox_tools.__all__)\n\
+             print(sandbox_tools.__spec__.name, type(sandbox_tools.__loader__).__name__, sandbox_tools.__cached__)\n\
+             from sandbox_tools import echo as e2\nprint(e2 is echo, echo(x=1), call('echo', {'y': [2]}))\n\
+             {'done': True}",
+        ),
+        case(
+            "tools_error",
+            "try:\n    fail(a=1)\nexcept ToolError as e:\n    print('caught', e.code, e.message)\nfail()",
+        ),
+        case(
+            "tools_exception_after_a_call",
+            "echo(x=1)\nraise ValueError('after a call')",
+        ),
+        case(
+            "tools_threads",
+            "import threading\nout = []\n\
+             ts = [threading.Thread(target=lambda i=i: out.append(echo(i=i)['i'])) for i in range(12)]\n\
+             [t.start() for t in ts]\n[t.join() for t in ts]\nprint(sorted(out))\nlen(out)",
+        ),
+        case("tools_sys_exit", "import sys\necho(x=1)\nsys.exit(3)"),
+        case(
+            "tools_fork",
+            "import os\npid = os.fork()\nif pid == 0:\n    print('child', echo(c=1), flush=True)\n    os._exit(0)\n\
+             os.waitpid(pid, 0)\nprint('parent', echo(p=1))",
+        ),
+        case("tools_syntax_error", "echo(x=1)\nx = (\n"),
+    ]
+}
+
+/// stdout, stderr, exit code, signal, tool calls and return value of one run.
+type Observed = (
+    String,
+    String,
+    Option<i32>,
+    Option<String>,
+    Option<u64>,
+    Option<String>,
+);
+
+fn observed(r: &Collected) -> Observed {
     let res = r.result();
     (
         String::from_utf8_lossy(&r.stdout()).into_owned(),
         String::from_utf8_lossy(&r.stderr()).into_owned(),
         res.exit_code,
         res.signal.clone(),
+        res.tool_calls,
+        res.return_value.as_ref().map(|v| v.to_string()),
     )
 }
 
@@ -173,7 +221,14 @@ async fn run(
     extra: &Value,
     warm: bool,
 ) -> Collected {
-    let mut exec = with(exec_json(id, "python", code, 20_000, 128), extra.clone());
+    let exec = with(exec_json(id, "python", code, 20_000, 128), extra.clone());
+    run_exec(c, d, exec, warm).await
+}
+
+/// Runs `exec` from a ready pooled container (`warm`) or in a plain interpreter, answering its tool calls (see
+/// [`tool_corpus`]).
+async fn run_exec(c: &mut Client, d: &Daemon, mut exec: Value, warm: bool) -> Collected {
+    let id = exec["id"].as_str().unwrap_or("?").to_owned();
     if warm {
         wait_until(
             "a ready python container",
@@ -190,7 +245,13 @@ async fn run(
         exec = with(exec, json!({"warm": false}));
     }
     let hits = pool(d).await.1;
-    let r = c.run(exec).await;
+    let (r, _) = super::tools::run_answering(c, exec, |call| {
+        Some(match call.name.as_str() {
+            "echo" => Ok(call.args.clone()),
+            other => Err(format!("{other} refuses")),
+        })
+    })
+    .await;
     if warm {
         assert_eq!(pool(d).await.1, hits + 1, "{id} took a pooled container");
     }
@@ -240,13 +301,41 @@ async fn a_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() {
             differ.push(format!("{}:\n  warm:  {w:?}\n  plain: {p:?}", case.name));
         }
     }
+    // With tools: the probe's program runs in the waiting interpreter too.
+    let probe = super::tools::exec_tools(
+        "probe-tools",
+        "python",
+        "print(b'-c' in open('/proc/self/cmdline', 'rb').read().split(b'\\0'), echo(x=1))",
+        &["echo"],
+    );
+    let r = run_exec(&mut c, &d, probe, true).await;
+    assert_eq!(
+        r.stdout_text(),
+        "True {'x': 1}\n",
+        "an execution with tools ran in the waiting interpreter: {}",
+        r.dump()
+    );
+    let tool_cases = tool_corpus();
+    for (i, case) in tool_cases.iter().enumerate() {
+        let mut both = Vec::new();
+        for (tag, warm) in [("tw", true), ("tp", false)] {
+            let id = format!("{tag}{i}-{}", case.name);
+            let exec = super::tools::exec_tools(&id, "python", case.code, &["echo", "fail"]);
+            both.push(observed(&run_exec(&mut c, &d, exec, warm).await));
+        }
+        let (w, p) = (&both[0], &both[1]);
+        if w != p {
+            differ.push(format!("{}:\n  warm:  {w:?}\n  plain: {p:?}", case.name));
+        }
+    }
     assert!(
         ran_warm(&mut c, &d, "probe-warm-last", true).await,
         "the pooled interpreter ran the code"
     );
     println!(
-        "warm/plain differential: {} programs, {} differ",
-        cases.len(),
+        "warm/plain differential: {} programs ({} with tools), {} differ",
+        cases.len() + tool_cases.len(),
+        tool_cases.len(),
         differ.len()
     );
     assert!(differ.is_empty(), "{}", differ.join("\n"));
