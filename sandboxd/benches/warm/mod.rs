@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::{connect, execute, execute_with, pct, timed, Daemon};
+use super::{connect, execute, execute_with, pct, timed, Daemon, Ws};
 
 const SAMPLES: usize = 100;
 /// Executions per block of the back-to-back rows; blocks of each column alternate.
@@ -35,6 +35,35 @@ fn bare_shell(tmp: &Path) -> Duration {
     super::bare("/bin/sh", "sh", "true\n", tmp).0
 }
 
+/// Python `print(1)` (with `extra`'s fields) on this daemon, on the baseline, and as a bare spawn, sample by
+/// sample, after 5 unrecorded rounds.
+async fn interleaved(
+    ws: &mut Ws,
+    mut bs: Option<&mut Ws>,
+    prefix: &str,
+    extra: &serde_json::Value,
+) -> [Vec<Duration>; 3] {
+    let mut cols: [Vec<Duration>; 3] = Default::default();
+    for i in 0..5 + SAMPLES {
+        let id = format!("{prefix}-w-{i}");
+        let w = execute_with(ws, &id, "python", "print(1)\n", extra).await.0;
+        let b = match &mut bs {
+            Some(bs) => {
+                let id = format!("{prefix}-b-{i}");
+                Some(execute_with(bs, &id, "python", "print(1)\n", extra).await.0)
+            }
+            None => None,
+        };
+        let bare = bare_python();
+        if i >= 5 {
+            cols[0].push(w);
+            cols[1].extend(b);
+            cols[2].push(bare);
+        }
+    }
+    cols
+}
+
 /// Prints the table; `baseline` adds its column.
 pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daemon>, tmp: &Path) {
     warm.wait_refilled();
@@ -48,65 +77,21 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
             Some(b) => Some(connect(b.port).await),
             None => None,
         };
-        // Interleaved sample by sample: each daemon's pool refills while the others run.
-        let mut cols: [Vec<Duration>; 3] = Default::default();
-        let before = warm.pool();
-        for i in 0..5 + SAMPLES {
-            let keep = i >= 5;
-            let w = execute(&mut ws, &format!("py-w-{i}"), "python", "print(1)\n")
-                .await
-                .0;
-            let b = match &mut bs {
-                Some(bs) => Some(
-                    execute(bs, &format!("py-b-{i}"), "python", "print(1)\n")
-                        .await
-                        .0,
-                ),
-                None => None,
-            };
-            let bare = bare_python();
-            if keep {
-                cols[0].push(w);
-                cols[1].extend(b);
-                cols[2].push(bare);
-            }
+        // Interleaved sample by sample: each daemon's pool refills while the others run. With a tool listed
+        // (none called), the tool SDK and its runner load too; a baseline from before the SDK was imported ahead
+        // starts a plain interpreter for it.
+        for (name, prefix, extra) in [
+            ("python `print(1)`", "py", json!({})),
+            (
+                "python `print(1)` with a tool",
+                "pyt",
+                json!({"tools": [{"name": "echo"}]}),
+            ),
+        ] {
+            let before = warm.pool();
+            let cols = interleaved(&mut ws, bs.as_mut(), prefix, &extra).await;
+            rows.push((name.into(), cols, hits_misses(before, warm.pool())));
         }
-        rows.push((
-            "python `print(1)`".into(),
-            cols,
-            hits_misses(before, warm.pool()),
-        ));
-        // With a tool listed (none called): the tool SDK and its runner load too. The baseline (a daemon from
-        // before the SDK was imported ahead) starts a plain interpreter for it.
-        let tools = json!({"tools": [{"name": "echo"}]});
-        let mut cols: [Vec<Duration>; 3] = Default::default();
-        let before = warm.pool();
-        for i in 0..5 + SAMPLES {
-            let keep = i >= 5;
-            let id = format!("pyt-w-{i}");
-            let w = execute_with(&mut ws, &id, "python", "print(1)\n", &tools)
-                .await
-                .0;
-            let b = match &mut bs {
-                Some(bs) => Some(
-                    execute_with(bs, &format!("pyt-b-{i}"), "python", "print(1)\n", &tools)
-                        .await
-                        .0,
-                ),
-                None => None,
-            };
-            let bare = bare_python();
-            if keep {
-                cols[0].push(w);
-                cols[1].extend(b);
-                cols[2].push(bare);
-            }
-        }
-        rows.push((
-            "python `print(1)` with a tool".into(),
-            cols,
-            hits_misses(before, warm.pool()),
-        ));
         for (name, lang, code) in [
             ("python `print(1)` back to back", "python", "print(1)\n"),
             ("shell `true` back to back", "shell", "true\n"),
