@@ -21,14 +21,13 @@ import threading as _threading
 
 __all__ = ["call", "ToolError", "Result"]
 
+_SOCKET = _os.environ.get("SANDBOX_TOOLS_SOCKET", "/sandbox/tools.sock")
 _HERE = _os.path.dirname(_os.path.abspath(__file__))
-# Set by _configure(): the socket, the execution's tool list, and the socket's limits (connections served at once
-# per execution, and the longest request line).
-_SOCKET = "/sandbox/tools.sock"
-_LISTED = {"tools": []}
-_MAX_CONNECTIONS = 8
-_MAX_LINE = 1 << 20
-_TOOLS = {}
+with open(_os.path.join(_HERE, "sandbox_tools.json"), encoding="utf-8") as _f:
+    _LISTED = _json.load(_f)
+# The socket's limits: connections served at once per execution, and the longest request line.
+_MAX_CONNECTIONS = max(1, int(_LISTED.get("max_connections") or 8))
+_MAX_LINE = int(_LISTED.get("max_line_bytes") or (1 << 20))
 
 
 class ToolError(Exception):
@@ -225,21 +224,6 @@ def _load():
     return tools
 
 
-def _configure():
-    """Reads the execution's tool list and the socket's limits, and defines one function per tool. Runs when the
-    module is imported; in a warm interpreter, which imported the module before the execution existed, at the
-    execution's launch instead."""
-    global _SOCKET, _LISTED, _MAX_CONNECTIONS, _MAX_LINE, _TOOLS
-    _SOCKET = _os.environ.get("SANDBOX_TOOLS_SOCKET", "/sandbox/tools.sock")
-    with open(_os.path.join(_HERE, "sandbox_tools.json"), encoding="utf-8") as f:
-        _LISTED = _json.load(f)
-    _MAX_CONNECTIONS = max(1, int(_LISTED.get("max_connections") or 8))
-    _MAX_LINE = int(_LISTED.get("max_line_bytes") or (1 << 20))
-    _TOOLS = _load()
-    globals().update(_TOOLS)
-    __all__.extend(_TOOLS)
-
-
-# sandboxd's warm python stub sets this while it imports the module ahead of time (sandboxd/warm/python.py).
-if "__sandboxd_preload__" not in globals():
-    _configure()
+_TOOLS = _load()
+globals().update(_TOOLS)
+__all__ += list(_TOOLS)

@@ -53,8 +53,7 @@ pub const SOCKET_NAME: &str = "tools.sock";
 /// The socket's path inside the container.
 pub const SANDBOX_SOCKET: &str = "/sandbox/tools.sock";
 
-/// The python SDK; also imported ahead by the warm interpreter ([`crate::warm`]).
-pub(crate) const PY_SDK: &str = include_str!("../sdk/sandbox_tools.py");
+const PY_SDK: &str = include_str!("../sdk/sandbox_tools.py");
 const PY_RUN: &str = include_str!("../sdk/sandbox_tools_run.py");
 const JS_SDK: &str = include_str!("../sdk/sandbox_tools.js");
 const JS_RUN: &str = include_str!("../sdk/sandbox_tools_run.js");

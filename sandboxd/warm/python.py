@@ -1,34 +1,12 @@
-# sandboxd's warm python stub: started ahead of time as `python3 -c <this> SKIP SDK [MODULE...] FD`, it imports the
-# tool SDK (SDK: the source of sandbox_tools.py, or empty) and the preload modules and waits on descriptor FD for
-# the launch (the init passes sandboxd's launch message on: stdin,
+# sandboxd's warm python stub: started ahead of time as `python3 -c <this> SKIP [MODULE...] FD`, it imports the
+# preload modules and waits on descriptor FD for the launch (the init passes sandboxd's launch message on: stdin,
 # stdout, stderr and a memfd with the arguments and environment). It then runs the program as
 # `python3 <args[SKIP]> <args[SKIP+1:]...>` would: the launch's descriptors become 0, 1 and 2, its environment
 # replaces this one, sys.argv, sys.orig_argv and sys.path[0] are the script's, and the code runs as a fresh
 # `__main__` module, compiled with the script's path as file name. An exception leaving the program is passed on
 # to the interpreter without this stub's frames, so tracebacks, SystemExit and KeyboardInterrupt end the process
-# as they end a plain one. For an execution with tools (SANDBOX_TOOLS_SOCKET in the launch's environment) the SDK
-# module, imported ahead under the path the daemon writes it to, reads the execution's tool list and becomes
-# `sandbox_tools`; for any other it stays out of sys.modules, so `import sandbox_tools` fails as it does in a plain
-# interpreter.
+# as they end a plain one.
 import sys
-
-# Where the daemon writes the SDK for an execution with tools (its code directory).
-_SANDBOXD_SDK = "/sandbox/sandbox_tools.py"
-
-
-def _sandboxd_tools(source):
-    # Imported as the tool runner would import it, but without reading the execution's tool list (_configure does
-    # that at the launch); with what the runner itself imports.
-    import ast  # noqa: F401
-    import importlib.util
-    import traceback  # noqa: F401
-
-    spec = importlib.util.spec_from_file_location("sandbox_tools", _SANDBOXD_SDK)
-    module = importlib.util.module_from_spec(spec)
-    module.__sandboxd_preload__ = True
-    exec(compile(source, _SANDBOXD_SDK, "exec", dont_inherit=True), module.__dict__)
-    del module.__sandboxd_preload__
-    return module
 
 
 def _sandboxd_warm():
@@ -40,8 +18,7 @@ def _sandboxd_warm():
     from importlib.machinery import SourceFileLoader
 
     skip, fd = int(sys.argv[1]), int(sys.argv[-1])
-    tools = _sandboxd_tools(sys.argv[2]) if sys.argv[2] else None
-    for name in sys.argv[3:-1]:
+    for name in sys.argv[2:-1]:
         # The image's preload list, each module checked at start by the self-test. One that fails here all the same
         # (a limit of the pooled container) fails again in the program that imports it, as without preloading.
         try:
@@ -75,9 +52,6 @@ def _sandboxd_warm():
         # A PYTHONPATH of the launch's (the tool runner's /sandbox) goes where a plain start puts it: right after the
         # script's directory. (When the image sets PYTHONPATH, the daemon gives a launch with tools a plain start.)
         sys.path[1:1] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if tools is not None and "SANDBOX_TOOLS_SOCKET" in os.environ:
-        tools._configure()
-        sys.modules["sandbox_tools"] = tools
     main = types.ModuleType("__main__")
     main.__dict__.update(
         __file__=script,
