@@ -1,6 +1,6 @@
 //! `cargo bench -p sandboxd-client --bench fleet`: a fleet of three real daemons, each in its own network
 //! namespace on a bridge (root needed; the daemon binary is `target/<profile>/sandboxd` or `$SANDBOXD_BIN`),
-//! each with 4 warm containers (`pool.size`, as a production host has), against a single-endpoint pool in the
+//! each with 12 warm containers (`pool.size`, as a production host has), against a single-endpoint pool in the
 //! same run.
 //!
 //! Prints:
@@ -114,31 +114,30 @@ async fn placement(fleet: &Fleet, single: &Pool) {
         fleet.execute(request("true")).await.unwrap();
         single.execute(request("true")).await.unwrap();
     }
-    let (mut via_fleet, mut via_pool) = (Vec::new(), Vec::new());
-    for _ in 0..300 {
-        let start = Instant::now();
-        fleet.execute(request("true")).await.unwrap();
-        via_fleet.push(start.elapsed());
-        let start = Instant::now();
-        single.execute(request("true")).await.unwrap();
-        via_pool.push(start.elapsed());
-    }
-    let f = summary("execute(`true`) through the fleet", &mut via_fleet);
-    let p = summary("execute(`true`) through a one-node pool", &mut via_pool);
-    println!(
-        "back to back: fleet overhead at p50: {:+.1} µs ({:.3}x the pool)",
-        us(f) - us(p),
-        f.as_secs_f64() / p.as_secs_f64()
-    );
+    let pairs = interleaved(fleet, single, 300, Duration::ZERO).await;
+    report("back to back", "execute(`true`)", pairs);
     // Back to back, each figure also carries the daemons' state: a node that ran the previous execution is
-    // still refilling its container pool (issue 26's refill tax), and three daemons share two cores with the
-    // client. With every node idle for SETTLE before each execution, and the order alternating, what is left
-    // of the difference is the client's own cost: the placement, the wait for the ack, the node watch.
-    const SETTLE: Duration = Duration::from_millis(40);
+    // still refilling its container pool, and three daemons share two cores with the client. With every node
+    // idle for 40 ms before each execution, and the order alternating, what is left of the difference is the
+    // client's own cost: the placement, the wait for the ack, the node watch.
+    let pairs = interleaved(fleet, single, 500, Duration::from_millis(40)).await;
+    report("settled", "execute(`true`)", pairs);
+}
+
+/// `n` pairs of `execute(true)`, one through the fleet and one through the pool, the order alternating, each
+/// execution after `settle`: (through the fleet, through the pool).
+async fn interleaved(
+    fleet: &Fleet,
+    single: &Pool,
+    n: usize,
+    settle: Duration,
+) -> (Vec<Duration>, Vec<Duration>) {
     let (mut via_fleet, mut via_pool) = (Vec::new(), Vec::new());
-    for i in 0..500 {
+    for i in 0..n {
         for fleet_now in [i % 2 == 0, i % 2 == 1] {
-            tokio::time::sleep(SETTLE).await;
+            if !settle.is_zero() {
+                tokio::time::sleep(settle).await;
+            }
             let start = Instant::now();
             if fleet_now {
                 fleet.execute(request("true")).await.unwrap();
@@ -149,18 +148,25 @@ async fn placement(fleet: &Fleet, single: &Pool) {
             }
         }
     }
-    // Each pair ran back to back on a settled fleet: the median of the paired differences is the least
-    // disturbed by the daemons' own spread.
+    (via_fleet, via_pool)
+}
+
+/// Prints both columns, the difference of their p50s and the median of the paired differences (each pair ran
+/// one after the other, so it is the figure least disturbed by the nodes' own spread).
+fn report(label: &str, what: &str, (mut via_fleet, mut via_pool): (Vec<Duration>, Vec<Duration>)) {
     let mut paired: Vec<f64> = via_fleet
         .iter()
         .zip(&via_pool)
         .map(|(f, p)| us(*f) - us(*p))
         .collect();
     paired.sort_by(f64::total_cmp);
-    let f = summary("settled: execute(`true`) through the fleet", &mut via_fleet);
-    let p = summary("settled: execute(`true`), a one-node pool", &mut via_pool);
+    let f = summary(
+        &format!("{label}: {what} through the fleet"),
+        &mut via_fleet,
+    );
+    let p = summary(&format!("{label}: {what}, a one-node pool"), &mut via_pool);
     println!(
-        "settled: fleet overhead at p50: {:+.1} µs ({:.3}x the pool); median of the {} paired differences \
+        "{label}: fleet overhead at p50: {:+.1} µs ({:.3}x the pool); median of the {} paired differences \
          {:+.1} µs",
         us(f) - us(p),
         f.as_secs_f64() / p.as_secs_f64(),
@@ -185,34 +191,8 @@ async fn client_cost() {
         fleet.execute(request("true")).await.unwrap();
         single.execute(request("true")).await.unwrap();
     }
-    let (mut via_fleet, mut via_pool, mut paired) = (Vec::new(), Vec::new(), Vec::new());
-    for i in 0..5_000 {
-        let mut pair = [Duration::ZERO; 2];
-        for fleet_now in [i % 2 == 0, i % 2 == 1] {
-            let start = Instant::now();
-            if fleet_now {
-                fleet.execute(request("true")).await.unwrap();
-                pair[0] = start.elapsed();
-            } else {
-                single.execute(request("true")).await.unwrap();
-                pair[1] = start.elapsed();
-            }
-        }
-        via_fleet.push(pair[0]);
-        via_pool.push(pair[1]);
-        paired.push(us(pair[0]) - us(pair[1]));
-    }
-    paired.sort_by(f64::total_cmp);
-    let f = summary("fake nodes: execute through the fleet", &mut via_fleet);
-    let p = summary("fake nodes: execute, a one-node pool", &mut via_pool);
-    println!(
-        "fake nodes: the fleet's own cost at p50: {:+.1} µs ({:.3}x the pool); median of the {} paired \
-         differences {:+.1} µs",
-        us(f) - us(p),
-        f.as_secs_f64() / p.as_secs_f64(),
-        paired.len(),
-        paired[paired.len() / 2]
-    );
+    let pairs = interleaved(&fleet, &single, 5_000, Duration::ZERO).await;
+    report("fake nodes", "execute", pairs);
 }
 
 fn placed(fleet: &Fleet) -> Vec<u64> {

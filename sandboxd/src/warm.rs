@@ -70,7 +70,8 @@ pub fn wanted(req: &ExecuteRequest) -> bool {
 /// Whether an execution with tools may run in `rt`'s waiting interpreter: its image sets no `PYTHONPATH` (the
 /// runner's would replace it, which a started interpreter cannot undo).
 pub fn takes_tools(rt: &LanguageRuntime) -> bool {
-    !crate::images::base_environment(&rt.image).contains_key("PYTHONPATH")
+    // sandboxd's own base environment sets no PYTHONPATH: only the image's can.
+    !rt.image.env.iter().any(|(k, _)| k == "PYTHONPATH")
 }
 
 /// The most bytes of arguments and environment a launch may hand to the waiting interpreter, and the longest

@@ -1,7 +1,7 @@
 //! The warm interpreter's rows of the latency bench: python `print(1)` against a bare `python3 -c 'print(1)'` and
 //! the baseline daemon, sample by sample, without and with a tool listed (the tool SDK loads); the same back to
-//! back (no gap between one daemon's executions, so its
-//! pool refills and removals run while the next execution does); and the memory a ready pooled container holds.
+//! back (no gap between one daemon's executions, so its pool refills and removals run while the next execution
+//! does); and the memory a ready pooled container holds.
 
 use std::path::Path;
 use std::process::Command;
@@ -78,8 +78,8 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
             None => None,
         };
         // Interleaved sample by sample: each daemon's pool refills while the others run. With a tool listed
-        // (none called), the tool SDK and its runner load too; a baseline from before the SDK was imported ahead
-        // starts a plain interpreter for it.
+        // (none called), the tool SDK and its runner load too; a baseline whose executions with tools get a plain
+        // interpreter shows what the waiting one saves.
         for (name, prefix, extra) in [
             ("python `print(1)`", "py", json!({})),
             (
