@@ -60,27 +60,44 @@ impl<S> Counted<S> {
     }
 }
 
+impl<S> Counted<S> {
+    /// How many more bytes may cross, or the limit error when none may.
+    fn budget(&self) -> io::Result<usize> {
+        match self.limit {
+            Some(l) => match l.saturating_sub(self.counters.bytes_total.load(Ordering::Relaxed)) {
+                0 => Err(limit_error()),
+                left => Ok(usize::try_from(left).unwrap_or(usize::MAX)),
+            },
+            None => Ok(usize::MAX),
+        }
+    }
+}
+
 impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if self.counters.exhausted(self.limit) {
-            return Poll::Ready(Err(limit_error()));
-        }
-        let before = buf.filled().len();
+        let budget = match self.budget() {
+            Ok(budget) => budget,
+            Err(e) => return Poll::Ready(Err(e)),
+        };
+        // Never read past the limit: the read is cut to what is left of it.
+        let max = buf.remaining().min(budget);
         let this = &mut *self;
-        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+        let mut limited = ReadBuf::new(buf.initialize_unfilled_to(max));
+        match Pin::new(&mut this.inner).poll_read(cx, &mut limited) {
             Poll::Ready(Ok(())) => {
-                let n = buf.filled().len() - before;
+                let n = limited.filled().len();
                 if this
                     .counters
                     .add(n, this.limit, &this.counters.bytes_received)
                 {
+                    buf.advance(n);
                     Poll::Ready(Ok(()))
                 } else {
-                    buf.set_filled(before);
+                    // Another connection of the proxy used the budget meanwhile.
                     Poll::Ready(Err(limit_error()))
                 }
             }
@@ -95,18 +112,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = &mut *self;
-        // Never send past the limit: a write is cut to what is left of it.
-        let allowed = match this.limit {
-            Some(l) => {
-                let left = l.saturating_sub(this.counters.bytes_total.load(Ordering::Relaxed));
-                if left == 0 {
-                    return Poll::Ready(Err(limit_error()));
-                }
-                buf.len().min(usize::try_from(left).unwrap_or(usize::MAX))
-            }
-            None => buf.len(),
+        let allowed = match self.budget() {
+            Ok(budget) => buf.len().min(budget),
+            Err(e) => return Poll::Ready(Err(e)),
         };
+        // Never send past the limit: a write is cut to what is left of it.
+        let this = &mut *self;
         match Pin::new(&mut this.inner).poll_write(cx, &buf[..allowed]) {
             Poll::Ready(Ok(n)) => {
                 this.counters.add(n, None, &this.counters.bytes_sent);

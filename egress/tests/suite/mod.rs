@@ -1,0 +1,4 @@
+mod common;
+mod connect;
+mod limits;
+mod plain;
