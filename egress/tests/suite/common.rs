@@ -157,11 +157,21 @@ pub fn status_of(head: &str) -> anyhow::Result<u16> {
 }
 
 /// A TLS client over an open tunnel, trusting `cert`, sending SNI `sni`.
-pub async fn tls_over(
-    stream: TcpStream,
+pub async fn tls_over<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: S,
     cert: &CertificateDer<'static>,
     sni: &str,
-) -> std::io::Result<TlsStream<TcpStream>> {
+) -> std::io::Result<TlsStream<S>> {
+    tls_over_with(stream, cert, sni, true).await
+}
+
+/// [`tls_over`], with SNI sent or not.
+pub async fn tls_over_with<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: S,
+    cert: &CertificateDer<'static>,
+    sni: &str,
+    send_sni: bool,
+) -> std::io::Result<TlsStream<S>> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(cert.clone()).unwrap();
     let config = rustls::ClientConfig::builder_with_provider(provider())
@@ -169,6 +179,8 @@ pub async fn tls_over(
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
+    let mut config = config;
+    config.enable_sni = send_sni;
     let name = ServerName::try_from(sni.to_string()).unwrap();
     tokio::time::timeout(
         TIMEOUT,

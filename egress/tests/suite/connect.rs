@@ -254,3 +254,54 @@ async fn a_connect_with_a_body_is_refused() {
     }
     assert_eq!(server.accepted.load(Ordering::SeqCst), 0);
 }
+
+#[tokio::test]
+async fn a_client_hello_without_sni_closes_the_tunnel() {
+    let (server, proxy) = setup().await;
+    let (status, stream) = connect(
+        proxy.addr,
+        &format!("allowed.test:{}", server.addr.port()),
+        "",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    assert!(tls_over_with(stream, &server.cert, "allowed.test", false)
+        .await
+        .is_err());
+    assert_eq!(server.handshakes.load(Ordering::SeqCst), 0);
+    assert_eq!(proxy.proxy.stats().bytes_sent, 0);
+}
+
+#[tokio::test]
+async fn the_proxy_serves_a_unix_listener() {
+    let server = tls_server().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("egress.sock");
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    let target = format!("allowed.test:{}", server.addr.port());
+    let proxy = egress::Proxy::new(
+        egress::Allowlist::parse(std::slice::from_ref(&target)).unwrap(),
+        AddressPolicy::new().exempt_for_tests(server.addr),
+        std::sync::Arc::new(StaticResolver::new().with("allowed.test", [LOCALHOST])),
+        ProxyLimits::default(),
+    );
+    let serving = proxy.clone();
+    tokio::spawn(async move { serving.serve(listener).await });
+    let mut stream = tokio::net::UnixStream::connect(&path).await.unwrap();
+    stream
+        .write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(
+        status_of(&read_head(&mut stream).await.unwrap()).unwrap(),
+        200
+    );
+    let mut tls = tls_over(stream, &server.cert, "allowed.test")
+        .await
+        .unwrap();
+    assert_eq!(read_some(&mut tls).await, b"hello\n");
+    tls.write_all(b"over unix").await.unwrap();
+    assert_eq!(read_some(&mut tls).await, b"echo:over unix");
+    assert_eq!(proxy.stats().connections, 1);
+}
