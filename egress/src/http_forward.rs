@@ -12,7 +12,7 @@ use hyper_util::rt::TokioIo;
 
 use crate::allowlist::normalise_request_host;
 use crate::error::{EgressError, Refusal};
-use crate::proxy::{Body, Outcome, Shared};
+use crate::shared::{Body, Outcome, Shared};
 
 /// Forwards one absolute-form request, or refuses it.
 pub(crate) async fn forward(

@@ -21,11 +21,13 @@ mod error;
 mod http_forward;
 mod proxy;
 mod resolve;
+mod shared;
 mod sni;
 mod tunnel;
 
 pub use address::{classify, AddressPolicy, AddressRefusal};
 pub use allowlist::{Allowlist, AllowlistError, Entry, HostPattern, DEFAULT_PORTS};
 pub use error::{EgressError, Refusal};
-pub use proxy::{Accept, Proxy, ProxyLimits, Stats};
+pub use proxy::{Accept, Proxy, Stats};
 pub use resolve::{Resolve, ResolveFuture, StaticResolver, SystemResolver};
+pub use shared::ProxyLimits;

@@ -12,7 +12,7 @@ use tokio::net::TcpStream;
 
 use crate::counting::Counted;
 use crate::error::Refusal;
-use crate::proxy::{Body, Outcome, Shared};
+use crate::shared::{Body, Outcome, Shared};
 use crate::sni::{read_client_hello, Hello};
 
 /// Answers a CONNECT: 200 and a tunnel, or the refusal.
