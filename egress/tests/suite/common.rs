@@ -282,3 +282,17 @@ pub async fn raw(proxy: SocketAddr, request: &str) -> anyhow::Result<String> {
     }
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
+
+/// An [`origin`] as `origin.test` (`other.test` and `denied.test` resolve to it too), behind a proxy allowing
+/// `origin.test` on its port and permitting exactly its address; returns `origin.test:<port>` too.
+pub async fn origin_behind_proxy(limits: ProxyLimits) -> (Origin, TestProxy, String) {
+    let origin = origin().await;
+    let host = format!("origin.test:{}", origin.addr.port());
+    let resolver = StaticResolver::new()
+        .with("origin.test", [LOCALHOST])
+        .with("other.test", [LOCALHOST])
+        .with("denied.test", [LOCALHOST]);
+    let policy = AddressPolicy::new().exempt_for_tests(origin.addr);
+    let proxy = start_proxy(std::slice::from_ref(&host), policy, resolver, limits).await;
+    (origin, proxy, host)
+}

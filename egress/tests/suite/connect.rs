@@ -18,6 +18,14 @@ async fn read_some<R: tokio::io::AsyncRead + Unpin>(stream: &mut R) -> Vec<u8> {
     buf
 }
 
+/// A CONNECT to the server's `allowed.test`, answered 200.
+async fn open_tunnel(server: &TlsServer, proxy: &TestProxy) -> tokio::net::TcpStream {
+    let target = format!("allowed.test:{}", server.addr.port());
+    let (status, stream) = connect(proxy.addr, &target, "").await.unwrap();
+    assert_eq!(status, 200);
+    stream
+}
+
 /// The TLS server, and a proxy allowing `allowed.test` on its port, resolving it to 127.0.0.1, permitting exactly
 /// the server's address.
 async fn setup() -> (TlsServer, TestProxy) {
@@ -34,14 +42,7 @@ async fn setup() -> (TlsServer, TestProxy) {
 #[tokio::test]
 async fn an_allowed_connect_tunnels_tls_both_ways() {
     let (server, proxy) = setup().await;
-    let (status, stream) = connect(
-        proxy.addr,
-        &format!("allowed.test:{}", server.addr.port()),
-        "",
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, 200);
+    let stream = open_tunnel(&server, &proxy).await;
     let mut tls = tls_over(stream, &server.cert, "allowed.test")
         .await
         .unwrap();
@@ -205,14 +206,7 @@ async fn a_test_exemption_permits_only_its_own_server() {
 #[tokio::test]
 async fn an_sni_other_than_the_connect_host_closes_the_tunnel() {
     let (server, proxy) = setup().await;
-    let (status, stream) = connect(
-        proxy.addr,
-        &format!("allowed.test:{}", server.addr.port()),
-        "",
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, 200);
+    let stream = open_tunnel(&server, &proxy).await;
     // other.test is on the server's certificate: only the proxy can stop this handshake.
     assert!(tls_over(stream, &server.cert, "other.test").await.is_err());
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -224,14 +218,7 @@ async fn an_sni_other_than_the_connect_host_closes_the_tunnel() {
 #[tokio::test]
 async fn a_tunnel_that_does_not_open_with_tls_is_closed() {
     let (server, proxy) = setup().await;
-    let (status, mut stream) = connect(
-        proxy.addr,
-        &format!("allowed.test:{}", server.addr.port()),
-        "",
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, 200);
+    let mut stream = open_tunnel(&server, &proxy).await;
     stream
         .write_all(b"GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n")
         .await
@@ -258,14 +245,7 @@ async fn a_connect_with_a_body_is_refused() {
 #[tokio::test]
 async fn a_client_hello_without_sni_closes_the_tunnel() {
     let (server, proxy) = setup().await;
-    let (status, stream) = connect(
-        proxy.addr,
-        &format!("allowed.test:{}", server.addr.port()),
-        "",
-    )
-    .await
-    .unwrap();
-    assert_eq!(status, 200);
+    let stream = open_tunnel(&server, &proxy).await;
     assert!(tls_over_with(stream, &server.cert, "allowed.test", false)
         .await
         .is_err());

@@ -52,15 +52,11 @@ async fn the_byte_limit_closes_a_tunnel_and_refuses_new_connections() {
 
 #[tokio::test]
 async fn the_byte_limit_cuts_a_plain_http_response() {
-    let origin = origin().await;
-    let host = format!("origin.test:{}", origin.addr.port());
-    let resolver = StaticResolver::new().with("origin.test", [LOCALHOST]);
     let limits = ProxyLimits {
         egress_bytes: Some(50_000),
         ..ProxyLimits::default()
     };
-    let policy = AddressPolicy::new().exempt_for_tests(origin.addr);
-    let proxy = start_proxy(std::slice::from_ref(&host), policy, resolver, limits).await;
+    let (_origin, proxy, host) = origin_behind_proxy(limits).await;
     let request =
         format!("GET http://{host}/big HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
     let response = raw(proxy.addr, &request).await.unwrap();
@@ -75,20 +71,8 @@ async fn the_byte_limit_cuts_a_plain_http_response() {
 
 #[tokio::test]
 async fn a_swapped_allowlist_applies_to_new_connections() {
-    let origin = origin().await;
-    let host = format!("origin.test:{}", origin.addr.port());
+    let (origin, proxy, host) = origin_behind_proxy(ProxyLimits::default()).await;
     let other = format!("other.test:{}", origin.addr.port());
-    let resolver = StaticResolver::new()
-        .with("origin.test", [LOCALHOST])
-        .with("other.test", [LOCALHOST]);
-    let policy = AddressPolicy::new().exempt_for_tests(origin.addr);
-    let proxy = start_proxy(
-        std::slice::from_ref(&host),
-        policy,
-        resolver,
-        ProxyLimits::default(),
-    )
-    .await;
     let get =
         |h: &str| format!("GET http://{h}/ HTTP/1.1\r\nHost: {h}\r\nConnection: close\r\n\r\n");
     assert_eq!(

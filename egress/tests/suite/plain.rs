@@ -3,25 +3,12 @@
 
 use std::sync::atomic::Ordering;
 
-use egress::{AddressPolicy, ProxyLimits, StaticResolver};
+use egress::ProxyLimits;
 
 use super::common::*;
 
 async fn setup() -> (Origin, TestProxy, String) {
-    let origin = origin().await;
-    let host = format!("origin.test:{}", origin.addr.port());
-    let resolver = StaticResolver::new()
-        .with("origin.test", [LOCALHOST])
-        .with("denied.test", [LOCALHOST]);
-    let policy = AddressPolicy::new().exempt_for_tests(origin.addr);
-    let proxy = start_proxy(
-        std::slice::from_ref(&host),
-        policy,
-        resolver,
-        ProxyLimits::default(),
-    )
-    .await;
-    (origin, proxy, host)
+    origin_behind_proxy(ProxyLimits::default()).await
 }
 
 #[tokio::test]
