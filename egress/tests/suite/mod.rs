@@ -1,4 +1,5 @@
 mod common;
 mod connect;
 mod limits;
+mod logs;
 mod plain;
