@@ -2,9 +2,11 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 
+use hickory_resolver::config::{NameServerConfigGroup, ResolverConfig};
+use hickory_resolver::name_server::TokioConnectionProvider;
 use hickory_resolver::TokioResolver;
 
 use crate::error::EgressError;
@@ -32,6 +34,16 @@ impl SystemResolver {
             .map_err(EgressError::ResolverConfig)?
             .build();
         Ok(SystemResolver { resolver })
+    }
+
+    /// Queries this nameserver (UDP, then TCP) instead of the system's.
+    pub fn with_nameserver(nameserver: SocketAddr) -> SystemResolver {
+        let group =
+            NameServerConfigGroup::from_ips_clear(&[nameserver.ip()], nameserver.port(), true);
+        let config = ResolverConfig::from_parts(None, vec![], group);
+        let resolver =
+            TokioResolver::builder_with_config(config, TokioConnectionProvider::default()).build();
+        SystemResolver { resolver }
     }
 }
 

@@ -3,3 +3,4 @@ mod connect;
 mod limits;
 mod logs;
 mod plain;
+mod resolver;
