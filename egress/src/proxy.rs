@@ -10,7 +10,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 
@@ -142,7 +142,10 @@ impl Proxy {
             let shared = shared.clone();
             async move { Ok::<_, Infallible>(handle(shared, req).await) }
         });
+        // A client has this long to send each request head (hyper's default, enforced only with a timer).
         let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.shared.limits.hello_timeout)
             .serve_connection(TokioIo::new(stream), service)
             .with_upgrades();
         if let Err(e) = conn.await {

@@ -30,7 +30,7 @@ pub struct ProxyLimits {
     pub egress_bytes: Option<u64>,
     /// How long to wait for an upstream connection.
     pub connect_timeout: Duration,
-    /// How long a tunnel may take to send its ClientHello.
+    /// How long a client may take to send a request head, and a tunnel its ClientHello.
     pub hello_timeout: Duration,
 }
 

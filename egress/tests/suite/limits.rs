@@ -113,3 +113,26 @@ async fn allow_max_refuses_a_wider_requested_list() {
     let err = Allowlist::parse_within(&["*.org:443"], &max).unwrap_err();
     assert_eq!(err, egress::AllowlistError::NotCovered("*.org:443".into()));
 }
+
+#[tokio::test]
+async fn a_silent_client_and_a_silent_tunnel_are_closed() {
+    let server = tls_server().await;
+    let target = format!("allowed.test:{}", server.addr.port());
+    let resolver = StaticResolver::new().with("allowed.test", [LOCALHOST]);
+    let limits = ProxyLimits {
+        hello_timeout: std::time::Duration::from_millis(200),
+        ..ProxyLimits::default()
+    };
+    let policy = AddressPolicy::new().exempt_for_tests(server.addr);
+    let proxy = start_proxy(std::slice::from_ref(&target), policy, resolver, limits).await;
+    let mut silent = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    silent.write_all(b"CONNECT allowed.test").await.unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(TIMEOUT, silent.read_to_end(&mut rest)).await;
+    assert!(read.is_ok(), "a half-sent request head was kept open");
+    let (status, mut tunnel) = connect(proxy.addr, &target, "").await.unwrap();
+    assert_eq!(status, 200);
+    let read = tokio::time::timeout(TIMEOUT, tunnel.read_to_end(&mut rest)).await;
+    assert!(read.is_ok(), "a tunnel without a ClientHello was kept open");
+    assert_eq!(proxy.proxy.stats().bytes_sent, 0);
+}
