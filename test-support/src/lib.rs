@@ -8,6 +8,7 @@
 //!   port, wait until serving, stop, logs), and [`daemon::wait_until`].
 //! - [`cgroups`]: the clean-up of a test daemon's cgroup parent.
 //! - [`procs`]: the host's processes, for the checks that nothing is left behind.
+//! - `dns` (feature `dns`): a nameserver answering A records from a table the test changes.
 //! - [`fsp`]: FSP/1 client messages as hand-written JSON, for tests and the conformance cases that also send
 //!   malformed ones.
 //!
@@ -17,6 +18,8 @@
 
 pub mod cgroups;
 pub mod daemon;
+#[cfg(feature = "dns")]
+pub mod dns;
 pub mod fsp;
 pub mod procs;
 

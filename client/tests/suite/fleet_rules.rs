@@ -5,16 +5,13 @@
 //! The fakes serve no `/healthz`, so their checks fail: these fleets eject only after many failures in a row.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::net::Ipv4Addr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use client::{ClientError, Discovery, DnsDiscovery, Execute, Fleet};
-use hickory_proto::op::{Message, MessageType};
-use hickory_proto::rr::rdata::A;
-use hickory_proto::rr::{RData, Record, RecordType};
 use serde_json::json;
-use tokio::net::UdpSocket;
+use test_support::dns::Nameserver;
 
 use super::fake::{self, FakeServer, Reply};
 
@@ -157,65 +154,13 @@ async fn a_changed_static_list_is_followed_without_a_restart() {
     assert_eq!(b.received_of("execute").len(), 5);
 }
 
-/// A nameserver for one name's A records, which the test changes.
-struct Nameserver {
-    addr: SocketAddr,
-    records: Arc<Mutex<Vec<Ipv4Addr>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Nameserver {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Nameserver {
-    async fn start(records: Vec<Ipv4Addr>) -> Nameserver {
-        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let records = Arc::new(Mutex::new(records));
-        let answers = records.clone();
-        let task = tokio::spawn(async move {
-            let mut buf = [0u8; 512];
-            while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
-                let Ok(query) = Message::from_vec(&buf[..n]) else {
-                    continue;
-                };
-                let mut response = Message::new();
-                response
-                    .set_id(query.id())
-                    .set_message_type(MessageType::Response)
-                    .set_op_code(query.op_code())
-                    .set_recursion_desired(query.recursion_desired())
-                    .set_recursion_available(true)
-                    .add_queries(query.queries().to_vec());
-                for q in query.queries() {
-                    if q.query_type() == RecordType::A {
-                        for ip in answers.lock().unwrap().iter() {
-                            response.add_answer(Record::from_rdata(
-                                q.name().clone(),
-                                0,
-                                RData::A(A(*ip)),
-                            ));
-                        }
-                    }
-                }
-                let _ = socket.send_to(&response.to_vec().unwrap(), peer).await;
-            }
-        });
-        Nameserver {
-            addr,
-            records,
-            task,
-        }
-    }
-}
-
 #[tokio::test]
 async fn dns_discovery_follows_the_nameserver() {
     let (servers, ips, port) = fake::three_hosts().await;
-    let ns = Nameserver::start(ips[..2].to_vec()).await;
+    let name = "sandboxd.fleet.test";
+    let ns = Nameserver::start(&[(name, ips[..2].to_vec())])
+        .await
+        .unwrap();
     let mut dns = DnsDiscovery::new("sandboxd.fleet.test", port);
     dns.nameserver = Some(ns.addr);
     dns.interval = Duration::from_millis(100);
@@ -228,7 +173,7 @@ async fn dns_discovery_follows_the_nameserver() {
     endpoints.sort();
     assert_eq!(endpoints, vec![url(ips[0]), url(ips[1])]);
     // The first host leaves, the third joins.
-    *ns.records.lock().unwrap() = ips[1..].to_vec();
+    ns.set(name, ips[1..].to_vec());
     fake::wait_endpoints(&fleet, vec![url(ips[1]), url(ips[2])]).await;
     for _ in 0..20 {
         fleet.execute(request()).await.unwrap();
@@ -238,7 +183,7 @@ async fn dns_discovery_follows_the_nameserver() {
     assert_eq!(counts[1] + counts[2], 20, "{counts:?}");
     assert!(counts[2] > 0, "{counts:?}");
     // No records: the nodes leave, nothing can be placed.
-    ns.records.lock().unwrap().clear();
+    ns.set(name, Vec::new());
     test_support::daemon::wait_until("the fleet to empty", Duration::from_secs(10), || {
         let n = fleet.endpoints().len();
         async move {

@@ -1,0 +1,171 @@
+//! The proxy: listener loop, per-connection hyper service, and dispatch to CONNECT or plain HTTP.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock};
+
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream, UnixListener};
+
+use crate::address::AddressPolicy;
+use crate::allowlist::Allowlist;
+use crate::counting::Counters;
+use crate::error::EgressError;
+use crate::resolve::Resolve;
+use crate::shared::{text, Body, Outcome, ProxyLimits, Shared};
+use crate::{http_forward, tunnel};
+
+/// A listener the proxy can serve: TCP or unix.
+pub trait Accept: Send + 'static {
+    /// An accepted connection.
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    /// Waits for the next connection.
+    fn accept_stream(&self) -> impl Future<Output = io::Result<Self::Stream>> + Send;
+}
+
+impl Accept for TcpListener {
+    type Stream = TcpStream;
+    async fn accept_stream(&self) -> io::Result<TcpStream> {
+        self.accept().await.map(|(s, _)| s)
+    }
+}
+
+impl Accept for UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn accept_stream(&self) -> io::Result<tokio::net::UnixStream> {
+        self.accept().await.map(|(s, _)| s)
+    }
+}
+
+/// A snapshot of a proxy's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// Client connections accepted.
+    pub connections: u64,
+    /// Connections opened to the outside.
+    pub upstream_connections: u64,
+    /// Requests refused.
+    pub refused: u64,
+    /// Bytes sent to the outside.
+    pub bytes_sent: u64,
+    /// Bytes received from the outside.
+    pub bytes_received: u64,
+}
+
+/// One egress proxy (one per sandbox). Cheap to clone: clones share the allowlist and counters.
+#[derive(Clone)]
+pub struct Proxy {
+    shared: Arc<Shared>,
+}
+
+impl Proxy {
+    /// A proxy with this allowlist, address policy, resolver and limits.
+    pub fn new(
+        allowlist: Allowlist,
+        addresses: AddressPolicy,
+        resolver: Arc<dyn Resolve>,
+        limits: ProxyLimits,
+    ) -> Proxy {
+        let shared = Shared {
+            allowlist: RwLock::new(Arc::new(allowlist)),
+            addresses,
+            resolver,
+            limits,
+            counters: Arc::new(Counters::default()),
+        };
+        Proxy {
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// Replaces the allowlist; requests after this call use the new one, tunnels already open stay.
+    pub fn set_allowlist(&self, allowlist: Allowlist) {
+        let mut guard = self
+            .shared
+            .allowlist
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        *guard = Arc::new(allowlist);
+    }
+
+    /// The allowlist in force.
+    pub fn allowlist(&self) -> Arc<Allowlist> {
+        self.shared
+            .allowlist
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> Stats {
+        let c = &self.shared.counters;
+        Stats {
+            connections: c.connections.load(Ordering::Relaxed),
+            upstream_connections: c.upstream_connections.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
+            bytes_received: c.bytes_received.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Serves connections from `listener` until accepting fails.
+    pub async fn serve<L: Accept>(&self, listener: L) -> Result<(), EgressError> {
+        loop {
+            let stream = listener
+                .accept_stream()
+                .await
+                .map_err(EgressError::Accept)?;
+            let proxy = self.clone();
+            tokio::spawn(async move { proxy.serve_connection(stream).await });
+        }
+    }
+
+    /// Serves one client connection until it closes.
+    pub async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+        &self,
+        stream: S,
+    ) {
+        self.shared
+            .counters
+            .connections
+            .fetch_add(1, Ordering::Relaxed);
+        let shared = self.shared.clone();
+        let service = service_fn(move |req| {
+            let shared = shared.clone();
+            async move { Ok::<_, Infallible>(handle(shared, req).await) }
+        });
+        // A client has this long to send each request head (hyper's default, enforced only with a timer).
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.shared.limits.hello_timeout)
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades();
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "egress proxy connection ended with an error");
+        }
+    }
+}
+
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
+    let outcome = if req.method() == Method::CONNECT {
+        tunnel::connect(shared.clone(), req).await
+    } else {
+        http_forward::forward(shared.clone(), req).await
+    };
+    match outcome {
+        Ok(response) => response,
+        Err(Outcome::Refused(refusal)) => shared.refuse(&refusal),
+        Err(Outcome::Failed(e)) => {
+            tracing::info!(error = %e, "egress upstream failed");
+            text(http::StatusCode::BAD_GATEWAY, format!("{e}\n"))
+        }
+    }
+}

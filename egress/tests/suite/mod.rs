@@ -1,0 +1,6 @@
+mod common;
+mod connect;
+mod limits;
+mod logs;
+mod plain;
+mod resolver;
