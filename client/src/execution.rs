@@ -524,6 +524,7 @@ mod tests {
             environment: None,
             tool_calls: None,
             return_value: None,
+            network: None,
         }
     }
 

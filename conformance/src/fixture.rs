@@ -684,6 +684,7 @@ impl Execution {
             environment: None,
             tool_calls: None,
             return_value: None,
+            network: None,
         }
     }
 

@@ -144,6 +144,59 @@ pub struct ExecuteRequest {
     /// server's spans for this execution become its children.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// Egress through the server's proxy (extension `network`); `None`: no network, as always.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkRequest>,
+}
+
+/// The most entries `network.allow` may list.
+pub const MAX_NETWORK_ALLOW: usize = 64;
+
+/// `execute.network` (extension `network`): which hosts the program may reach through the server's egress proxy.
+///
+/// Entries are host names, never IP literals: `pypi.org:443`, `*.pythonhosted.org:443`, `api.example.com` (no
+/// port: 443 and 80). The server checks each against its operator bound and refuses the request when one is not
+/// covered. The program reaches the proxy through `HTTP_PROXY`/`HTTPS_PROXY`; it has no other route out.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkRequest {
+    /// Allowlist entries, 1 to [`MAX_NETWORK_ALLOW`].
+    pub allow: Vec<String>,
+    /// Bytes exchanged with the outside (both directions) after which the proxy closes every connection and
+    /// refuses new ones; default and maximum the server's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_bytes: Option<u64>,
+}
+
+impl NetworkRequest {
+    /// A request allowing these entries, with the server's byte limit.
+    pub fn allow<S: Into<String>>(entries: impl IntoIterator<Item = S>) -> NetworkRequest {
+        NetworkRequest {
+            allow: entries.into_iter().map(Into::into).collect(),
+            egress_bytes: None,
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.allow.is_empty() || self.allow.len() > MAX_NETWORK_ALLOW {
+            return Err(format!(
+                "Field network.allow: {} entries; 1 to {MAX_NETWORK_ALLOW} are allowed",
+                self.allow.len()
+            ));
+        }
+        if let Some(bad) = self.allow.iter().find(|e| {
+            e.is_empty() || e.len() > 260 || e.chars().any(|c| c.is_whitespace() || c.is_control())
+        }) {
+            return Err(format!(
+                "Field network.allow: {:?} is not a host name entry",
+                bad.chars().take(64).collect::<String>()
+            ));
+        }
+        if self.egress_bytes == Some(0) {
+            return Err("Field network.egress_bytes: must be at least 1".to_owned());
+        }
+        Ok(())
+    }
 }
 
 impl ExecuteRequest {
@@ -167,6 +220,7 @@ impl ExecuteRequest {
             tools: Vec::new(),
             tool_timeout_ms: None,
             warm: None,
+            network: None,
             traceparent: None,
         }
     }
@@ -210,6 +264,9 @@ impl ExecuteRequest {
             }
         }
         if let Err(message) = check_tools(self.language, &self.tools, self.tool_timeout_ms) {
+            return fail(message);
+        }
+        if let Some(Err(message)) = self.network.as_ref().map(NetworkRequest::check) {
             return fail(message);
         }
         Ok(())
@@ -417,6 +474,8 @@ struct ExecuteBody {
     #[serde(default)]
     warm: Option<bool>,
     traceparent: Option<String>,
+    #[serde(default)]
+    network: Option<NetworkRequest>,
 }
 
 /// The fields of `tool_result` besides the envelope. Unknown fields are refused.
@@ -599,6 +658,7 @@ fn parse_execute(
         tool_timeout_ms: body.tool_timeout_ms,
         warm: body.warm,
         traceparent: body.traceparent,
+        network: body.network,
     };
     request.validate()?;
     Ok(request)

@@ -31,7 +31,8 @@ pub mod validate;
 pub use artifacts::{Artifact, ArtifactManifest, DroppedArtifacts, SkippedArtifact};
 pub use client::{
     is_traceparent, parse_client_message, ArtifactsRequest, CancelRequest, ClientMessage,
-    ExecuteRequest, FileContentError, FileEncoding, FileSpec, PingRequest,
+    ExecuteRequest, FileContentError, FileEncoding, FileSpec, NetworkRequest, PingRequest,
+    MAX_NETWORK_ALLOW,
 };
 pub use envelope::{
     format_ts, is_valid_id, now_ts, parse_ts, TimestampError, MAX_ID_LEN, PROTOCOL_VERSION,
@@ -43,8 +44,8 @@ pub use limits::{CpuCores, LimitDefaults, LimitError, Limits, RequestedLimits};
 pub use output::{Chunk, OutputEncoding, Utf8Chunker};
 pub use server::{
     encode, encode_with_ts, parse_server_envelope, parse_server_message, Capabilities, Environment,
-    ErrorMessage, ExecStatus, Isolation, Load, OutputChunk, Pong, Reason, ResourceUsage,
-    ResultMessage, ServerEnvelope, ServerMessage, SANDBOXD_EXTENSIONS,
+    ErrorMessage, ExecStatus, Isolation, Load, NetworkUsage, OutputChunk, Pong, Reason,
+    ResourceUsage, ResultMessage, ServerEnvelope, ServerMessage, SANDBOXD_EXTENSIONS,
 };
 pub use tools::{
     parse_tool_request, RawArgs, ToolCall, ToolRequest, ToolRequestError, ToolResult, ToolSpec,

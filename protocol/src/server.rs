@@ -278,6 +278,24 @@ pub struct ResultMessage {
     /// and every message the daemon queues is as large as the largest one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub return_value: Option<Box<Value>>,
+    /// What went through the egress proxy; present when the request asked for `network` (extension `network`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkUsage>,
+}
+
+/// `result.network` (extension `network`): the egress proxy's counters for one execution.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkUsage {
+    /// Connections the program opened to the proxy.
+    pub connections: u64,
+    /// Connections the proxy opened to the outside.
+    pub upstream_connections: u64,
+    /// Requests the proxy refused (not allowed, refused address, over the byte limit, malformed).
+    pub refused: u64,
+    /// Bytes sent to the outside.
+    pub bytes_sent: u64,
+    /// Bytes received from the outside.
+    pub bytes_received: u64,
 }
 
 /// The parts of `environment_fingerprint` (sandboxd addition): enough to run the same program on the same image,
@@ -340,6 +358,8 @@ struct ResultWire {
     tool_calls: Option<u64>,
     #[serde(default)]
     return_value: Option<Box<Value>>,
+    #[serde(default)]
+    network: Option<NetworkUsage>,
 }
 
 impl From<ResultWire> for ResultMessage {
@@ -364,6 +384,7 @@ impl From<ResultWire> for ResultMessage {
             environment: wire.environment,
             tool_calls: wire.tool_calls,
             return_value: wire.return_value,
+            network: wire.network,
         }
     }
 }

@@ -36,6 +36,7 @@ fn result(reason: Reason, exit_code: Option<i32>, signal: Option<&str>) -> Resul
         environment: None,
         tool_calls: None,
         return_value: None,
+        network: None,
     }
 }
 

@@ -881,6 +881,7 @@ fn result(
         environment: None,
         tool_calls: None,
         return_value: None,
+        network: None,
     }
 }
 
