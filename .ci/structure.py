@@ -23,9 +23,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CRATES = ["protocol", "agent-api", "image-store", "runtime", "agents", "sandboxd", "client", "sandboxctl", "conformance",
-          "test-support"]
+          "test-support", "egress"]
 LONG_FUNCTION_DIRS = ["sandboxd", "agent-api", "image-store", "agents", "runtime", "client", "sandboxctl", "conformance",
-                      "protocol", "test-support"]
+                      "protocol", "test-support", "egress"]
 MAX_LINES = 120
 
 FN = re.compile(r'^\s*(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?(extern\s+"C"\s+)?fn\s+(\w+)')

@@ -41,7 +41,7 @@ pub(crate) async fn forward(
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(upstream))
         .await
         .map_err(failed)?;
-    tokio::spawn(async move {
+    shared.spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "egress upstream connection ended with an error");
         }

@@ -13,6 +13,7 @@ use hyper::{Method, Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
+use tracing::Instrument;
 
 use crate::address::AddressPolicy;
 use crate::allowlist::Allowlist;
@@ -79,6 +80,7 @@ impl Proxy {
             resolver,
             limits,
             counters: Arc::new(Counters::default()),
+            tasks: std::sync::Mutex::new(Vec::new()),
         };
         Proxy {
             shared: Arc::new(shared),
@@ -93,6 +95,12 @@ impl Proxy {
             .write()
             .unwrap_or_else(|p| p.into_inner());
         *guard = Arc::new(allowlist);
+    }
+
+    /// Ends the tunnels and upstream connections still open. Connections to the proxy itself end with the
+    /// [`Proxy::serve`] future that accepted them.
+    pub fn close(&self) {
+        self.shared.close();
     }
 
     /// The allowlist in force.
@@ -116,15 +124,23 @@ impl Proxy {
         }
     }
 
-    /// Serves connections from `listener` until accepting fails.
+    /// Serves connections from `listener` until accepting fails. The connections are tasks of this future:
+    /// dropping it (or aborting the task running it) ends every one of them, tunnels included.
     pub async fn serve<L: Accept>(&self, listener: L) -> Result<(), EgressError> {
+        let mut connections = tokio::task::JoinSet::new();
         loop {
-            let stream = listener
-                .accept_stream()
-                .await
-                .map_err(EgressError::Accept)?;
-            let proxy = self.clone();
-            tokio::spawn(async move { proxy.serve_connection(stream).await });
+            tokio::select! {
+                accepted = listener.accept_stream() => {
+                    let stream = accepted.map_err(EgressError::Accept)?;
+                    let proxy = self.clone();
+                    // Each connection logs in the span the proxy serves in (the daemon's names the execution).
+                    connections.spawn(
+                        async move { proxy.serve_connection(stream).await }.in_current_span(),
+                    );
+                }
+                // Reap finished connections so the set holds only live ones.
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
         }
     }
 

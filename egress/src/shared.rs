@@ -51,6 +51,9 @@ pub(crate) struct Shared {
     pub(crate) resolver: Arc<dyn Resolve>,
     pub(crate) limits: ProxyLimits,
     pub(crate) counters: Arc<Counters>,
+    /// Tasks that outlive the request that started them (tunnels, upstream connections), ended by
+    /// [`Shared::close`].
+    pub(crate) tasks: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 /// Why a request got no upstream answer.
@@ -86,6 +89,23 @@ pub(crate) fn text(status: http::StatusCode, body: String) -> Response<Body> {
 }
 
 impl Shared {
+    /// Spawns a task of this proxy, in the caller's tracing span; [`Shared::close`] aborts it.
+    pub(crate) fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        use tracing::Instrument;
+        let handle = tokio::spawn(task.in_current_span()).abort_handle();
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(handle);
+    }
+
+    /// Aborts every task [`Shared::spawn`] started.
+    pub(crate) fn close(&self) {
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in tasks {
+            t.abort();
+        }
+    }
+
     /// Logs and counts a refusal, and answers it.
     pub(crate) fn refuse(&self, refusal: &Refusal) -> Response<Body> {
         self.note_refusal(refusal);

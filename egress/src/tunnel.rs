@@ -36,9 +36,10 @@ pub(crate) async fn connect(
         .ok_or(Refusal::Malformed("CONNECT target has no port"))?;
     let host = shared.check_host(authority.host(), port)?;
     let upstream = shared.connect(&host, port).await?;
-    tokio::spawn(async move {
+    let task_shared = shared.clone();
+    shared.spawn(async move {
         match hyper::upgrade::on(req).await {
-            Ok(upgraded) => splice(&shared, &host, TokioIo::new(upgraded), upstream).await,
+            Ok(upgraded) => splice(&task_shared, &host, TokioIo::new(upgraded), upstream).await,
             Err(e) => tracing::debug!(error = %e, %host, "egress CONNECT upgrade failed"),
         }
     });

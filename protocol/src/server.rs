@@ -279,8 +279,9 @@ pub struct ResultMessage {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub return_value: Option<Box<Value>>,
     /// What went through the egress proxy; present when the request asked for `network` (extension `network`).
+    /// Boxed, as `return_value` is: it is rare, and every queued message is as large as the largest one.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub network: Option<NetworkUsage>,
+    pub network: Option<Box<NetworkUsage>>,
 }
 
 /// `result.network` (extension `network`): the egress proxy's counters for one execution.
@@ -359,7 +360,7 @@ struct ResultWire {
     #[serde(default)]
     return_value: Option<Box<Value>>,
     #[serde(default)]
-    network: Option<NetworkUsage>,
+    network: Option<Box<NetworkUsage>>,
 }
 
 impl From<ResultWire> for ResultMessage {

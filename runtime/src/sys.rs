@@ -223,6 +223,31 @@ pub fn default_all_signals() -> Result<()> {
     Ok(())
 }
 
+/// A TCP listener bound to `address` inside the network namespace of the process `pidfd` refers to (a
+/// container's init), returned to the caller's namespace.
+///
+/// A socket belongs to the namespace it was created in for its whole life, so the daemon can accept connections
+/// that programs in the container make to `address` on their own loopback, with nothing of its own running
+/// inside. The socket is created on a short-lived thread that enters the namespace through the pidfd (Linux 5.8+;
+/// no pid can be reused meanwhile), so no other thread of the caller ever runs in the borrowed namespace.
+pub fn tcp_listener_in_netns(
+    pidfd: std::os::fd::BorrowedFd<'_>,
+    address: std::net::SocketAddr,
+) -> std::io::Result<std::net::TcpListener> {
+    let pidfd = pidfd.try_clone_to_owned()?;
+    std::thread::Builder::new()
+        .name("netns-listen".into())
+        .spawn(move || {
+            nix::sched::setns(&pidfd, nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(std::io::Error::from)?;
+            let listener = std::net::TcpListener::bind(address)?;
+            listener.set_nonblocking(true)?;
+            Ok(listener)
+        })?
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the netns-listen thread panicked")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -77,6 +77,8 @@ pub struct Config {
     pub agents: AgentsConfig,
     /// OpenTelemetry traces.
     pub telemetry: crate::telemetry::TelemetryConfig,
+    /// The `network` extension: egress through a per-execution proxy to the hosts a request lists.
+    pub network: crate::egress::NetworkConfig,
 }
 
 pub use agents::config::{AgentsConfig, AGENT_QUEUED_OVERHEAD, AGENT_STAMP_BYTES};
@@ -314,6 +316,7 @@ impl Default for Config {
             tools: crate::tools::ToolsConfig::default(),
             agents: AgentsConfig::default(),
             telemetry: crate::telemetry::TelemetryConfig::default(),
+            network: crate::egress::NetworkConfig::default(),
         }
     }
 }
@@ -392,6 +395,9 @@ impl Config {
     /// so the first problem reported is stable).
     fn validate(&self) -> Result<(), ConfigError> {
         self.telemetry
+            .validate()
+            .map_err(|(key, reason)| ConfigError::Value { key, reason })?;
+        self.network
             .validate()
             .map_err(|(key, reason)| ConfigError::Value { key, reason })?;
         self.validate_numbers()?;

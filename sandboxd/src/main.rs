@@ -11,6 +11,7 @@ mod config;
 mod containers;
 mod daemon;
 mod doctor;
+mod egress;
 mod engine;
 mod images;
 mod images_cli;
@@ -414,6 +415,10 @@ impl Prepared {
             &self.languages,
         ));
         pool.start(&self.languages);
+        let own_addresses = std::iter::once(config.listen).chain(config.metrics_listen);
+        let egress = egress::Egress::new(&config.network, own_addresses)
+            .map_err(anyhow::Error::msg)
+            .context("cannot set up the egress proxy (network)")?;
         let daemon = Arc::new(daemon::Daemon::new(config, self.store.clone()));
         let engine = Arc::new(Engine::new(
             daemon.clone(),
@@ -421,6 +426,7 @@ impl Prepared {
             self.languages,
             self.isolation,
             self.seccomp_digest,
+            egress,
         ));
         spawn_artifact_gc(self.store);
         if let Err(e) = selftest::self_test(engine.clone()).await {

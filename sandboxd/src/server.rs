@@ -321,6 +321,19 @@ fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessag
     if let Err(e) = req.resolve_tool_timeout(engine.daemon().config().tools.max_call_timeout_ms) {
         return Some(e.into());
     }
+    if req.network.is_some() {
+        let checked = match engine.egress() {
+            Some(egress) => egress.check(req).map(drop),
+            None => Err(ErrorMessage::new(
+                id.clone(),
+                ErrorCode::InvalidRequest,
+                "Field network: the network extension is not enabled on this server",
+            )),
+        };
+        if let Err(refusal) = checked {
+            return Some(refusal);
+        }
+    }
     if let Some(a) = &req.artifacts {
         if let Err(e) =
             runtime::artifacts::Patterns::new(&a.paths, &a.types.clone().unwrap_or_default())

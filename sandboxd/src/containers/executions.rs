@@ -156,6 +156,13 @@ impl ContainerHandle for HelperContainer {
         }
     }
 
+    fn listen_inside(
+        &self,
+        address: std::net::SocketAddr,
+    ) -> std::io::Result<std::net::TcpListener> {
+        runtime::sys::tcp_listener_in_netns(self.created.pidfd.as_fd(), address)
+    }
+
     fn usage(&self) -> runtime::Result<Usage> {
         self.cgroups.usage(&self.cid)
     }

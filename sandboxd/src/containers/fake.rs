@@ -212,6 +212,17 @@ impl ContainerHandle for FakeContainer {
         })
     }
 
+    /// A fake container has no network namespace of its own: the listener is on the host's loopback, on a port
+    /// the kernel picks (the requested one may be taken).
+    fn listen_inside(
+        &self,
+        address: std::net::SocketAddr,
+    ) -> std::io::Result<std::net::TcpListener> {
+        let listener = std::net::TcpListener::bind((address.ip(), 0))?;
+        listener.set_nonblocking(true)?;
+        Ok(listener)
+    }
+
     fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {
         self.recorder.record(Call::Remove(self.cid.clone()));
         // The helper kills whatever still runs before it deletes a container.

@@ -184,6 +184,13 @@ pub trait ContainerHandle: Send + Sync + 'static {
     /// Peak memory, CPU time and OOM kills so far.
     fn usage(&self) -> runtime::Result<Usage>;
 
+    /// A listener on `address` inside the container's network namespace, accepted by the daemon (the egress
+    /// proxy's entrance: programs connect to it on their own loopback).
+    fn listen_inside(
+        &self,
+        address: std::net::SocketAddr,
+    ) -> std::io::Result<std::net::TcpListener>;
+
     /// Kills, deletes and reaps the container and removes its scratch space. Errors are logged: there is nobody
     /// left to tell.
     fn remove(self: Box<Self>) -> BoxFuture<'static, ()>;

@@ -17,6 +17,9 @@ pub enum ExecError {
     /// The tool broker could not be set up.
     #[error(transparent)]
     Tools(crate::tools::ToolsError),
+    /// The egress proxy's entrance inside the container could not be opened (extension `network`).
+    #[error("Cannot open the egress proxy inside the container")]
+    Egress(#[source] std::io::Error),
     /// The blocking task writing the limits and inputs did not finish.
     #[error("Preparation panicked")]
     PreparePanicked(#[source] tokio::task::JoinError),

@@ -67,6 +67,8 @@ pub struct Engine {
     isolation: Isolation,
     /// sha256 of the seccomp profile in force (part of every environment fingerprint).
     seccomp_digest: String,
+    /// The `network` extension, when the operator enabled it.
+    egress: Option<crate::egress::Egress>,
 }
 
 /// What an execution's body hands back: the messages to send (or the error), and the container to remove.
@@ -80,6 +82,7 @@ impl Engine {
         languages: BTreeMap<Language, LanguageRuntime>,
         isolation: Isolation,
         seccomp_digest: String,
+        egress: Option<crate::egress::Egress>,
     ) -> Self {
         let c = &daemon.config().capacity;
         let capacity = Capacity::new(c.max_concurrent, c.max_queue);
@@ -90,7 +93,13 @@ impl Engine {
             capacity,
             isolation,
             seccomp_digest,
+            egress,
         }
+    }
+
+    /// The `network` extension, when enabled.
+    pub fn egress(&self) -> Option<&crate::egress::Egress> {
+        self.egress.as_ref()
     }
 
     /// The daemon's context.
@@ -171,10 +180,14 @@ impl Engine {
 
     /// Protocol extensions this server implements.
     pub fn extensions(&self) -> Vec<String> {
-        protocol::SANDBOXD_EXTENSIONS
+        let mut extensions: Vec<String> = protocol::SANDBOXD_EXTENSIONS
             .iter()
             .map(|e| (*e).to_owned())
-            .collect()
+            .collect();
+        if self.egress.is_some() {
+            extensions.push("network".to_owned());
+        }
+        extensions
     }
 
     /// The `pong` for a `ping`.
@@ -360,6 +373,11 @@ impl Engine {
             Ok(b) => b,
             Err(e) => return (Some(container), Err(ExecError::Tools(e).into())),
         };
+        // The egress proxy (network extension) serves inside the container until the execution is over (Drop).
+        let network = match self.start_egress(req, &container) {
+            Ok(n) => n,
+            Err(e) => return (Some(container), Err(e)),
+        };
         let launched = match self
             .launch(req, limits, &lang, files, &container)
             .instrument(tracing::info_span!("launch"))
@@ -375,6 +393,7 @@ impl Engine {
             lang: &lang,
             container: &container,
             tools: tools.as_ref(),
+            network: network.as_ref(),
             key,
             out,
         };
@@ -391,6 +410,29 @@ impl Engine {
             "execution timings"
         );
         (Some(container), finished)
+    }
+
+    /// The request's egress proxy, listening inside the container; `None` without `network`.
+    fn start_egress(
+        &self,
+        req: &ExecuteRequest,
+        container: &Container,
+    ) -> Result<Option<crate::egress::Running>, Failure> {
+        let (Some(egress), Some(_)) = (&self.egress, &req.network) else {
+            return Ok(None);
+        };
+        // Checked when the request arrived; checked again here against the same bound.
+        let Some(admitted) = egress.check(req).map_err(Failure::Refused)? else {
+            return Ok(None);
+        };
+        let listener = container
+            .handle
+            .listen_inside(crate::egress::PROXY_ADDRESS)
+            .map_err(ExecError::Egress)?;
+        let running = egress
+            .start(admitted, listener, &req.id)
+            .map_err(ExecError::Egress)?;
+        Ok(Some(running))
     }
 
     /// Writes the inputs and the limits into the container and launches the program. Returns its output pipes.
@@ -643,6 +685,7 @@ impl Engine {
             res.tool_calls = Some(b.calls());
             res.return_value = b.return_value().map(Box::new);
         }
+        res.network = run.network.map(|n| Box::new(n.usage()));
         messages.push(ServerMessage::Result(res));
         Ok(messages)
     }
@@ -670,6 +713,8 @@ struct Run<'a> {
     lang: &'a LanguageRuntime,
     container: &'a Container,
     tools: Option<&'a crate::tools::Broker>,
+    /// The egress proxy (extension `network`).
+    network: Option<&'a crate::egress::Running>,
     /// The execution's metrics key.
     key: &'a str,
     out: &'a mpsc::Sender<ServerMessage>,
@@ -805,10 +850,14 @@ fn command(lang: &LanguageRuntime) -> Vec<String> {
     args
 }
 
-/// The program's environment: sandboxd's base, then the image's, then the request's.
+/// The program's environment: sandboxd's base, then the image's, then the request's, then (extension `network`)
+/// the proxy settings.
 fn environment(lang: &LanguageRuntime, req: &ExecuteRequest) -> BTreeMap<String, String> {
     let mut env = crate::images::base_environment(&lang.image);
     env.extend(req.env.clone());
+    if req.network.is_some() {
+        env.extend(crate::egress::proxy_env());
+    }
     env
 }
 

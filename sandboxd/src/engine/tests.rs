@@ -56,7 +56,7 @@ impl Harness {
             network: "none".into(),
         };
         let daemon = Arc::new(Daemon::new(config, Arc::new(store)));
-        let engine = Engine::new(daemon, pool, languages, isolation, "fake".into());
+        let engine = Engine::new(daemon, pool, languages, isolation, "fake".into(), None);
         Self {
             engine: Arc::new(engine),
             recorder,

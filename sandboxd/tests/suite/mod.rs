@@ -14,6 +14,8 @@ mod cancel;
 mod capacity;
 mod cleanup;
 mod compat;
+mod egress;
+mod egress_origin;
 mod execution;
 mod images;
 mod isolation;

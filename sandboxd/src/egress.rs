@@ -1,0 +1,243 @@
+//! The `network` extension: an execution reaches the hosts its request lists, through an egress proxy the daemon
+//! runs for it ([`egress::Proxy`]), and nothing else.
+//!
+//! The container keeps its own network namespace with only loopback. When the request has `network`, the daemon
+//! creates a listener on [`PROXY_ADDRESS`] inside that namespace ([`crate::containers::ContainerHandle::listen_inside`])
+//! and serves the proxy on it from the daemon itself: nothing of the daemon's runs in the container, and the
+//! program finds the proxy through `HTTP_PROXY`, `HTTPS_PROXY` and their relatives ([`proxy_env`]). The proxy
+//! resolves names itself, refuses loopback, private (unless the operator allows them), link-local and other
+//! special addresses and the daemon's own listen addresses whatever the list says, and counts connections and
+//! bytes, which the result reports (`result.network`).
+//!
+//! Requests are checked against the operator's bound `network.allow_max` before anything runs; the extension is
+//! announced in `pong` only when `network.enabled` is set.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::Arc;
+use std::time::Duration;
+
+use egress::{AddressPolicy, Allowlist, Proxy, ProxyLimits, Resolve, SystemResolver};
+use protocol::{ErrorCode, ErrorMessage, ExecuteRequest, NetworkUsage};
+use serde::Deserialize;
+use tracing::{info, warn, Instrument};
+
+/// Where the proxy listens inside each container.
+pub const PROXY_ADDRESS: SocketAddr = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 3128));
+
+/// Default for `network.egress_bytes_max`: 1 GiB per execution.
+pub const DEFAULT_EGRESS_BYTES_MAX: u64 = 1 << 30;
+
+/// `network:` in the daemon's configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkConfig {
+    /// Serve the `network` extension (announced in `pong`). Off: a request with `network` is refused.
+    pub enabled: bool,
+    /// The widest entries a request may list (`pypi.org:443`, `*.pythonhosted.org:443`, `api.example.com`);
+    /// each requested entry must lie within one of them. Required when enabled.
+    pub allow_max: Vec<String>,
+    /// Let the proxy connect to RFC 1918 and IPv6 ULA addresses. Loopback, link-local (cloud metadata),
+    /// CGNAT, multicast and reserved ranges, and the daemon's own listen addresses, stay refused.
+    pub allow_private: bool,
+    /// Nameservers the proxy queries (`ip:port`), the first one used; empty: the host's `/etc/resolv.conf`.
+    pub nameservers: Vec<SocketAddr>,
+    /// Bytes one execution may exchange with the outside, both directions; a request's `egress_bytes` may ask
+    /// for less.
+    pub egress_bytes_max: u64,
+    /// How long the proxy waits for an upstream connection, milliseconds.
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            allow_max: Vec::new(),
+            allow_private: false,
+            nameservers: Vec::new(),
+            egress_bytes_max: DEFAULT_EGRESS_BYTES_MAX,
+            connect_timeout_ms: 10_000,
+        }
+    }
+}
+
+impl NetworkConfig {
+    /// Checks the bound parses and is present when enabled; `(key, reason)` otherwise.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        let bound =
+            Allowlist::parse(&self.allow_max).map_err(|e| ("network.allow_max", e.to_string()))?;
+        if self.enabled && bound.entries().is_empty() {
+            return Err((
+                "network.allow_max",
+                "must list at least one entry when network.enabled is true".into(),
+            ));
+        }
+        if self.egress_bytes_max == 0 {
+            return Err(("network.egress_bytes_max", "must be at least 1".into()));
+        }
+        if self.connect_timeout_ms == 0 {
+            return Err(("network.connect_timeout_ms", "must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The daemon's egress settings, parsed once: the bound, the address policy and the shared resolver.
+pub struct Egress {
+    config: NetworkConfig,
+    allow_max: Allowlist,
+    addresses: AddressPolicy,
+    resolver: Arc<dyn Resolve>,
+}
+
+impl Egress {
+    /// `None` when the extension is off. `daemon_addresses` are the daemon's own listeners, never reachable.
+    pub fn new(
+        config: &NetworkConfig,
+        daemon_addresses: impl IntoIterator<Item = SocketAddr>,
+    ) -> Result<Option<Egress>, String> {
+        if !config.enabled {
+            return Ok(None);
+        }
+        let allow_max = Allowlist::parse(&config.allow_max).map_err(|e| e.to_string())?;
+        let resolver: Arc<dyn Resolve> = match config.nameservers.first() {
+            Some(ns) => Arc::new(SystemResolver::with_nameserver(*ns)),
+            None => Arc::new(SystemResolver::new().map_err(|e| e.to_string())?),
+        };
+        Ok(Some(Egress {
+            config: config.clone(),
+            allow_max,
+            addresses: AddressPolicy::new()
+                .allow_private(config.allow_private)
+                .daemon_addresses(daemon_addresses),
+            resolver,
+        }))
+    }
+
+    /// The request's allowlist within the bound, and its byte limit; the refusal to send otherwise.
+    pub fn check(&self, req: &ExecuteRequest) -> Result<Option<Admitted>, ErrorMessage> {
+        let Some(network) = &req.network else {
+            return Ok(None);
+        };
+        let refuse = |message: String| {
+            ErrorMessage::new(Some(req.id.clone()), ErrorCode::InvalidRequest, message)
+        };
+        let allowlist = Allowlist::parse_within(&network.allow, &self.allow_max)
+            .map_err(|e| refuse(format!("Field network.allow: {e}")))?;
+        let max = self.config.egress_bytes_max;
+        let egress_bytes = match network.egress_bytes {
+            Some(n) if n > max => {
+                return Err(refuse(format!(
+                    "Field network.egress_bytes: {n} is above the maximum {max}"
+                )))
+            }
+            Some(n) => n,
+            None => max,
+        };
+        Ok(Some(Admitted {
+            allowlist,
+            egress_bytes,
+        }))
+    }
+
+    /// Starts the proxy for one execution on `listener` (inside its container). Dropping the returned
+    /// [`Running`] stops it and closes every connection.
+    pub fn start(
+        &self,
+        admitted: Admitted,
+        listener: std::net::TcpListener,
+        id: &str,
+    ) -> std::io::Result<Running> {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let limits = ProxyLimits {
+            egress_bytes: Some(admitted.egress_bytes),
+            connect_timeout: Duration::from_millis(self.config.connect_timeout_ms),
+            ..ProxyLimits::default()
+        };
+        let proxy = Proxy::new(
+            admitted.allowlist,
+            self.addresses.clone(),
+            self.resolver.clone(),
+            limits,
+        );
+        let serving = proxy.clone();
+        let span = tracing::info_span!("egress", execution = %id);
+        let task = tokio::spawn(
+            async move {
+                if let Err(e) = serving.serve(listener).await {
+                    warn!(error = %e, "egress proxy stopped accepting");
+                }
+            }
+            .instrument(span),
+        );
+        Ok(Running { proxy, task })
+    }
+}
+
+/// A request's network settings, checked.
+#[derive(Debug)]
+pub struct Admitted {
+    allowlist: Allowlist,
+    egress_bytes: u64,
+}
+
+/// One execution's proxy; dropping it ends the proxy's task and every connection it serves.
+pub struct Running {
+    proxy: Proxy,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// The counters so far, as `result.network` reports them.
+    pub fn usage(&self) -> NetworkUsage {
+        let s = self.proxy.stats();
+        NetworkUsage {
+            connections: s.connections,
+            upstream_connections: s.upstream_connections,
+            refused: s.refused,
+            bytes_sent: s.bytes_sent,
+            bytes_received: s.bytes_received,
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.proxy.close();
+        let u = self.usage();
+        info!(
+            connections = u.connections,
+            upstream_connections = u.upstream_connections,
+            refused = u.refused,
+            bytes_sent = u.bytes_sent,
+            bytes_received = u.bytes_received,
+            "egress proxy closed"
+        );
+    }
+}
+
+/// The environment that points a program's HTTP clients at the proxy (curl, python's urllib and requests, pip,
+/// npm, node's `fetch` with `NODE_USE_ENV_PROXY`).
+pub fn proxy_env() -> Vec<(String, String)> {
+    let url = format!("http://{PROXY_ADDRESS}");
+    let mut env = Vec::new();
+    for key in [
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ] {
+        env.push((key.to_owned(), url.clone()));
+    }
+    for key in ["npm_config_proxy", "npm_config_https_proxy"] {
+        env.push((key.to_owned(), url.clone()));
+    }
+    for key in ["NO_PROXY", "no_proxy"] {
+        env.push((key.to_owned(), "localhost,127.0.0.1,::1".to_owned()));
+    }
+    env.push(("NODE_USE_ENV_PROXY".to_owned(), "1".to_owned()));
+    env
+}

@@ -1,0 +1,270 @@
+//! The outside world of the egress tests, on addresses the test creates: a veth interface on the host with one
+//! address in 198.18.0.0/15 (the benchmarking range: not private, not loopback, so the proxy's address policy
+//! treats it as any public address), HTTP and HTTPS origins on it that record every request they receive, a test
+//! CA that signed the HTTPS origin's certificate, a package index serving one wheel, and a nameserver on 127.0.0.1
+//! that the daemon's proxy queries.
+
+use std::convert::Infallible;
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+/// The plain HTTP origin's port.
+pub const HTTP_PORT: u16 = 8080;
+/// The HTTPS origin's port.
+pub const HTTPS_PORT: u16 = 8443;
+/// The wheel the package index serves.
+pub const WHEEL: &str = "egressdemo-1.0-py3-none-any.whl";
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// The origins, their address, the CA and the nameserver; dropping it stops the servers and removes the interface.
+pub struct Origin {
+    /// The origins' address.
+    pub ip: Ipv4Addr,
+    /// The test CA's certificate, PEM (the program trusts it from a file).
+    pub ca_pem: String,
+    /// `host header + path` of every request the origins received, in order.
+    pub seen: Arc<Mutex<Vec<String>>>,
+    /// The nameserver the daemon's proxy is configured with.
+    pub nameserver: test_support::dns::Nameserver,
+    link: String,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Origin {
+    /// Creates the interface and starts the origins and the nameserver. Names: `origin.test` and `denied.test` at
+    /// the origins' address, `rebind.test` at 127.0.0.1, `meta.test` at 169.254.169.254, `private.test` at
+    /// 10.1.2.3.
+    pub async fn start() -> Origin {
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let pid = std::process::id();
+        let link = format!("sbxe{}x{n}", pid % 100_000);
+        let ip = Ipv4Addr::new(198, 18, (pid % 200) as u8 + 1, n as u8 + 1);
+        // A leftover of an earlier crashed run with the same name goes first; a failure here is expected.
+        let _ = ip_cmd(&["link", "del", &link]);
+        // A veth pair with both ends in the host's namespace: the address on one end is a local address of the
+        // host, as an external interface's would be (the dummy driver is not in every kernel).
+        let peer = format!("{link}p");
+        ip_cmd(&["link", "add", &link, "type", "veth", "peer", "name", &peer])
+            .expect("ip link add (veth)");
+        ip_cmd(&["addr", "add", &format!("{ip}/32"), "dev", &link]).expect("ip addr add");
+        ip_cmd(&["link", "set", &link, "up"]).expect("ip link set up");
+        ip_cmd(&["link", "set", &peer, "up"]).expect("ip link set up (peer)");
+
+        let (ca_pem, acceptor) = certificates();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let wheel = Bytes::from(build_wheel());
+        let mut tasks = Vec::new();
+        let http = TcpListener::bind((ip, HTTP_PORT))
+            .await
+            .expect("bind the HTTP origin");
+        let https = TcpListener::bind((ip, HTTPS_PORT))
+            .await
+            .expect("bind the HTTPS origin");
+        tasks.push(tokio::spawn(serve(http, None, seen.clone(), wheel.clone())));
+        tasks.push(tokio::spawn(serve(
+            https,
+            Some(acceptor),
+            seen.clone(),
+            wheel,
+        )));
+        let records = [
+            ("origin.test", vec![ip]),
+            ("denied.test", vec![ip]),
+            ("rebind.test", vec![Ipv4Addr::LOCALHOST]),
+            ("meta.test", vec![Ipv4Addr::new(169, 254, 169, 254)]),
+            ("private.test", vec![Ipv4Addr::new(10, 1, 2, 3)]),
+        ];
+        let nameserver = test_support::dns::Nameserver::start(&records)
+            .await
+            .expect("start the test nameserver");
+        Origin {
+            ip,
+            ca_pem,
+            seen,
+            nameserver,
+            link,
+            tasks,
+        }
+    }
+
+    /// The daemon's `network` configuration for these origins.
+    pub fn network_config(&self, egress_bytes_max: u64) -> serde_json::Value {
+        serde_json::json!({
+            "enabled": true,
+            "allow_max": [
+                format!("*.test:{HTTP_PORT}"),
+                format!("*.test:{HTTPS_PORT}"),
+                "*.test:22",
+            ],
+            "nameservers": [self.nameserver.addr.to_string()],
+            "egress_bytes_max": egress_bytes_max,
+        })
+    }
+
+    /// The requests the origins received so far.
+    pub fn seen(&self) -> Vec<String> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        if let Err(e) = ip_cmd(&["link", "del", &self.link]) {
+            eprintln!("cannot remove the test interface {}: {e}", self.link);
+        }
+    }
+}
+
+fn ip_cmd(args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {args:?}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// A CA, and a certificate for `origin.test` and `denied.test` signed by it.
+fn certificates() -> (String, TlsAcceptor) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // Distinct names: a leaf whose issuer equals its subject reads as self-signed.
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "sandboxd egress test CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut leaf_params =
+        CertificateParams::new(vec!["origin.test".to_owned(), "denied.test".to_owned()]).unwrap();
+    leaf_params
+        .distinguished_name
+        .push(DnType::CommonName, "origin.test");
+    let leaf = leaf_params.signed_by(&key, &ca, &ca_key).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![CertificateDer::from(leaf.der().to_vec())],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )
+        .unwrap();
+    (ca.pem(), TlsAcceptor::from(Arc::new(config)))
+}
+
+/// A pure-python wheel, zipped by the host's python (the package index serves it to pip inside the sandbox).
+fn build_wheel() -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(WHEEL);
+    let script = r#"
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1], "w") as z:
+    z.writestr("egressdemo/__init__.py", "VALUE = 'installed through the proxy'\n")
+    z.writestr("egressdemo-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: egressdemo\nVersion: 1.0\n")
+    z.writestr("egressdemo-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: sandboxd-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    z.writestr("egressdemo-1.0.dist-info/RECORD", "")
+"#;
+    let status = std::process::Command::new("/usr/bin/python3")
+        .args(["-c", script])
+        .arg(&path)
+        .status()
+        .expect("run python3 to build the test wheel");
+    assert!(status.success(), "building the test wheel failed");
+    std::fs::read(&path).unwrap()
+}
+
+async fn serve(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    seen: Arc<Mutex<Vec<String>>>,
+    wheel: Bytes,
+) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            return;
+        };
+        let (tls, seen, wheel) = (tls.clone(), seen.clone(), wheel.clone());
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let (seen, wheel) = (seen.clone(), wheel.clone());
+                async move { Ok::<_, Infallible>(respond(&req, &seen, &wheel)) }
+            });
+            let builder = hyper::server::conn::http1::Builder::new();
+            let _ = match tls {
+                Some(acceptor) => match acceptor.accept(stream).await {
+                    Ok(s) => builder.serve_connection(TokioIo::new(s), service).await,
+                    Err(_) => return,
+                },
+                None => {
+                    builder
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await
+                }
+            };
+        });
+    }
+}
+
+fn respond(
+    req: &Request<hyper::body::Incoming>,
+    seen: &Mutex<Vec<String>>,
+    wheel: &Bytes,
+) -> Response<Full<Bytes>> {
+    let host = req
+        .headers()
+        .get(hyper::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let path = req.uri().path().to_owned();
+    seen.lock().unwrap().push(format!("{host}{path}"));
+    let ok = |body: Bytes| Response::new(Full::new(body));
+    match path.as_str() {
+        "/hello" => ok(Bytes::from_static(b"hello from origin\n")),
+        "/redirect" => Response::builder()
+            .status(302)
+            .header("location", format!("http://denied.test:{HTTP_PORT}/hello"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+        "/simple/egressdemo/" => Response::builder()
+            .header("content-type", "text/html")
+            .body(Full::new(Bytes::from(format!(
+                "<html><body><a href=\"/files/{WHEEL}\">{WHEEL}</a></body></html>"
+            ))))
+            .unwrap(),
+        p if p == format!("/files/{WHEEL}") => ok(wheel.clone()),
+        p => match p
+            .strip_prefix("/big/")
+            .and_then(|n| n.parse::<usize>().ok())
+        {
+            Some(n) => ok(Bytes::from(vec![b'x'; n])),
+            None => Response::builder()
+                .status(404)
+                .body(Full::new(Bytes::from_static(b"not found\n")))
+                .unwrap(),
+        },
+    }
+}
