@@ -241,3 +241,93 @@ pub fn proxy_env() -> Vec<(String, String)> {
     env.push(("NODE_USE_ENV_PROXY".to_owned(), "1".to_owned()));
     env
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn enabled(allow_max: &[&str]) -> NetworkConfig {
+        NetworkConfig {
+            enabled: true,
+            allow_max: allow_max.iter().map(|s| (*s).to_owned()).collect(),
+            nameservers: vec!["127.0.0.1:53".parse().unwrap()],
+            egress_bytes_max: 1000,
+            ..NetworkConfig::default()
+        }
+    }
+
+    fn request(allow: &[&str], egress_bytes: Option<u64>) -> ExecuteRequest {
+        let mut req = ExecuteRequest::new(
+            "n",
+            protocol::Language::Python,
+            "pass",
+            protocol::RequestedLimits::new(1000, 64),
+        );
+        req.network = Some(protocol::NetworkRequest {
+            allow: allow.iter().map(|s| (*s).to_owned()).collect(),
+            egress_bytes,
+        });
+        req
+    }
+
+    #[test]
+    fn the_configuration_is_checked() {
+        assert!(NetworkConfig::default().validate().is_ok());
+        let (key, reason) = enabled(&[]).validate().unwrap_err();
+        assert_eq!(key, "network.allow_max");
+        assert!(reason.contains("at least one entry"), "{reason}");
+        let (key, reason) = enabled(&["10.0.0.1:443"]).validate().unwrap_err();
+        assert_eq!(key, "network.allow_max");
+        assert!(reason.contains("IP literal"), "{reason}");
+        let mut zero = enabled(&["a.example"]);
+        zero.egress_bytes_max = 0;
+        assert_eq!(zero.validate().unwrap_err().0, "network.egress_bytes_max");
+    }
+
+    #[tokio::test]
+    async fn requests_are_checked_against_the_bound() {
+        let egress = Egress::new(&enabled(&["*.example.com:443", "pypi.org"]), [])
+            .unwrap()
+            .expect("enabled");
+        let ok = egress
+            .check(&request(&["api.example.com:443", "pypi.org:80"], Some(10)))
+            .unwrap()
+            .expect("admitted");
+        assert_eq!(ok.egress_bytes, 10);
+        let default = egress
+            .check(&request(&["pypi.org"], None))
+            .unwrap()
+            .unwrap();
+        assert_eq!(default.egress_bytes, 1000);
+        for (allow, bytes, why) in [
+            ("example.com:443", None, "not covered"),
+            ("api.example.com:80", None, "not covered"),
+            ("1.2.3.4:443", None, "IP literal"),
+            ("pypi.org", Some(1001), "above the maximum 1000"),
+        ] {
+            let e = egress.check(&request(&[allow], bytes)).unwrap_err();
+            assert_eq!(e.code, ErrorCode::InvalidRequest);
+            assert!(e.message.contains(why), "{allow}: {}", e.message);
+        }
+        let mut none = request(&[], None);
+        none.network = None;
+        assert!(egress.check(&none).unwrap().is_none());
+        assert!(Egress::new(&NetworkConfig::default(), [])
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn the_environment_points_every_client_at_the_proxy() {
+        let env: std::collections::BTreeMap<_, _> = proxy_env().into_iter().collect();
+        for key in [
+            "HTTP_PROXY",
+            "https_proxy",
+            "ALL_PROXY",
+            "npm_config_https_proxy",
+        ] {
+            assert_eq!(env[key], "http://127.0.0.1:3128", "{key}");
+        }
+        assert_eq!(env["NO_PROXY"], "localhost,127.0.0.1,::1");
+    }
+}
