@@ -80,7 +80,10 @@ async fn splice(
         tracing::info!(error = %e, %host, "egress tunnel closed");
         return;
     }
-    match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+    // 64 KiB buffers each way: the default 8 KiB ones cost a third of a bulk download's throughput (bench `proxy`).
+    match tokio::io::copy_bidirectional_with_sizes(&mut client, &mut upstream, 64 << 10, 64 << 10)
+        .await
+    {
         Ok((up, down)) => tracing::debug!(%host, up, down, "egress tunnel closed"),
         Err(e) => tracing::info!(error = %e, %host, "egress tunnel closed"),
     }
