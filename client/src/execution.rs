@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use futures_util::Stream;
 use protocol::{
-    ExecStatus, Limits, Reason, ResourceUsage, ResultMessage, ServerEnvelope, ServerMessage,
+    ExecStatus, Limits, NetworkUsage, Reason, ResourceUsage, ResultMessage, ServerEnvelope,
+    ServerMessage,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Sleep};
@@ -375,6 +376,9 @@ pub struct ExecutionResult {
     pub tool_calls: Option<u64>,
     /// The value the code returned (extension `tool_calls`), if it returned one.
     pub return_value: Option<serde_json::Value>,
+    /// What went through the server's egress proxy (extension `network`), when the request asked for
+    /// [`network`](protocol::ExecuteRequest::network): connections, refusals and bytes each way.
+    pub network: Option<NetworkUsage>,
 }
 
 impl ExecutionResult {
@@ -490,6 +494,7 @@ impl Accumulator {
             environment_fingerprint: r.environment_fingerprint,
             tool_calls: r.tool_calls,
             return_value: r.return_value.map(|v| *v),
+            network: r.network,
         })
     }
 }
@@ -574,6 +579,49 @@ mod tests {
         assert!(matches!(err, ClientError::Malformed { .. }), "{err}");
         let err = Accumulator::new("e".into(), 100).finish().unwrap_err();
         assert!(matches!(err, ClientError::Protocol { .. }), "{err}");
+    }
+
+    #[test]
+    fn network_counters_come_from_the_result() {
+        let usage = NetworkUsage {
+            connections: 3,
+            upstream_connections: 2,
+            refused: 1,
+            bytes_sent: 517,
+            bytes_received: 4096,
+        };
+        let mut acc = Accumulator::new("e".into(), 100);
+        let mut r = result(Reason::Exited, Some(0));
+        r.network = Some(usage);
+        acc.push(ServerMessage::Result(r)).unwrap();
+        assert_eq!(acc.finish().unwrap().network, Some(usage));
+
+        // Without `network` in the request the server sends none, and the result has none.
+        let mut acc = Accumulator::new("e".into(), 100);
+        acc.push(ServerMessage::Result(result(Reason::Exited, Some(0))))
+            .unwrap();
+        assert_eq!(acc.finish().unwrap().network, None);
+    }
+
+    #[test]
+    fn network_counters_are_read_from_the_wire() {
+        let line = r#"{"v":1,"type":"result","id":"e","ts":"2026-01-01T00:00:00.000Z","exit_code":0,
+            "duration_ms":7,"resource_usage":{"peak_memory_mb":1,"cpu_time_ms":2},"reason":"exited",
+            "network":{"connections":2,"upstream_connections":1,"refused":1,"bytes_sent":10,"bytes_received":20}}"#;
+        let envelope = protocol::parse_server_envelope(line).unwrap();
+        let mut acc = Accumulator::new("e".into(), 100);
+        acc.push(envelope.message).unwrap();
+        let n = acc.finish().unwrap().network.unwrap();
+        assert_eq!(
+            (
+                n.connections,
+                n.upstream_connections,
+                n.refused,
+                n.bytes_sent,
+                n.bytes_received
+            ),
+            (2, 1, 1, 10, 20)
+        );
     }
 
     #[test]

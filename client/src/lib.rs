@@ -23,6 +23,11 @@
 //! - Tool calls (extension `tool_calls`): [`Execute::execute_with_tools`] on a pool or a connection runs a
 //!   request that lists [`ToolSpec`]s and answers each [`ToolCall`] with an async handler; [`tools::CommandTool`]
 //!   is a handler that runs a local command (what `sandboxctl --tool` uses).
+//! - Egress (extension `network`): set [`ExecuteRequest::network`] to a [`NetworkRequest`]
+//!   (`NetworkRequest::allow(["pypi.org:443"])`, optionally `egress_bytes`) and the program may reach those hosts
+//!   through the server's proxy (`HTTPS_PROXY`); [`ExecutionResult::network`] carries the proxy's counters
+//!   ([`NetworkUsage`]). A server that does not announce `network` in `pong.capabilities.extensions` refuses such a
+//!   request ([`ClientError::Server`], `INVALID_REQUEST`); so does one whose operator bound does not cover an entry.
 //! - [`ClientError`]: every failure, with [`is_retryable`](ClientError::is_retryable),
 //!   [`code`](ClientError::code) (the FSP code) and [`kind`](ClientError::kind) (the original design's `ToolError`
 //!   type, `docs/spec/fsp-v1.md` Appendix A).
@@ -88,8 +93,9 @@ pub use gateway::{EventStream, Gateway, GatewayError, SandboxClient};
 pub use health::{health, healthz_url, Health};
 pub use pool::{Pool, PoolBuilder, PoolStats, PooledConnection};
 pub use protocol::{
-    ExecStatus, ExecuteRequest, Language, Limits, Pong, Reason, RequestedLimits, ServerEnvelope,
-    ServerMessage, ToolCall, ToolResult, ToolSpec,
+    ExecStatus, ExecuteRequest, Language, Limits, NetworkRequest, NetworkUsage, Pong, Reason,
+    RequestedLimits, ServerEnvelope, ServerMessage, ToolCall, ToolResult, ToolSpec,
+    MAX_NETWORK_ALLOW,
 };
 /// The rustls this crate is built with, to build a [`rustls::ClientConfig`] for [`ConnectOptions::tls_config`].
 pub use rustls;
@@ -113,5 +119,70 @@ mod tests {
         assert_ne!(a, b);
         assert!(protocol::is_valid_id(&a), "{a}");
         assert_eq!(a.len(), 25);
+    }
+
+    fn request() -> ExecuteRequest {
+        ExecuteRequest::new(
+            "net-1",
+            Language::Python,
+            "print(1)",
+            RequestedLimits::new(5_000, 64),
+        )
+    }
+
+    /// The `execute` frame the client sends, as JSON.
+    fn wire(request: ExecuteRequest) -> serde_json::Value {
+        let text = serde_json::to_string(&protocol::ClientMessage::Execute(request)).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+
+    #[test]
+    fn network_is_sent_only_when_asked_for() {
+        assert!(wire(request()).get("network").is_none());
+
+        let mut with = request();
+        with.network = Some(NetworkRequest::allow(["pypi.org:443", "api.example.com"]));
+        assert_eq!(
+            wire(with.clone())["network"],
+            serde_json::json!({"allow": ["pypi.org:443", "api.example.com"]})
+        );
+        if let Some(n) = &mut with.network {
+            n.egress_bytes = Some(1 << 20);
+        }
+        let sent = wire(with.clone());
+        assert_eq!(
+            sent["network"],
+            serde_json::json!({"allow": ["pypi.org:443", "api.example.com"], "egress_bytes": 1_048_576})
+        );
+        // What the server parses is what was set.
+        match protocol::parse_client_message(&sent.to_string()).unwrap() {
+            protocol::ClientMessage::Execute(parsed) => assert_eq!(parsed.network, with.network),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_malformed_network_request_is_refused_before_sending() {
+        let too_many: Vec<String> = (0..=MAX_NETWORK_ALLOW)
+            .map(|i| format!("h{i}.example.com:443"))
+            .collect();
+        for (network, field) in [
+            (NetworkRequest::allow(Vec::<String>::new()), "network.allow"),
+            (NetworkRequest::allow(too_many), "network.allow"),
+            (NetworkRequest::allow(["bad host"]), "network.allow"),
+            (
+                NetworkRequest {
+                    allow: vec!["pypi.org:443".into()],
+                    egress_bytes: Some(0),
+                },
+                "network.egress_bytes",
+            ),
+        ] {
+            let mut r = request();
+            r.network = Some(network);
+            let err = ClientError::InvalidRequest(r.validate().unwrap_err());
+            assert!(!err.is_retryable(), "{err}");
+            assert!(err.to_string().contains(field), "{field}: {err}");
+        }
     }
 }

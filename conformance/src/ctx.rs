@@ -27,6 +27,9 @@ pub struct RunConfig {
     pub strict: bool,
     /// Multiplies every deadline of the suite (not the spec's own time bounds).
     pub timeout_scale: f64,
+    /// An allowlist entry the endpoint's operator allows (extension `network`, e.g. `pypi.org:443`); without one
+    /// the cases that need an accepted `network` request are skipped.
+    pub network_allow: Option<String>,
 }
 
 /// What the server announced in the `pong` answering the suite's first `ping`.
@@ -350,6 +353,7 @@ mod tests {
                 token: "t".into(),
                 strict: false,
                 timeout_scale: 1.0,
+                network_allow: None,
             },
             ServerInfo::default(),
         )

@@ -555,7 +555,7 @@ fn strip_unknown(text: &str) -> String {
     v.to_string()
 }
 
-/// Refusals before limits: language, artifacts, duplicate id.
+/// Refusals before limits: language, artifacts and network (extensions it does not implement), duplicate id.
 fn admit_request(
     shared: &Shared,
     registry: &Registry,
@@ -569,6 +569,13 @@ fn admit_request(
             Some(req.id.clone()),
             ErrorCode::InvalidRequest,
             "Field artifacts: this server does not implement the artifacts extension",
+        ));
+    }
+    if req.network.is_some() {
+        return Some(ErrorMessage::new(
+            Some(req.id.clone()),
+            ErrorCode::InvalidRequest,
+            "Field network: this server does not implement the network extension",
         ));
     }
     if registry

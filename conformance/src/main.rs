@@ -73,6 +73,10 @@ struct RunArgs {
     /// Print the cases that would run, without connecting.
     #[arg(long)]
     dry_run: bool,
+    /// An allowlist entry the endpoint's operator allows (extension `network`, e.g. pypi.org:443); it must not
+    /// cover denied.invalid. Without it the cases that need an accepted network request are skipped.
+    #[arg(long, value_name = "ENTRY")]
+    network_allow: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -151,6 +155,7 @@ fn run(args: RunArgs) -> Exit {
         token: args.token.clone(),
         strict: args.strict,
         timeout_scale: args.timeout_scale,
+        network_allow: args.network_allow.clone(),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

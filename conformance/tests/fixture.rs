@@ -37,6 +37,7 @@ async fn run(faults: BTreeSet<Fault>) -> RunReport {
         token,
         strict: false,
         timeout_scale: 1.0,
+        network_allow: None,
     };
     let report = run_suite(cfg, None, &Xfail::default(), |_| {}).await;
     drop(fx);

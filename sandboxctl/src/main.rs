@@ -3,6 +3,7 @@
 //! ```text
 //! sandboxctl exec --language python --code 'print(1)'     # or --file prog.py, or - (code on stdin)
 //! sandboxctl exec -l python --tool 'ls=ls -1' --code 'ls().split()'  # a tool served by a local command
+//! sandboxctl exec -l shell --allow pypi.org:443 --code 'pip download six'  # egress through the server's proxy
 //! sandboxctl ping                                          # load and capabilities
 //! sandboxctl health                                        # GET /healthz
 //! sandboxctl --endpoints ws://a:7070/ws,ws://b:7070/ws exec -l shell --code 'hostname'  # placed on a fleet
@@ -19,7 +20,8 @@
 //! it is readable.
 //!
 //! `exec` streams the program's stdout and stderr as they come and exits with the program's exit code, or with
-//! one of the codes of [`Exit`] (with a one-line reason on stderr).
+//! one of the codes of [`Exit`] (with a one-line reason on stderr). With `--allow` (extension `network`) it also
+//! prints the egress proxy's counters on stderr after the program's output.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -34,8 +36,8 @@ use client::{
     DEFAULT_URL,
 };
 use client::{
-    CommandTool, Discovery, DnsDiscovery, Fleet, KubernetesDiscovery, NodeHealth, Pool, ToolSpec,
-    DEFAULT_K8S_PORT_NAME,
+    CommandTool, Discovery, DnsDiscovery, Fleet, KubernetesDiscovery, NetworkRequest, NetworkUsage,
+    NodeHealth, Pool, ToolSpec, DEFAULT_K8S_PORT_NAME,
 };
 use protocol::{ArtifactsRequest, FileEncoding, FileSpec};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -305,6 +307,14 @@ struct ExecArgs {
     /// How long one tool call may take, in milliseconds (server default 30 s).
     #[arg(long)]
     tool_timeout_ms: Option<u64>,
+    /// Let the program reach HOST (port PORT; without one, 443 and 80) through the server's egress proxy
+    /// (extension `network`; repeatable; `*.example.com` covers subdomains). The server refuses entries its
+    /// operator did not allow, and IP addresses.
+    #[arg(long = "allow", value_name = "HOST[:PORT]")]
+    allow: Vec<String>,
+    /// Bytes the program may exchange with the outside, both directions together (server default and maximum).
+    #[arg(long, value_name = "N", requires = "allow")]
+    egress_bytes: Option<u64>,
 }
 
 /// `--cpu-cores`: a number of cores the protocol accepts.
@@ -765,6 +775,12 @@ async fn build_request(args: &ExecArgs) -> anyhow::Result<ExecuteRequest> {
         request.tools.push(ToolSpec::new(tool.name));
     }
     request.tool_timeout_ms = args.tool_timeout_ms;
+    if !args.allow.is_empty() {
+        request.network = Some(NetworkRequest {
+            allow: args.allow.clone(),
+            egress_bytes: args.egress_bytes,
+        });
+    }
     if !args.artifacts.is_empty() {
         request.artifacts = Some(ArtifactsRequest {
             paths: args.artifacts.clone(),
@@ -865,6 +881,9 @@ async fn exec(target: Target, args: ExecArgs) -> anyhow::Result<ExitCode> {
     if let (Some(value), false) = (&result.return_value, args.json) {
         write_flush(&mut stdout, format!("{value}\n").as_bytes()).await?;
     }
+    if let (Some(usage), false) = (&result.network, args.json) {
+        say(network_summary(usage)).await;
+    }
     if let Some(conn) = conn {
         conn.close();
     }
@@ -903,6 +922,14 @@ async fn write_server_error<W: AsyncWrite + Unpin>(
         write_flush(out, format!("{}\n", protocol::encode(&m)).as_bytes()).await?;
     }
     Ok(())
+}
+
+/// One line of the egress proxy's counters (`result.network`).
+fn network_summary(n: &NetworkUsage) -> String {
+    format!(
+        "network: {} connections ({} upstream), {} refused, {} bytes sent, {} bytes received",
+        n.connections, n.upstream_connections, n.refused, n.bytes_sent, n.bytes_received
+    )
 }
 
 /// The exit code for a finished execution, with a one-line reason on stderr when it is not the program's own.
@@ -1004,6 +1031,66 @@ mod tests {
     #[test]
     fn cli_parses() {
         Cli::command_for_tests().debug_assert();
+    }
+
+    fn exec_args(extra: &[&str]) -> Result<ExecArgs, clap::Error> {
+        let base = ["sandboxctl", "exec", "-l", "shell", "--code", "true"];
+        let cli = <Cli as Parser>::try_parse_from(base.iter().chain(extra))?;
+        match cli.command {
+            Command::Exec(args) => Ok(*args),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    fn request_of(args: &ExecArgs) -> ExecuteRequest {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(build_request(args)).unwrap()
+    }
+
+    #[test]
+    fn allow_and_egress_bytes_become_the_network_request() {
+        let args = exec_args(&[
+            "--allow",
+            "pypi.org:443",
+            "--allow",
+            "*.pythonhosted.org:443",
+            "--egress-bytes",
+            "1048576",
+        ])
+        .unwrap();
+        assert_eq!(
+            request_of(&args).network,
+            Some(NetworkRequest {
+                allow: vec!["pypi.org:443".into(), "*.pythonhosted.org:443".into()],
+                egress_bytes: Some(1 << 20),
+            })
+        );
+        let args = exec_args(&["--allow", "api.example.com"]).unwrap();
+        assert_eq!(
+            request_of(&args).network,
+            Some(NetworkRequest::allow(["api.example.com"]))
+        );
+        // No --allow, no network; --egress-bytes needs --allow.
+        assert_eq!(request_of(&exec_args(&[]).unwrap()).network, None);
+        let err = exec_args(&["--egress-bytes", "5"]).unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+    }
+
+    #[test]
+    fn network_counters_fit_one_line() {
+        let line = network_summary(&NetworkUsage {
+            connections: 4,
+            upstream_connections: 3,
+            refused: 1,
+            bytes_sent: 900,
+            bytes_received: 12_000,
+        });
+        assert_eq!(
+            line,
+            "network: 4 connections (3 upstream), 1 refused, 900 bytes sent, 12000 bytes received"
+        );
     }
 
     impl Cli {

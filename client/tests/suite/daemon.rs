@@ -42,6 +42,18 @@ pub fn sandboxctl() -> PathBuf {
     workspace_binary("sandboxctl", "SANDBOXCTL_BIN").unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// For a test of `sandboxctl` against a fake server (no daemon): whether the binary is there, after saying why not
+/// (panics on CI, where `cargo test --workspace` builds it).
+pub fn require_sandboxctl(test: &str) -> bool {
+    match workspace_binary("sandboxctl", "SANDBOXCTL_BIN") {
+        Ok(_) => true,
+        Err(e) => {
+            cannot_run(test, &e);
+            false
+        }
+    }
+}
+
 /// Binary `name` of this workspace: `$env_var`, else in the target profile directory of the running executable.
 fn workspace_binary(name: &str, env_var: &str) -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os(env_var) {

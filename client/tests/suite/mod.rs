@@ -13,6 +13,7 @@ mod fleet_hosts;
 mod fleet_k8s;
 mod fleet_rules;
 mod malformed;
+mod network;
 mod pool_behaviour;
 mod readme;
 mod sandboxctl;

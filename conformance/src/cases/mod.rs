@@ -10,6 +10,7 @@ pub mod common;
 pub mod envelope;
 pub mod isolation;
 pub mod messages;
+pub mod network;
 pub mod requests;
 pub mod resources;
 pub mod sequences;
@@ -28,6 +29,7 @@ pub fn all() -> Vec<Case> {
         resources::CASES,
         isolation::CASES,
         tools::CASES,
+        network::CASES,
         agents::CASES,
     ]
     .concat()
