@@ -494,7 +494,7 @@ impl Accumulator {
             environment_fingerprint: r.environment_fingerprint,
             tool_calls: r.tool_calls,
             return_value: r.return_value.map(|v| *v),
-            network: r.network,
+            network: r.network.map(|n| *n),
         })
     }
 }
@@ -592,7 +592,7 @@ mod tests {
         };
         let mut acc = Accumulator::new("e".into(), 100);
         let mut r = result(Reason::Exited, Some(0));
-        r.network = Some(usage);
+        r.network = Some(Box::new(usage));
         acc.push(ServerMessage::Result(r)).unwrap();
         assert_eq!(acc.finish().unwrap().network, Some(usage));
 

@@ -74,6 +74,7 @@ impl Proxy {
         resolver: Arc<dyn Resolve>,
         limits: ProxyLimits,
     ) -> Proxy {
+        let slots = tokio::sync::Semaphore::new(limits.max_connections.max(1));
         let shared = Shared {
             allowlist: RwLock::new(Arc::new(allowlist)),
             addresses,
@@ -81,6 +82,7 @@ impl Proxy {
             limits,
             counters: Arc::new(Counters::default()),
             tasks: std::sync::Mutex::new(Vec::new()),
+            connection_slots: Arc::new(slots),
         };
         Proxy {
             shared: Arc::new(shared),
@@ -129,13 +131,20 @@ impl Proxy {
     pub async fn serve<L: Accept>(&self, listener: L) -> Result<(), EgressError> {
         let mut connections = tokio::task::JoinSet::new();
         loop {
+            // A connection is accepted only with a free slot; the permit lives as long as the connection.
+            let slots = self.shared.connection_slots.clone();
             tokio::select! {
-                accepted = listener.accept_stream() => {
+                accepted = async { (slots.acquire_owned().await, listener.accept_stream().await) } => {
+                    let (permit, accepted) = accepted;
                     let stream = accepted.map_err(EgressError::Accept)?;
                     let proxy = self.clone();
                     // Each connection logs in the span the proxy serves in (the daemon's names the execution).
                     connections.spawn(
-                        async move { proxy.serve_connection(stream).await }.in_current_span(),
+                        async move {
+                            let _permit = permit;
+                            proxy.serve_connection(stream).await
+                        }
+                        .in_current_span(),
                     );
                 }
                 // Reap finished connections so the set holds only live ones.

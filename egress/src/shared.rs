@@ -32,6 +32,9 @@ pub struct ProxyLimits {
     pub connect_timeout: Duration,
     /// How long a client may take to send a request head, and a tunnel its ClientHello.
     pub hello_timeout: Duration,
+    /// Client connections served at once (all listeners of the proxy together); more wait in the listen
+    /// backlog. Bounds what one sandbox can make the proxy hold: each tunnel has two 64 KiB buffers.
+    pub max_connections: usize,
 }
 
 impl Default for ProxyLimits {
@@ -40,6 +43,7 @@ impl Default for ProxyLimits {
             egress_bytes: None,
             connect_timeout: Duration::from_secs(10),
             hello_timeout: Duration::from_secs(10),
+            max_connections: 64,
         }
     }
 }
@@ -54,6 +58,8 @@ pub(crate) struct Shared {
     /// Tasks that outlive the request that started them (tunnels, upstream connections), ended by
     /// [`Shared::close`].
     pub(crate) tasks: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
+    /// One permit per client connection being served ([`ProxyLimits::max_connections`]).
+    pub(crate) connection_slots: Arc<tokio::sync::Semaphore>,
 }
 
 /// Why a request got no upstream answer.

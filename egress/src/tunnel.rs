@@ -39,7 +39,14 @@ pub(crate) async fn connect(
     let task_shared = shared.clone();
     shared.spawn(async move {
         match hyper::upgrade::on(req).await {
-            Ok(upgraded) => splice(&task_shared, &host, TokioIo::new(upgraded), upstream).await,
+            Ok(upgraded) => {
+                // The tunnel takes over the slot of the connection it came from (released by the upgrade), so
+                // open tunnels count against max_connections too.
+                let Ok(_slot) = task_shared.connection_slots.clone().acquire_owned().await else {
+                    return;
+                };
+                splice(&task_shared, &host, TokioIo::new(upgraded), upstream).await
+            }
             Err(e) => tracing::debug!(error = %e, %host, "egress CONNECT upgrade failed"),
         }
     });

@@ -136,3 +136,38 @@ async fn a_silent_client_and_a_silent_tunnel_are_closed() {
     assert!(read.is_ok(), "a tunnel without a ClientHello was kept open");
     assert_eq!(proxy.proxy.stats().bytes_sent, 0);
 }
+
+#[tokio::test]
+async fn connections_beyond_max_connections_wait_until_one_ends() {
+    let server = tls_server().await;
+    let target = format!("allowed.test:{}", server.addr.port());
+    let resolver = StaticResolver::new().with("allowed.test", [LOCALHOST]);
+    let limits = ProxyLimits {
+        max_connections: 2,
+        ..ProxyLimits::default()
+    };
+    let policy = AddressPolicy::new().exempt_for_tests(server.addr);
+    let proxy = start_proxy(std::slice::from_ref(&target), policy, resolver, limits).await;
+    // Two open tunnels hold both slots.
+    let (s1, t1) = connect(proxy.addr, &target, "").await.unwrap();
+    let (s2, _t2) = connect(proxy.addr, &target, "").await.unwrap();
+    assert_eq!((s1, s2), (200, 200));
+    // A third connection is not served while they are open...
+    let third = tokio::spawn({
+        let target = target.clone();
+        async move { connect(proxy.addr, &target, "").await.map(|(s, _)| s) }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !third.is_finished(),
+        "a third connection was served beside two open tunnels"
+    );
+    // ... and is once one of them closes.
+    drop(t1);
+    let status = tokio::time::timeout(TIMEOUT, third)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, 200);
+}
