@@ -1,10 +1,10 @@
 //! The `network` extension for agent sandboxes against a real daemon (`POST /sandboxes` with `network`, `POST
 //! /sandboxes/<id>/network`, `network` in `GET /health`): each run's agent (python's urllib with the test CA)
 //! reaches the listed origin through the sandbox's proxy and is refused the other one; a new list applies to the
-//! next request without restarting the sandbox; entries beyond the operator's bound are refused with a
-//! PluginError naming the field. The origins are [`super::egress_origin`]'s.
+//! next request without restarting the sandbox, while a tunnel opened before it stays open; entries beyond the
+//! operator's bound are refused with a PluginError naming the field. The origins are [`super::egress_origin`]'s.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -27,6 +27,29 @@ for url in sys.argv[2:]:
         print(tag, "refused", url, type(e).__name__, str(e)[:120], flush=True)
 "#;
 
+/// The agent that keeps a tunnel: one request through it, then (once `/workspace/go` exists) another on the same
+/// tunnel and one on a new connection to the same host.
+const KEEP: &str = r#"
+import http.client, os, ssl, sys, time, urllib.request
+host, port = sys.argv[1], int(sys.argv[2])
+ctx = ssl.create_default_context(cafile="/workspace/ca.pem")
+c = http.client.HTTPSConnection("127.0.0.1", 3128, context=ctx, timeout=20)
+c.set_tunnel(host, port)
+def get(tag):
+    c.request("GET", "/hello")
+    r = c.getresponse()
+    print(tag, r.status, r.read().decode().strip(), flush=True)
+get("keep first")
+while not os.path.exists("/workspace/go"):
+    time.sleep(0.05)
+get("keep same-tunnel")
+try:
+    with urllib.request.urlopen("https://%s:%d/hello" % (host, port), context=ctx, timeout=20) as r:
+        print("keep new-connection reached", r.status, flush=True)
+except Exception as e:
+    print("keep new-connection refused", type(e).__name__, str(e)[:120], flush=True)
+"#;
+
 fn url(host: &str) -> String {
     format!("https://{host}:{HTTPS_PORT}/hello")
 }
@@ -45,6 +68,7 @@ async fn create(d: &Daemon, origin: &Origin, network: Option<Value>) -> (u16, Va
         "template": {"files": [
             {"path": "ca.pem", "content": origin.ca_pem},
             {"path": "fetch.py", "content": FETCH},
+            {"path": "keep.py", "content": KEEP},
         ]},
     });
     if let Some(n) = network {
@@ -62,6 +86,13 @@ async fn fetch_run(d: &Daemon, id: &str, tag: &str) -> Vec<String> {
         url("origin.test"),
         url("denied.test")
     ]);
+    spawn(d, id, command).await;
+    run_ended(d, id).await;
+    log_lines(d, id, tag)
+}
+
+/// `POST /spawn` with `command`.
+async fn spawn(d: &Daemon, id: &str, command: Value) {
     let (status, h) = agent_http(
         d,
         "POST",
@@ -70,6 +101,10 @@ async fn fetch_run(d: &Daemon, id: &str, tag: &str) -> Vec<String> {
     )
     .await;
     assert_eq!(status, 200, "{h}");
+}
+
+/// Waits until the run has ended, and checks it exited with status 0.
+async fn run_ended(d: &Daemon, id: &str) {
     let health = wait_until(
         "the agent's run to end",
         Duration::from_secs(60),
@@ -83,13 +118,20 @@ async fn fetch_run(d: &Daemon, id: &str, tag: &str) -> Vec<String> {
     )
     .await;
     assert_eq!(health["agentStatus"], "completed", "{health}");
-    // The sandbox's tmpfs is mounted in the daemon's mount namespace.
-    let log = Path::new(&format!("/proc/{}/root", d.pid()))
+}
+
+/// `rel` in the sandbox's directory as the test sees it: its tmpfs is mounted in the daemon's mount namespace.
+fn sandbox_path(d: &Daemon, id: &str, rel: &str) -> PathBuf {
+    Path::new(&format!("/proc/{}/root", d.pid()))
         .join(d.state_dir.strip_prefix("/").unwrap_or(&d.state_dir))
         .join("agents")
         .join(id)
-        .join("scratch/agent.log");
-    let log = std::fs::read_to_string(&log).expect("the agent's log");
+        .join(rel)
+}
+
+/// The lines of the agent's log that start with `tag`.
+fn log_lines(d: &Daemon, id: &str, tag: &str) -> Vec<String> {
+    let log = std::fs::read_to_string(sandbox_path(d, id, "scratch/agent.log")).unwrap_or_default();
     log.lines()
         .filter(|l| l.starts_with(&format!("{tag} ")))
         .map(str::to_owned)
@@ -296,4 +338,67 @@ async fn sandbox_network_requests_the_daemon_cannot_grant_are_refused() {
         "{e}"
     );
     assert!(origin.seen().is_empty(), "{:?}", origin.seen());
+}
+
+/// A tunnel opened before the list changes stays open (its next request goes through), while a new connection to
+/// the same host, after the change, is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tunnel_open_before_the_list_changes_stays_open() {
+    let Some(_g) = privileged("a_tunnel_open_before_the_list_changes_stays_open").await else {
+        return;
+    };
+    let origin = Origin::start().await;
+    let d = Daemon::start(DaemonOpts {
+        extra_config: Some(json!({
+            "network": origin.network_config(64 << 20),
+            "agents": {"max_sandboxes": 2},
+        })),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let network = json!({"allow": [entry("origin.test")]});
+    let (status, created) = create(&d, &origin, Some(network)).await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    let port = HTTPS_PORT.to_string();
+    spawn(
+        &d,
+        &id,
+        json!([
+            "/usr/bin/python3",
+            "/workspace/keep.py",
+            "origin.test",
+            port
+        ]),
+    )
+    .await;
+    wait_until(
+        "the first request through the tunnel",
+        Duration::from_secs(30),
+        || async {
+            let lines = log_lines(&d, &id, "keep");
+            has(&lines, "keep first 200")
+                .then_some(())
+                .ok_or(format!("{lines:?}"))
+        },
+    )
+    .await;
+
+    let path = format!("/sandboxes/{id}/network");
+    let (status, answer) =
+        agent_http(&d, "POST", &path, &json!({"allow": [entry("denied.test")]})).await;
+    assert_eq!(status, 200, "{answer}");
+    std::fs::write(sandbox_path(&d, &id, "scratch/workspace/go"), b"").unwrap();
+    run_ended(&d, &id).await;
+    let lines = log_lines(&d, &id, "keep");
+    assert!(
+        has(&lines, "keep same-tunnel 200 hello from origin"),
+        "{lines:#?}"
+    );
+    assert!(has(&lines, "keep new-connection refused"), "{lines:#?}");
+    let net = health_network(&d, &id).await;
+    assert_eq!(net["upstream_connections"], 1, "{net}");
+    assert_eq!(net["refused"], 1, "{net}");
+    let (status, _) = agent_http(&d, "DELETE", &format!("/sandboxes/{id}"), &json!({})).await;
+    assert_eq!(status, 204);
 }
