@@ -1,8 +1,7 @@
 //! A sandbox's runs from start to end: spawn (one run at a time: the control socket, the run's container with the
 //! agent's command and environment, its CPU quota, the sandbox's egress proxy served inside it, the launch), the
-//! supervisor that turns the container's end into
-//! `session_end` or `crashed`, kill with grace (a `shutdown` line and `SIGTERM`, then `SIGKILL`), the lifetime
-//! limit, and removal.
+//! supervisor that turns the container's end into `session_end` or `crashed`, kill with grace (a `shutdown` line
+//! and `SIGTERM`, then `SIGKILL`), the lifetime limit, and removal.
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
