@@ -4,7 +4,7 @@
 //! sandboxd hosts long-lived agent sandboxes. A gateway provisions one with `POST /sandboxes`
 //! ([`CreateSandboxRequest`] → [`CreateSandboxResponse`]) and then drives it under `/sandboxes/<id>` with the
 //! adapter-shim endpoints (`/spawn`, `/pause`, `/resume`, `/kill`, `/resolve`, `/inject-context`,
-//! `/update-brief`, `WS /events`, `/replay`, `/health`). Every refusal is a [`PluginError`].
+//! `/update-brief`, `WS /events`, `/replay`, `/health`, `/network`). Every refusal is a [`PluginError`].
 //!
 //! The agent's own payloads (the brief's deeper fields, event payloads, resolutions) are kept as JSON objects:
 //! sandboxd forwards them and only reads the few fields it acts on (`type`, `agentId`, `decisionId`, an
@@ -162,6 +162,56 @@ pub struct CreateSandboxRequest {
     /// The agent program.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<AgentTemplate>,
+    /// Egress through the daemon's proxy (the `network` extension): the hosts every run of the sandbox may reach.
+    /// Without it the sandbox has no way out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<SandboxNetwork>,
+}
+
+/// `network` of `POST /sandboxes`: the same shape as an FSP execute's `network` (its field names are snake_case,
+/// as there). Each entry (`pypi.org:443`, `*.pythonhosted.org:443`, `api.example.com` for ports 443 and 80) must
+/// lie within the operator's `network.allow_max`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxNetwork {
+    /// Allowlist entries, at most [`protocol::MAX_NETWORK_ALLOW`]; the list may be empty (nothing is reachable
+    /// until `POST /sandboxes/<id>/network` lists something).
+    pub allow: Vec<String>,
+    /// Bytes the sandbox may exchange with the outside over its whole life (both directions, every run); default
+    /// and maximum the daemon's `network.egress_bytes_max`.
+    #[serde(
+        default,
+        alias = "egressBytes",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub egress_bytes: Option<u64>,
+}
+
+/// `POST /sandboxes/<id>/network` (a new allowlist for a sandbox created with `network`), and its answer: the list
+/// in force.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxNetworkAllow {
+    /// Allowlist entries, as for [`SandboxNetwork::allow`].
+    pub allow: Vec<String>,
+}
+
+/// `network` of `GET /sandboxes/<id>/health`: the allowlist in force and the sandbox's egress proxy's counters
+/// (over every run so far; the field names are those of an FSP result's `network`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxNetworkUsage {
+    /// The allowlist in force, as it was given.
+    pub allow: Vec<String>,
+    /// Connections the sandbox's programs opened to the proxy.
+    pub connections: u64,
+    /// Connections the proxy opened to the outside.
+    pub upstream_connections: u64,
+    /// Requests the proxy refused (not allowed, refused address, over the byte limit, malformed).
+    pub refused: u64,
+    /// Bytes sent to the outside.
+    pub bytes_sent: u64,
+    /// Bytes received from the outside.
+    pub bytes_received: u64,
 }
 
 /// The answer to `POST /sandboxes` (the agent-plugin design's `ContainerTransport` addresses).
@@ -528,6 +578,9 @@ pub struct SandboxHealthResponse {
     pub resource_usage: SandboxResourceUsage,
     /// Events waiting for a gateway.
     pub pending_event_buffer_size: u64,
+    /// The egress proxy, when the sandbox was created with `network`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<SandboxNetworkUsage>,
 }
 
 /// Names of [`PluginCapabilities`] fields, for `capability_unsupported`.

@@ -12,6 +12,7 @@
 //! driver implements the interface its consumer defines.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::os::fd::BorrowedFd;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -36,6 +37,9 @@ pub enum LongLivedError {
     /// The launch message could not be sent.
     #[error("Cannot launch the agent")]
     Launch(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The egress proxy's listener could not be created inside the container.
+    #[error("Cannot listen for the egress proxy inside the container")]
+    Listen(#[source] std::io::Error),
     /// A cgroup operation failed (`what`: freeze, thaw, the CPU quota, usage).
     #[error("Cannot {what}")]
     Cgroup {
@@ -131,6 +135,10 @@ pub trait RunContainer: Send + Sync + 'static {
 
     /// Memory and CPU time now.
     fn usage(&self) -> Result<RunUsage, LongLivedError>;
+
+    /// A listener on `address` inside the container's network namespace, accepted by the daemon (the entrance of
+    /// the sandbox's egress proxy: the agent connects to it on its own loopback). Called before the launch.
+    fn listen_inside(&self, address: SocketAddr) -> std::io::Result<std::net::TcpListener>;
 
     /// Resolves once the container has ended (nothing of the agent can still run then). Cancel-safe, and may be
     /// called again after it resolved.

@@ -1,7 +1,8 @@
 //! What agent sandboxes need from the daemon that hosts them, as narrow traits the daemon implements: containers
 //! of the long-lived kind on a named image ([`Containers`]), the artifact store ([`ArtifactStore`]), the HTTP calls
-//! to the agent's backend ([`Uploads`]) and the bearer-token check ([`Authorizer`]). Together with [`Settings`]
-//! (configuration values) they make a [`Host`]. Nothing here knows the daemon's engine, pool or server.
+//! to the agent's backend ([`Uploads`]), the bearer-token check ([`Authorizer`]) and, when the operator enabled
+//! it, the egress proxy's settings ([`Network`]). Together with [`Settings`] (configuration values) they make a
+//! [`Host`]. Nothing here knows the daemon's engine, pool or server.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -10,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use axum::http::HeaderMap;
+use egress::{Allowlist, AllowlistError, Proxy};
 use serde_json::Value;
 
 use crate::config::AgentsConfig;
@@ -142,6 +144,27 @@ pub trait Authorizer: Send + Sync + 'static {
     fn authorized(&self, headers: &HeaderMap) -> bool;
 }
 
+/// The daemon's `network` extension: the operator's bound and limits, and the proxies built under them. A
+/// sandbox created with `network` gets one [`Proxy`] for its whole life, served inside each run's container at
+/// [`Network::address`].
+pub trait Network: Send + Sync + 'static {
+    /// `allow` as an allowlist, each entry within the operator's bound (`network.allow_max`).
+    fn allowlist(&self, allow: &[String]) -> Result<Allowlist, AllowlistError>;
+
+    /// The byte limit for a sandbox that asked for `asked` (`None`: the daemon's maximum); `Err(maximum)` when
+    /// `asked` is above it.
+    fn egress_bytes(&self, asked: Option<u64>) -> Result<u64, u64>;
+
+    /// A proxy with `allowlist` and a limit of `egress_bytes` (serving nothing yet).
+    fn proxy(&self, allowlist: Allowlist, egress_bytes: u64) -> Proxy;
+
+    /// Where the proxy listens inside each container.
+    fn address(&self) -> SocketAddr;
+
+    /// The environment that points a program's HTTP clients at the proxy (`HTTP_PROXY` and its relatives).
+    fn environment(&self) -> Vec<(String, String)>;
+}
+
 /// Configuration values agent sandboxes use.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -168,4 +191,6 @@ pub struct Host {
     pub uploads: Arc<dyn Uploads>,
     /// Bearer tokens.
     pub auth: Arc<dyn Authorizer>,
+    /// The egress proxy (`None`: the `network` extension is off, and a request with `network` is refused).
+    pub network: Option<Arc<dyn Network>>,
 }

@@ -8,9 +8,10 @@
 //! - [`events`]: stamping, the rolling replay log, the gateway queue with backpressure.
 //! - [`backend`]: eager artifact upload and token renewal.
 //! - [`routes`]: the axum routes, bearer auth and bounded bodies.
+//! - [`network`]: a sandbox's egress proxy (the `network` extension): one per sandbox, served inside each run.
 //! - [`container`]: the long-lived kind of container the runs use (the daemon's container seam implements it).
 //! - [`host`]: what the daemon provides, as narrow traits: containers and images, the artifact store, backend
-//!   calls, the token check, configuration values. This crate does not depend on the daemon.
+//!   calls, the token check, the egress proxy's settings, configuration values. This crate does not depend on the daemon.
 //! - [`config`]: the `agents:` configuration block.
 //!
 //! The wire types are `agent_api`'s.
@@ -20,6 +21,7 @@ pub mod config;
 pub mod container;
 pub mod events;
 pub mod host;
+pub mod network;
 pub mod registry;
 pub mod routes;
 pub mod sandbox;

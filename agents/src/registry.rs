@@ -1,5 +1,5 @@
-//! The registry of a daemon's agent sandboxes: provisioning (`POST /sandboxes`: the request checked, a workspace
-//! created, the agent's manifest and template files written), lookup, removal, and at start the removal of what a
+//! The registry of a daemon's agent sandboxes: provisioning (`POST /sandboxes`: the request checked, its egress
+//! proxy made when it asks for `network`, a workspace created, the agent's manifest and template files written), lookup, removal, and at start the removal of what a
 //! previous daemon left under `<state_dir>/agents`.
 
 use std::collections::HashMap;
@@ -17,6 +17,7 @@ use crate::backend::Backend;
 use crate::container::Workspace;
 use crate::events::{Budgets, Hub};
 use crate::host::{Host, WorkspaceError, WorkspaceRequest};
+use crate::network::SandboxEgress;
 use crate::sandbox::{Limits, Sandbox, CONTROL_SOCKET};
 
 /// Capabilities a sandbox may ask for: a shell and git come with the image; the network is loopback-only, and
@@ -109,6 +110,12 @@ impl Agents {
     #[tracing::instrument(name = "agent_create", skip_all, fields(sandbox = tracing::field::Empty))]
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, PluginError> {
         let (limits, image, template, files) = self.admit(&req)?;
+        let network = req
+            .network
+            .as_ref()
+            .map(|n| SandboxEgress::create(self.host.network.as_ref(), n))
+            .transpose()
+            .map_err(|e| PluginError::invalid(e.to_string()))?;
         let id = format!(
             "ags-{}-{}",
             self.nonce,
@@ -146,6 +153,7 @@ impl Agents {
             backend,
             hub,
             workspace,
+            network,
             self.host.clone(),
         );
         sb.start_tasks();

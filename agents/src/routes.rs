@@ -1,5 +1,5 @@
-//! The axum routes of agent sandboxes: `POST /sandboxes`, `DELETE /sandboxes/<id>`, and the adapter-shim endpoints
-//! under `/sandboxes/<id>`. Every route checks the same bearer token as `/ws` before anything else, reads at most
+//! The axum routes of agent sandboxes: `POST /sandboxes`, `DELETE /sandboxes/<id>`, the adapter-shim endpoints
+//! under `/sandboxes/<id>`, and sandboxd's own `POST /sandboxes/<id>/network` (a new egress allowlist). Every route checks the same bearer token as `/ws` before anything else, reads at most
 //! `agents.max_body_bytes` of body, and answers every refusal with a `PluginError` JSON body (an unknown path under
 //! `/sandboxes/<id>/` too: 404, and a wrong method: 405). `POST /replay` streams its answer from the log.
 
@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use agent_api::{
     AgentBrief, ContextInjection, CreateSandboxRequest, CreateSandboxResponse, KillRequest,
-    PluginError, ReplayRequest, ResolveRequest, SerializedAgentState, UpdateBriefRequest,
+    PluginError, ReplayRequest, ResolveRequest, SandboxNetworkAllow, SerializedAgentState,
+    UpdateBriefRequest,
 };
 use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
@@ -19,6 +20,7 @@ use axum::{Json, Router};
 use futures_util::{SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 
+use crate::network::NetworkError;
 use crate::sandbox::Sandbox;
 use crate::Agents;
 
@@ -42,6 +44,7 @@ pub fn router() -> Router<AgentState> {
         )
         .route("/sandboxes/{id}/replay", only(post(replay), "POST"))
         .route("/sandboxes/{id}/health", only(get(health), "GET"))
+        .route("/sandboxes/{id}/network", only(post(network), "POST"))
         .route("/sandboxes/{id}/events", only(get(events), "GET"))
         .route("/sandboxes/{id}/", any(unknown_path))
         .route("/sandboxes/{id}/{*rest}", any(unknown_path))
@@ -333,6 +336,36 @@ async fn health(
             }
         }
         Err(r) => *r,
+    }
+}
+
+/// `POST /network`: 200 with the list in force; 400 for a malformed or uncovered entry; 409 when the sandbox was
+/// created without `network` (the proxy a list could apply to does not exist: a state of the sandbox, not a fault
+/// of the request's body).
+async fn network(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    b: Body,
+) -> Response {
+    let sb = match lookup(&st, &headers, &id) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let r: SandboxNetworkAllow = match body(&st, b).await {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    match sb.set_network(r.allow) {
+        Ok(allow) => Json(SandboxNetworkAllow { allow }).into_response(),
+        Err(e @ NetworkError::NotCreatedWith) => refuse(
+            StatusCode::CONFLICT,
+            PluginError::InvalidState {
+                message: e.to_string(),
+                handle: Some(Box::new(sb.handle())),
+            },
+        ),
+        Err(e) => refuse(StatusCode::BAD_REQUEST, PluginError::invalid(e.to_string())),
     }
 }
 

@@ -1,6 +1,6 @@
 //! The gateway side of agent sandboxes (`docs/spec/agent-sandboxes.md`): provision a sandbox with
 //! [`Gateway::create`], drive it with a [`SandboxClient`] (`spawn`, `pause`, `resume`, `kill`, `resolve`,
-//! `inject_context`, `update_brief`, `replay`, `health`), and read its events with an [`EventStream`] that
+//! `inject_context`, `update_brief`, `replay`, `health`, `set_network`), and read its events with an [`EventStream`] that
 //! reconnects by itself and replays what a dropped connection lost, so the caller sees every sequence exactly once.
 //!
 //! Plain `http://` / `ws://` only (the daemon's agent endpoints are served next to `/ws`).
@@ -11,7 +11,7 @@ use std::time::Duration;
 use agent_api::{
     AdapterEvent, AgentBrief, AgentHandle, ContextInjection, CreateSandboxRequest,
     CreateSandboxResponse, KillRequest, KillResponse, PluginError, ReplayResponse,
-    SandboxHealthResponse, SequenceRange, SerializedAgentState,
+    SandboxHealthResponse, SandboxNetworkAllow, SequenceRange, SerializedAgentState,
 };
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
@@ -360,6 +360,14 @@ impl SandboxClient {
             to_sequence: to,
         };
         self.http.call("POST", &self.url("/replay"), &body).await
+    }
+
+    /// `POST /network`: a new egress allowlist for a sandbox created with `network`; the list in force. Requests
+    /// from then on use it; tunnels already open stay.
+    pub async fn set_network(&self, allow: Vec<String>) -> Result<Vec<String>, GatewayError> {
+        let body = SandboxNetworkAllow { allow };
+        let a: SandboxNetworkAllow = self.http.call("POST", &self.url("/network"), &body).await?;
+        Ok(a.allow)
     }
 
     /// `GET /health`.

@@ -2,16 +2,18 @@
 //! daemon's parts. Containers come from the pool's factory (the container seam's long-lived kind) with a host uid
 //! of their own from the range after the executions' (`uid_base + uid_count()`, `agents.max_sandboxes` of them);
 //! images are the languages' images by name; artifacts go to the store; backend calls go through [`crate::upload`];
-//! tokens are checked by [`crate::auth`]. This is the one place that reads the engine for agent sandboxes.
+//! tokens are checked by [`crate::auth`]; the egress proxy's settings are the `network` extension's
+//! ([`crate::egress`]), when it is on. This is the one place that reads the engine for agent sandboxes.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use agents::container::{BoxFuture, LongLivedError, RunContainer, RunPlan, Workspace};
 use agents::host::{
-    ArtifactStore, Authorizer, BoxError, Containers, Host, HttpFailure, Settings, StoredArtifact,
-    Upload, Uploads, WorkspaceError, WorkspaceRequest,
+    ArtifactStore, Authorizer, BoxError, Containers, Host, HttpFailure, Network, Settings,
+    StoredArtifact, Upload, Uploads, WorkspaceError, WorkspaceRequest,
 };
 use axum::http::HeaderMap;
 use hyper::body::Bytes;
@@ -19,6 +21,7 @@ use runtime::rootfs::InputFile;
 use serde_json::Value;
 
 use crate::containers::WorkspacePlan;
+use crate::egress::Egress;
 use crate::engine::Engine;
 use crate::images::RootImage;
 use crate::pool::{Factory, Uids};
@@ -52,6 +55,9 @@ pub fn host(engine: &Arc<Engine>) -> Host {
         store: Arc::new(StoreArtifacts(engine.daemon().store().clone())),
         uploads: Arc::new(HttpUploads),
         auth: Arc::new(Tokens(Arc::new(cfg.auth.tokens.clone()))),
+        network: engine
+            .egress()
+            .map(|e| Arc::new(EgressNetwork(e.clone())) as Arc<dyn Network>),
     }
 }
 
@@ -234,6 +240,31 @@ impl Uploads for HttpUploads {
                     error: Box::new(e),
                 })
         })
+    }
+}
+
+/// The `network` extension's settings: the same bound, limits, address policy and resolver as executions'.
+pub struct EgressNetwork(pub Arc<Egress>);
+
+impl Network for EgressNetwork {
+    fn allowlist(&self, allow: &[String]) -> Result<egress::Allowlist, egress::AllowlistError> {
+        self.0.allowlist(allow)
+    }
+
+    fn egress_bytes(&self, asked: Option<u64>) -> Result<u64, u64> {
+        self.0.egress_bytes(asked)
+    }
+
+    fn proxy(&self, allowlist: egress::Allowlist, egress_bytes: u64) -> egress::Proxy {
+        self.0.proxy(allowlist, egress_bytes)
+    }
+
+    fn address(&self) -> SocketAddr {
+        crate::egress::PROXY_ADDRESS
+    }
+
+    fn environment(&self) -> Vec<(String, String)> {
+        crate::egress::proxy_env()
     }
 }
 

@@ -10,13 +10,16 @@
 //! bytes, which the result reports (`result.network`).
 //!
 //! Requests are checked against the operator's bound `network.allow_max` before anything runs; the extension is
-//! announced in `pong` only when `network.enabled` is set.
+//! announced in `pong` only when `network.enabled` is set. Agent sandboxes use the same settings through
+//! [`crate::agent_host`]: one proxy per sandbox, served inside each of its runs.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::Arc;
 use std::time::Duration;
 
-use egress::{AddressPolicy, Allowlist, Proxy, ProxyLimits, Resolve, SystemResolver};
+use egress::{
+    AddressPolicy, Allowlist, AllowlistError, Proxy, ProxyLimits, Resolve, SystemResolver,
+};
 use protocol::{ErrorCode, ErrorMessage, ExecuteRequest, NetworkUsage};
 use serde::Deserialize;
 use tracing::{info, warn, Instrument};
@@ -122,22 +125,50 @@ impl Egress {
         let refuse = |message: String| {
             ErrorMessage::new(Some(req.id.clone()), ErrorCode::InvalidRequest, message)
         };
-        let allowlist = Allowlist::parse_within(&network.allow, &self.allow_max)
+        let allowlist = self
+            .allowlist(&network.allow)
             .map_err(|e| refuse(format!("Field network.allow: {e}")))?;
-        let max = self.config.egress_bytes_max;
-        let egress_bytes = match network.egress_bytes {
-            Some(n) if n > max => {
-                return Err(refuse(format!(
-                    "Field network.egress_bytes: {n} is above the maximum {max}"
-                )))
-            }
-            Some(n) => n,
-            None => max,
-        };
+        let egress_bytes = self.egress_bytes(network.egress_bytes).map_err(|max| {
+            let n = network.egress_bytes.unwrap_or(max);
+            refuse(format!(
+                "Field network.egress_bytes: {n} is above the maximum {max}"
+            ))
+        })?;
         Ok(Some(Admitted {
             allowlist,
             egress_bytes,
         }))
+    }
+
+    /// `allow` parsed, each entry within the operator's bound.
+    pub fn allowlist<S: AsRef<str>>(&self, allow: &[S]) -> Result<Allowlist, AllowlistError> {
+        Allowlist::parse_within(allow, &self.allow_max)
+    }
+
+    /// The byte limit for `asked` (`None`: `network.egress_bytes_max`); `Err(maximum)` when above it.
+    pub fn egress_bytes(&self, asked: Option<u64>) -> Result<u64, u64> {
+        let max = self.config.egress_bytes_max;
+        match asked {
+            Some(n) if n > max => Err(max),
+            Some(n) => Ok(n),
+            None => Ok(max),
+        }
+    }
+
+    /// A proxy (serving nothing yet) with `allowlist`, the daemon's address policy and resolver, and a limit of
+    /// `egress_bytes`.
+    pub fn proxy(&self, allowlist: Allowlist, egress_bytes: u64) -> Proxy {
+        let limits = ProxyLimits {
+            egress_bytes: Some(egress_bytes),
+            connect_timeout: Duration::from_millis(self.config.connect_timeout_ms),
+            ..ProxyLimits::default()
+        };
+        Proxy::new(
+            allowlist,
+            self.addresses.clone(),
+            self.resolver.clone(),
+            limits,
+        )
     }
 
     /// Starts the proxy for one execution on `listener` (inside its container). Dropping the returned
@@ -149,17 +180,7 @@ impl Egress {
         id: &str,
     ) -> std::io::Result<Running> {
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        let limits = ProxyLimits {
-            egress_bytes: Some(admitted.egress_bytes),
-            connect_timeout: Duration::from_millis(self.config.connect_timeout_ms),
-            ..ProxyLimits::default()
-        };
-        let proxy = Proxy::new(
-            admitted.allowlist,
-            self.addresses.clone(),
-            self.resolver.clone(),
-            limits,
-        );
+        let proxy = self.proxy(admitted.allowlist, admitted.egress_bytes);
         let serving = proxy.clone();
         let span = tracing::info_span!("egress", execution = %id);
         let task = tokio::spawn(

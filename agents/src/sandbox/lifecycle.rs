@@ -1,7 +1,7 @@
 //! A sandbox's runs from start to end: spawn (one run at a time: the control socket, the run's container with the
-//! agent's command and environment, its CPU quota, the launch), the supervisor that turns the container's end into
-//! `session_end` or `crashed`, kill with grace (a `shutdown` line and `SIGTERM`, then `SIGKILL`), the lifetime
-//! limit, and removal.
+//! agent's command and environment, its CPU quota, the sandbox's egress proxy served inside it, the launch), the
+//! supervisor that turns the container's end into `session_end` or `crashed`, kill with grace (a `shutdown` line
+//! and `SIGTERM`, then `SIGKILL`), the lifetime limit, and removal.
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
@@ -23,6 +23,7 @@ use tracing::{info, warn, Instrument};
 
 use super::{line, unavailable, Ops, Run, Sandbox, COMMAND_QUEUE, CONTROL_SOCKET};
 use crate::container::{Ended, RunContainer, RunPlan};
+use crate::network::Serving;
 
 impl Sandbox {
     /// Starts the sandbox's background tasks: token renewal and the lifetime limit.
@@ -78,7 +79,7 @@ impl Sandbox {
         let cid = format!("{}-{n}", self.id);
         let run_id = uuid::Uuid::now_v7().to_string();
         let listener = self.control_socket()?;
-        let c = self.start_container(&cid, command).await?;
+        let (c, serving) = self.start_container(&cid, command).await?;
         info!(sandbox = %self.id, container = %c.cid(), run = %run_id, "agent started");
 
         ops.brief = match serde_json::to_value(&brief) {
@@ -125,7 +126,7 @@ impl Sandbox {
         tokio::spawn(
             self.clone()
                 .supervise(
-                    c,
+                    (c, serving),
                     listener,
                     brief_line,
                     commands_rx,
@@ -185,13 +186,14 @@ impl Sandbox {
         Ok(listener)
     }
 
-    /// Creates the run's container (stdin `/dev/null`, output to the agent log), sets its cpu quota and launches
-    /// the agent. On error nothing of the container is left.
+    /// Creates the run's container (stdin `/dev/null`, output to the agent log), sets its cpu quota, serves the
+    /// sandbox's egress proxy inside it (when it has one) and launches the agent. On error nothing of the
+    /// container is left.
     async fn start_container(
         &self,
         cid: &str,
         args: Vec<String>,
-    ) -> Result<Arc<dyn RunContainer>, PluginError> {
+    ) -> Result<(Arc<dyn RunContainer>, Option<Serving>), PluginError> {
         let stdin = std::fs::File::open("/dev/null")
             .map_err(|e| unavailable(format!("/dev/null: {e}"), false))?;
         let log = std::fs::OpenOptions::new()
@@ -212,18 +214,23 @@ impl Sandbox {
             .create_run(plan)
             .await
             .map_err(|e| unavailable(Chain(&e).to_string(), true))?;
-        let started = c
-            .set_cpu_quota(self.limits.cpu_cores)
-            .and_then(|()| c.launch([stdin.as_fd(), log.as_fd(), log.as_fd()]));
-        if let Err(e) = started {
-            c.signal(Signal::SIGKILL);
-            c.remove().await;
-            return Err(unavailable(Chain(&e).to_string(), true));
+        let started = c.set_cpu_quota(self.limits.cpu_cores).and_then(|()| {
+            let serving = self.network.as_ref().map(|n| n.serve_in(&*c)).transpose()?;
+            c.launch([stdin.as_fd(), log.as_fd(), log.as_fd()])?;
+            Ok(serving)
+        });
+        match started {
+            Ok(serving) => Ok((c, serving)),
+            Err(e) => {
+                c.signal(Signal::SIGKILL);
+                c.remove().await;
+                Err(unavailable(Chain(&e).to_string(), true))
+            }
         }
-        Ok(c)
     }
 
-    /// The agent's environment: the image's base, the template's, and where its control socket is.
+    /// The agent's environment: the image's base, the template's, the egress proxy's (when the sandbox has one),
+    /// and where its control socket is.
     fn environment(&self) -> Vec<String> {
         let mut env = self
             .host
@@ -231,6 +238,9 @@ impl Sandbox {
             .image_environment(&self.image)
             .unwrap_or_default();
         env.extend(self.template.env.clone());
+        if let Some(network) = &self.network {
+            env.extend(network.environment());
+        }
         env.insert(
             "SANDBOXD_CONTROL_SOCKET".into(),
             format!("{CODE_DIR}/{CONTROL_SOCKET}"),
@@ -241,11 +251,11 @@ impl Sandbox {
     }
 
     /// The run's supervisor: accepts the agent's control connection, sends it the brief and the commands, turns its
-    /// lines into events, and ends the run when the container exits.
+    /// lines into events, and ends the run when the container exits (the egress proxy stops serving it then).
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn supervise(
         self: Arc<Self>,
-        c: Arc<dyn RunContainer>,
+        (c, serving): (Arc<dyn RunContainer>, Option<Serving>),
         listener: tokio::net::UnixListener,
         brief_line: String,
         commands_rx: mpsc::Receiver<String>,
@@ -304,6 +314,7 @@ impl Sandbox {
             }
             None => {}
         }
+        drop(serving);
         c.remove().await;
         let _ = std::fs::remove_file(self.dir.join("code").join(CONTROL_SOCKET));
         self.shared().container = None;
@@ -381,7 +392,7 @@ impl Sandbox {
         })
     }
 
-    /// Kills the run (if any), stops the tasks and removes the workspace. Idempotent.
+    /// Kills the run (if any), stops the tasks, closes the egress proxy and removes the workspace. Idempotent.
     #[tracing::instrument(name = "agent_destroy", skip_all, fields(sandbox = %self.id))]
     pub async fn destroy(&self) {
         let mut ops = self.ops.lock().await;
@@ -408,6 +419,9 @@ impl Sandbox {
             .drain(..)
         {
             t.abort();
+        }
+        if let Some(network) = &self.network {
+            network.close();
         }
         self.hub.close();
         self.workspace.remove().await;

@@ -1,6 +1,8 @@
 //! One agent sandbox: its workspace (a tmpfs of `diskMb` under `<state_dir>/agents/<id>/` that outlives each agent
-//! run), its event hub, its backend credentials, and at most one agent run at a time: a container started by
-//! `POST /spawn` whose program talks to sandboxd over the control socket `/sandbox/control.sock`.
+//! run), its event hub, its backend credentials, its egress proxy when it was created with `network`
+//! ([`crate::network`]: served inside every run, its allowlist changed by `POST /network`), and at most one agent
+//! run at a time: a container started by `POST /spawn` whose program talks to sandboxd over the control socket
+//! `/sandbox/control.sock`.
 //!
 //! Operations on a sandbox are serialized by one async lock; the run's supervisor task owns the container and the
 //! control connection and detects the end of the run (container exit or control socket drop: a crash unless the
@@ -37,6 +39,7 @@ use crate::backend::Backend;
 use crate::container::{RunContainer, Workspace};
 use crate::events::Hub;
 use crate::host::Host;
+use crate::network::{NetworkError, SandboxEgress};
 
 /// Name of the control socket in the code directory (`/sandbox` inside).
 pub const CONTROL_SOCKET: &str = "control.sock";
@@ -105,6 +108,8 @@ pub struct Sandbox {
     pub hub: Arc<Hub>,
     dir: PathBuf,
     workspace: Arc<dyn Workspace>,
+    /// The egress proxy, when the sandbox was created with `network`.
+    network: Option<SandboxEgress>,
     ops: tokio::sync::Mutex<Ops>,
     shared: Mutex<Shared>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -132,6 +137,7 @@ impl Sandbox {
         backend: Arc<Backend>,
         hub: Arc<Hub>,
         workspace: Arc<dyn Workspace>,
+        network: Option<SandboxEgress>,
         host: Host,
     ) -> Arc<Self> {
         let dir = workspace.dir().to_owned();
@@ -145,6 +151,7 @@ impl Sandbox {
             hub,
             dir,
             workspace,
+            network,
             ops: tokio::sync::Mutex::new(Ops::default()),
             shared: Mutex::new(Shared::default()),
             tasks: Mutex::new(Vec::new()),
@@ -279,6 +286,15 @@ impl Sandbox {
         state
     }
 
+    /// `POST /network`: the new allowlist, in force for every request from now on (tunnels already open stay);
+    /// the list in force.
+    pub fn set_network(&self, allow: Vec<String>) -> Result<Vec<String>, NetworkError> {
+        let network = self.network.as_ref().ok_or(NetworkError::NotCreatedWith)?;
+        let allow = network.set_allow(allow)?;
+        tracing::info!(sandbox = %self.id, allow = ?allow, "sandbox allowlist changed");
+        Ok(allow)
+    }
+
     /// `GET /health`.
     pub fn health(&self) -> SandboxHealthResponse {
         let (status, container) = {
@@ -328,6 +344,7 @@ impl Sandbox {
                 collected_at: protocol::now_ts(),
             },
             pending_event_buffer_size: self.hub.pending() as u64,
+            network: self.network.as_ref().map(SandboxEgress::usage),
         }
     }
 }

@@ -830,7 +830,7 @@ const MALFORMED_CREATE_BODIES: [&[u8]; 3] = [
 ];
 
 /// Commands a sandbox without an agent refuses, with their status: bad bodies, then commands that need an agent.
-const REFUSED_SANDBOX_COMMANDS: [(&str, &[u8], u16); 6] = [
+const REFUSED_SANDBOX_COMMANDS: [(&str, &[u8], u16); 8] = [
     ("spawn", b"{}", 400),
     ("resolve", b"{\"decisionId\": 5}", 400),
     ("replay", b"{\"fromSequence\": 5, \"toSequence\": 1}", 400),
@@ -841,6 +841,9 @@ const REFUSED_SANDBOX_COMMANDS: [(&str, &[u8], u16); 6] = [
     ),
     ("pause", b"", 409),
     ("kill", b"{}", 409),
+    // A malformed body, then a sandbox created without `network`: no allowlist to change.
+    ("network", b"{\"allow\": \"x\"}", 400),
+    ("network", b"{\"allow\": [\"pypi.org:443\"]}", 409),
 ];
 
 /// The PluginError in a raw answer's body.
@@ -941,7 +944,7 @@ async fn malformed_and_oversize_bodies_are_refused(gw: &Gateway, tok: Option<&st
 }
 
 /// An unsupported capability (422), an https upload, limits over the maximum, a template file outside the
-/// workspace (400).
+/// workspace, `network` without the extension (400).
 async fn requests_the_daemon_cannot_grant_are_refused(gw: &Gateway, backend_port: u16) {
     let mut req = create_request(backend_port, 60);
     req.workspace_requirements
@@ -969,6 +972,15 @@ async fn requests_the_daemon_cannot_grant_are_refused(gw: &Gateway, backend_port
     let mut req = create_request(backend_port, 60);
     req.template.as_mut().unwrap().files[0].path = "../escape.py".into();
     assert_eq!(plugin_err(gw.create(&req).await).0, 400);
+    // This daemon has no `network` extension.
+    let mut req = create_request(backend_port, 60);
+    req.network = Some(agent_api::SandboxNetwork {
+        allow: vec!["pypi.org:443".into()],
+        egress_bytes: None,
+    });
+    let (status, e) = plugin_err(gw.create(&req).await);
+    assert_eq!(status, 400);
+    assert!(e.to_string().contains("network.enabled"), "{e}");
 }
 
 /// Bad bodies and commands that need an agent get their status and a PluginError; a GET of `/events` without an
@@ -993,6 +1005,8 @@ async fn a_sandbox_without_an_agent_refuses_bad_commands(
         .unwrap();
     assert!(a.status >= 400);
     let _ = plugin_error_body(a);
+    let (status, e) = plugin_err(sb.set_network(vec!["pypi.org:443".into()]).await);
+    assert_eq!(status, 409, "{e:?}");
     unknown_paths_and_methods_get_plugin_errors(gw, &base, tok).await;
 }
 

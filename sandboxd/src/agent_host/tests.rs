@@ -75,6 +75,7 @@ impl Rig {
             store: Arc::new(StoreArtifacts(Arc::new(store))),
             uploads: Arc::new(HttpUploads),
             auth: Arc::new(Tokens(Arc::new(vec!["t".into()]))),
+            network: None,
         };
         std::fs::create_dir_all(dir.path().join("state")).unwrap();
         Self {

@@ -245,6 +245,17 @@ impl RunContainer for FakeRun {
         })
     }
 
+    /// A fake run has no network namespace of its own: the listener is on the host's loopback, on a port the
+    /// kernel picks (the requested one may be taken).
+    fn listen_inside(
+        &self,
+        address: std::net::SocketAddr,
+    ) -> std::io::Result<std::net::TcpListener> {
+        let listener = std::net::TcpListener::bind((address.ip(), 0))?;
+        listener.set_nonblocking(true)?;
+        Ok(listener)
+    }
+
     fn ended(&self) -> BoxFuture<'_, Ended> {
         let mut rx = self.ended.clone();
         Box::pin(async move {

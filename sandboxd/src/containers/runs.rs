@@ -1,7 +1,7 @@
 //! The long-lived kind ([`agents::container`]) on the real backend: a workspace is a [`Scratch`] space of its own,
 //! each run a container created by the primary helper from a bundle written by the shared builder, launched over
-//! its launch channel, signalled and watched through the init's pidfd, frozen, limited and measured through its
-//! cgroups.
+//! its launch channel, signalled, watched and given the egress proxy's listener through the init's pidfd, frozen,
+//! limited and measured through its cgroups.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -259,6 +259,14 @@ impl RunContainer for HelperRun {
             }),
             (Err(e), _) | (_, Err(e)) => Err(cgroup_error("read the agent's usage", e)),
         }
+    }
+
+    /// Through the init's pidfd: the listener is made in the container's network namespace.
+    fn listen_inside(
+        &self,
+        address: std::net::SocketAddr,
+    ) -> std::io::Result<std::net::TcpListener> {
+        runtime::sys::tcp_listener_in_netns(self.created.pidfd.as_fd(), address)
     }
 
     fn ended(&self) -> BoxFuture<'_, Ended> {

@@ -68,7 +68,7 @@ pub struct Engine {
     /// sha256 of the seccomp profile in force (part of every environment fingerprint).
     seccomp_digest: String,
     /// The `network` extension, when the operator enabled it.
-    egress: Option<crate::egress::Egress>,
+    egress: Option<Arc<crate::egress::Egress>>,
 }
 
 /// What an execution's body hands back: the messages to send (or the error), and the container to remove.
@@ -93,12 +93,12 @@ impl Engine {
             capacity,
             isolation,
             seccomp_digest,
-            egress,
+            egress: egress.map(Arc::new),
         }
     }
 
     /// The `network` extension, when enabled.
-    pub fn egress(&self) -> Option<&crate::egress::Egress> {
+    pub fn egress(&self) -> Option<&Arc<crate::egress::Egress>> {
         self.egress.as_ref()
     }
 

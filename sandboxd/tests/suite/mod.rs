@@ -15,6 +15,7 @@ mod capacity;
 mod cleanup;
 mod compat;
 mod egress;
+mod egress_agents;
 mod egress_origin;
 mod execution;
 mod images;

@@ -1,0 +1,333 @@
+//! A sandbox's egress (the daemon's `network` extension): one [`egress::Proxy`] per sandbox, created with the
+//! sandbox from its request's `network` and closed when the sandbox is removed, so the allowlist and the counters
+//! (and the byte limit) are the sandbox's, across its runs. Each run's container gets its own listener at the
+//! host's proxy address inside its network namespace ([`RunContainer::listen_inside`]), served by that one proxy
+//! for as long as the run lasts ([`Serving`]), and the proxy environment in the agent's.
+//!
+//! `POST /sandboxes/<id>/network` swaps the allowlist while runs go on ([`SandboxEgress::set_allow`]): every
+//! request after the swap (a new `CONNECT`, a new plain-HTTP request) is checked against the new list; a tunnel
+//! already open stays open until either side closes it.
+
+use std::sync::{Arc, Mutex};
+
+use agent_api::{SandboxNetwork, SandboxNetworkUsage};
+use egress::{AllowlistError, Proxy};
+use protocol::MAX_NETWORK_ALLOW;
+use tracing::{warn, Instrument};
+
+use crate::container::{LongLivedError, RunContainer};
+use crate::host::Network;
+
+/// Why a sandbox's network request was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    /// The daemon does not serve the `network` extension.
+    #[error("Field network: this daemon's network extension is off (network.enabled)")]
+    Disabled,
+    /// The sandbox was created without `network`: there is no proxy whose list could change.
+    #[error("The sandbox was created without network; its network cannot be changed")]
+    NotCreatedWith,
+    /// More entries than allowed.
+    #[error("Field network.allow: {0} entries; at most {MAX_NETWORK_ALLOW} are allowed")]
+    TooMany(usize),
+    /// An entry is malformed or not within the operator's bound.
+    #[error("Field network.allow: {0}")]
+    Entry(#[from] AllowlistError),
+    /// `egress_bytes` is above the daemon's maximum.
+    #[error("Field network.egress_bytes: {asked} is above the maximum {max}")]
+    EgressBytes {
+        /// What was asked.
+        asked: u64,
+        /// `network.egress_bytes_max`.
+        max: u64,
+    },
+}
+
+/// A sandbox's egress proxy, its allowlist as given, and the host's settings it was made with.
+pub struct SandboxEgress {
+    proxy: Proxy,
+    network: Arc<dyn Network>,
+    /// The entries in force, as the caller wrote them (the proxy holds them parsed). Held while the proxy's list
+    /// is swapped, so the two always agree.
+    allow: Mutex<Vec<String>>,
+}
+
+impl SandboxEgress {
+    /// The proxy for a creation request's `network`; `network` is the host's (`None`: the extension is off).
+    pub fn create(
+        network: Option<&Arc<dyn Network>>,
+        req: &SandboxNetwork,
+    ) -> Result<SandboxEgress, NetworkError> {
+        let network = network.ok_or(NetworkError::Disabled)?.clone();
+        let allowlist = checked(&*network, &req.allow)?;
+        let egress_bytes =
+            network
+                .egress_bytes(req.egress_bytes)
+                .map_err(|max| NetworkError::EgressBytes {
+                    asked: req.egress_bytes.unwrap_or(max),
+                    max,
+                })?;
+        Ok(SandboxEgress {
+            proxy: network.proxy(allowlist, egress_bytes),
+            network,
+            allow: Mutex::new(req.allow.clone()),
+        })
+    }
+
+    fn allow_guard(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.allow.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Replaces the allowlist (checked against the operator's bound like the one given at creation); the list in
+    /// force after it. Requests from then on use it; tunnels already open stay.
+    pub fn set_allow(&self, allow: Vec<String>) -> Result<Vec<String>, NetworkError> {
+        let allowlist = checked(&*self.network, &allow)?;
+        let mut guard = self.allow_guard();
+        self.proxy.set_allowlist(allowlist);
+        *guard = allow;
+        Ok(guard.clone())
+    }
+
+    /// The allowlist in force and the counters so far.
+    pub fn usage(&self) -> SandboxNetworkUsage {
+        let s = self.proxy.stats();
+        SandboxNetworkUsage {
+            allow: self.allow_guard().clone(),
+            connections: s.connections,
+            upstream_connections: s.upstream_connections,
+            refused: s.refused,
+            bytes_sent: s.bytes_sent,
+            bytes_received: s.bytes_received,
+        }
+    }
+
+    /// The environment that points the agent's HTTP clients at the proxy.
+    pub fn environment(&self) -> Vec<(String, String)> {
+        self.network.environment()
+    }
+
+    /// Serves the proxy inside `run`'s container (before its launch) until the returned [`Serving`] is dropped.
+    pub fn serve_in(&self, run: &dyn RunContainer) -> Result<Serving, LongLivedError> {
+        let listener = run
+            .listen_inside(self.network.address())
+            .map_err(LongLivedError::Listen)?;
+        let listener = listener
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::TcpListener::from_std(listener))
+            .map_err(LongLivedError::Listen)?;
+        let proxy = self.proxy.clone();
+        let span = tracing::info_span!("egress", container = %run.cid());
+        let task = tokio::spawn(
+            async move {
+                if let Err(e) = proxy.serve(listener).await {
+                    warn!(error = %e, "egress proxy stopped accepting");
+                }
+            }
+            .instrument(span),
+        );
+        Ok(Serving(task))
+    }
+
+    /// Ends every tunnel and upstream connection still open (the sandbox is being removed).
+    pub fn close(&self) {
+        self.proxy.close();
+    }
+}
+
+/// `allow` within the bound, with at most [`MAX_NETWORK_ALLOW`] entries.
+fn checked(network: &dyn Network, allow: &[String]) -> Result<egress::Allowlist, NetworkError> {
+    if allow.len() > MAX_NETWORK_ALLOW {
+        return Err(NetworkError::TooMany(allow.len()));
+    }
+    Ok(network.allowlist(allow)?)
+}
+
+/// The proxy serving one run's listener; dropping it stops accepting and ends that listener's connections (the
+/// run is over).
+pub struct Serving(tokio::task::JoinHandle<()>);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, SocketAddr};
+    use std::os::fd::BorrowedFd;
+
+    use egress::{AddressPolicy, Allowlist, ProxyLimits, StaticResolver};
+    use nix::sys::signal::Signal;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+    use crate::container::{BoxFuture, Ended, RunUsage};
+
+    /// A bound of `*.test:8443`, names resolving to loopback (refused by the address policy), 1000 bytes at most.
+    struct Bound(Allowlist);
+
+    impl Network for Bound {
+        fn allowlist(&self, allow: &[String]) -> Result<Allowlist, AllowlistError> {
+            Allowlist::parse_within(allow, &self.0)
+        }
+        fn egress_bytes(&self, asked: Option<u64>) -> Result<u64, u64> {
+            match asked {
+                Some(n) if n > 1000 => Err(1000),
+                n => Ok(n.unwrap_or(1000)),
+            }
+        }
+        fn proxy(&self, allowlist: Allowlist, egress_bytes: u64) -> Proxy {
+            let resolver = StaticResolver::new()
+                .with("a.test", [Ipv4Addr::LOCALHOST.into()])
+                .with("b.test", [Ipv4Addr::LOCALHOST.into()]);
+            let limits = ProxyLimits {
+                egress_bytes: Some(egress_bytes),
+                ..ProxyLimits::default()
+            };
+            Proxy::new(allowlist, AddressPolicy::new(), Arc::new(resolver), limits)
+        }
+        fn address(&self) -> SocketAddr {
+            (Ipv4Addr::LOCALHOST, 0).into()
+        }
+        fn environment(&self) -> Vec<(String, String)> {
+            vec![("HTTPS_PROXY".into(), "http://proxy".into())]
+        }
+    }
+
+    /// A run whose "namespace" is the host's loopback (the port the kernel picked is kept); nothing else of it is
+    /// used.
+    #[derive(Default)]
+    struct Loopback(std::sync::Mutex<Option<SocketAddr>>);
+
+    impl RunContainer for Loopback {
+        fn cid(&self) -> &str {
+            "run-1"
+        }
+        fn launch(&self, _: [BorrowedFd<'_>; 3]) -> Result<(), LongLivedError> {
+            unreachable!()
+        }
+        fn signal(&self, _: Signal) {}
+        fn freeze(&self) -> BoxFuture<'static, Result<(), LongLivedError>> {
+            unreachable!()
+        }
+        fn thaw(&self) -> BoxFuture<'static, Result<(), LongLivedError>> {
+            unreachable!()
+        }
+        fn set_cpu_quota(&self, _: f64) -> Result<(), LongLivedError> {
+            unreachable!()
+        }
+        fn usage(&self) -> Result<RunUsage, LongLivedError> {
+            unreachable!()
+        }
+        fn listen_inside(&self, address: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+            let listener = std::net::TcpListener::bind(address)?;
+            *self.0.lock().unwrap() = Some(listener.local_addr()?);
+            Ok(listener)
+        }
+        fn ended(&self) -> BoxFuture<'_, Ended> {
+            unreachable!()
+        }
+        fn remove(&self) -> BoxFuture<'_, ()> {
+            unreachable!()
+        }
+    }
+
+    fn network() -> Arc<dyn Network> {
+        Arc::new(Bound(Allowlist::parse(&["*.test:8443"]).unwrap()))
+    }
+
+    fn req(allow: &[&str], egress_bytes: Option<u64>) -> SandboxNetwork {
+        SandboxNetwork {
+            allow: allow.iter().map(|s| s.to_string()).collect(),
+            egress_bytes,
+        }
+    }
+
+    #[test]
+    fn creation_is_checked_against_the_host() {
+        let net = network();
+        let e = SandboxEgress::create(None, &req(&["a.test:8443"], None)).err();
+        assert!(matches!(e, Some(NetworkError::Disabled)), "{e:?}");
+        let e = SandboxEgress::create(Some(&net), &req(&["a.test:443"], None)).err();
+        assert!(
+            matches!(e, Some(NetworkError::Entry(AllowlistError::NotCovered(_)))),
+            "{e:?}"
+        );
+        let e = SandboxEgress::create(Some(&net), &req(&["a.test:8443"], Some(1001))).err();
+        assert!(
+            matches!(
+                e,
+                Some(NetworkError::EgressBytes {
+                    asked: 1001,
+                    max: 1000
+                })
+            ),
+            "{e:?}"
+        );
+        let many: Vec<String> = (0..=MAX_NETWORK_ALLOW)
+            .map(|i| format!("n{i}.test:8443"))
+            .collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let e = SandboxEgress::create(Some(&net), &req(&many, None)).err();
+        assert!(matches!(e, Some(NetworkError::TooMany(_))), "{e:?}");
+        let sb = SandboxEgress::create(Some(&net), &req(&[], None)).unwrap();
+        assert!(sb.usage().allow.is_empty());
+        assert_eq!(sb.environment()[0].0, "HTTPS_PROXY");
+    }
+
+    /// Sends a CONNECT to the proxy on `addr` and returns the answer's status line and body.
+    async fn connect(addr: SocketAddr, target: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head =
+            format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n");
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_new_list_applies_to_the_next_request_and_a_bad_one_changes_nothing() {
+        let net = network();
+        let sb = SandboxEgress::create(Some(&net), &req(&["a.test:8443"], None)).unwrap();
+        let run = Loopback::default();
+        let serving = sb.serve_in(&run).unwrap();
+        let addr = run.0.lock().unwrap().unwrap();
+        // Listed, but it resolves to loopback: refused for the address, not the list.
+        let a = connect(addr, "a.test:8443").await;
+        assert!(a.contains("resolves only to refused addresses"), "{a}");
+        let b = connect(addr, "b.test:8443").await;
+        assert!(b.contains("not on the allowlist"), "{b}");
+
+        let bad = sb.set_allow(vec!["b.test:443".into()]).unwrap_err();
+        assert!(bad.to_string().starts_with("Field network.allow:"), "{bad}");
+        assert_eq!(sb.usage().allow, ["a.test:8443"]);
+        assert_eq!(
+            sb.set_allow(vec!["b.test:8443".into()]).unwrap(),
+            ["b.test:8443"]
+        );
+        let a = connect(addr, "a.test:8443").await;
+        assert!(a.contains("not on the allowlist"), "{a}");
+        let b = connect(addr, "b.test:8443").await;
+        assert!(b.contains("resolves only to refused addresses"), "{b}");
+
+        let u = sb.usage();
+        assert_eq!(
+            (u.connections, u.refused, u.upstream_connections),
+            (4, 4, 0)
+        );
+        assert_eq!(u.allow, ["b.test:8443"]);
+        // The run is over: its listener is closed.
+        drop(serving);
+        tokio::task::yield_now().await;
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(addr).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+        sb.close();
+    }
+}
