@@ -376,7 +376,7 @@ impl Engine {
         // The egress proxy (network extension) serves inside the container until the execution is over (Drop).
         let network = match self.start_egress(req, &container) {
             Ok(n) => n,
-            Err(e) => return (Some(container), Err(e)),
+            Err(e) => return (Some(container), Err(*e)),
         };
         let launched = match self
             .launch(req, limits, &lang, files, &container)
@@ -417,21 +417,26 @@ impl Engine {
         &self,
         req: &ExecuteRequest,
         container: &Container,
-    ) -> Result<Option<crate::egress::Running>, Failure> {
+    ) -> Result<Option<crate::egress::Running>, Box<Failure>> {
         let (Some(egress), Some(_)) = (&self.egress, &req.network) else {
             return Ok(None);
         };
         // Checked when the request arrived; checked again here against the same bound.
-        let Some(admitted) = egress.check(req).map_err(Failure::Refused)? else {
+        // Boxed: the failure is rare, and large beside the proxy.
+        let Some(admitted) = egress
+            .check(req)
+            .map_err(|e| Box::new(Failure::Refused(e)))?
+        else {
             return Ok(None);
         };
+        let internal = |e| Box::new(Failure::from(ExecError::Egress(e)));
         let listener = container
             .handle
             .listen_inside(crate::egress::PROXY_ADDRESS)
-            .map_err(ExecError::Egress)?;
+            .map_err(internal)?;
         let running = egress
             .start(admitted, listener, &req.id)
-            .map_err(ExecError::Egress)?;
+            .map_err(internal)?;
         Ok(Some(running))
     }
 
