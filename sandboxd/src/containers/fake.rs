@@ -218,9 +218,7 @@ impl ContainerHandle for FakeContainer {
         &self,
         address: std::net::SocketAddr,
     ) -> std::io::Result<std::net::TcpListener> {
-        let listener = std::net::TcpListener::bind((address.ip(), 0))?;
-        listener.set_nonblocking(true)?;
-        Ok(listener)
+        super::fake_record::loopback_listener(address)
     }
 
     fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {

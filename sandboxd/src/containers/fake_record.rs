@@ -125,3 +125,13 @@ impl Program {
         }
     }
 }
+
+/// A fake container's or run's "inside" listener: the fakes have no network namespace of their own, so it is on
+/// the host at `address`'s IP, on a port the kernel picks (the requested one may be taken).
+pub(super) fn loopback_listener(
+    address: std::net::SocketAddr,
+) -> std::io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind((address.ip(), 0))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}

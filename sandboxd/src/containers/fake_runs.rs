@@ -251,9 +251,7 @@ impl RunContainer for FakeRun {
         &self,
         address: std::net::SocketAddr,
     ) -> std::io::Result<std::net::TcpListener> {
-        let listener = std::net::TcpListener::bind((address.ip(), 0))?;
-        listener.set_nonblocking(true)?;
-        Ok(listener)
+        super::fake_record::loopback_listener(address)
     }
 
     fn ended(&self) -> BoxFuture<'_, Ended> {

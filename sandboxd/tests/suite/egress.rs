@@ -40,14 +40,6 @@ async fn no_leftovers(d: &Daemon) {
     .await;
 }
 
-async fn daemon_for(origin: &Origin, egress_bytes_max: u64) -> Daemon {
-    Daemon::start(DaemonOpts {
-        extra_config: Some(json!({ "network": origin.network_config(egress_bytes_max) })),
-        ..DaemonOpts::default()
-    })
-    .await
-}
-
 const CLIENTS: &str = r#"
 import os, ssl, subprocess, sys, urllib.request
 print("proxy", os.environ.get("HTTPS_PROXY"))
@@ -80,7 +72,7 @@ async fn listed_hosts_are_reached_through_the_proxy_by_real_clients() {
         return;
     };
     let origin = Origin::start().await;
-    let d = daemon_for(&origin, 64 << 20).await;
+    let d = origin.daemon(64 << 20, json!({})).await;
     let mut c = Client::connect(&d).await;
     let pong = c.ping().await;
     let extensions = pong.capabilities.expect("capabilities").extensions;
@@ -250,7 +242,7 @@ async fn every_other_way_out_is_refused_and_logged() {
         return;
     };
     let origin = Origin::start().await;
-    let d = daemon_for(&origin, 64 << 20).await;
+    let d = origin.daemon(64 << 20, json!({})).await;
     let mut c = Client::connect(&d).await;
     let code = ports(BYPASSES).replace("@IP@", &origin.ip.to_string());
     c.send_json(&exec_net(
@@ -311,7 +303,7 @@ async fn the_byte_limit_cuts_a_download_and_the_result_says_so() {
         return;
     };
     let origin = Origin::start().await;
-    let d = daemon_for(&origin, 8 << 20).await;
+    let d = origin.daemon(8 << 20, json!({})).await;
     let mut c = Client::connect(&d).await;
     let code = r#"
 import urllib.request
@@ -370,7 +362,7 @@ async fn requests_beyond_the_bound_are_refused_and_nothing_changes_without_netwo
         return;
     };
     let origin = Origin::start().await;
-    let d = daemon_for(&origin, 8 << 20).await;
+    let d = origin.daemon(8 << 20, json!({})).await;
     let mut c = Client::connect(&d).await;
     for (id, entry, why) in [
         (

@@ -156,14 +156,9 @@ async fn an_agent_sandbox_reaches_its_list_and_the_list_changes_while_it_lives()
         return;
     };
     let origin = Origin::start().await;
-    let d = Daemon::start(DaemonOpts {
-        extra_config: Some(json!({
-            "network": origin.network_config(64 << 20),
-            "agents": {"max_sandboxes": 2},
-        })),
-        ..DaemonOpts::default()
-    })
-    .await;
+    let d = origin
+        .daemon(64 << 20, json!({"agents": {"max_sandboxes": 2}}))
+        .await;
     let (status, created) =
         create(&d, &origin, Some(json!({"allow": [entry("origin.test")]}))).await;
     assert_eq!(status, 201, "{created}");
@@ -275,14 +270,9 @@ async fn sandbox_network_requests_the_daemon_cannot_grant_are_refused() {
         return;
     };
     let origin = Origin::start().await;
-    let d = Daemon::start(DaemonOpts {
-        extra_config: Some(json!({
-            "network": origin.network_config(1 << 20),
-            "agents": {"max_sandboxes": 2},
-        })),
-        ..DaemonOpts::default()
-    })
-    .await;
+    let d = origin
+        .daemon(1 << 20, json!({"agents": {"max_sandboxes": 2}}))
+        .await;
     for (network, field) in [
         (json!({"allow": ["pypi.org:443"]}), "network.allow"),
         (json!({"allow": ["origin.test"]}), "network.allow"),
@@ -348,14 +338,9 @@ async fn a_tunnel_open_before_the_list_changes_stays_open() {
         return;
     };
     let origin = Origin::start().await;
-    let d = Daemon::start(DaemonOpts {
-        extra_config: Some(json!({
-            "network": origin.network_config(64 << 20),
-            "agents": {"max_sandboxes": 2},
-        })),
-        ..DaemonOpts::default()
-    })
-    .await;
+    let d = origin
+        .daemon(64 << 20, json!({"agents": {"max_sandboxes": 2}}))
+        .await;
     let network = json!({"allow": [entry("origin.test")]});
     let (status, created) = create(&d, &origin, Some(network)).await;
     assert_eq!(status, 201, "{created}");

@@ -18,6 +18,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
+use super::harness::{merge, Daemon, DaemonOpts};
+
 /// The plain HTTP origin's port.
 pub const HTTP_PORT: u16 = 8080;
 /// The HTTPS origin's port.
@@ -110,6 +112,18 @@ impl Origin {
             "nameservers": [self.nameserver.addr.to_string()],
             "egress_bytes_max": egress_bytes_max,
         })
+    }
+
+    /// A daemon whose proxy reaches these origins (`network` on, with `egress_bytes_max`), with `extra` merged
+    /// into its config.
+    pub async fn daemon(&self, egress_bytes_max: u64, extra: serde_json::Value) -> Daemon {
+        let mut config = serde_json::json!({ "network": self.network_config(egress_bytes_max) });
+        merge(&mut config, extra);
+        Daemon::start(DaemonOpts {
+            extra_config: Some(config),
+            ..DaemonOpts::default()
+        })
+        .await
     }
 
     /// The requests the origins received so far.
