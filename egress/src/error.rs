@@ -47,9 +47,9 @@ pub enum Refusal {
         /// The SNI, if any.
         sni: Option<String>,
     },
-    /// The tunnel did not open with a TLS ClientHello.
-    #[error("the tunnel to {0} did not open with a TLS ClientHello")]
-    NotTls(String),
+    /// The tunnel opened with neither a TLS ClientHello nor an HTTP/1.1 request.
+    #[error("the tunnel to {0} opened with neither a TLS ClientHello nor an HTTP/1.1 request")]
+    NotTlsOrHttp(String),
     /// The proxy's byte limit is used up.
     #[error("egress byte limit reached")]
     ByteLimit,

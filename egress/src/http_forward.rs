@@ -61,7 +61,7 @@ pub(crate) async fn forward(
 }
 
 /// Refuses framing a proxy and an origin could read differently (hyper refuses most of it before this).
-fn check_framing(headers: &HeaderMap) -> Result<(), Refusal> {
+pub(crate) fn check_framing(headers: &HeaderMap) -> Result<(), Refusal> {
     if headers.contains_key(header::TRANSFER_ENCODING)
         && headers.contains_key(header::CONTENT_LENGTH)
     {
@@ -76,7 +76,11 @@ fn check_framing(headers: &HeaderMap) -> Result<(), Refusal> {
 }
 
 /// The Host header, when present, must name the URI's host and port.
-fn check_host_header(headers: &HeaderMap, authority: &Authority, port: u16) -> Result<(), Refusal> {
+pub(crate) fn check_host_header(
+    headers: &HeaderMap,
+    authority: &Authority,
+    port: u16,
+) -> Result<(), Refusal> {
     let mut values = headers.get_all(header::HOST).iter();
     let (Some(value), None) = (values.next(), values.next()) else {
         return match headers.contains_key(header::HOST) {
@@ -109,7 +113,7 @@ fn check_host_header(headers: &HeaderMap, authority: &Authority, port: u16) -> R
 }
 
 /// Removes the headers that belong to one hop (RFC 9110 7.6.1), including those `Connection` names.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

@@ -6,7 +6,9 @@
 //! - `CONNECT host:port` when the [`Allowlist`] allows the host and port; the proxy resolves the name itself
 //!   (through a [`Resolve`] implementation), connects only to addresses the [`AddressPolicy`] permits, and then
 //!   requires the tunnel to open with a TLS ClientHello whose SNI is the CONNECT host (read with rustls's
-//!   `Acceptor`, so domain fronting through an allowed name is closed);
+//!   `Acceptor`, so domain fronting through an allowed name is closed). A tunnel that opens with plain HTTP/1.1
+//!   instead (undici, node's `fetch`, tunnels `http://` URLs) is served as HTTP: every request in origin form, its
+//!   Host header naming the CONNECT host and port, checked against the list in force;
 //! - plain HTTP in absolute form (`GET http://host/path`), with the Host header equal to the URI's host, forwarded
 //!   once to the origin in origin form; responses (redirects included) are relayed, never followed.
 //!
@@ -24,6 +26,7 @@ mod resolve;
 mod shared;
 mod sni;
 mod tunnel;
+mod tunnel_http;
 
 pub use address::{classify, AddressPolicy, AddressRefusal};
 pub use allowlist::{Allowlist, AllowlistError, Entry, HostPattern, DEFAULT_PORTS};

@@ -14,8 +14,8 @@ const MAX_HELLO: usize = 64 * 1024;
 pub(crate) enum Hello {
     /// A complete ClientHello and its SNI (lower-cased, trailing dot removed), with every byte read so far.
     Tls { sni: Option<String>, bytes: Vec<u8> },
-    /// Not a TLS ClientHello, or the client closed before one was complete.
-    NotTls,
+    /// Not a TLS ClientHello, or the client closed before one was complete, with every byte read so far.
+    NotTls { bytes: Vec<u8> },
 }
 
 /// Reads from `client` until a whole ClientHello has arrived.
@@ -26,13 +26,14 @@ pub(crate) async fn read_client_hello<R: AsyncRead + Unpin>(client: &mut R) -> i
     loop {
         let n = client.read(&mut chunk).await?;
         if n == 0 || bytes.len() + n > MAX_HELLO {
-            return Ok(Hello::NotTls);
+            bytes.extend_from_slice(&chunk[..n]);
+            return Ok(Hello::NotTls { bytes });
         }
         bytes.extend_from_slice(&chunk[..n]);
         let mut cursor = Cursor::new(&chunk[..n]);
         while (cursor.position() as usize) < n {
             match acceptor.read_tls(&mut cursor) {
-                Ok(0) | Err(_) => return Ok(Hello::NotTls),
+                Ok(0) | Err(_) => return Ok(Hello::NotTls { bytes }),
                 Ok(_) => {}
             }
         }
@@ -45,7 +46,7 @@ pub(crate) async fn read_client_hello<R: AsyncRead + Unpin>(client: &mut R) -> i
                 return Ok(Hello::Tls { sni, bytes });
             }
             Ok(None) => continue,
-            Err(_) => return Ok(Hello::NotTls),
+            Err(_) => return Ok(Hello::NotTls { bytes }),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! `CONNECT host:port`: allowlist, resolution and address policy, then a tunnel that must open with a TLS
-//! ClientHello naming the CONNECT host.
+//! ClientHello naming the CONNECT host, or with plain HTTP/1.1 ([`crate::tunnel_http`]).
 
 use std::sync::Arc;
 
@@ -45,7 +45,7 @@ pub(crate) async fn connect(
                 let Ok(_slot) = task_shared.connection_slots.clone().acquire_owned().await else {
                     return;
                 };
-                splice(&task_shared, &host, TokioIo::new(upgraded), upstream).await
+                splice(&task_shared, &host, port, TokioIo::new(upgraded), upstream).await
             }
             Err(e) => tracing::debug!(error = %e, %host, "egress CONNECT upgrade failed"),
         }
@@ -56,8 +56,9 @@ pub(crate) async fn connect(
 }
 
 async fn splice(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     host: &str,
+    port: u16,
     mut client: TokioIo<hyper::upgrade::Upgraded>,
     mut upstream: Counted<TcpStream>,
 ) {
@@ -74,8 +75,12 @@ async fn splice(
             }
             bytes
         }
-        Ok(Ok(Hello::NotTls)) | Err(_) => {
-            shared.note_refusal(&Refusal::NotTls(host.to_string()));
+        Ok(Ok(Hello::NotTls { bytes })) => {
+            crate::tunnel_http::serve(shared, host, port, bytes, client, upstream).await;
+            return;
+        }
+        Err(_) => {
+            shared.note_refusal(&Refusal::NotTlsOrHttp(host.to_string()));
             return;
         }
         Ok(Err(e)) => {

@@ -1,7 +1,9 @@
 //! The `network` extension against a real daemon: an execution reaches the hosts its request lists through the
-//! daemon's egress proxy (real clients: python's urllib and requests, pip, curl), and every other way out is
-//! refused and logged. The origins are on an address the test creates ([`super::egress_origin`]).
+//! daemon's egress proxy (real clients: python's urllib and requests, pip, curl, node's fetch), and every other way
+//! out is refused and logged. The origins are on an address the test creates ([`super::egress_origin`]).
 
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
 use protocol::ErrorCode;
 use serde_json::{json, Value};
 
@@ -38,6 +40,19 @@ async fn no_leftovers(d: &Daemon) {
         || d.leftovers(),
     )
     .await;
+}
+
+/// Asserts that the run printed each of `lines`, and returns its `result.network`.
+fn printed_and_counted(run: &Collected, lines: &[&str]) -> protocol::NetworkUsage {
+    let out = run.stdout_text();
+    for line in lines {
+        assert!(out.contains(line), "missing {line:?} in:\n{}", run.dump());
+    }
+    run.result()
+        .network
+        .as_deref()
+        .copied()
+        .expect("result.network")
 }
 
 const CLIENTS: &str = r#"
@@ -87,23 +102,17 @@ async fn listed_hosts_are_reached_through_the_proxy_by_real_clients() {
     ))
     .await;
     let py = c.collect("py").await;
-    let out = py.stdout_text();
-    for line in [
-        "proxy http://127.0.0.1:3128",
-        "urllib https 200 hello from origin",
-        "urllib http 200 hello from origin",
-        "requests https 200 hello from origin",
-        "pip exit 0",
-        "pip installed: installed through the proxy",
-    ] {
-        assert!(out.contains(line), "missing {line:?} in:\n{}", py.dump());
-    }
-    let net = py
-        .result()
-        .network
-        .as_deref()
-        .copied()
-        .expect("result.network");
+    let net = printed_and_counted(
+        &py,
+        &[
+            "proxy http://127.0.0.1:3128",
+            "urllib https 200 hello from origin",
+            "urllib http 200 hello from origin",
+            "requests https 200 hello from origin",
+            "pip exit 0",
+            "pip installed: installed through the proxy",
+        ],
+    );
     // urllib twice, requests once, pip at least once (its index page and wheel may share a tunnel).
     assert!(net.connections >= 4, "{net:?}");
     assert!(net.upstream_connections >= 4, "{net:?}");
@@ -144,6 +153,94 @@ async fn listed_hosts_are_reached_through_the_proxy_by_real_clients() {
         seen.iter()
             .any(|s| s.ends_with(super::egress_origin::WHEEL)),
         "{seen:?}"
+    );
+    no_leftovers(&d).await;
+}
+
+/// Node's `fetch` through the proxy. Node 20 (Debian's) has no `NODE_USE_ENV_PROXY`: its fetch (undici) reaches a
+/// proxy once undici's `EnvHttpProxyAgent`, which reads `HTTPS_PROXY`/`HTTP_PROXY`/`NO_PROXY`, is the global
+/// dispatcher. Without it, fetch has no way out at all.
+const NODE_FETCH: &str = r#"
+const { execFileSync } = require("child_process");
+const fs = require("fs");
+execFileSync("tar", ["xzf", "undici.tgz"]);
+const undici = require(require("path").resolve("package"));
+const ca = fs.readFileSync("ca.pem");
+async function get(url) {
+  try {
+    const r = await fetch(url, { signal: AbortSignal.timeout(20000) });
+    return `${r.status} ${(await r.text()).trim()}`;
+  } catch (e) {
+    return `refused (${e.cause ? e.cause.code || e.cause.message : e.message})`;
+  }
+}
+(async () => {
+  console.log("without the agent:", await get("http://origin.test:@HTTP@/hello"));
+  undici.setGlobalDispatcher(new undici.EnvHttpProxyAgent({ requestTls: { ca } }));
+  console.log("fetch https", await get("https://origin.test:@HTTPS@/hello"));
+  console.log("fetch http", await get("http://origin.test:@HTTP@/hello"));
+  console.log("fetch not listed", await get("https://denied.test:@HTTPS@/hello"));
+})();
+"#;
+
+/// undici's npm tarball (`tests/fixtures/undici.sh` fetches it, pinned and checked; `.ci/run` sets the variable).
+fn undici_tarball(test: &str) -> Option<Vec<u8>> {
+    let Ok(path) = std::env::var("SANDBOXD_TEST_UNDICI") else {
+        cannot_run(
+            test,
+            "SANDBOXD_TEST_UNDICI is not set (SANDBOXD_TEST_UNDICI=$(tests/fixtures/undici.sh))",
+        );
+        return None;
+    };
+    Some(std::fs::read(&path).unwrap_or_else(|e| panic!("SANDBOXD_TEST_UNDICI {path}: {e}")))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn node_fetch_goes_through_the_proxy() {
+    const TEST: &str = "node_fetch_goes_through_the_proxy";
+    let Some(_g) = privileged(TEST).await else {
+        return;
+    };
+    let Some(undici) = undici_tarball(TEST) else {
+        return;
+    };
+    let origin = Origin::start().await;
+    let d = origin.daemon(64 << 20, json!({})).await;
+    let mut c = Client::connect(&d).await;
+    let mut request = exec_net(
+        "node",
+        "javascript",
+        &ports(NODE_FETCH),
+        &origin,
+        json!({"allow": allow()}),
+    );
+    request["files"].as_array_mut().expect("files").push(
+        json!({"path": "undici.tgz", "content": STANDARD.encode(&undici), "encoding": "base64"}),
+    );
+    c.send_json(&request).await;
+    let run = c.collect("node").await;
+    println!("{}", run.stdout_text());
+    let net = printed_and_counted(
+        &run,
+        &[
+            "without the agent: refused (",
+            "fetch https 200 hello from origin",
+            "fetch http 200 hello from origin",
+            "fetch not listed refused (",
+        ],
+    );
+    assert_eq!(net.upstream_connections, 2, "{net:?}");
+    assert!(net.refused >= 1, "{net:?}");
+    assert!(
+        d.log().lines().any(|l| l.contains("egress refused")
+            && l.contains("denied.test")
+            && l.contains("is not on the allowlist")),
+        "no log line for the name not listed"
+    );
+    let seen = origin.seen();
+    assert!(
+        seen.iter().all(|s| s.starts_with("origin.test")),
+        "only origin.test reached the origins: {seen:?}"
     );
     no_leftovers(&d).await;
 }
