@@ -36,6 +36,10 @@ pub struct Launch {
     /// instead of forking a new program; an init without one forks the program as usual.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub warm: bool,
+    /// Set on an interpreter to start ahead of time that cannot take descriptors (node): the init gives it the
+    /// launch alone, through a pipe, and relays its stdout and stderr to the launch's ([`crate::init`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub relay: bool,
 }
 
 /// Sends `launch` with the program's stdin, stdout and stderr. Never blocks for long: the init is waiting and the
@@ -112,6 +116,7 @@ mod tests {
             args: vec!["/bin/sh".into(), "/sandbox/main.sh".into()],
             env: vec!["A=1".into()],
             warm: false,
+            relay: false,
         };
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         drop(w);
@@ -132,6 +137,7 @@ mod tests {
             args: vec!["/bin/true".into()],
             env: vec![format!("HUGE={}", "e".repeat(4 << 20))],
             warm: false,
+            relay: false,
         };
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         let (got, _) = recv(b.as_fd()).unwrap().unwrap();
@@ -146,6 +152,7 @@ mod tests {
             args: vec!["sh".into()],
             env: vec![],
             warm: false,
+            relay: false,
         };
         send(a.as_fd(), &relative, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         assert!(recv(b.as_fd()).is_err());

@@ -426,6 +426,7 @@ fn launch(created: runtime::helper::Created, script: &str) -> Result<String, Str
             args: vec!["/bin/sh".into(), "-c".into(), script.into()],
             env: vec!["PATH=/usr/bin:/bin".into()],
             warm: false,
+            relay: false,
         },
         [null.as_fd(), out_w.as_fd(), out_w.as_fd()],
     )

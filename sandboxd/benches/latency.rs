@@ -579,13 +579,15 @@ fn main() {
     if only.is_empty() || only == "warm" {
         warm::table(&rt, &warm, baseline.as_ref(), tmp.path());
         let this = Path::new(env!("CARGO_BIN_EXE_sandboxd"));
-        warm::memory_row(this, 5, "waiting python interpreter", "");
+        warm::memory_row(this, 5, "python", "waiting python interpreter", "");
         warm::memory_row(
             this,
             6,
+            "python",
             "waiting init only (pool.warm: false)",
             ", warm: false",
         );
+        warm::memory_row(this, 9, "javascript", "waiting node interpreter", "");
         if let Some(layout) = std::env::var_os("SANDBOXD_BENCH_DATA_IMAGE") {
             warm::preload_table(&rt, Path::new(&layout));
         }

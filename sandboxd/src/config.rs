@@ -95,7 +95,8 @@ pub struct PoolConfig {
     pub size: Option<usize>,
     /// Helper processes that create and remove containers in parallel. `None`: one per CPU, at most 8.
     pub helpers: Option<usize>,
-    /// Pooled python containers start their interpreter ahead of time, waiting for the code ([`crate::warm`]).
+    /// Pooled python and javascript containers start their interpreter ahead of time, waiting for the code
+    /// ([`crate::warm`]).
     pub warm: bool,
 }
 

@@ -392,14 +392,17 @@ impl Pool {
         }
     }
 
-    /// A container for an execution: a ready one of the class when there is one, else a new one.
+    /// A container for an execution: a ready one of the class when there is one, else a new one. A request whose
+    /// memory limit is below what a waiting interpreter may already hold ([`crate::warm::MIN_MEMORY_MB`]) gets a
+    /// new one: lowering a cgroup's limit below its usage is refused (v1) or kills the interpreter (v2).
     pub async fn take(
         &self,
         lang: Language,
         rt: &LanguageRuntime,
         limits: &Limits,
     ) -> Result<Container, CreateError> {
-        if self.size > 0 && limits.disk_mb == POOL_DISK_MB {
+        let fits = rt.warm.is_none() || limits.memory_mb >= crate::warm::MIN_MEMORY_MB;
+        if self.size > 0 && limits.disk_mb == POOL_DISK_MB && fits {
             let taken = self.lock().get_mut(&lang).and_then(VecDeque::pop_front);
             if let Some(c) = taken {
                 // The replacement is created once this execution is over ([`Self::replenish`]): creating it now

@@ -1,20 +1,24 @@
-//! Warm interpreters: a pooled python container's init starts the interpreter ahead of time, and the launch hands
-//! it the code ([`runtime::init`] has the init's half, `warm/python.py` the interpreter's).
+//! Warm interpreters: a pooled python or javascript container's init starts the interpreter ahead of time, and the
+//! launch hands it the code ([`runtime::init`] has the init's half, `warm/python.py` and `warm/node.js` the
+//! interpreters').
 //!
 //! The interpreter starts with the image's base environment (sandboxd's and the image's, without the request's),
-//! imports `site` and the stub's few modules, and waits. At the launch it takes the request's stdio, environment
-//! and arguments and runs the code file as `__main__`, as `python3 /sandbox/main.py` would. What the interpreter
-//! reads only while it starts cannot change afterwards, so a request that sets such a variable
-//! ([`STARTUP_VARIABLES`]) or asks for a plain start gets a freshly executed interpreter instead ([`wanted`]), and
-//! so does one whose arguments and environment `execve` could refuse ([`fits_exec`]) and a container from the cold
-//! path.
+//! imports `site` (python) and the stub's few modules, and the image's `preload` modules, and waits. At the launch
+//! it takes the request's stdio, environment and arguments and runs the code file as the main module, as
+//! `python3 /sandbox/main.py` or `node /sandbox/main.js` would. Node cannot take descriptors over a socket, so its
+//! init copies the request's stdin into the interpreter's own and relays its stdout and stderr ([`Launch::relay`]).
+//! What the interpreter reads only while it starts cannot change afterwards, so a request that sets such a
+//! variable ([`startup_variables`]) or asks for a plain start gets a freshly executed interpreter instead
+//! ([`wanted`]), and so does one whose arguments and environment `execve` could refuse ([`fits_exec`]) and a
+//! container from the cold path.
 //!
 //! An execution with tools runs in the waiting interpreter too: the stub runs the tool runner as the script, which
-//! imports the SDK at the launch, as in a plain start. The runner's `PYTHONPATH` is put on `sys.path` where a plain
-//! start has it, which the stub can do only when the interpreter started without one: with an image that sets
-//! `PYTHONPATH`, an execution with tools gets a plain start ([`takes_tools`]). (Importing the SDK ahead as well
-//! made tool executions 15 ms instead of 32 ms in the latency bench, but every waiting interpreter 1.8 MiB larger
-//! and executions without tools about 8 ms slower there, so it is not done.)
+//! imports the SDK at the launch, as in a plain start. Python's runner `PYTHONPATH` is put on `sys.path` where a
+//! plain start has it, which the stub can do only when the interpreter started without one: with an image that
+//! sets `PYTHONPATH`, a python execution with tools gets a plain start ([`takes_tools`]); node computes its module
+//! paths again from the launch's environment. (Importing the python SDK ahead as well made tool executions 15 ms
+//! instead of 32 ms in the latency bench, but every waiting interpreter 1.8 MiB larger and executions without tools
+//! about 8 ms slower there, so it is not done.)
 
 use protocol::{ExecuteRequest, Language};
 use runtime::launch::Launch;
@@ -23,22 +27,50 @@ use crate::images::LanguageRuntime;
 
 /// The python stub, run with `-c`.
 pub const PYTHON: &str = include_str!("../warm/python.py");
+/// The node stub, run with `-e`.
+pub const NODE: &str = include_str!("../warm/node.js");
 
-/// Environment variables (names, or prefixes ending in `*`) the interpreter reads while it starts: a request
-/// setting one gets a plain start.
-pub const STARTUP_VARIABLES: [&str; 6] = ["PYTHON*", "LANG", "LANGUAGE", "LC_*", "HOME", "TZ"];
+/// Environment variables (names, or prefixes ending in `*`) python reads while it starts: a request setting one
+/// gets a plain start.
+pub const PYTHON_STARTUP_VARIABLES: [&str; 6] =
+    ["PYTHON*", "LANG", "LANGUAGE", "LC_*", "HOME", "TZ"];
+/// The same for node (its options and paths, libuv's, ICU's locale, OpenSSL's).
+pub const NODE_STARTUP_VARIABLES: [&str; 9] = [
+    "NODE_*",
+    "UV_*",
+    "LANG",
+    "LANGUAGE",
+    "LC_*",
+    "HOME",
+    "TZ",
+    "OPENSSL_*",
+    "SSL_CERT_*",
+];
+
+/// The variables `lang`'s interpreter reads while it starts.
+pub fn startup_variables(lang: Language) -> &'static [&'static str] {
+    match lang {
+        Language::Python => &PYTHON_STARTUP_VARIABLES,
+        Language::Javascript => &NODE_STARTUP_VARIABLES,
+        Language::Shell | Language::Elixir => &[],
+    }
+}
 
 /// The warm interpreter of `lang`, if it has one: the language's command with the stub, the command's length (the
 /// stub finds the script's path after it in the launch's arguments) and the base environment.
 pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
-    let stub = match lang {
-        Language::Python => PYTHON,
-        Language::Javascript | Language::Shell | Language::Elixir => return None,
+    let (flag, stub, relay) = match lang {
+        Language::Python => ("-c", PYTHON, false),
+        Language::Javascript => ("-e", NODE, true),
+        Language::Shell | Language::Elixir => return None,
     };
     let mut args = rt.command.clone();
     let skip = args.len();
-    args.extend(["-c".to_owned(), stub.to_owned(), skip.to_string()]);
-    args.extend(rt.image.preload.iter().cloned());
+    args.extend([flag.to_owned(), stub.to_owned(), skip.to_string()]);
+    // `images.<name>.preload` lists python modules.
+    if lang == Language::Python {
+        args.extend(rt.image.preload.iter().cloned());
+    }
     let env = crate::images::base_environment(&rt.image)
         .into_iter()
         .map(|(k, v)| format!("{k}={v}"))
@@ -47,6 +79,7 @@ pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
         args,
         env,
         warm: false,
+        relay,
     })
 }
 
@@ -64,15 +97,21 @@ pub fn enable(languages: &mut crate::images::Languages, enabled: bool) {
 /// Whether `req` may run in the waiting interpreter: it asks for no plain start and sets no variable the
 /// interpreter reads while it starts (with tools, [`takes_tools`] too).
 pub fn wanted(req: &ExecuteRequest) -> bool {
-    req.warm != Some(false) && !req.env.keys().any(|k| read_at_startup(k))
+    let startup = startup_variables(req.language);
+    req.warm != Some(false) && !req.env.keys().any(|k| read_at_startup(startup, k))
 }
 
-/// Whether an execution with tools may run in `rt`'s waiting interpreter: its image sets no `PYTHONPATH` (the
-/// runner's would replace it, which a started interpreter cannot undo).
-pub fn takes_tools(rt: &LanguageRuntime) -> bool {
+/// Whether an execution with tools may run in `rt`'s waiting interpreter: python's image sets no `PYTHONPATH` (the
+/// runner's would replace it, which a started interpreter cannot undo); node's stub recomputes its paths.
+pub fn takes_tools(lang: Language, rt: &LanguageRuntime) -> bool {
     // sandboxd's own base environment sets no PYTHONPATH: only the image's can.
-    !rt.image.env.iter().any(|(k, _)| k == "PYTHONPATH")
+    lang != Language::Python || !rt.image.env.iter().any(|(k, _)| k == "PYTHONPATH")
 }
+
+/// The smallest memory limit (MiB) an execution may have to run in a pooled container with a waiting interpreter,
+/// which already holds memory of its own (python about 5 MiB, node about 7 MiB charged to the container). Below it,
+/// the execution gets a container of its own from the cold path, with a plain start.
+pub const MIN_MEMORY_MB: u64 = 16;
 
 /// The most bytes of arguments and environment a launch may hand to the waiting interpreter, and the longest
 /// single string (the kernel's `MAX_ARG_STRLEN`). A plain interpreter gets them through `execve`, which refuses
@@ -95,8 +134,8 @@ pub fn fits_exec(launch: &Launch) -> bool {
     total <= MAX_HANDED_BYTES
 }
 
-fn read_at_startup(key: &str) -> bool {
-    STARTUP_VARIABLES.iter().any(|v| match v.strip_suffix('*') {
+fn read_at_startup(startup: &[&str], key: &str) -> bool {
+    startup.iter().any(|v| match v.strip_suffix('*') {
         Some(prefix) => key.starts_with(prefix),
         None => key == *v,
     })
@@ -127,6 +166,24 @@ mod tests {
         }
         req.warm = Some(false);
         assert!(!wanted(&req));
+        let mut js = ExecuteRequest::new(
+            "b",
+            Language::Javascript,
+            "1",
+            protocol::RequestedLimits::new(1000, 64),
+        );
+        js.env.insert("PYTHONPATH".into(), "x".into());
+        assert!(wanted(&js), "python's variables are not node's");
+        for key in [
+            "NODE_OPTIONS",
+            "UV_THREADPOOL_SIZE",
+            "LC_ALL",
+            "SSL_CERT_FILE",
+        ] {
+            let mut r = js.clone();
+            r.env.insert(key.into(), "x".into());
+            assert!(!wanted(&r), "{key}");
+        }
     }
 
     #[test]
@@ -135,6 +192,7 @@ mod tests {
             args: vec!["/usr/bin/python3".into(), "/sandbox/main.py".into()],
             env: vec!["A=1".into()],
             warm: true,
+            relay: false,
         };
         assert!(fits_exec(&l));
         l.env.push(format!("HUGE={}", "e".repeat(MAX_ARG_STRLEN)));
@@ -146,21 +204,33 @@ mod tests {
     }
 
     #[test]
-    fn only_python_has_an_interpreter_and_its_stub_finds_the_script() {
+    fn python_and_node_have_an_interpreter_and_its_stub_finds_the_script() {
         let mut rt = crate::containers::fake::shell();
         assert!(interpreter(Language::Shell, &rt).is_none());
+        rt.command = vec!["/usr/bin/node".into()];
+        let l = interpreter(Language::Javascript, &rt).unwrap();
+        assert_eq!((l.args[1].as_str(), l.args[3].as_str()), ("-e", "1"));
+        assert!(l.relay, "node takes no descriptors: its output is relayed");
         rt.command = vec!["/usr/bin/python3".into()];
         let l = interpreter(Language::Python, &rt).unwrap();
+        assert!(!l.relay);
         assert_eq!(l.args[0], "/usr/bin/python3");
         assert_eq!(l.args[1], "-c");
         assert_eq!(l.args[3], "1");
         assert!(l.env.iter().any(|e| e == "PYTHONUNBUFFERED=1"));
         assert_eq!(l.args.len(), 4, "no preload");
-        assert!(takes_tools(&rt));
+        assert!(takes_tools(Language::Python, &rt));
         std::sync::Arc::get_mut(&mut rt.image)
             .unwrap()
             .env
             .push(("PYTHONPATH".into(), "/opt/lib".into()));
-        assert!(!takes_tools(&rt), "the image's PYTHONPATH");
+        assert!(
+            !takes_tools(Language::Python, &rt),
+            "the image's PYTHONPATH"
+        );
+        assert!(
+            takes_tools(Language::Javascript, &rt),
+            "node recomputes its paths"
+        );
     }
 }

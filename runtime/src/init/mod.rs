@@ -27,6 +27,7 @@ use crate::launch::Launch;
 use crate::sys;
 
 mod program;
+mod relay;
 mod warm;
 
 use self::program::{mark, run_program, setup_failed, to_cstrings};
@@ -170,15 +171,18 @@ impl InitExecutor {
             }
             None => Err(stdio),
         };
-        let program = match program {
-            Ok(pid) => {
+        let (program, relay) = match program {
+            Ok(handed) => {
                 mark(status, "exec");
-                pid
+                (handed.pid, handed.relay)
             }
-            Err(stdio) => self.fork_program(status, &launch, stdio)?,
+            Err(stdio) => (self.fork_program(status, &launch, stdio)?, None),
         };
         PROGRAM.store(program.as_raw(), Ordering::SeqCst);
-        let exit = reap_until(program);
+        let exit = match relay {
+            Some(relay) => relay.run_until(program),
+            None => reap_until(program),
+        };
         PROGRAM.store(0, Ordering::SeqCst);
         let record = exit.encode();
         mark(status, "reaped");

@@ -30,27 +30,46 @@ pub(super) struct Warm {
     pid: Pid,
     /// The init's end of the channel.
     channel: OwnedFd,
-    /// The read end of the placeholder pipe (the interpreter's stdout and stderr until the launch): held so an
-    /// early write does not fail.
-    _placeholder: OwnedFd,
+    /// The read ends of the placeholder pipes (the interpreter's stdout and stderr; one pipe for both unless the
+    /// interpreter is relayed): held so an early write does not fail, and relayed after the launch.
+    placeholder: [Option<OwnedFd>; 2],
+    /// A relayed interpreter's stdin, which takes the launch's content ([`Launch::relay`]).
+    relay_stdin: Option<OwnedFd>,
+}
+
+/// After the hand-over: the program's pid, and for a relayed interpreter the pipes to relay.
+pub(super) struct Handed {
+    pub(super) pid: Pid,
+    pub(super) relay: Option<super::relay::Relay>,
 }
 
 /// Forks and executes `interpreter` with placeholder stdio and the channel's other end, whose descriptor number
-/// is appended to its arguments.
+/// is appended to its arguments. The channel is a socket pair, or for a relayed interpreter a pipe it reads the
+/// launch from.
 pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm, InitError> {
-    let sys = |call: &'static str| move |source: nix::Error| InitError::Sys { call, source };
-    let (channel, theirs) = crate::ipc::pair().map_err(|e| InitError::Become(Box::new(e)))?;
+    let (channel, theirs) = if interpreter.relay {
+        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe2"))?;
+        (w, r)
+    } else {
+        crate::ipc::pair().map_err(|e| InitError::Become(Box::new(e)))?
+    };
     let stdin = nix::sys::memfd::memfd_create(
         c"sandboxd-warm-stdin",
         nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
     )
     .map_err(sys("memfd_create"))?;
-    let (placeholder, out) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe2"))?;
-    let err = out.try_clone().map_err(|e| InitError::Sys {
-        call: "dup",
-        source: nix::Error::from_raw(e.raw_os_error().unwrap_or(libc::EBADF)),
-    })?;
+    let relay_stdin = match interpreter.relay {
+        true => Some(dup(&stdin)?),
+        false => None,
+    };
+    let (out_r, out) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe2"))?;
+    let (err_r, err) = match interpreter.relay {
+        true => {
+            let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe2"))?;
+            (Some(r), w)
+        }
+        false => (None, dup(&out)?),
+    };
     let mut args = interpreter.args.clone();
     args.push(theirs.as_raw_fd().to_string());
     let args = to_cstrings(&args)?;
@@ -60,7 +79,7 @@ pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm
     // arbitrary code until it execs.
     match unsafe { nix::unistd::fork() }.map_err(sys("fork"))? {
         ForkResult::Child => {
-            drop((channel, placeholder));
+            drop((channel, out_r, err_r, relay_stdin));
             run_program(
                 status,
                 [stdin, out, err],
@@ -73,26 +92,44 @@ pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm
         ForkResult::Parent { child } => Ok(Warm {
             pid: child,
             channel,
-            _placeholder: placeholder,
+            placeholder: [Some(out_r), err_r],
+            relay_stdin,
         }),
     }
 }
 
+fn sys(call: &'static str) -> impl Fn(nix::Error) -> InitError {
+    move |source| InitError::Sys { call, source }
+}
+
+fn dup(fd: &OwnedFd) -> Result<OwnedFd, InitError> {
+    fd.try_clone().map_err(|e| InitError::Sys {
+        call: "dup",
+        source: nix::Error::from_raw(e.raw_os_error().unwrap_or(libc::EBADF)),
+    })
+}
+
 impl Warm {
-    /// Passes the launch and its stdio to the interpreter, which becomes the program; returns its pid. When it
-    /// is gone (the send fails), it is reaped and the stdio comes back for a forked program.
+    /// Passes the launch and its stdio to the interpreter, which becomes the program. When it is gone (the send
+    /// fails), it is reaped and the stdio comes back for a forked program.
     pub(super) fn hand_over(
-        self,
+        mut self,
         launch: &Launch,
         stdio: [OwnedFd; 3],
-    ) -> Result<Pid, [OwnedFd; 3]> {
+    ) -> Result<Handed, [OwnedFd; 3]> {
+        if let Some(stdin) = self.relay_stdin.take() {
+            return self.hand_over_relayed(launch, stdin, stdio);
+        }
         let [a, b, c] = &stdio;
         match crate::launch::send(
             self.channel.as_fd(),
             launch,
             [a.as_fd(), b.as_fd(), c.as_fd()],
         ) {
-            Ok(()) => Ok(self.pid),
+            Ok(()) => Ok(Handed {
+                pid: self.pid,
+                relay: None,
+            }),
             Err(_) => {
                 self.discard();
                 Err(stdio)
@@ -100,8 +137,36 @@ impl Warm {
         }
     }
 
+    /// The relayed interpreter: the launch's stdin content goes into the interpreter's own stdin (a memfd it has
+    /// not read), the launch through the pipe, and its stdout and stderr pipes are relayed to the launch's.
+    fn hand_over_relayed(
+        mut self,
+        launch: &Launch,
+        own_stdin: OwnedFd,
+        stdio: [OwnedFd; 3],
+    ) -> Result<Handed, [OwnedFd; 3]> {
+        let sent = super::relay::copy_file(&stdio[0], &own_stdin).and_then(|()| {
+            let bytes = serde_json::to_vec(launch).map_err(|_| nix::Error::EINVAL)?;
+            super::relay::write_all(&self.channel, &bytes)
+        });
+        let (Ok(()), [Some(out), Some(err)]) = (
+            sent,
+            [self.placeholder[0].take(), self.placeholder[1].take()],
+        ) else {
+            self.discard();
+            return Err(stdio);
+        };
+        let [_, stdout, stderr] = stdio;
+        // Closing the write end tells the interpreter the launch is complete.
+        drop(self.channel);
+        Ok(Handed {
+            pid: self.pid,
+            relay: Some(super::relay::Relay::new([out, err], [stdout, stderr])),
+        })
+    }
+
     /// Kills and reaps the interpreter (the launch asked for a new program).
-    pub(super) fn discard(self) {
+    pub(super) fn discard(&self) {
         // Our own unreaped child: the pid is still the interpreter's.
         let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
         while let Err(nix::Error::EINTR) = nix::sys::wait::waitpid(self.pid, None) {}

@@ -1,5 +1,6 @@
 //! The warm interpreter's rows of the latency bench: python `print(1)` against a bare `python3 -c 'print(1)'` and
-//! the baseline daemon, sample by sample, without and with a tool listed (the tool SDK loads); the same back to
+//! the baseline daemon, sample by sample, without and with a tool listed (the tool SDK loads), and javascript
+//! `console.log(1)` against a bare `node -e 'console.log(1)'`; the same back to
 //! back (no gap between one daemon's executions, so its pool refills and removals run while the next execution
 //! does); and the memory a ready pooled container holds.
 
@@ -31,30 +32,55 @@ fn bare_python() -> Duration {
     timed(cmd).0
 }
 
+fn bare_node() -> Duration {
+    let mut cmd = Command::new("/usr/bin/node");
+    cmd.args(["-e", "console.log(1)"]);
+    timed(cmd).0
+}
+
+/// A language's one-line program and its bare spawn.
+struct Program {
+    lang: &'static str,
+    code: &'static str,
+    bare: fn() -> Duration,
+}
+
+const PYTHON: Program = Program {
+    lang: "python",
+    code: "print(1)\n",
+    bare: bare_python,
+};
+const NODE: Program = Program {
+    lang: "javascript",
+    code: "console.log(1)\n",
+    bare: bare_node,
+};
+
 fn bare_shell(tmp: &Path) -> Duration {
     super::bare("/bin/sh", "sh", "true\n", tmp).0
 }
 
-/// Python `print(1)` (with `extra`'s fields) on this daemon, on the baseline, and as a bare spawn, sample by
-/// sample, after 5 unrecorded rounds.
+/// `p` (with `extra`'s fields) on this daemon, on the baseline, and as a bare spawn, sample by sample, after 5
+/// unrecorded rounds.
 async fn interleaved(
     ws: &mut Ws,
     mut bs: Option<&mut Ws>,
     prefix: &str,
+    p: &Program,
     extra: &serde_json::Value,
 ) -> [Vec<Duration>; 3] {
     let mut cols: [Vec<Duration>; 3] = Default::default();
     for i in 0..5 + SAMPLES {
         let id = format!("{prefix}-w-{i}");
-        let w = execute_with(ws, &id, "python", "print(1)\n", extra).await.0;
+        let w = execute_with(ws, &id, p.lang, p.code, extra).await.0;
         let b = match &mut bs {
             Some(bs) => {
                 let id = format!("{prefix}-b-{i}");
-                Some(execute_with(bs, &id, "python", "print(1)\n", extra).await.0)
+                Some(execute_with(bs, &id, p.lang, p.code, extra).await.0)
             }
             None => None,
         };
-        let bare = bare_python();
+        let bare = (p.bare)();
         if i >= 5 {
             cols[0].push(w);
             cols[1].extend(b);
@@ -80,16 +106,18 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
         // Interleaved sample by sample: each daemon's pool refills while the others run. With a tool listed
         // (none called), the tool SDK and its runner load too; a baseline whose executions with tools get a plain
         // interpreter shows what the waiting one saves.
-        for (name, prefix, extra) in [
-            ("python `print(1)`", "py", json!({})),
+        for (name, prefix, program, extra) in [
+            ("python `print(1)`", "py", &PYTHON, json!({})),
             (
                 "python `print(1)` with a tool",
                 "pyt",
+                &PYTHON,
                 json!({"tools": [{"name": "echo"}]}),
             ),
+            ("javascript `console.log(1)`", "js", &NODE, json!({})),
         ] {
             let before = warm.pool();
-            let cols = interleaved(&mut ws, bs.as_mut(), prefix, &extra).await;
+            let cols = interleaved(&mut ws, bs.as_mut(), prefix, program, &extra).await;
             rows.push((name.into(), cols, hits_misses(before, warm.pool())));
         }
         for (name, lang, code) in [
@@ -122,7 +150,8 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
     });
     println!();
     println!(
-        "warm interpreters: execute→result, ms (p50 / p95); bare spawn: `python3 -c 'print(1)'`, `sh main.sh`; \
+        "warm interpreters: execute→result, ms (p50 / p95); bare spawn: `python3 -c 'print(1)'`, \
+         `node -e 'console.log(1)'`, `sh main.sh`; \
          back to back: blocks of {BLOCK} executions in a row per column, {BLOCKS} blocks alternating"
     );
     println!(
@@ -193,23 +222,28 @@ pub fn memory_per_ready(d: &Daemon, parent: &str) -> Option<(f64, usize)> {
     (n > 0).then(|| (total as f64 / n as f64 / (1 << 20) as f64, n))
 }
 
-/// Starts a python-only daemon on `binary` with `pool` ready containers and reports the memory per ready one.
-pub fn memory_row(binary: &Path, n: u32, label: &str, extra: &str) {
+/// Starts a daemon serving `lang` alone (`python` or `javascript`) on `binary` with 4 ready containers and reports
+/// the memory per ready one.
+pub fn memory_row(binary: &Path, n: u32, lang: &str, label: &str, extra: &str) {
+    let command = match lang {
+        "javascript" => "/usr/bin/node",
+        _ => "/usr/bin/python3",
+    };
     let d = Daemon::start_binary(
         binary,
         n,
         &format!(
-            "languages: {{python: {{image: host, command: [/usr/bin/python3]}}}}\npool: {{size: 4{extra}}}\n"
+            "languages: {{{lang}: {{image: host, command: [{command}]}}}}\npool: {{size: 4{extra}}}\n"
         ),
         "",
     );
     let parent = format!("sandboxd-bench-{}-{n}", std::process::id());
     match memory_per_ready(&d, &parent) {
         Some((mib, count)) => println!(
-            "memory per ready pooled python container, {label}: {mib:.2} MiB ({count} containers)"
+            "memory per ready pooled {lang} container, {label}: {mib:.2} MiB ({count} containers)"
         ),
         None => {
-            println!("memory per ready pooled python container, {label}: no memory cgroup to read")
+            println!("memory per ready pooled {lang} container, {label}: no memory cgroup to read")
         }
     }
 }

@@ -149,6 +149,7 @@ impl Workspace for HelperWorkspace {
                     args: plan.args,
                     env: plan.env,
                     warm: false,
+                    relay: false,
                 },
                 created,
                 pidfd: None,

@@ -499,10 +499,11 @@ impl Engine {
             args,
             env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
             warm: false,
+            relay: false,
         };
         launch.warm = container.interpreter
             && crate::warm::wanted(req)
-            && (req.tools.is_empty() || crate::warm::takes_tools(lang))
+            && (req.tools.is_empty() || crate::warm::takes_tools(req.language, lang))
             && crate::warm::fits_exec(&launch);
         let sent_ns = runtime::init::monotonic_ns();
         container

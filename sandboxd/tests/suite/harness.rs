@@ -30,8 +30,12 @@ use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_tungstenite::tungstenite::{self, Message};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-/// The first line of the warm python stub (`sandboxd/warm/python.py`), which its command line holds.
-pub const WARM_STUB_MARK: &str = "# sandboxd's warm python stub";
+/// The first line of the warm python and node stubs (`sandboxd/warm/python.py`, `sandboxd/warm/node.js`), which
+/// their command lines hold.
+pub const WARM_STUB_MARKS: [&str; 2] = [
+    "# sandboxd's warm python stub",
+    "// sandboxd's warm node stub",
+];
 
 /// The daemon binary under test.
 pub const SANDBOXD: &str = env!("CARGO_BIN_EXE_sandboxd");
@@ -455,11 +459,13 @@ impl Daemon {
             })
             .count();
         let state = files.len() - scratch;
-        // A ready python container also holds its waiting interpreter: the init's child, running the warm stub.
+        // A ready python or javascript container also holds its waiting interpreter: the init's child, running the
+        // warm stub.
         let waiting = procs
             .iter()
             .filter(|p| {
-                p.cmdline.contains(WARM_STUB_MARK) && procs.iter().any(|init| init.pid == p.ppid)
+                WARM_STUB_MARKS.iter().any(|m| p.cmdline.contains(m))
+                    && procs.iter().any(|init| init.pid == p.ppid)
             })
             .count();
         if ready == full

@@ -30,3 +30,4 @@ mod requests;
 mod telemetry;
 mod tools;
 mod warm;
+mod warm_node;

@@ -13,13 +13,13 @@ use super::harness::{
 };
 
 /// One program of the corpus: a name, the code, and what else its `execute` carries (stdin, env, files).
-struct Case {
-    name: &'static str,
-    code: &'static str,
-    extra: Value,
+pub(super) struct Case {
+    pub(super) name: &'static str,
+    pub(super) code: &'static str,
+    pub(super) extra: Value,
 }
 
-fn case(name: &'static str, code: &'static str) -> Case {
+pub(super) fn case(name: &'static str, code: &'static str) -> Case {
     Case {
         name,
         code,
@@ -172,7 +172,7 @@ fn tool_corpus() -> Vec<Case> {
 }
 
 /// stdout, stderr, exit code, signal, tool calls and return value of one run.
-type Observed = (
+pub(super) type Observed = (
     String,
     String,
     Option<i32>,
@@ -181,7 +181,7 @@ type Observed = (
     Option<String>,
 );
 
-fn observed(r: &Collected) -> Observed {
+pub(super) fn observed(r: &Collected) -> Observed {
     let res = r.result();
     (
         String::from_utf8_lossy(&r.stdout()).into_owned(),
@@ -206,7 +206,7 @@ async fn python_daemon() -> Daemon {
 }
 
 /// `/healthz`'s pool counters: (ready, hits).
-async fn pool(d: &Daemon) -> (u64, u64) {
+pub(super) async fn pool(d: &Daemon) -> (u64, u64) {
     let (_, h) = d.healthz().await;
     let n = |k: &str| h["pool"][k].as_u64().unwrap_or(u64::MAX);
     (n("ready"), n("hits"))
@@ -227,11 +227,11 @@ async fn run(
 
 /// Runs `exec` from a ready pooled container (`warm`) or in a plain interpreter, answering its tool calls (see
 /// [`tool_corpus`]).
-async fn run_exec(c: &mut Client, d: &Daemon, mut exec: Value, warm: bool) -> Collected {
+pub(super) async fn run_exec(c: &mut Client, d: &Daemon, mut exec: Value, warm: bool) -> Collected {
     let id = exec["id"].as_str().unwrap_or("?").to_owned();
     if warm {
         wait_until(
-            "a ready python container",
+            "a ready pooled container",
             Duration::from_secs(30),
             || async {
                 match pool(d).await {
@@ -258,15 +258,49 @@ async fn run_exec(c: &mut Client, d: &Daemon, mut exec: Value, warm: bool) -> Co
     r
 }
 
-/// Whether the program ran in the warm interpreter: its command line is the stub's (`python3 -c ...`).
-async fn ran_warm(c: &mut Client, d: &Daemon, id: &str, warm: bool) -> bool {
-    let code = "print(b'-c' in open('/proc/self/cmdline', 'rb').read().split(b'\\0'))";
-    let r = run(c, d, id, code, &json!({}), warm).await;
-    match r.stdout_text().trim() {
-        "True" => true,
-        "False" => false,
+/// Whether the program ran in the warm interpreter: its command line is the stub's (`python3 -c ...`,
+/// `node -e ...`).
+pub(super) async fn ran_warm(c: &mut Client, d: &Daemon, id: &str, lang: &str, warm: bool) -> bool {
+    let code = match lang {
+        "javascript" => {
+            "console.log(require('fs').readFileSync('/proc/self/cmdline', 'utf8').split('\\0').includes('-e'))"
+        }
+        _ => "print(b'-c' in open('/proc/self/cmdline', 'rb').read().split(b'\\0'))",
+    };
+    let exec = with(exec_json(id, lang, code, 20_000, 128), json!({}));
+    let r = run_exec(c, d, exec, warm).await;
+    match r.stdout_text().trim().to_ascii_lowercase().as_str() {
+        "true" => true,
+        "false" => false,
         other => panic!("probe {id}: {other:?}: {}", r.dump()),
     }
+}
+
+/// Runs every case of `cases` in `lang` warm and plain; returns the cases whose runs differ once `normalise`d.
+pub(super) async fn differential(
+    c: &mut Client,
+    d: &Daemon,
+    lang: &str,
+    cases: &[Case],
+    normalise: fn(Observed) -> Observed,
+) -> Vec<String> {
+    let mut differ = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let mut both = Vec::new();
+        for (tag, warm) in [("w", true), ("p", false)] {
+            let id = format!("{tag}{i}-{}", case.name);
+            let exec = with(
+                exec_json(&id, lang, case.code, 20_000, 128),
+                case.extra.clone(),
+            );
+            both.push(normalise(observed(&run_exec(c, d, exec, warm).await)));
+        }
+        let (w, p) = (&both[0], &both[1]);
+        if w != p {
+            differ.push(format!("{}:\n  warm:  {w:?}\n  plain: {p:?}", case.name));
+        }
+    }
+    differ
 }
 
 #[tokio::test]
@@ -279,28 +313,15 @@ async fn a_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() {
     let d = python_daemon().await;
     let mut c = Client::connect(&d).await;
     assert!(
-        ran_warm(&mut c, &d, "probe-warm-first", true).await,
+        ran_warm(&mut c, &d, "probe-warm-first", "python", true).await,
         "the pooled interpreter ran the code"
     );
     assert!(
-        !ran_warm(&mut c, &d, "probe-plain", false).await,
+        !ran_warm(&mut c, &d, "probe-plain", "python", false).await,
         "warm: false starts a new interpreter"
     );
     let cases = corpus();
-    let mut differ = Vec::new();
-    for (i, case) in cases.iter().enumerate() {
-        let mut both = Vec::new();
-        for (tag, warm) in [("w", true), ("p", false)] {
-            let id = format!("{tag}{i}-{}", case.name);
-            both.push(observed(
-                &run(&mut c, &d, &id, case.code, &case.extra, warm).await,
-            ));
-        }
-        let (w, p) = (&both[0], &both[1]);
-        if w != p {
-            differ.push(format!("{}:\n  warm:  {w:?}\n  plain: {p:?}", case.name));
-        }
-    }
+    let mut differ = differential(&mut c, &d, "python", &cases, |o| o).await;
     // With tools: the probe's program runs in the waiting interpreter too.
     let probe = super::tools::exec_tools(
         "probe-tools",
@@ -329,7 +350,7 @@ async fn a_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() {
         }
     }
     assert!(
-        ran_warm(&mut c, &d, "probe-warm-last", true).await,
+        ran_warm(&mut c, &d, "probe-warm-last", "python", true).await,
         "the pooled interpreter ran the code"
     );
     println!(
