@@ -19,7 +19,7 @@ use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
-use nix::sys::wait::{waitpid, WaitStatus};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{ForkResult, Pid};
 
 use crate::error::{Chain, InitError};
@@ -180,7 +180,7 @@ impl InitExecutor {
         };
         PROGRAM.store(program.as_raw(), Ordering::SeqCst);
         let exit = match relay {
-            Some(relay) => relay.run_until(program),
+            Some(relay) => relay.run_until(program, || reap_ended(program)),
             None => reap_until(program),
         };
         PROGRAM.store(0, Ordering::SeqCst);
@@ -281,6 +281,24 @@ impl InitExecutor {
             // SAFETY: end the init without unwinding into its caller, which expects no return.
             Ok(None) => unsafe { libc::_exit(0) },
             Err(e) => setup_failed(status, Chain(&e)),
+        }
+    }
+}
+
+/// Reaps every child that ended, without waiting; `Some` once `program` is among them.
+fn reap_ended(program: Pid) -> Option<ProgramExit> {
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(pid, code)) if pid == program => {
+                return Some(ProgramExit::Code(code))
+            }
+            Ok(WaitStatus::Signaled(pid, sig, _)) if pid == program => {
+                return Some(ProgramExit::Signal(sig as i32))
+            }
+            Ok(WaitStatus::StillAlive) => return None,
+            Ok(_) | Err(nix::Error::EINTR) => continue,
+            // ECHILD: nothing left, which cannot happen before the program is reaped; report a kill.
+            Err(_) => return Some(ProgramExit::Signal(Signal::SIGKILL as i32)),
         }
     }
 }

@@ -14,10 +14,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
-
-use super::ProgramExit;
 
 /// How often children are reaped while nothing else wakes the relay.
 const REAP_INTERVAL_MS: u16 = 100;
@@ -39,16 +36,16 @@ impl Relay {
         }
     }
 
-    /// Relays until `program` ended and its output is copied; reaps every child meanwhile. Returns how the
-    /// program ended.
-    pub(crate) fn run_until(mut self, program: Pid) -> ProgramExit {
+    /// Relays until `reaped` (called on every wake-up: it reaps the children that ended) reports the program's end,
+    /// then copies what is left of its output; returns that report.
+    pub(crate) fn run_until<T>(mut self, program: Pid, mut reaped: impl FnMut() -> Option<T>) -> T {
         for fd in self.from.iter().flatten() {
             let _ = fcntl(fd.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK));
         }
         // Without a pidfd (it cannot fail for our own unreaped child) the relay still ends: it reaps on a timer.
         let pidfd = crate::sys::pidfd_open(program).ok();
         loop {
-            if let Some(exit) = reap(program) {
+            if let Some(exit) = reaped() {
                 for i in 0..2 {
                     self.copy(i);
                 }
@@ -105,28 +102,6 @@ impl Relay {
         }
         self.from[i] = None;
         self.to[i] = None;
-    }
-}
-
-/// Reaps every child that ended; `Some` once `program` is among them.
-fn reap(program: Pid) -> Option<ProgramExit> {
-    loop {
-        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::Exited(pid, code)) if pid == program => {
-                return Some(ProgramExit::Code(code))
-            }
-            Ok(WaitStatus::Signaled(pid, sig, _)) if pid == program => {
-                return Some(ProgramExit::Signal(sig as i32))
-            }
-            Ok(WaitStatus::StillAlive) => return None,
-            Ok(_) | Err(Errno::EINTR) => continue,
-            // ECHILD: nothing left, which cannot happen before the program is reaped; report a kill.
-            Err(_) => {
-                return Some(ProgramExit::Signal(
-                    nix::sys::signal::Signal::SIGKILL as i32,
-                ))
-            }
-        }
     }
 }
 
