@@ -287,8 +287,19 @@ impl InitExecutor {
 
 /// Reaps every child that ended, without waiting; `Some` once `program` is among them.
 fn reap_ended(program: Pid) -> Option<ProgramExit> {
+    reap(program, Some(WaitPidFlag::WNOHANG))
+}
+
+/// Reaps every child until `program` ends; returns how it ended.
+fn reap_until(program: Pid) -> ProgramExit {
+    // Without WNOHANG, waitpid never reports StillAlive: `reap` returns only with the program's end.
+    reap(program, None).unwrap_or(ProgramExit::Signal(Signal::SIGKILL as i32))
+}
+
+/// Reaps children (`flags`: waiting for one or not) until `program` is reaped (`Some`), or none has ended (`None`).
+fn reap(program: Pid, flags: Option<WaitPidFlag>) -> Option<ProgramExit> {
     loop {
-        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+        match waitpid(None, flags) {
             Ok(WaitStatus::Exited(pid, code)) if pid == program => {
                 return Some(ProgramExit::Code(code))
             }
@@ -299,21 +310,6 @@ fn reap_ended(program: Pid) -> Option<ProgramExit> {
             Ok(_) | Err(nix::Error::EINTR) => continue,
             // ECHILD: nothing left, which cannot happen before the program is reaped; report a kill.
             Err(_) => return Some(ProgramExit::Signal(Signal::SIGKILL as i32)),
-        }
-    }
-}
-
-/// Reaps every child until `program` ends; returns how it ended.
-fn reap_until(program: Pid) -> ProgramExit {
-    loop {
-        match waitpid(None, None) {
-            Ok(WaitStatus::Exited(pid, code)) if pid == program => return ProgramExit::Code(code),
-            Ok(WaitStatus::Signaled(pid, sig, _)) if pid == program => {
-                return ProgramExit::Signal(sig as i32)
-            }
-            Ok(_) | Err(nix::Error::EINTR) => continue,
-            // ECHILD: nothing left to wait for, which cannot happen before the program is reaped; report a kill.
-            Err(_) => return ProgramExit::Signal(Signal::SIGKILL as i32),
         }
     }
 }

@@ -24,6 +24,8 @@ const CHUNK: usize = 64 << 10;
 pub(crate) struct Relay {
     from: [Option<OwnedFd>; 2],
     to: [Option<OwnedFd>; 2],
+    /// One copy buffer for the relay's life (not one per wake-up).
+    buf: Vec<u8>,
 }
 
 impl Relay {
@@ -33,6 +35,7 @@ impl Relay {
         Relay {
             from: [Some(a), Some(b)],
             to: [Some(c), Some(d)],
+            buf: vec![0u8; CHUNK],
         }
     }
 
@@ -86,12 +89,11 @@ impl Relay {
         let (Some(from), Some(to)) = (&self.from[i], &self.to[i]) else {
             return;
         };
-        let mut buf = vec![0u8; CHUNK];
         loop {
-            match nix::unistd::read(from.as_raw_fd(), &mut buf) {
+            match nix::unistd::read(from.as_raw_fd(), &mut self.buf) {
                 Ok(0) => break,
                 Ok(n) => {
-                    if write_all(to, &buf[..n]).is_err() {
+                    if write_all(to, &self.buf[..n]).is_err() {
                         // The daemon closed its end: nothing more can be delivered.
                         break;
                     }
