@@ -85,6 +85,10 @@ fn main() {
             "bind_flags_hold_on_every_submount",
             rt.block_on(t.recursive_bind_flags(&helper)),
         ),
+        (
+            "the_init_says_alone_only_when_nothing_else_is_left",
+            rt.block_on(t.alone(&helper)),
+        ),
     ];
     let _ = rt.block_on(helper.shutdown());
     let _ = nix::sys::wait::waitpid(pid, None);
@@ -240,7 +244,7 @@ impl Test {
         let script =
             "grep -E '^(Cap|NoNewPrivs|Seccomp:|Uid|Gid|Groups)' /proc/self/status; hostname; \
                       cat /proc/self/cgroup | grep -c ':/$'; wc -l < /proc/self/cgroup";
-        let out = launch(created, script)?;
+        let (out, _) = launch(created, script)?;
         for want in [
             "CapInh:\t0000000000000000",
             "CapPrm:\t0000000000000000",
@@ -267,6 +271,41 @@ impl Test {
             return Err(format!(
                 "a cgroup outside the namespace root is visible: {out:?}"
             ));
+        }
+        Ok(())
+    }
+
+    /// The init's record says it was left alone (so the daemon takes the record as the end, without waiting for
+    /// the init's exit) after a program that leaves nothing behind, and not after one that leaves a process
+    /// running: that process still runs until the init's exit ends the pid namespace.
+    async fn alone(&self, helper: &HelperClient) -> Result<(), String> {
+        let cases = [
+            ("direct-alone", 3_900_007, "true", true),
+            (
+                "direct-not-alone",
+                3_900_008,
+                "sleep 30 </dev/null >/dev/null 2>&1 &",
+                false,
+            ),
+        ];
+        for (id, uid, script, alone) in cases {
+            let spec = build(&self.plan(id, uid)).map_err(|e| e.to_string())?;
+            let created = helper
+                .create(id, self.bundle(id, &spec), self.policy(), None)
+                .await
+                .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
+            let ran = launch(created, script);
+            let removed = helper.remove(id).await;
+            let (_, status) = ran?;
+            if runtime::init::ended_alone(status.as_bytes()) != alone {
+                return Err(format!("{script:?}: alone should be {alone}: {status:?}"));
+            }
+            match removed {
+                Ok(None) => {}
+                Ok(Some(step)) => return Err(format!("remove: {step}")),
+                Err(e) => return Err(format!("remove: {e}")),
+            }
+            self.nothing_left(id)?;
         }
         Ok(())
     }
@@ -399,7 +438,7 @@ impl Test {
         });
         let _ = helper.remove(id).await;
         let _ = nix::mount::umount2(&sub, nix::mount::MntFlags::MNT_DETACH);
-        let out = checked?;
+        let (out, _) = checked?;
         let mounts: Vec<(&str, &str)> = out.lines().filter_map(|l| l.split_once(' ')).collect();
         if mounts.len() != 2 {
             return Err(format!("expected /sandbox and /sandbox/sub: {out:?}"));
@@ -416,8 +455,9 @@ impl Test {
     }
 }
 
-/// Launches `/bin/sh -c script` in a created container; its output, once it exited 0.
-fn launch(created: runtime::helper::Created, script: &str) -> Result<String, String> {
+/// Launches `/bin/sh -c script` in a created container; its output and what the init wrote on its status pipe,
+/// once it exited 0.
+fn launch(created: runtime::helper::Created, script: &str) -> Result<(String, String), String> {
     let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
     let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
     runtime::launch::send(
@@ -446,5 +486,5 @@ fn launch(created: runtime::helper::Created, script: &str) -> Result<String, Str
             "program did not exit 0: {status:?}; output {out:?}"
         ));
     }
-    Ok(out)
+    Ok((out, status))
 }

@@ -6,11 +6,18 @@
 # `__main__` module, compiled with the script's path as file name. An exception leaving the program is passed on
 # to the interpreter without this stub's frames, so tracebacks, SystemExit and KeyboardInterrupt end the process
 # as they end a plain one.
+#
+# A program that ends without an exception, or with SystemExit and an integer code, is ended the way the
+# interpreter's own exit would end it up to what a program can observe (threads joined, atexit handlers, the
+# program's modules cleared and collected so their finalizers run, stdio flushed), then with os._exit: the rest of
+# the interpreter's tear-down is its own memory, which the exit frees anyway. Anything else (another exception,
+# threads still running, a failed flush, interactive inspection) is left to the interpreter's own exit.
 import sys
 
 
 def _sandboxd_warm():
     import builtins
+    import gc
     import json
     import os
     import socket
@@ -25,6 +32,11 @@ def _sandboxd_warm():
             __import__(name)
         except Exception:
             pass
+    # The first compile of bytes costs about 1.5 ms (codec look-ups), and the objects of the start-up are frozen: a
+    # collection while the program runs, and the one at its exit, does not walk them again.
+    compile(b"", "<sandboxd-warm>", "exec", dont_inherit=True)
+    gc.collect()
+    gc.freeze()
     channel = socket.socket(fileno=fd)
     try:
         msg, fds, _, _ = socket.recv_fds(channel, 64, 4, socket.MSG_CMSG_CLOEXEC)
@@ -63,17 +75,103 @@ def _sandboxd_warm():
     sys.modules["__main__"] = main
     with open(script, "rb") as f:
         source = f.read()
-    return compile(source, script, "exec", dont_inherit=True), main.__dict__
+    code = compile(source, script, "exec", dont_inherit=True)
+    return code, main.__dict__, set(sys.modules)
 
 
+def _sandboxd_flushed():
+    # As the interpreter's exit flushes: a closed or missing stream is skipped; False when a flush fails (the
+    # interpreter's own exit then flushes again and reports it).
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except BaseException:
+            return False
+    return True
+
+
+def _sandboxd_clear(module):
+    # As the interpreter clears a module at exit: the names starting with a single underscore first, then all but
+    # __builtins__.
+    d = module.__dict__
+    for name in list(d):
+        if type(name) is str and name[:1] == "_" and name[1:2] != "_":
+            d[name] = None
+    for name in list(d):
+        if name != "__builtins__":
+            d[name] = None
+
+
+def _sandboxd_exit(status, started):
+    import atexit
+    import builtins
+    import gc
+    import os
+    import weakref
+    import _thread
+
+    if sys.flags.inspect or os.environ.get("PYTHONINSPECT"):
+        return
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException:
+            return
+    atexit._run_exitfuncs()
+    # A thread still running (a daemon thread) would run on while the modules are cleared: the interpreter's exit
+    # stops such threads first, which only it can do.
+    if not _sandboxd_flushed() or _thread._count():
+        return
+    # From here as the interpreter's finalize_modules: the special names of sys and builtins cleared (nothing can
+    # be imported any more), the original stdio back, sys.modules emptied, a collection (the program's module and
+    # what only it held are finalized with their globals intact), then the program's modules that are still
+    # alive cleared, the last imported first, and a last collection. The interpreter's own modules, imported
+    # before the program and frozen, are left as they are.
+    builtins._ = None
+    for name in ("path", "argv", "ps1", "ps2", "last_exc", "last_type", "last_value", "last_traceback",
+                 "path_hooks", "path_importer_cache", "meta_path", "__interactivehook__"):
+        setattr(sys, name, None)
+    for name in ("stdin", "stdout", "stderr"):
+        setattr(sys, name, getattr(sys, "__%s__" % name, None))
+    program = [
+        weakref.ref(m)
+        for n, m in sys.modules.items()
+        if (n not in started or n == "__main__") and type(m) is type(sys)
+    ]
+    sys.modules.clear()
+    gc.collect()
+    for ref in reversed(program):
+        module = ref()
+        if module is not None:
+            _sandboxd_clear(module)
+        del module
+    gc.collect()
+    if _sandboxd_flushed():
+        os._exit(status)
+
+
+_sandboxd_status = None
 try:
-    exec(*_sandboxd_warm())
+    _sandboxd_code, _sandboxd_globals, _sandboxd_started = _sandboxd_warm()
+    exec(_sandboxd_code, _sandboxd_globals)
+    _sandboxd_status = 0
 except BaseException as _e:
-    # The program's own frames only: this module's and _sandboxd_warm's are dropped (a SyntaxError keeps none,
-    # as when the interpreter compiles the script itself). A bare raise adds no frame of its own.
-    _t = _e.__traceback__
-    while _t is not None and _t.tb_frame.f_code in (_sandboxd_warm.__code__, sys._getframe().f_code):
-        _t = _t.tb_next
-    _e.__traceback__ = _t
-    del _t
-    raise
+    _c = getattr(_e, "code", None)
+    if type(_e) is SystemExit and (_c is None or (type(_c) in (int, bool) and -(2**31) <= _c < 2**31)):
+        _sandboxd_status = int(_c or 0)
+    else:
+        # The program's own frames only: this module's and _sandboxd_warm's are dropped (a SyntaxError keeps none,
+        # as when the interpreter compiles the script itself). A bare raise adds no frame of its own.
+        _t = _e.__traceback__
+        while _t is not None and _t.tb_frame.f_code in (_sandboxd_warm.__code__, sys._getframe().f_code):
+            _t = _t.tb_next
+        _e.__traceback__ = _t
+        del _t
+        raise
+# Outside the except clause, with the exception dropped, as the interpreter's exit runs: atexit handlers see no
+# exception being handled, and the frames it held are finalized.
+del _sandboxd_globals, _sandboxd_code
+_sandboxd_exit(_sandboxd_status, _sandboxd_started)
+raise SystemExit(_sandboxd_status)

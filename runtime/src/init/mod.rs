@@ -73,6 +73,22 @@ impl ProgramExit {
     }
 }
 
+/// The line the init writes before its record when no other process is left in the container (see [`ended_alone`]).
+const ALONE: &str = "alone\n";
+
+/// Whether `status` (what the status pipe gave so far) ends with the init's record after its [`ALONE`] line: the
+/// program has ended, nothing else of the container runs, and the init writes nothing more. Its reader need not
+/// wait for the init's own exit (the namespaces' tear-down) to know the execution is over.
+pub fn ended_alone(status: &[u8]) -> bool {
+    let Some(text) = status.strip_suffix(b"\n") else {
+        return false;
+    };
+    let mut lines = text.rsplit(|&b| b == b'\n');
+    let record = lines.next().and_then(|l| std::str::from_utf8(l).ok());
+    record.and_then(ProgramExit::decode).is_some()
+        && lines.next() == Some(ALONE.trim_end().as_bytes())
+}
+
 /// `SIGKILL` for 9; `SIG<n>` for numbers nix has no name for.
 pub fn signal_name(sig: i32) -> String {
     Signal::try_from(sig)
@@ -184,7 +200,10 @@ impl InitExecutor {
             None => reap_until(program),
         };
         PROGRAM.store(0, Ordering::SeqCst);
-        let record = exit.encode();
+        let mut record = exit.encode();
+        if alone() {
+            record.insert_str(0, ALONE);
+        }
         mark(status, "reaped");
         let _ = nix::unistd::write(status, record.as_bytes());
         // SAFETY: end the init without unwinding into its caller, which expects no return.
@@ -290,6 +309,18 @@ fn reap_ended(program: Pid) -> Option<ProgramExit> {
     reap(program, Some(WaitPidFlag::WNOHANG))
 }
 
+/// Whether the init is the last process of its pid namespace: every process there is its descendant (orphans are
+/// reparented to it), so none is left when it has no child (after reaping the ones that have ended).
+fn alone() -> bool {
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Err(nix::Error::ECHILD) => return true,
+            Ok(WaitStatus::StillAlive) | Err(_) => return false,
+            Ok(_) => continue,
+        }
+    }
+}
+
 /// Reaps every child until `program` ends; returns how it ended.
 fn reap_until(program: Pid) -> ProgramExit {
     // Without WNOHANG, waitpid never reports StillAlive: `reap` returns only with the program's end.
@@ -328,6 +359,15 @@ mod tests {
             assert_eq!(ProgramExit::decode(&e.encode()), Some(e));
         }
         assert_eq!(ProgramExit::decode(""), None);
+        assert!(ended_alone(b"t reaped 5\nalone\nexit 0\n"));
+        assert!(ended_alone(b"alone\nsignal 9\n"));
+        assert!(!ended_alone(b"t reaped 5\nexit 0\n"), "others were left");
+        assert!(
+            !ended_alone(b"alone\nexit 0"),
+            "the record is not whole yet"
+        );
+        assert!(!ended_alone(b"alone\n"));
+        assert!(!ended_alone(b""));
         assert_eq!(ProgramExit::decode("exit x"), None);
         assert_eq!(ProgramExit::decode("boom 1"), None);
     }

@@ -26,16 +26,21 @@ fn hits_misses(before: (u64, u64, u64), after: (u64, u64, u64)) -> (u64, u64) {
     (after.1 - before.1, after.2 - before.2)
 }
 
-fn bare_python() -> Duration {
-    let mut cmd = Command::new("/usr/bin/python3");
-    cmd.args(["-c", "print(1)"]);
+/// A bare interpreter spawn, with an environment as bare as a container's: the bench's own can hold variables that
+/// change an interpreter's start-up (`NODE_EXTRA_CA_CERTS` makes node parse a CA bundle: 142 ms instead of 47 on
+/// one of our machines).
+fn bare_interpreter(program: &str, args: [&str; 2]) -> Duration {
+    let mut cmd = Command::new(program);
+    cmd.args(args).env_clear().env("PATH", "/usr/bin:/bin");
     timed(cmd).0
 }
 
+fn bare_python() -> Duration {
+    bare_interpreter("/usr/bin/python3", ["-c", "print(1)"])
+}
+
 fn bare_node() -> Duration {
-    let mut cmd = Command::new("/usr/bin/node");
-    cmd.args(["-e", "console.log(1)"]);
-    timed(cmd).0
+    bare_interpreter("/usr/bin/node", ["-e", "console.log(1)"])
 }
 
 /// A language's one-line program and its bare spawn.
@@ -151,7 +156,7 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
     println!();
     println!(
         "warm interpreters: execute→result, ms (p50 / p95); bare spawn: `python3 -c 'print(1)'`, \
-         `node -e 'console.log(1)'`, `sh main.sh`; \
+         `node -e 'console.log(1)'` (both with only PATH set), `sh main.sh`; \
          back to back: blocks of {BLOCK} executions in a row per column, {BLOCKS} blocks alternating"
     );
     println!(

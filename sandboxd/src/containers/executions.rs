@@ -127,9 +127,19 @@ impl ContainerHandle for HelperContainer {
         let inputs = self.scratch.inputs();
         let (cgroups, cid) = (self.cgroups.clone(), self.cid.clone());
         Box::pin(async move {
+            let queued = std::time::Instant::now();
             tokio::task::spawn_blocking(move || {
+                let started = std::time::Instant::now();
                 cgroups.set_limits(&cid, &limits)?;
-                inputs.write(code_name, &code, &files)
+                let limited = started.elapsed();
+                let written = inputs.write(code_name, &code, &files);
+                debug!(
+                    queued_us = (started - queued).as_micros() as u64,
+                    limits_us = limited.as_micros() as u64,
+                    files_us = (started.elapsed() - limited).as_micros() as u64,
+                    "prepare timings"
+                );
+                written
             })
             .await
             .map_err(PrepareError::Panicked)?
@@ -190,11 +200,13 @@ impl ContainerHandle for HelperContainer {
     }
 }
 
-/// Waits in a task of its own until the container's init has ended, then reads its status pipe. The end is the
-/// pidfd turning readable, which the kernel signals only once the init is a zombie, that is after every other
-/// process of its pid namespace is gone too: when the result is computed (usage, artifacts), nothing of the
-/// program can still run or write. The receiver gets the record (empty when the init died without writing) and
-/// the `CLOCK_MONOTONIC` time of the end.
+/// Waits in a task of its own until the execution's container has ended, reading the init's status pipe. The end
+/// is either the init's record saying it was left alone ([`runtime::init::ended_alone`]: the program was reaped
+/// and no other process of its pid namespace exists), or else the pidfd turning readable, which the kernel signals
+/// only once the init is a zombie, that is after every other process of its pid namespace is gone too. Either way,
+/// when the result is computed (usage, artifacts), nothing of the program can still run or write; the first spares
+/// the wait for the init's own exit and its namespaces' tear-down. The receiver gets the record (empty when the
+/// init died without writing) and the `CLOCK_MONOTONIC` time of the end.
 fn watch_end(pidfd: &OwnedFd, status: &OwnedFd) -> std::io::Result<oneshot::Receiver<EndRecord>> {
     let pidfd = pidfd.try_clone()?;
     // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its whole lifetime.
@@ -204,17 +216,29 @@ fn watch_end(pidfd: &OwnedFd, status: &OwnedFd) -> std::io::Result<oneshot::Rece
     let mut pipe = tokio::net::unix::pipe::Receiver::from_owned_fd(status.try_clone()?)?;
     let (tx, rx) = oneshot::channel();
     tokio::spawn(async move {
-        let ended = match pidfd.readable().await {
-            Ok(_) => runtime::init::monotonic_ns(),
-            Err(e) => {
-                warn!(error = %e, "waiting on the container's pidfd failed");
-                runtime::init::monotonic_ns()
+        let mut record = Vec::new();
+        let mut buf = [0u8; 1024];
+        let alone = loop {
+            match pipe.read(&mut buf).await {
+                Ok(0) => break false,
+                Ok(n) => {
+                    record.extend_from_slice(&buf[..n]);
+                    if runtime::init::ended_alone(&record) {
+                        break true;
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "reading the container's status pipe failed");
+                    break false;
+                }
             }
         };
-        let mut record = Vec::new();
-        if let Err(e) = pipe.read_to_end(&mut record).await {
-            warn!(error = %e, "reading the container's status pipe failed");
+        if !alone {
+            if let Err(e) = pidfd.readable().await {
+                warn!(error = %e, "waiting on the container's pidfd failed");
+            }
         }
+        let ended = runtime::init::monotonic_ns();
         let _ = tx.send((String::from_utf8_lossy(&record).into_owned(), ended));
     });
     Ok(rx)

@@ -135,6 +135,38 @@ fn corpus() -> Vec<Case> {
     ]
 }
 
+/// What runs after the program's last line: the warm interpreter ends itself the way the interpreter's exit does
+/// (threads, atexit, finalizers, stdio), then without the rest of the tear-down.
+fn exit_corpus() -> Vec<Case> {
+    vec![
+        case(
+            "exit_finalizers",
+            "import json, weakref\nclass A:\n    def __del__(self):\n        print('del', self.n, json.dumps([1]))\n\
+             a = A(); a.n = 'global'\nc = A(); c.n = 'cycle'; c.me = c\nweakref.finalize(a, print, 'finalized')\n\
+             def f():\n    x = A(); x.n = 'local'\n    raise SystemExit(3)\nprint('end')\nf()",
+        ),
+        case(
+            "exit_threads",
+            "import threading, time, atexit, sys\natexit.register(lambda: print('atexit', sys.exc_info()))\n\
+             def late():\n    time.sleep(0.05)\n    print('late thread')\ndef forever():\n    while True:\n        time.sleep(0.001)\n\
+             threading.Thread(target=late).start()\nthreading.Thread(target=forever, daemon=True).start()\nprint('main done')",
+        ),
+        case(
+            "exit_streams",
+            "import sys, io\nprint('x')\nsys.stdout = io.StringIO()\nprint('hidden')\n\
+             class A:\n    def __del__(self):\n        print('at exit to', sys.stdout is sys.__stdout__)\na = A()\nsys.stderr.close()",
+        ),
+        case("exit_codes", "import sys\nprint('n')\nsys.exit(300)"),
+        case("exit_huge_code", "import sys\nsys.exit(2**70)"),
+        case("exit_no_newline", "import sys\nsys.stdout.write('no newline')\nsys.exit()"),
+        case(
+            "exit_module_from_workspace",
+            "import os, sys\nsys.path.insert(0, os.getcwd())\nopen('mod.py', 'w').write(\n\
+             'class B:\\n    def __del__(self):\\n        print(\"module object finalized\")\\nb = B()\\n')\nimport mod\nprint('imported')",
+        ),
+    ]
+}
+
 /// Programs with tools: the tool SDK is imported ahead in the waiting interpreter. `echo` answers with its
 /// arguments, any other tool with an error.
 fn tool_corpus() -> Vec<Case> {
@@ -320,7 +352,7 @@ async fn a_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() {
         !ran_warm(&mut c, &d, "probe-plain", "python", false).await,
         "warm: false starts a new interpreter"
     );
-    let cases = corpus();
+    let cases: Vec<Case> = corpus().into_iter().chain(exit_corpus()).collect();
     let mut differ = differential(&mut c, &d, "python", &cases, |o| o).await;
     // With tools: the probe's program runs in the waiting interpreter too.
     let probe = super::tools::exec_tools(
@@ -382,6 +414,31 @@ async fn a_request_that_sets_a_start_up_variable_gets_a_plain_interpreter() {
     )
     .await;
     assert_eq!(r.stdout_text(), "False 1\n", "{}", r.dump());
+}
+
+/// The documented differences of the warm interpreter's exit, which also show it is the one taken: the objects of
+/// the start-up are frozen, and finalizers at exit run before the interpreter is finalizing (it never is).
+#[tokio::test]
+async fn the_warm_exit_skips_the_interpreter_tear_down() {
+    let Some(_g) = privileged("the_warm_exit_skips_the_interpreter_tear_down").await else {
+        return;
+    };
+    let d = python_daemon().await;
+    let mut c = Client::connect(&d).await;
+    let code = "import gc, sys\nclass A:\n    def __del__(self):\n        print('finalizing', sys.is_finalizing())\n\
+                a = A()\nprint('frozen', gc.get_freeze_count() > 0)";
+    for (id, warm, want) in [
+        ("exit-warm", true, "frozen True\nfinalizing False\n"),
+        ("exit-plain", false, "frozen False\nfinalizing True\n"),
+    ] {
+        let r = run(&mut c, &d, id, code, &json!({}), warm).await;
+        assert_eq!(
+            (r.stdout_text().as_str(), r.result().exit_code),
+            (want, Some(0)),
+            "{id}: {}",
+            r.dump()
+        );
+    }
 }
 
 /// The python image `images/build.sh` makes, from `SANDBOXD_TEST_IMAGES` (`.ci/run` sets it).

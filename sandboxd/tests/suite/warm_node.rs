@@ -116,7 +116,7 @@ fn io_corpus() -> Vec<Case> {
         ),
         case(
             "async_order",
-            "setTimeout(() => console.log('timeout'), 5);\nsetImmediate(() => console.log('immediate'));\n\
+            "setTimeout(() => console.log('timeout'), 100);\nsetImmediate(() => console.log('immediate'));\n\
              Promise.resolve().then(() => console.log('microtask'));\nprocess.nextTick(() => console.log('tick'));\nconsole.log('sync');",
         ),
         case(
