@@ -148,8 +148,9 @@ pub struct ImageConfig {
     pub layout: Option<PathBuf>,
     /// Pin: the start fails unless the image's manifest digest is this `sha256:…`.
     pub digest: Option<String>,
-    /// Python modules the warm interpreter of a python language on this image imports before it waits
-    /// ([`crate::warm`]), e.g. `[numpy, pandas]`: dotted module names.
+    /// Modules the warm interpreter of the language on this image loads before it waits ([`crate::warm`]): python
+    /// dotted module names (`[numpy, pandas]`), or node module names (`[lodash, "@scope/pkg", zlib]`). An image
+    /// with a list runs python or javascript, not both.
     pub preload: Vec<String>,
 }
 
@@ -536,6 +537,41 @@ impl Config {
         Ok(())
     }
 
+    /// An image's preload list names modules of the one interpreter (python or node) that runs on it.
+    fn validate_preload(&self, name: &str, image: &ImageConfig) -> Result<(), ConfigError> {
+        if image.preload.is_empty() {
+            return Ok(());
+        }
+        let on_image = |lang: Language| {
+            self.languages
+                .iter()
+                .flatten()
+                .any(|(l, c)| *l == lang && c.image == name)
+        };
+        let (python, node) = (on_image(Language::Python), on_image(Language::Javascript));
+        let refused = |reason: String| ConfigError::Value {
+            key: "images",
+            reason: format!("images.{name}.preload: {reason}"),
+        };
+        if python && node {
+            return Err(refused(
+                "python and javascript both run on this image; a preload list is for one interpreter".into(),
+            ));
+        }
+        let (valid, kind): (fn(&str) -> bool, &str) = match (python, node) {
+            (false, true) => (node_module_name, "a node module name"),
+            (true, false) => (python_module_name, "a dotted python module name"),
+            _ => (
+                |m| python_module_name(m) || node_module_name(m),
+                "a python or node module name",
+            ),
+        };
+        match image.preload.iter().find(|m| !valid(m)) {
+            Some(m) => Err(refused(format!("{m:?} is not {kind}"))),
+            None => Ok(()),
+        }
+    }
+
     /// Image names and digests, and the languages that run on them.
     fn validate_images(&self) -> Result<(), ConfigError> {
         for (name, image) in &self.images {
@@ -545,14 +581,7 @@ impl Config {
                     reason: image_store::ImageError::InvalidName(name.clone()).to_string(),
                 });
             }
-            if let Some(m) = image.preload.iter().find(|m| !python_module_name(m)) {
-                return Err(ConfigError::Value {
-                    key: "images",
-                    reason: format!(
-                        "images.{name}.preload: {m:?} is not a dotted python module name"
-                    ),
-                });
-            }
+            self.validate_preload(name, image)?;
             if let Some(d) = &image.digest {
                 if image_store::Sha256::parse(d).is_none() {
                     return Err(ConfigError::Value {
@@ -601,6 +630,24 @@ fn positive(key: &'static str, v: u64) -> Result<(), ConfigError> {
     } else {
         Ok(())
     }
+}
+
+/// Whether `name` is a node module name `require` finds among installed modules, as `images.<name>.preload` lists
+/// them for javascript: a package (`lodash`, `@scope/pkg`) or a built-in (`zlib`, `node:zlib`), with an optional
+/// subpath (`lodash/fp`); never a relative or absolute path.
+fn node_module_name(name: &str) -> bool {
+    let name = name.strip_prefix("node:").unwrap_or(name);
+    let body = name.strip_prefix('@').unwrap_or(name);
+    !body.is_empty()
+        && !body.starts_with('.')
+        && body.split('/').all(|part| {
+            !part.is_empty()
+                && part != "."
+                && part != ".."
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-._~".contains(c))
+        })
 }
 
 /// Whether `name` is a dotted python module name (`pandas`, `os.path`), as `images.<name>.preload` lists them.
@@ -839,6 +886,33 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("images.data.preload"), "{e}");
+    }
+
+    #[test]
+    fn a_preload_list_names_modules_of_the_interpreter_on_its_image() {
+        let parse = |yaml: &str| Config::parse(yaml).map_err(|e| e.to_string());
+        let node = "languages:\n  javascript: {image: i, command: [/usr/bin/node]}\n";
+        let python = "languages:\n  python: {image: i, command: [/usr/bin/python3]}\n";
+        let image = |list: &str| format!("images:\n  i: {{preload: {list}}}\n");
+        assert!(
+            parse(&(image("[lodash, \"@scope/pkg\", lodash/fp, \"node:zlib\"]") + node)).is_ok()
+        );
+        let e = parse(&(image("[\"@scope/pkg\"]") + python)).unwrap_err();
+        assert!(
+            e.contains("images.i.preload") && e.contains("python"),
+            "{e}"
+        );
+        for bad in ["\"./local\"", "\"/abs\"", "\"a/../b\"", "\"a b\"", "\"\""] {
+            let e = parse(&(image(&format!("[{bad}]")) + node)).unwrap_err();
+            assert!(e.contains("node module name"), "{bad}: {e}");
+        }
+        let both = format!(
+            "{}languages:\n  javascript: {{image: i, command: [/usr/bin/node]}}\n  \
+             python: {{image: i, command: [/usr/bin/python3]}}\n",
+            image("[json]")
+        );
+        let e = parse(&both).unwrap_err();
+        assert!(e.contains("both run on this image"), "{e}");
     }
 
     #[test]

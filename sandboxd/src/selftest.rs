@@ -55,26 +55,34 @@ pub enum SelfTestError {
     },
 }
 
-/// What the python self-test prints before the module and the exception when a preload module does not import.
+/// What the self-test prints before the module and the reason when a preload module does not load.
 const PRELOAD_FAILED: &str = "preload-failed ";
 
 /// The self-test program per language: from inside the container, check that the seccomp filter is installed, no
 /// capability is held and `no_new_privs` is set, then print `self-test-ok`. Only the language's own interpreter is
-/// used (an image may have no grep). A python program first imports the image's `preload` modules: the warm
-/// interpreter imports them before it waits and skips one that fails, so one that cannot be imported is refused here,
-/// at start, rather than found by the first program that uses it.
+/// used (an image may have no grep). A python or javascript program first loads the image's `preload` modules: the
+/// warm interpreter loads them before it waits and skips one that fails, so one that cannot be loaded is refused
+/// here, at start, rather than found by the first program that uses it.
 fn self_test_program(lang: Language, preload: &[String]) -> String {
     let checks = isolation_check(lang);
-    if lang != Language::Python || preload.is_empty() {
+    if preload.is_empty() {
         return checks.to_owned();
     }
-    // Module names are dotted identifiers (checked by the config), written as a JSON (and so python) list.
+    // Module names are checked by the config, and written as a JSON (and so python and javascript) list.
     let modules = serde_json::to_string(preload).unwrap_or_default();
-    format!(
-        "import importlib\nfor _m in {modules}:\n    try:\n        importlib.import_module(_m)\n    \
-         except BaseException as _e:\n        print(\"{PRELOAD_FAILED}\" + _m + \": \" + type(_e).__name__ + \": \" + str(_e))\n        \
-         raise SystemExit(3)\n{checks}"
-    )
+    match lang {
+        Language::Python => format!(
+            "import importlib\nfor _m in {modules}:\n    try:\n        importlib.import_module(_m)\n    \
+             except BaseException as _e:\n        print(\"{PRELOAD_FAILED}\" + _m + \": \" + type(_e).__name__ + \": \" + str(_e))\n        \
+             raise SystemExit(3)\n{checks}"
+        ),
+        Language::Javascript => format!(
+            "for (const m of {modules}) {{\n  try {{\n    require(m);\n  }} catch (e) {{\n    \
+             console.log(\"{PRELOAD_FAILED}\" + m + \": \" + String(e && e.message).split(\"\\n\")[0]);\n    \
+             process.exit(3);\n  }}\n}}\n{checks}"
+        ),
+        Language::Shell | Language::Elixir => checks.to_owned(),
+    }
 }
 
 /// The isolation check of [`self_test_program`] in `lang`.
@@ -197,18 +205,26 @@ async fn self_test_one(engine: Arc<Engine>, lang: Language) -> Result<(), SelfTe
 mod tests {
     use super::*;
 
-    /// The python program, run by the host's python3 (outside a container its isolation check prints the status
-    /// instead of `self-test-ok`): a module that imports passes on to the check, one that does not is named.
-    fn run_python(preload: &[&str]) -> (Option<i32>, String) {
+    /// The language's program, run by the host's interpreter (outside a container its isolation check prints the
+    /// status instead of `self-test-ok`): a module that loads passes on to the check, one that does not is named.
+    fn run(lang: Language, preload: &[&str]) -> (Option<i32>, String) {
         let preload: Vec<String> = preload.iter().map(|s| (*s).to_owned()).collect();
-        let out = std::process::Command::new("python3")
-            .args(["-c", &self_test_program(Language::Python, &preload)])
+        let (interpreter, flag) = match lang {
+            Language::Javascript => ("node", "-e"),
+            _ => ("python3", "-c"),
+        };
+        let out = std::process::Command::new(interpreter)
+            .args([flag, &self_test_program(lang, &preload)])
             .output()
-            .expect("python3 runs");
+            .expect("the interpreter runs");
         (
             out.status.code(),
             String::from_utf8_lossy(&out.stdout).into(),
         )
+    }
+
+    fn run_python(preload: &[&str]) -> (Option<i32>, String) {
+        run(Language::Python, preload)
     }
 
     #[test]
@@ -237,6 +253,25 @@ mod tests {
         assert_eq!(
             self_test_program(Language::Shell, &["json".into()]),
             isolation_check(Language::Shell)
+        );
+    }
+
+    /// The javascript program: a module that loads goes on to the isolation check, one that does not is named with
+    /// node's reason.
+    #[test]
+    fn a_node_preload_module_that_does_not_load_is_named() {
+        let run = |preload: &[&str]| run(Language::Javascript, preload);
+        let (code, out) = run(&["zlib", "sandboxd-no-such-module", "fs"]);
+        assert_eq!(code, Some(3), "{out}");
+        assert_eq!(
+            out.trim(),
+            "preload-failed sandboxd-no-such-module: Cannot find module 'sandboxd-no-such-module'"
+        );
+        let (code, out) = run(&["zlib", "node:path"]);
+        assert_eq!(code, Some(0), "{out}");
+        assert!(
+            !out.contains(PRELOAD_FAILED) && out.contains("Seccomp"),
+            "{out}"
         );
     }
 }

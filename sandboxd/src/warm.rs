@@ -67,10 +67,8 @@ pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
     let mut args = rt.command.clone();
     let skip = args.len();
     args.extend([flag.to_owned(), stub.to_owned(), skip.to_string()]);
-    // `images.<name>.preload` lists python modules.
-    if lang == Language::Python {
-        args.extend(rt.image.preload.iter().cloned());
-    }
+    // `images.<name>.preload`: python or node module names, for the one interpreter on the image (the config checks).
+    args.extend(rt.image.preload.iter().cloned());
     let env = crate::images::base_environment(&rt.image)
         .into_iter()
         .map(|(k, v)| format!("{k}={v}"))

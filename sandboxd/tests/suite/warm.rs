@@ -441,52 +441,63 @@ async fn the_warm_exit_skips_the_interpreter_tear_down() {
     }
 }
 
-/// The python image `images/build.sh` makes, from `SANDBOXD_TEST_IMAGES` (`.ci/run` sets it).
-fn python_test_image() -> Option<std::path::PathBuf> {
+/// An image `images/build.sh` makes (`python`, `javascript`), from `SANDBOXD_TEST_IMAGES` (`.ci/run` sets it).
+fn test_image(name: &str) -> Option<std::path::PathBuf> {
     let spec = std::env::var("SANDBOXD_TEST_IMAGES").ok()?;
     let layout = spec
         .split(',')
-        .find_map(|item| item.strip_prefix("python="))?;
+        .find_map(|item| item.strip_prefix(name)?.strip_prefix('='))?;
     Some(std::fs::canonicalize(layout).unwrap())
 }
 
-/// An image's `preload` modules are imported by the waiting interpreter before the program runs (a warm program
-/// finds them in `sys.modules`, a plain one does not), and checked at start: a module that does not import on the
-/// image stops the daemon, which names the key and the module, instead of being skipped by every warm interpreter.
-#[tokio::test]
-async fn preload_modules_are_imported_ahead_and_checked_at_start() {
-    let test = "preload_modules_are_imported_ahead_and_checked_at_start";
-    let Some(_g) = privileged(test).await else {
+/// A preload test of one language's image: a list with a module that does not load stops the daemon, naming the
+/// key and the module (`named`); a list that loads is loaded by the waiting interpreter before the program, whose
+/// `code` prints `warm` then, and `plain` in a plain interpreter.
+pub(super) struct Preload {
+    pub(super) test: &'static str,
+    pub(super) lang: &'static str,
+    pub(super) command: &'static str,
+    pub(super) bad: &'static [&'static str],
+    pub(super) named: &'static str,
+    pub(super) good: &'static [&'static str],
+    pub(super) code: &'static str,
+    pub(super) warm: &'static str,
+    pub(super) plain: &'static str,
+    pub(super) uid_base: u32,
+}
+
+/// Runs a [`Preload`] test against the image of `p.lang` (named after the language).
+pub(super) async fn preload_test(p: Preload) {
+    let Some(_g) = privileged(p.test).await else {
         return;
     };
-    let Some(layout) = python_test_image() else {
+    let Some(layout) = test_image(p.lang) else {
         // On CI this fails: .ci/run builds the images and sets it.
         return cannot_run(
-            test,
-            "SANDBOXD_TEST_IMAGES has no python image (images/build.sh python; then SANDBOXD_TEST_IMAGES=python=images/out/python/oci)",
+            p.test,
+            "SANDBOXD_TEST_IMAGES names no image of the language (images/build.sh LANG; then SANDBOXD_TEST_IMAGES=LANG=images/out/LANG/oci)",
         );
     };
-    let languages = json!({"python": {"image": "python", "command": ["/usr/bin/python3"]}});
+    let languages = json!({p.lang: {"image": p.lang, "command": [p.command]}});
 
     // Refused at start: the module is named with the key, and nothing is left behind.
     let dir = tempfile::tempdir().unwrap();
-    let parent = format!("sandboxd-test-{}-preload", std::process::id());
+    let parent = format!("sandboxd-test-{}-preload-{}", std::process::id(), p.lang);
     let _cg = CgroupParentGuard(parent.clone());
     let config = dir.path().join("c.yaml");
     let bad = json!({
         "listen": format!("127.0.0.1:{}", free_port()),
         "state_dir": dir.path().join("state"),
         "auth": {"tokens": ["a-token-of-enough-length"]},
-        "sandbox": {"cgroup_parent": parent, "uid_base": 925_000},
-        "images": {"python": {"layout": layout, "preload": ["json", "sandboxd_no_such_module"]}},
+        "sandbox": {"cgroup_parent": parent, "uid_base": p.uid_base},
+        "images": {p.lang: {"layout": layout, "preload": p.bad}},
         "languages": languages,
     });
     std::fs::write(&config, bad.to_string()).unwrap();
     let (status, stderr) = run_until_exit(&config, Duration::from_secs(120)).await;
     assert!(!status.success(), "{stderr}");
     assert!(
-        stderr.contains("images.python.preload")
-            && stderr.contains("No module named 'sandboxd_no_such_module'"),
+        stderr.contains(&format!("images.{}.preload", p.lang)) && stderr.contains(p.named),
         "names the key and the module: {stderr}"
     );
     assert!(
@@ -494,23 +505,42 @@ async fn preload_modules_are_imported_ahead_and_checked_at_start() {
         "a refused start leaves no cgroup parent"
     );
 
-    // Modules that import: in the warm interpreter before the program, not in a plain one.
+    // Modules that load: in the warm interpreter before the program, not in a plain one.
     let d = Daemon::start(DaemonOpts {
         pool_size: 2,
         extra_config: Some(json!({
-            "images": {"python": {"layout": layout, "preload": ["sqlite3", "xml.dom.minidom"]}},
+            "images": {p.lang: {"layout": layout, "preload": p.good}},
             "languages": languages,
         })),
         ..DaemonOpts::default()
     })
     .await;
     let mut c = Client::connect(&d).await;
-    let code = "import sys\nprint('sqlite3' in sys.modules, 'xml.dom.minidom' in sys.modules)";
     for (id, warm, want) in [
-        ("preload-warm", true, "True True\n"),
-        ("preload-plain", false, "False False\n"),
+        ("preload-warm", true, p.warm),
+        ("preload-plain", false, p.plain),
     ] {
-        let r = run(&mut c, &d, id, code, &json!({}), warm).await;
+        let r = run_exec(&mut c, &d, exec_json(id, p.lang, p.code, 20_000, 128), warm).await;
         assert_eq!(r.stdout_text(), want, "{id}: {}", r.dump());
     }
+}
+
+/// An image's `preload` modules are imported by the waiting interpreter before the program runs (a warm program
+/// finds them in `sys.modules`, a plain one does not), and checked at start: a module that does not import on the
+/// image stops the daemon, which names the key and the module, instead of being skipped by every warm interpreter.
+#[tokio::test]
+async fn preload_modules_are_imported_ahead_and_checked_at_start() {
+    preload_test(Preload {
+        test: "preload_modules_are_imported_ahead_and_checked_at_start",
+        lang: "python",
+        command: "/usr/bin/python3",
+        bad: &["json", "sandboxd_no_such_module"],
+        named: "No module named 'sandboxd_no_such_module'",
+        good: &["sqlite3", "xml.dom.minidom"],
+        code: "import sys\nprint('sqlite3' in sys.modules, 'xml.dom.minidom' in sys.modules)",
+        warm: "True True\n",
+        plain: "False False\n",
+        uid_base: 925_000,
+    })
+    .await;
 }

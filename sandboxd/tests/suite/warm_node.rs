@@ -10,7 +10,7 @@
 use serde_json::json;
 
 use super::harness::{exec_json, privileged, with, Client, Daemon, DaemonOpts};
-use super::warm::{case, differential, observed, ran_warm, Case, Observed};
+use super::warm::{case, differential, observed, preload_test, ran_warm, Case, Observed, Preload};
 
 /// Names, globals, exits and errors.
 fn corpus() -> Vec<Case> {
@@ -208,4 +208,25 @@ async fn a_node_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() 
         differ.len()
     );
     assert!(differ.is_empty(), "{}", differ.join("\n"));
+}
+
+/// The javascript image's `preload` modules are loaded by the waiting node before the program runs (a warm program
+/// finds them in `process.moduleLoadList`, a plain one does not), and checked at start: one that does not load stops
+/// the daemon, which names the key and the module.
+#[tokio::test]
+async fn node_preload_modules_are_loaded_ahead_and_checked_at_start() {
+    preload_test(Preload {
+        test: "node_preload_modules_are_loaded_ahead_and_checked_at_start",
+        lang: "javascript",
+        command: "/usr/bin/node",
+        bad: &["zlib", "sandboxd-no-such-module"],
+        named: "Cannot find module 'sandboxd-no-such-module'",
+        good: &["zlib", "node:dns"],
+        code: "const l = process.moduleLoadList;\n\
+               console.log(l.includes('NativeModule zlib'), l.includes('NativeModule dns'));",
+        warm: "true true\n",
+        plain: "false false\n",
+        uid_base: 926_000,
+    })
+    .await;
 }
