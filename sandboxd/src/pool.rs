@@ -323,8 +323,9 @@ impl Pool {
     }
 
     /// Waits, while at most a quarter of `lang`'s pool is missing, until no execution has taken a container or ended
-    /// for [`REFILL_QUIET`]; returns at once with more missing, or when woken (a take, a close).
-    async fn wait_quiet(&self, lang: Language, wake: &Notify) {
+    /// for [`REFILL_QUIET`]; returns at once with more missing, or when woken (a take, a close). Returns how many
+    /// containers are ready then.
+    async fn wait_quiet(&self, lang: Language, wake: &Notify) -> usize {
         loop {
             let have = self.lock().get(&lang).map_or(0, VecDeque::len);
             let quiet = self.quiet_for();
@@ -332,7 +333,7 @@ impl Pool {
                 || quiet >= REFILL_QUIET
                 || self.closed.load(Ordering::SeqCst)
             {
-                return;
+                return have;
             }
             tokio::select! {
                 _ = tokio::time::sleep(REFILL_QUIET - quiet) => {}
@@ -406,8 +407,7 @@ impl Pool {
             }
             let mut have = self.lock().get(&lang).map_or(0, VecDeque::len);
             if creating.is_empty() && have < self.size {
-                self.wait_quiet(lang, &wake).await;
-                have = self.lock().get(&lang).map_or(0, VecDeque::len);
+                have = self.wait_quiet(lang, &wake).await;
             }
             while have + creating.len() < self.size && creating.len() < parallel {
                 let (factory, rt) = (self.factory.clone(), rt.clone());

@@ -223,13 +223,9 @@ mod tests {
         )
     }
 
-    fn run_python(preload: &[&str]) -> (Option<i32>, String) {
-        run(Language::Python, preload)
-    }
-
     #[test]
     fn a_preload_module_that_does_not_import_is_named() {
-        let (code, out) = run_python(&["json", "sandboxd_no_such_module", "os"]);
+        let (code, out) = run(Language::Python, &["json", "sandboxd_no_such_module", "os"]);
         assert_eq!(code, Some(3), "{out}");
         assert_eq!(
             out.trim(),
@@ -239,7 +235,7 @@ mod tests {
 
     #[test]
     fn preload_modules_that_import_go_on_to_the_isolation_check() {
-        let (code, out) = run_python(&["json", "os.path"]);
+        let (code, out) = run(Language::Python, &["json", "os.path"]);
         assert_eq!(code, Some(0), "{out}");
         assert!(
             !out.contains(PRELOAD_FAILED) && out.contains("Seccomp"),
@@ -260,14 +256,16 @@ mod tests {
     /// node's reason.
     #[test]
     fn a_node_preload_module_that_does_not_load_is_named() {
-        let run = |preload: &[&str]| run(Language::Javascript, preload);
-        let (code, out) = run(&["zlib", "sandboxd-no-such-module", "fs"]);
+        let (code, out) = run(
+            Language::Javascript,
+            &["zlib", "sandboxd-no-such-module", "fs"],
+        );
         assert_eq!(code, Some(3), "{out}");
         assert_eq!(
             out.trim(),
             "preload-failed sandboxd-no-such-module: Cannot find module 'sandboxd-no-such-module'"
         );
-        let (code, out) = run(&["zlib", "node:path"]);
+        let (code, out) = run(Language::Javascript, &["zlib", "node:path"]);
         assert_eq!(code, Some(0), "{out}");
         assert!(
             !out.contains(PRELOAD_FAILED) && out.contains("Seccomp"),
