@@ -24,8 +24,9 @@ RUN cargo build --release --locked -p sandboxd -p sandboxctl \
 
 FROM ${BASE}
 # The embedded host image runs the languages on this image's /usr: python3 and node (sh is there).
+# e2fsprogs: volumes are ext4 files (mkfs.ext4), loop-mounted with mount(8).
 RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 nodejs \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 nodejs e2fsprogs mount \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /usr/local/bin/sandboxd /usr/local/bin/sandboxctl /usr/local/bin/
 # Token, image skeleton, artifacts, per-execution state.

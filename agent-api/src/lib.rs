@@ -24,16 +24,95 @@ pub const DEFAULT_GRACE_TIMEOUT_MS: u64 = 10_000;
 /// replay log's budgets are in bytes, set by the daemon's `agents:` configuration.)
 pub const DISCONNECTED_BUFFER_MS: u64 = 60_000;
 
-/// A mount from the project into the sandbox.
+/// A mount into the sandbox: a volume of the daemon's (`volume`), or a project directory (`hostPath`, which
+/// sandboxd refuses with `capability_unsupported`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WorkspaceMount {
     /// Project-relative path on the host.
-    pub host_path: String,
-    /// Path inside the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
+    /// The id of a volume (`POST /volumes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<String>,
+    /// Path inside the sandbox (`path` is accepted too).
+    #[serde(alias = "path")]
     pub sandbox_path: String,
     /// Mounted read-only.
+    #[serde(default)]
     pub read_only: bool,
+}
+
+/// `POST /volumes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CreateVolumeRequest {
+    /// Size (the quota: a write beyond it fails with `ENOSPC` inside), MiB.
+    pub size_mb: u64,
+    /// A name for people (letters, digits, `.`, `_`, `-`; at most 64), not unique.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// Where a volume is mounted now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeAttachment {
+    /// The sandbox.
+    pub sandbox_id: String,
+    /// Path inside it.
+    pub path: String,
+    /// Mounted read-only.
+    pub read_only: bool,
+}
+
+/// What the recovery scan found on a volume once its writer was gone (the sandbox deleted, or the daemon
+/// restarted after a crash): each file compared with the `ArtifactEvent`s the writer emitted for it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeRecovery {
+    /// When it ran (RFC 3339).
+    pub at: String,
+    /// The writer.
+    pub sandbox_id: String,
+    /// `deleted` (the sandbox was deleted), `shutdown` (the daemon stopped) or `restart` (the daemon started again
+    /// after the writer was lost with it).
+    pub reason: String,
+    /// Regular files on the volume.
+    pub files: u64,
+    /// Files whose artifact was uploaded when emitted.
+    pub uploaded: u64,
+    /// Files whose upload had failed and that were uploaded by the scan (volume paths).
+    pub reuploaded: Vec<String>,
+    /// Files whose upload failed and still fails (or could not be retried: no credentials after a restart).
+    pub not_uploaded: Vec<String>,
+    /// Files never named by an `ArtifactEvent`, for a person to triage.
+    pub orphans: Vec<String>,
+    /// The lists stop at 1000 paths each; true when one was cut.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+}
+
+/// A volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Volume {
+    /// Its id (`vol-...`).
+    pub id: String,
+    /// Its name, if it was given one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Size (quota), bytes.
+    pub size_bytes: u64,
+    /// Bytes in use (the filesystem's own figure, its metadata included).
+    pub used_bytes: u64,
+    /// When it was created (RFC 3339).
+    pub created_at: String,
+    /// Where it is mounted now.
+    pub attachments: Vec<VolumeAttachment>,
+    /// The last recovery scan, if one ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<VolumeRecovery>,
 }
 
 /// A system-level capability a sandbox may ask for.
@@ -822,7 +901,8 @@ mod tests {
     #[test]
     fn workspace_requirements_from_the_design() {
         let w: WorkspaceRequirements = serde_json::from_value(json!({
-            "mounts": [{"hostPath": "./src", "sandboxPath": "/workspace/src", "readOnly": true}],
+            "mounts": [{"hostPath": "./src", "sandboxPath": "/workspace/src", "readOnly": true},
+                       {"volume": "vol-1", "path": "/workspace/data"}],
             "capabilities": ["terminal", "git", "network_internal_only"],
             "resourceLimits": {"cpuCores": 2, "memoryMb": 4096, "diskMb": 10240, "timeoutMs": 3600000},
             "baseImage": "project-tab/sandbox-python:latest"
@@ -830,6 +910,9 @@ mod tests {
         .unwrap();
         assert_eq!(w.mounts[0].sandbox_path, "/workspace/src");
         assert!(w.mounts[0].read_only);
+        assert_eq!(w.mounts[1].volume.as_deref(), Some("vol-1"));
+        assert_eq!(w.mounts[1].sandbox_path, "/workspace/data");
+        assert!(!w.mounts[1].read_only);
         assert_eq!(
             w.capabilities,
             [

@@ -47,6 +47,10 @@ pub struct AgentsConfig {
     pub queue_bytes: u64,
     /// Bytes of a sandbox's on-disk replay log: two segments of half of it; the newest half is always there.
     pub replay_bytes: u64,
+    /// The largest volume (`POST /volumes`), MiB.
+    pub volume_max_mb: u64,
+    /// Volumes at once; `POST /volumes` beyond it is refused (`provider_unavailable`, retryable).
+    pub max_volumes: usize,
 }
 
 impl Default for AgentsConfig {
@@ -63,6 +67,8 @@ impl Default for AgentsConfig {
             max_line_bytes: DEFAULT_AGENT_MAX_LINE_BYTES,
             queue_bytes: DEFAULT_AGENT_QUEUE_BYTES,
             replay_bytes: DEFAULT_AGENT_REPLAY_BYTES,
+            volume_max_mb: 1024,
+            max_volumes: 32,
         }
     }
 }

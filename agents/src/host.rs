@@ -193,4 +193,6 @@ pub struct Host {
     pub auth: Arc<dyn Authorizer>,
     /// The egress proxy (`None`: the `network` extension is off, and a request with `network` is refused).
     pub network: Option<Arc<dyn Network>>,
+    /// Volumes' filesystems (`None`: no volumes; the endpoints and volume mounts are refused).
+    pub disks: Option<Arc<dyn crate::volumes::Disks>>,
 }

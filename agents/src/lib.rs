@@ -12,6 +12,8 @@
 //! - [`container`]: the long-lived kind of container the runs use (the daemon's container seam implements it).
 //! - [`host`]: what the daemon provides, as narrow traits: containers and images, the artifact store, backend
 //!   calls, the token check, the egress proxy's settings, configuration values. This crate does not depend on the daemon.
+//! - [`volumes`]: volumes that outlive sandboxes and restarts (`POST /volumes`), mounted into sandboxes, and the
+//!   recovery scan once their writer is gone.
 //! - [`config`]: the `agents:` configuration block.
 //!
 //! The wire types are `agent_api`'s.
@@ -25,6 +27,7 @@ pub mod network;
 pub mod registry;
 pub mod routes;
 pub mod sandbox;
+pub mod volumes;
 
 pub use registry::Agents;
 pub use routes::router;

@@ -19,6 +19,27 @@ use crate::events::{Budgets, Hub};
 use crate::host::{Host, WorkspaceError, WorkspaceRequest};
 use crate::network::SandboxEgress;
 use crate::sandbox::{Limits, Sandbox, CONTROL_SOCKET};
+use crate::volumes::{Mounted, Volumes};
+
+/// A refused `POST /sandboxes`: its HTTP status and body.
+#[derive(Debug)]
+pub struct Refusal {
+    /// HTTP status.
+    pub status: u16,
+    /// The body.
+    pub error: PluginError,
+}
+
+impl From<PluginError> for Refusal {
+    /// A request found invalid is 400; any other refusal has its own status.
+    fn from(error: PluginError) -> Self {
+        let status = match error {
+            PluginError::InvalidState { .. } => 400,
+            _ => error.status(),
+        };
+        Self { status, error }
+    }
+}
 
 /// Capabilities a sandbox may ask for: a shell and git come with the image; the network is loopback-only, and
 /// sandbox-to-backend traffic (uploads, renewal) is made by sandboxd itself.
@@ -33,6 +54,7 @@ pub struct Agents {
     host: Host,
     dir: PathBuf,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
+    volumes: Option<Arc<Volumes>>,
     nonce: String,
     seq: AtomicU64,
 }
@@ -43,10 +65,24 @@ impl Agents {
         let dir = host.settings.state_dir.join("agents");
         remove_leftovers(&dir)?;
         std::fs::DirBuilder::new().mode(0o711).create(&dir)?;
+        let settings = &host.settings;
+        let volumes = host
+            .disks
+            .clone()
+            .map(|disks| {
+                Volumes::open(
+                    settings.state_dir.join("volumes"),
+                    disks,
+                    settings.agents.volume_max_mb,
+                    settings.agents.max_volumes,
+                )
+            })
+            .transpose()?;
         Ok(Arc::new(Self {
             host,
             dir,
             sandboxes: Mutex::new(HashMap::new()),
+            volumes,
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }))
@@ -64,6 +100,11 @@ impl Agents {
     /// What the daemon provides.
     pub fn host(&self) -> &Host {
         &self.host
+    }
+
+    /// The volumes, when the host has them.
+    pub fn volumes(&self) -> Option<&Arc<Volumes>> {
+        self.volumes.as_ref()
     }
 
     fn resolve_limits(&self, req: &CreateSandboxRequest) -> Result<Limits, PluginError> {
@@ -108,8 +149,14 @@ impl Agents {
 
     /// `POST /sandboxes`.
     #[tracing::instrument(name = "agent_create", skip_all, fields(sandbox = tracing::field::Empty))]
-    pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, PluginError> {
+    pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, Refusal> {
         let (limits, image, template, files) = self.admit(&req)?;
+        let names: Vec<&str> = files.iter().map(|f| f.path.as_str()).collect();
+        let mounts = crate::volumes::plan(
+            &req.workspace_requirements.mounts,
+            self.volumes.is_some(),
+            &names,
+        )?;
         let network = req
             .network
             .as_ref()
@@ -137,6 +184,20 @@ impl Agents {
                 files,
             )
             .await?;
+        let mounts = match self.attach_volumes(&id, &workspace, mounts).await {
+            Ok(m) => m,
+            Err((e, attached)) => {
+                hub.close();
+                // The binds go with the workspace's tmpfs.
+                workspace.remove().await;
+                if let Some(volumes) = &self.volumes {
+                    for m in attached {
+                        volumes.release(&m.volume, &id, &m.path, m.read_only).await;
+                    }
+                }
+                return Err(e);
+            }
+        };
         let agent_id = req.bootstrap.agent_id.clone();
         let settings = &self.host.settings;
         let backend = Backend::new(
@@ -154,6 +215,7 @@ impl Agents {
             hub,
             workspace,
             network,
+            self.volumes.clone().map(|v| (v, mounts)),
             self.host.clone(),
         );
         sb.start_tasks();
@@ -174,11 +236,6 @@ impl Agents {
         if let Some(c) = wr.capabilities.iter().find(|c| !SUPPORTED.contains(c)) {
             return Err(PluginError::CapabilityUnsupported {
                 capability: c.as_str().into(),
-            });
-        }
-        if !wr.mounts.is_empty() {
-            return Err(PluginError::CapabilityUnsupported {
-                capability: "mounts".into(),
             });
         }
         let limits = self.resolve_limits(req)?;
@@ -263,12 +320,62 @@ impl Agents {
         Err(err)
     }
 
+    /// Mounts each planned volume at its place in the new workspace (the mount point made, owned by the
+    /// sandbox); on failure, the refusal and the ones already mounted (released once the workspace is removed).
+    async fn attach_volumes(
+        &self,
+        id: &str,
+        workspace: &Arc<dyn Workspace>,
+        mut mounts: Vec<Mounted>,
+    ) -> Result<Vec<Mounted>, (Refusal, Vec<Mounted>)> {
+        let Some(volumes) = &self.volumes else {
+            return Ok(mounts);
+        };
+        let host_id = workspace.host_id();
+        for i in 0..mounts.len() {
+            let target = workspace.workspace().join(&mounts[i].rel);
+            let t = target.clone();
+            let made = tokio::task::spawn_blocking(move || mount_point(&t, host_id)).await;
+            let attached = match made {
+                Ok(Ok(())) => {
+                    let m = &mounts[i];
+                    volumes
+                        .attach(&m.volume, id, (&target, &m.path), host_id, m.read_only)
+                        .await
+                        .map_err(|e| {
+                            let (status, error) = e.plugin();
+                            Refusal { status, error }
+                        })
+                }
+                Ok(Err(e)) => Err(PluginError::ProviderUnavailable {
+                    message: format!("Cannot make the mount point {}: {e}", mounts[i].path),
+                    retryable: false,
+                }
+                .into()),
+                Err(e) => Err(PluginError::ProviderUnavailable {
+                    message: format!("Mount point creation failed: {e}"),
+                    retryable: false,
+                }
+                .into()),
+            };
+            if let Err(e) = attached {
+                mounts.truncate(i);
+                return Err((e, mounts));
+            }
+        }
+        Ok(mounts)
+    }
+
     /// `DELETE /sandboxes/<id>`: `false` if there is no such sandbox.
     pub async fn delete(&self, id: &str) -> bool {
+        self.remove(id, "deleted").await
+    }
+
+    async fn remove(&self, id: &str, reason: &str) -> bool {
         let Some(sb) = self.map().remove(id) else {
             return false;
         };
-        sb.destroy().await;
+        sb.destroy(reason).await;
         info!(sandbox = %id, "agent sandbox removed");
         true
     }
@@ -277,8 +384,30 @@ impl Agents {
     pub async fn shutdown(&self) {
         let ids: Vec<String> = self.map().keys().cloned().collect();
         for id in ids {
-            self.delete(&id).await;
+            self.remove(&id, "shutdown").await;
         }
+    }
+}
+
+/// Makes the directory `target` and its missing parents in a fresh workspace, owned by the sandbox's root.
+fn mount_point(target: &Path, host_id: u32) -> std::io::Result<()> {
+    let mut missing = Vec::new();
+    let mut p = target;
+    while std::fs::symlink_metadata(p).is_err() {
+        missing.push(p.to_owned());
+        match p.parent() {
+            Some(parent) => p = parent,
+            None => break,
+        }
+    }
+    for d in missing.iter().rev() {
+        std::fs::DirBuilder::new().mode(0o755).create(d)?;
+        std::os::unix::fs::lchown(d, Some(host_id), Some(host_id))?;
+    }
+    if std::fs::symlink_metadata(target)?.is_dir() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other("not a directory"))
     }
 }
 

@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use agent_api::{
-    AgentBrief, ContextInjection, CreateSandboxRequest, CreateSandboxResponse, KillRequest,
-    PluginError, ReplayRequest, ResolveRequest, SandboxNetworkAllow, SerializedAgentState,
-    UpdateBriefRequest,
+    AgentBrief, ContextInjection, CreateSandboxRequest, CreateSandboxResponse, CreateVolumeRequest,
+    KillRequest, PluginError, ReplayRequest, ResolveRequest, SandboxNetworkAllow,
+    SerializedAgentState, UpdateBriefRequest,
 };
 use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
@@ -21,7 +21,9 @@ use futures_util::{SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 
 use crate::network::NetworkError;
+use crate::registry::Refusal;
 use crate::sandbox::Sandbox;
+use crate::volumes::{VolumeError, Volumes};
 use crate::Agents;
 
 /// The routes' state: the registry (and through it, the host's token check and settings).
@@ -46,6 +48,14 @@ pub fn router() -> Router<AgentState> {
         .route("/sandboxes/{id}/health", only(get(health), "GET"))
         .route("/sandboxes/{id}/network", only(post(network), "POST"))
         .route("/sandboxes/{id}/events", only(get(events), "GET"))
+        .route(
+            "/volumes",
+            only(post(create_volume).get(list_volumes), "GET, POST"),
+        )
+        .route(
+            "/volumes/{id}",
+            only(get(volume).delete(delete_volume), "GET, DELETE"),
+        )
         .route("/sandboxes/{id}/", any(unknown_path))
         .route("/sandboxes/{id}/{*rest}", any(unknown_path))
 }
@@ -165,7 +175,9 @@ async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Re
         .filter(|h| h.bytes().all(|c| c.is_ascii_graphic()))
         .map(str::to_owned)
         .unwrap_or_else(|| st.host().settings.listen.to_string());
-    match st.create(req).await {
+    let agents = st.clone();
+    let created = detached(async move { agents.create(req).await }).await;
+    match created.and_then(|r| r) {
         Ok(sb) => {
             let base = format!("http://{host}/sandboxes/{}", sb.id);
             (
@@ -179,8 +191,7 @@ async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Re
             )
                 .into_response()
         }
-        Err(e @ PluginError::InvalidState { .. }) => refuse(StatusCode::BAD_REQUEST, e),
-        Err(e) => plugin(e),
+        Err(r) => refused(r),
     }
 }
 
@@ -192,13 +203,14 @@ async fn remove(
     if let Err(r) = lookup(&st, &headers, &id) {
         return *r;
     }
-    if st.delete(&id).await {
-        StatusCode::NO_CONTENT.into_response()
-    } else {
-        refuse(
+    let (agents, owned) = (st.clone(), id.clone());
+    match detached(async move { agents.delete(&owned).await }).await {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => refuse(
             StatusCode::NOT_FOUND,
             PluginError::invalid("No such sandbox"),
-        )
+        ),
+        Err(r) => refused(r),
     }
 }
 
@@ -437,6 +449,98 @@ async fn stream_events(sb: Arc<Sandbox>, ws: WebSocket) {
     }
     hub.detach(g);
     tracing::Span::current().record("delivered", delivered);
+}
+
+/// Runs `work` as a task of its own and waits for it: a client that goes away mid-request (its handler dropped)
+/// cannot cut a creation or a removal short and leave its state half made. A panic is 503.
+async fn detached<T: Send + 'static>(
+    work: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, Refusal> {
+    tokio::spawn(work).await.map_err(|e| {
+        Refusal::from(PluginError::ProviderUnavailable {
+            message: format!("The request failed: {e}"),
+            retryable: false,
+        })
+    })
+}
+
+/// Auth, then the volumes (`capability_unsupported` when the host has none).
+fn volumes(st: &AgentState, headers: &HeaderMap) -> Result<Arc<Volumes>, Box<Response>> {
+    if !st.host().auth.authorized(headers) {
+        return Err(Box::new(unauthorized()));
+    }
+    st.volumes().cloned().ok_or_else(|| {
+        Box::new(plugin(PluginError::CapabilityUnsupported {
+            capability: "volumes".into(),
+        }))
+    })
+}
+
+fn volume_refused(e: VolumeError) -> Response {
+    let (status, error) = e.plugin();
+    refused(Refusal { status, error })
+}
+
+fn refused(r: Refusal) -> Response {
+    refuse(
+        StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        r.error,
+    )
+}
+
+/// `POST /volumes` → 201 `Volume`.
+async fn create_volume(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Response {
+    let vols = match volumes(&st, &headers) {
+        Ok(v) => v,
+        Err(r) => return *r,
+    };
+    let req: CreateVolumeRequest = match body(&st, b).await {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    match detached(async move { vols.create(req).await }).await {
+        Ok(Ok(v)) => (StatusCode::CREATED, Json(v)).into_response(),
+        Ok(Err(e)) => volume_refused(e),
+        Err(r) => refused(r),
+    }
+}
+
+/// `GET /volumes` → `{volumes: [Volume]}`.
+async fn list_volumes(State(st): State<AgentState>, headers: HeaderMap) -> Response {
+    match volumes(&st, &headers) {
+        Ok(v) => Json(serde_json::json!({ "volumes": v.list() })).into_response(),
+        Err(r) => *r,
+    }
+}
+
+/// `GET /volumes/<id>` → `Volume`.
+async fn volume(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    match volumes(&st, &headers).map(|v| v.get(&id)) {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(e)) => volume_refused(e),
+        Err(r) => *r,
+    }
+}
+
+/// `DELETE /volumes/<id>` → 204; 409 while a sandbox mounts it.
+async fn delete_volume(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let vols = match volumes(&st, &headers) {
+        Ok(v) => v,
+        Err(r) => return *r,
+    };
+    match detached(async move { vols.delete(&id).await }).await {
+        Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Err(e)) => volume_refused(e),
+        Err(r) => refused(r),
+    }
 }
 
 #[cfg(test)]

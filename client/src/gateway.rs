@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use agent_api::{
     AdapterEvent, AgentBrief, AgentHandle, ContextInjection, CreateSandboxRequest,
-    CreateSandboxResponse, KillRequest, KillResponse, PluginError, ReplayResponse,
-    SandboxHealthResponse, SandboxNetworkAllow, SequenceRange, SerializedAgentState,
+    CreateSandboxResponse, CreateVolumeRequest, KillRequest, KillResponse, PluginError,
+    ReplayResponse, SandboxHealthResponse, SandboxNetworkAllow, SequenceRange,
+    SerializedAgentState, Volume,
 };
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
@@ -253,6 +254,36 @@ impl Gateway {
     pub async fn delete(&self, id: &str) -> Result<(), GatewayError> {
         self.http
             .delete(&format!("{}/sandboxes/{id}", self.base))
+            .await
+    }
+
+    /// `POST /volumes`: a volume of `size_mb` that outlives the sandboxes it is mounted into.
+    pub async fn create_volume(&self, req: &CreateVolumeRequest) -> Result<Volume, GatewayError> {
+        let url = format!("{}/volumes", self.base);
+        self.http.call("POST", &url, req).await
+    }
+
+    /// `GET /volumes`.
+    pub async fn volumes(&self) -> Result<Vec<Volume>, GatewayError> {
+        #[derive(serde::Deserialize)]
+        struct List {
+            volumes: Vec<Volume>,
+        }
+        let url = format!("{}/volumes", self.base);
+        let list: List = self.http.call("GET", &url, &()).await?;
+        Ok(list.volumes)
+    }
+
+    /// `GET /volumes/<id>`.
+    pub async fn volume(&self, id: &str) -> Result<Volume, GatewayError> {
+        let url = format!("{}/volumes/{id}", self.base);
+        self.http.call("GET", &url, &()).await
+    }
+
+    /// `DELETE /volumes/<id>` (refused while a sandbox mounts it).
+    pub async fn delete_volume(&self, id: &str) -> Result<(), GatewayError> {
+        self.http
+            .delete(&format!("{}/volumes/{id}", self.base))
             .await
     }
 

@@ -96,7 +96,11 @@ mod tests {
             assert!(seen.insert(c.id), "duplicate id {}", c.id);
             let parts: Vec<&str> = c.id.split('.').collect();
             assert_eq!(parts.len(), 3, "{}", c.id);
-            assert!(matches!(parts[0], "P" | "I" | "R" | "E" | "A"), "{}", c.id);
+            assert!(
+                matches!(parts[0], "P" | "I" | "R" | "E" | "A" | "V"),
+                "{}",
+                c.id
+            );
             assert!(parts[2].parse::<u32>().is_ok(), "{}", c.id);
             assert!(!c.requirement.is_empty() && !c.title.is_empty(), "{}", c.id);
         }

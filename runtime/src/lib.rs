@@ -19,6 +19,7 @@ pub mod cgroups;
 pub mod direct;
 pub mod error;
 pub mod helper;
+pub mod idmap;
 pub mod init;
 pub mod ipc;
 pub mod landlock;

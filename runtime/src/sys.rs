@@ -1,7 +1,8 @@
 //! The few raw system calls nix does not wrap, each checked and with its `SAFETY` argument.
 
+use std::ffi::CStr;
 use std::ffi::OsStr;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 
@@ -246,6 +247,69 @@ pub fn tcp_listener_in_netns(
         })?
         .join()
         .unwrap_or_else(|_| Err(std::io::Error::other("the netns-listen thread panicked")))
+}
+
+/// `open_tree(dirfd, path, OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC)`: a detached copy of the mount
+/// tree at `path` (at `dirfd` itself for an empty path).
+pub fn open_tree(dirfd: RawFd, path: &CStr) -> nix::Result<OwnedFd> {
+    let mut flags =
+        libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as libc::c_uint;
+    if path.is_empty() {
+        // The mount `dirfd` itself.
+        flags |= libc::AT_EMPTY_PATH as libc::c_uint;
+    }
+    // SAFETY: `path` is a NUL-terminated string that outlives the call; the kernel only reads it.
+    let fd = unsafe { libc::syscall(libc::SYS_open_tree, dirfd, path.as_ptr(), flags) };
+    let fd = nix::errno::Errno::result(fd)?;
+    let fd = RawFd::try_from(fd).map_err(|_| nix::Error::EBADF)?;
+    // SAFETY: open_tree returned a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `mount_setattr(tree, "", AT_EMPTY_PATH | AT_RECURSIVE)`: sets (and clears) attributes on every mount of the
+/// detached tree; with `userns`, also `MOUNT_ATTR_IDMAP` with that user namespace's mapping.
+pub fn set_tree_attrs(
+    tree: &OwnedFd,
+    (set, clear): (u64, u64),
+    userns: Option<BorrowedFd<'_>>,
+) -> nix::Result<()> {
+    let attr = libc::mount_attr {
+        attr_set: set | userns.map_or(0, |_| libc::MOUNT_ATTR_IDMAP),
+        attr_clr: clear,
+        propagation: 0,
+        userns_fd: userns.map_or(0, |fd| fd.as_raw_fd() as u64),
+    };
+    // SAFETY: `attr` is a valid `struct mount_attr` of the size passed and the empty path a NUL-terminated string;
+    // both outlive the call and the kernel only reads them (the user namespace's descriptor is borrowed for it).
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_RECURSIVE,
+            &attr as *const libc::mount_attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    nix::errno::Errno::result(rc).map(drop)
+}
+
+/// `move_mount(tree, "", target, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH)`: attaches the detached
+/// tree on what `target` names.
+pub fn move_mount_onto(tree: &OwnedFd, target: &OwnedFd) -> nix::Result<()> {
+    // SAFETY: both paths are the empty NUL-terminated string, which the kernel only reads; the descriptors are
+    // open for the whole call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            target.as_raw_fd(),
+            c"".as_ptr(),
+            libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    };
+    nix::errno::Errno::result(rc).map(drop)
 }
 
 #[cfg(test)]

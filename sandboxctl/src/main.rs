@@ -184,6 +184,9 @@ enum Command {
     /// Agent sandboxes: create, spawn, events, kill, rm (JSON in, JSON out).
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// Volumes that outlive agent sandboxes: create, ls, show, rm (JSON out).
+    #[command(subcommand)]
+    Volume(VolumeCommand),
     /// A fleet of daemons (`--endpoints`, `--dns` or `--k8s-service`).
     #[command(subcommand)]
     Fleet(FleetCommand),
@@ -241,6 +244,31 @@ enum SandboxCommand {
     /// DELETE /sandboxes/ID.
     Rm {
         /// Sandbox id.
+        id: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum VolumeCommand {
+    /// POST /volumes; prints the volume.
+    Create {
+        /// Size (the quota), MiB.
+        #[arg(long)]
+        size_mb: u64,
+        /// A name for people.
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// GET /volumes; prints one volume per line.
+    Ls,
+    /// GET /volumes/ID; prints the volume (its mounts and last recovery scan).
+    Show {
+        /// Volume id.
+        id: String,
+    },
+    /// DELETE /volumes/ID (refused while a sandbox mounts it).
+    Rm {
+        /// Volume id.
         id: String,
     },
 }
@@ -397,6 +425,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Ping { json } => ping(options, json).await,
         Command::Health => health(&cli.url()).await,
         Command::Sandbox(cmd) => sandbox(&url, token, cmd).await,
+        Command::Volume(cmd) => volume(&url, token, cmd).await,
     }
 }
 
@@ -567,6 +596,39 @@ async fn sandbox(
         Ok(())
     }
     .await;
+    gateway_exit(outcome).await
+}
+
+async fn volume(url: &str, token: Option<String>, cmd: VolumeCommand) -> anyhow::Result<ExitCode> {
+    use client::gateway::{Gateway, GatewayError};
+    let gw = Gateway::new(&http_base(url)?, token.as_deref().unwrap_or_default());
+    let outcome: Result<(), GatewayError> = async {
+        match cmd {
+            VolumeCommand::Create { size_mb, name } => {
+                let req = agent_api::CreateVolumeRequest { size_mb, name };
+                let _ = print_json(&gw.create_volume(&req).await?).await;
+            }
+            VolumeCommand::Ls => {
+                for v in gw.volumes().await? {
+                    let _ = print_json(&v).await;
+                }
+            }
+            VolumeCommand::Show { id } => {
+                let _ = print_json(&gw.volume(&id).await?).await;
+            }
+            VolumeCommand::Rm { id } => gw.delete_volume(&id).await?,
+        }
+        Ok(())
+    }
+    .await;
+    gateway_exit(outcome).await
+}
+
+/// The exit code of a gateway call: 0, or the refusal said on stderr and its code.
+async fn gateway_exit(
+    outcome: Result<(), client::gateway::GatewayError>,
+) -> anyhow::Result<ExitCode> {
+    use client::gateway::GatewayError;
     match outcome {
         Ok(()) => Ok(Exit::Ok0.into()),
         Err(e) => {

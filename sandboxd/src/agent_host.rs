@@ -58,6 +58,13 @@ pub fn host(engine: &Arc<Engine>) -> Host {
         network: engine
             .egress()
             .map(|e| Arc::new(EgressNetwork(e.clone())) as Arc<dyn Network>),
+        disks: match crate::volumes::Ext4Disks::probe() {
+            Ok(d) => Some(Arc::new(d) as Arc<dyn agents::volumes::Disks>),
+            Err(why) => {
+                tracing::warn!(reason = %why, "no volumes on this host (POST /volumes: 422 capability_unsupported)");
+                None
+            }
+        },
     }
 }
 

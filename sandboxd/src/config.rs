@@ -434,9 +434,16 @@ impl Config {
         positive("agents.disk_mb", a.disk_mb)?;
         positive("agents.timeout_ms", a.timeout_ms)?;
         positive("agents.pids_max", a.pids_max)?;
+        positive("agents.max_volumes", a.max_volumes as u64)?;
         positive("agents.max_body_bytes", a.max_body_bytes as u64)?;
         positive("agents.upload_attempts", a.upload_attempts as u64)?;
         positive("agents.max_line_bytes", a.max_line_bytes)?;
+        if a.volume_max_mb < agents::volumes::MIN_VOLUME_MB {
+            return Err(ConfigError::Value {
+                key: "agents.volume_max_mb",
+                reason: format!("must be at least {} (MiB)", agents::volumes::MIN_VOLUME_MB),
+            });
+        }
         // A budget smaller than one event could never hold it: refused rather than silently dropping everything.
         let event = a.max_line_bytes.saturating_add(AGENT_STAMP_BYTES);
         let queued = event.saturating_add(AGENT_QUEUED_OVERHEAD);

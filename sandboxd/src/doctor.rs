@@ -276,6 +276,14 @@ fn filesystem_checks() -> Vec<Check> {
         "modprobe overlay (needed for OCI images, not for the host image)",
         false,
     ));
+    let volumes = crate::volumes::Ext4Disks::probe();
+    out.push(check(
+        "volumes",
+        volumes.is_ok(),
+        volumes.err().unwrap_or_else(|| "ext4 files on loop devices".into()),
+        "install e2fsprogs and mount, and give the daemon loop devices (needed for POST /volumes only)",
+        false,
+    ));
     out
 }
 

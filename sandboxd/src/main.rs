@@ -25,6 +25,7 @@ mod store;
 mod telemetry;
 mod tools;
 mod upload;
+mod volumes;
 mod warm;
 
 use std::io::Write;

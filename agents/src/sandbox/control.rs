@@ -188,22 +188,23 @@ impl Sandbox {
                 }
                 let mut failure = None;
                 if kind == "artifact" {
-                    match self
-                        .backend
-                        .upload_artifact(
-                            &self.host.store,
-                            &self.workspace.workspace(),
-                            self.host.settings.max_artifact_bytes,
-                            &mut event,
-                        )
-                        .await
-                    {
+                    let written = event
+                        .get("uri")
+                        .and_then(Value::as_str)
+                        .and_then(|uri| self.written_volume(uri));
+                    match self.upload_artifact(&mut event).await {
                         Ok(()) => {
                             if event.contains_key("contentHash") {
                                 self.shared().uploads += 1;
                             }
                         }
                         Err(e) => failure = Some(e),
+                    }
+                    if let Some((volumes, volume, path)) = written {
+                        let uploaded = failure.is_none() && event.contains_key("contentHash");
+                        volumes
+                            .record_artifact(&volume, &self.id, path, uploaded)
+                            .await;
                     }
                 }
                 self.hub.emit(run_id, event);

@@ -22,8 +22,9 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn, Instrument};
 
 use super::{line, unavailable, Ops, Run, Sandbox, COMMAND_QUEUE, CONTROL_SOCKET};
-use crate::container::{Ended, RunContainer, RunPlan};
+use crate::container::{BoxFuture, Ended, RunContainer, RunPlan};
 use crate::network::Serving;
+use crate::volumes::{Mounted, Volumes};
 
 impl Sandbox {
     /// Starts the sandbox's background tasks: token renewal and the lifetime limit.
@@ -392,9 +393,10 @@ impl Sandbox {
         })
     }
 
-    /// Kills the run (if any), stops the tasks, closes the egress proxy and removes the workspace. Idempotent.
+    /// Kills the run (if any), stops the tasks, closes the egress proxy, scans the volumes it wrote (`reason`:
+    /// `deleted` or `shutdown`), removes the workspace and frees its volumes. Idempotent.
     #[tracing::instrument(name = "agent_destroy", skip_all, fields(sandbox = %self.id))]
-    pub async fn destroy(&self) {
+    pub async fn destroy(&self, reason: &str) {
         let mut ops = self.ops.lock().await;
         if Self::live(&ops).is_some() {
             if let Err(e) = self
@@ -424,7 +426,66 @@ impl Sandbox {
             network.close();
         }
         self.hub.close();
+        let mounts = std::mem::take(&mut *self.mounts.lock().unwrap_or_else(|p| p.into_inner()));
+        self.scan_volumes(&mounts, reason).await;
+        // The volumes' binds go with the workspace's tmpfs; only then are they free for another writer.
         self.workspace.remove().await;
+        if let Some(volumes) = &self.volumes {
+            for m in mounts {
+                volumes
+                    .release(&m.volume, &self.id, &m.path, m.read_only)
+                    .await;
+            }
+        }
+    }
+
+    /// Scans each volume it wrote (a failed upload is retried with its credentials).
+    async fn scan_volumes(&self, mounts: &[Mounted], reason: &str) {
+        let Some(volumes) = &self.volumes else {
+            return;
+        };
+        for m in mounts {
+            if !m.read_only {
+                let reupload = |rel: String| -> BoxFuture<'_, bool> {
+                    let uri = format!("{}/{rel}", m.path);
+                    Box::pin(async move {
+                        let mut event = serde_json::Map::new();
+                        event.insert("type".into(), "artifact".into());
+                        event.insert("uri".into(), uri.into());
+                        let uploaded = self.upload_artifact(&mut event).await;
+                        uploaded.is_ok() && event.contains_key("uri")
+                    })
+                };
+                volumes
+                    .recover(&m.volume, &self.id, reason, &reupload)
+                    .await;
+            }
+        }
+    }
+
+    /// Uploads the file an `ArtifactEvent` names from this sandbox's workspace ([`Backend::upload_artifact`]).
+    pub(super) async fn upload_artifact(
+        &self,
+        event: &mut serde_json::Map<String, Value>,
+    ) -> Result<(), crate::backend::ArtifactError> {
+        self.backend
+            .upload_artifact(
+                &self.host.store,
+                &self.workspace.workspace(),
+                self.host.settings.max_artifact_bytes,
+                event,
+            )
+            .await
+    }
+
+    /// The volume a sandbox path lies in (written by this sandbox) and its path there.
+    pub(super) fn written_volume(&self, uri: &str) -> Option<(Arc<Volumes>, String, String)> {
+        let volumes = self.volumes.clone()?;
+        let mounts = self.mounts.lock().unwrap_or_else(|p| p.into_inner());
+        mounts
+            .iter()
+            .filter(|m| !m.read_only)
+            .find_map(|m| Some((volumes.clone(), m.volume.clone(), m.inside(uri)?)))
     }
 }
 

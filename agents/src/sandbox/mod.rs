@@ -40,6 +40,7 @@ use crate::container::{RunContainer, Workspace};
 use crate::events::Hub;
 use crate::host::Host;
 use crate::network::{NetworkError, SandboxEgress};
+use crate::volumes::{Mounted, Volumes};
 
 /// Name of the control socket in the code directory (`/sandbox` inside).
 pub const CONTROL_SOCKET: &str = "control.sock";
@@ -110,6 +111,9 @@ pub struct Sandbox {
     workspace: Arc<dyn Workspace>,
     /// The egress proxy, when the sandbox was created with `network`.
     network: Option<SandboxEgress>,
+    /// The volumes mounted into it (emptied at its removal).
+    volumes: Option<Arc<Volumes>>,
+    mounts: Mutex<Vec<Mounted>>,
     ops: tokio::sync::Mutex<Ops>,
     shared: Mutex<Shared>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -138,8 +142,13 @@ impl Sandbox {
         hub: Arc<Hub>,
         workspace: Arc<dyn Workspace>,
         network: Option<SandboxEgress>,
+        volumes: Option<(Arc<Volumes>, Vec<Mounted>)>,
         host: Host,
     ) -> Arc<Self> {
+        let (volumes, mounts) = match volumes {
+            Some((v, m)) => (Some(v), m),
+            None => (None, Vec::new()),
+        };
         let dir = workspace.dir().to_owned();
         Arc::new(Self {
             id,
@@ -152,6 +161,8 @@ impl Sandbox {
             dir,
             workspace,
             network,
+            volumes,
+            mounts: Mutex::new(mounts),
             ops: tokio::sync::Mutex::new(Ops::default()),
             shared: Mutex::new(Shared::default()),
             tasks: Mutex::new(Vec::new()),

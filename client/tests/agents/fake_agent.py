@@ -10,6 +10,9 @@ brief.providerConfig.script: a list of steps, each one of
   {"big_line": N}                  write a line of N bytes (not JSON)
   {"write": {"path": P, "content": C}}   write a file under /workspace
   {"artifact": {"path": P, "artifactId": A}}  write nothing, emit an ArtifactEvent with uri /workspace/P
+  {"fill": {"path": P, "bytes": N}}  write N bytes to /workspace/P in 1 MiB chunks; status "fill P: wrote W: R",
+                                   R "ok" or the errno's name (ENOSPC, EROFS, ...)
+  {"read": P}                      status "read P: CONTENT uid U" (or "read P: ERRNO")
   {"wait": "resolve"|"inject_context"|"update_brief"|"shutdown"}  wait for that command, echo it as a status event
   {"busy": true}                   spin forever (CPU)
   {"sleep_ms": N}
@@ -20,6 +23,7 @@ After the script it echoes every command it gets as a status event, answers "shu
 FAKE_AGENT_SIGTERM=1 does the same on SIGTERM (otherwise SIGTERM, which a kill with grace sends together with the
 "shutdown" line, is ignored); FAKE_AGENT_IGNORE_SHUTDOWN=1 ignores the "shutdown" line.
 """
+import errno
 import json
 import os
 import signal
@@ -94,6 +98,26 @@ for position, step in enumerate(script):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(step["write"]["content"])
+    elif "fill" in step:
+        path, left, wrote, result = os.path.join("/workspace", step["fill"]["path"]), step["fill"]["bytes"], 0, "ok"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                while left > 0:
+                    k = f.write(b"\0" * min(left, 1 << 20))
+                    f.flush()
+                    wrote, left = wrote + k, left - k
+                os.fsync(f.fileno())
+        except OSError as e:
+            result = errno.errorcode.get(e.errno, str(e.errno))
+        status("fill %s: wrote %d: %s" % (step["fill"]["path"], wrote, result))
+    elif "read" in step:
+        path = os.path.join("/workspace", step["read"])
+        try:
+            with open(path) as f:
+                status("read %s: %s uid %d" % (step["read"], f.read(), os.stat(path).st_uid))
+        except OSError as e:
+            status("read %s: %s" % (step["read"], errno.errorcode.get(e.errno, str(e.errno))))
     elif "artifact" in step:
         a = step["artifact"]
         emit({"type": "artifact", "artifactId": a["artifactId"], "name": a["path"], "kind": "document",

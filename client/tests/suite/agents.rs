@@ -24,20 +24,20 @@ const SECRET: &str = "sekrit-backend-token-4711";
 
 /// One request the fake backend received.
 #[derive(Debug, Clone)]
-struct Seen {
-    path: String,
+pub(super) struct Seen {
+    pub(super) path: String,
     auth: String,
     body: Vec<u8>,
 }
 
 /// A fake backend: `POST /api/artifacts` answers a `backendUri`, `POST /api/token/renew` a new token.
-struct Backend {
-    port: u16,
+pub(super) struct Backend {
+    pub(super) port: u16,
     seen: Arc<Mutex<Vec<Seen>>>,
 }
 
 impl Backend {
-    async fn start() -> Backend {
+    pub(super) async fn start() -> Backend {
         Self::start_refusing(None).await
     }
 
@@ -116,7 +116,7 @@ impl Backend {
         Backend { port, seen }
     }
 
-    fn seen(&self) -> Vec<Seen> {
+    pub(super) fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
     }
 }
@@ -148,7 +148,7 @@ pub(super) fn create_request(backend_port: u16, token_ttl_s: i64) -> CreateSandb
     .unwrap()
 }
 
-fn brief(script: Value) -> AgentBrief {
+pub(super) fn brief(script: Value) -> AgentBrief {
     serde_json::from_value(json!({
         "agentId": "agent-1", "role": "Test Agent", "workstream": "w",
         "providerConfig": {"script": script}
@@ -157,7 +157,7 @@ fn brief(script: Value) -> AgentBrief {
 }
 
 /// Reads events until one matches, within `deadline`; returns everything read.
-async fn until(
+pub(super) async fn until(
     events: &mut EventStream,
     what: &str,
     deadline: Duration,
@@ -188,14 +188,14 @@ fn is(e: &AdapterEvent, ty: &str) -> bool {
     e.event["type"] == ty
 }
 
-fn status_contains(e: &AdapterEvent, text: &str) -> bool {
+pub(super) fn status_contains(e: &AdapterEvent, text: &str) -> bool {
     is(e, "status")
         && e.event["message"]
             .as_str()
             .is_some_and(|m| m.contains(text))
 }
 
-fn plugin_err(r: Result<impl std::fmt::Debug, GatewayError>) -> (u16, PluginError) {
+pub(super) fn plugin_err(r: Result<impl std::fmt::Debug, GatewayError>) -> (u16, PluginError) {
     match r {
         Err(GatewayError::Plugin { status, error }) => (status, error),
         other => panic!("expected a PluginError, got {other:?}"),
@@ -213,7 +213,7 @@ async fn start_with_sandbox() -> Option<(Daemon, Gateway, Backend, SandboxClient
     Some((d, gw, backend, sb))
 }
 
-async fn start() -> Option<(Daemon, Gateway)> {
+pub(super) async fn start() -> Option<(Daemon, Gateway)> {
     let bin = require_daemon("agent sandboxes")?;
     let d = Daemon::start(&bin, DaemonOpts::default()).await;
     let gw = Gateway::new(&d.http_base(), &d.token);
@@ -236,7 +236,7 @@ fn cgroup_leaves(parent: &str) -> Vec<PathBuf> {
 }
 
 /// Mounts of the daemon's mount namespace under `dir`.
-fn mounts_under(pid: i32, dir: &Path) -> Vec<String> {
+pub(super) fn mounts_under(pid: i32, dir: &Path) -> Vec<String> {
     let info = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap_or_default();
     let d = dir.display().to_string();
     info.lines()
@@ -1313,18 +1313,7 @@ async fn sandboxctl_sandbox_commands() {
         serde_json::to_vec(&brief(json!([{"emit_many": 3, "every_ms": 0}]))).unwrap(),
     )
     .unwrap();
-    let ctl = |args: &[&str]| {
-        let out = std::process::Command::new(sandboxctl())
-            .args(["--url", &d.url(), "--token", &d.token])
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let ctl = |args: &[&str]| d.sandboxctl(args);
     let (code, out, err) = ctl(&["sandbox", "create", "--request", req.to_str().unwrap()]);
     assert_eq!(code, Some(0), "{err}");
     let created: Value = serde_json::from_str(&out).unwrap();

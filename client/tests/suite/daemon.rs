@@ -294,6 +294,20 @@ impl Daemon {
         self.uid_base..self.uid_base + 2 * self.max_concurrent as u32
     }
 
+    /// Runs `sandboxctl` against this daemon (its URL and token) with `args`: exit code, stdout, stderr.
+    pub fn sandboxctl(&self, args: &[&str]) -> (Option<i32>, String, String) {
+        let out = std::process::Command::new(sandboxctl())
+            .args(["--url", &self.url(), "--token", &self.token])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
     /// The daemon's log so far (every start).
     pub fn log(&self) -> String {
         daemon::log(self.dir.path())

@@ -19,3 +19,4 @@ mod readme;
 mod sandboxctl;
 mod tls;
 mod tools;
+mod volumes;

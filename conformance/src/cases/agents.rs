@@ -19,8 +19,9 @@ use crate::framework::{Case, CaseResult, Stop};
 use crate::wire::short;
 use crate::{check, fail, skip};
 
-/// The agent program: connects to `$SANDBOXD_CONTROL_SOCKET`, reads its brief, emits the script's events, then
-/// answers `shutdown` by exiting 0.
+/// The agent program: connects to `$SANDBOXD_CONTROL_SOCKET`, reads its brief, follows the script (`emit` an event,
+/// `emit_many` status events, `write` a file under `/workspace`, `read` one into a status event), then answers
+/// `shutdown` by exiting 0.
 const AGENT: &str = r#"import json, os, socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(os.environ["SANDBOXD_CONTROL_SOCKET"])
@@ -33,6 +34,12 @@ emit({"type": "status", "message": "brief received"})
 for step in (brief["brief"].get("providerConfig") or {}).get("script", []):
     if "emit" in step: emit(step["emit"])
     for i in range(step.get("emit_many", 0)): emit({"type": "status", "message": "tick %d" % i})
+    if "write" in step:
+        with open("/workspace/" + step["write"]["path"], "w") as f: f.write(step["write"]["content"])
+    if "read" in step:
+        try:
+            with open("/workspace/" + step["read"]) as f: emit({"type": "status", "message": "read " + f.read()})
+        except OSError as e: emit({"type": "status", "message": "read failed: errno %d" % e.errno})
 for line in r:
     if json.loads(line)["type"] == "shutdown": sys.exit(0)
 "#;
@@ -125,7 +132,7 @@ pub static CASES: &[Case] = &[
 
 /// One HTTP/1.1 request (`Connection: close`): status and JSON body (`Value::Null` when empty, a string when not
 /// JSON).
-async fn http(
+pub(super) async fn http(
     ctx: &Ctx,
     method: &str,
     path: &str,
@@ -200,7 +207,13 @@ fn dechunk(s: &str) -> String {
 }
 
 /// Checks a PluginError body with `code`.
-fn plugin_error(what: &str, status: u16, want: u16, body: &Value, code: &str) -> Result<(), Stop> {
+pub(super) fn plugin_error(
+    what: &str,
+    status: u16,
+    want: u16,
+    body: &Value,
+    code: &str,
+) -> Result<(), Stop> {
     check!(
         status == want,
         "{what}: HTTP {status}, expected {want}: {}",
@@ -214,7 +227,7 @@ fn plugin_error(what: &str, status: u16, want: u16, body: &Value, code: &str) ->
     Ok(())
 }
 
-fn create_body() -> Value {
+pub(super) fn create_body() -> Value {
     let expires = protocol::format_ts(time_in(3600));
     json!({
         "workspaceRequirements": {"mounts": [], "capabilities": ["terminal"],
@@ -255,7 +268,7 @@ async fn create(ctx: &Ctx) -> Result<String, Stop> {
         .ok_or_else(|| Stop::Fail(format!("POST /sandboxes: no id: {}", short(&body))))
 }
 
-async fn remove(ctx: &Ctx, id: &str) {
+pub(super) async fn remove(ctx: &Ctx, id: &str) {
     let _ = http(
         ctx,
         "DELETE",
@@ -278,7 +291,7 @@ where
     r
 }
 
-async fn spawn(ctx: &Ctx, id: &str, script: Value) -> Result<Value, Stop> {
+pub(super) async fn spawn(ctx: &Ctx, id: &str, script: Value) -> Result<Value, Stop> {
     let brief =
         json!({"agentId": "agent-1", "role": "conformance", "providerConfig": {"script": script}});
     let (status, h) = http(
@@ -307,7 +320,7 @@ async fn read_events(ctx: &Ctx, id: &str, n: usize) -> Result<Vec<Value>, Stop> 
 }
 
 /// One gateway connection to `WS /events`.
-struct Events {
+pub(super) struct Events {
     url: String,
     ws: tokio_tungstenite::WebSocketStream<
         tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
@@ -315,7 +328,7 @@ struct Events {
 }
 
 impl Events {
-    async fn open(ctx: &Ctx, id: &str) -> Result<Self, Stop> {
+    pub(super) async fn open(ctx: &Ctx, id: &str) -> Result<Self, Stop> {
         let (host, port) = ctx.endpoint_host_port();
         let url = format!("ws://{host}:{port}/sandboxes/{id}/events");
         let mut req = url
@@ -333,7 +346,7 @@ impl Events {
     }
 
     /// The next `n` events.
-    async fn next(&mut self, ctx: &Ctx, n: usize) -> Result<Vec<Value>, Stop> {
+    pub(super) async fn next(&mut self, ctx: &Ctx, n: usize) -> Result<Vec<Value>, Stop> {
         let mut out = Vec::new();
         let deadline = tokio::time::Instant::now() + ctx.secs(30);
         while out.len() < n {
@@ -363,7 +376,7 @@ impl Events {
         Ok(out)
     }
 
-    async fn close(mut self) {
+    pub(super) async fn close(mut self) {
         let _ = self.ws.close(None).await;
     }
 }

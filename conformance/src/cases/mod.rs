@@ -1,5 +1,5 @@
 //! Every case of the suite, by spec section (`P.*`), isolation posture (`I.*`), resources and lifecycle (`R.*`)
-//! and extension (`E.*`); the helpers they share are in [`common`]. Ids are stable: a case is never renumbered,
+//! extension (`E.*`), agent sandboxes (`A.*`) and volumes (`V.*`); the helpers they share are in [`common`]. Ids are stable: a case is never renumbered,
 //! a retired id is not reused.
 
 use crate::framework::Case;
@@ -16,6 +16,7 @@ pub mod resources;
 pub mod sequences;
 pub mod tools;
 pub mod transport;
+pub mod volumes;
 
 /// Every case, in run order: the groups' tables one after the other.
 pub fn all() -> Vec<Case> {
@@ -31,6 +32,7 @@ pub fn all() -> Vec<Case> {
         tools::CASES,
         network::CASES,
         agents::CASES,
+        volumes::CASES,
     ]
     .concat()
 }

@@ -21,6 +21,7 @@ use super::handshake::{GO, OK, REPORT_MAX};
 use super::plan::{Blueprint, MountKind, MountStep};
 use crate::init::InitExecutor;
 use crate::ipc;
+use crate::sys;
 
 /// The host device nodes bound into the container's `/dev` (the OCI default set).
 const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
@@ -316,71 +317,18 @@ fn bind_tree(
     target: &OwnedFd,
     what: &str,
 ) -> Result<(), Failed> {
-    let tree = step(format_args!("{what}: open_tree"), open_tree(dirfd, source))?;
+    let tree = step(
+        format_args!("{what}: open_tree"),
+        sys::open_tree(dirfd, source),
+    )?;
     step(
         format_args!("{what}: mount_setattr"),
-        set_tree_attrs(&tree, attrs),
+        sys::set_tree_attrs(&tree, attrs, None),
     )?;
-    step(format_args!("{what}: move_mount"), attach(&tree, target))
-}
-
-/// `open_tree(dirfd, path, OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC)`: a detached copy of the mount
-/// tree at `path` (at `dirfd` itself for an empty path).
-fn open_tree(dirfd: RawFd, path: &CStr) -> nix::Result<OwnedFd> {
-    let mut flags =
-        libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as libc::c_uint;
-    if path.is_empty() {
-        // The mount `dirfd` itself.
-        flags |= libc::AT_EMPTY_PATH as libc::c_uint;
-    }
-    // SAFETY: `path` is a NUL-terminated string that outlives the call; the kernel only reads it.
-    let fd = unsafe { libc::syscall(libc::SYS_open_tree, dirfd, path.as_ptr(), flags) };
-    let fd = nix::errno::Errno::result(fd)?;
-    let fd = RawFd::try_from(fd).map_err(|_| nix::Error::EBADF)?;
-    // SAFETY: open_tree returned a new descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// `mount_setattr(tree, "", AT_EMPTY_PATH | AT_RECURSIVE)`: sets (and clears) attributes on every mount of the
-/// detached tree.
-fn set_tree_attrs(tree: &OwnedFd, (set, clear): (u64, u64)) -> nix::Result<()> {
-    let attr = libc::mount_attr {
-        attr_set: set,
-        attr_clr: clear,
-        propagation: 0,
-        userns_fd: 0,
-    };
-    // SAFETY: `attr` is a valid `struct mount_attr` of the size passed and the empty path a NUL-terminated string;
-    // both outlive the call and the kernel only reads them.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH | libc::AT_RECURSIVE,
-            &attr as *const libc::mount_attr,
-            std::mem::size_of::<libc::mount_attr>(),
-        )
-    };
-    nix::errno::Errno::result(rc).map(drop)
-}
-
-/// `move_mount(tree, "", target, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH)`: attaches the detached
-/// tree on what `target` names.
-fn attach(tree: &OwnedFd, target: &OwnedFd) -> nix::Result<()> {
-    // SAFETY: both paths are the empty NUL-terminated string, which the kernel only reads; the descriptors are
-    // open for the whole call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_move_mount,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            target.as_raw_fd(),
-            c"".as_ptr(),
-            libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
-        )
-    };
-    nix::errno::Errno::result(rc).map(drop)
+    step(
+        format_args!("{what}: move_mount"),
+        sys::move_mount_onto(&tree, target),
+    )
 }
 
 /// Remounts a bind mount with `flags` added to the flags it must keep: a mount copied from the helper's

@@ -76,6 +76,7 @@ impl Rig {
             uploads: Arc::new(HttpUploads),
             auth: Arc::new(Tokens(Arc::new(vec!["t".into()]))),
             network: None,
+            disks: None,
         };
         std::fs::create_dir_all(dir.path().join("state")).unwrap();
         Self {
@@ -442,7 +443,12 @@ async fn delete_ends_the_run_removes_the_workspace_and_frees_the_sandbox_slot() 
     let rig = Rig::new(1, 1 << 20);
     let (sb, _events) = running_agent(&rig).await;
     // One sandbox at most: the next is refused, retryably.
-    match rig.agents.create(create_request()).await {
+    match rig
+        .agents
+        .create(create_request())
+        .await
+        .map_err(|r| r.error)
+    {
         Err(PluginError::ProviderUnavailable { retryable, message }) => {
             assert!(retryable);
             assert!(message.contains("agents.max_sandboxes"), "{message}");

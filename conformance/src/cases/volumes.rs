@@ -1,0 +1,310 @@
+//! V.*: volumes (`POST /volumes`, `docs/spec/agent-sandboxes.md`): filesystems that outlive the agent sandboxes
+//! they are mounted into. A server without them (`POST /volumes` answered 404, 405 or 422
+//! `capability_unsupported`) skips them; one that has them but cannot make one (503) fails.
+
+use serde_json::{json, Value};
+
+use super::agents::{create_body, http, plugin_error, remove, spawn, Events};
+use super::common::{case, C};
+use crate::ctx::Ctx;
+use crate::framework::{Case, CaseResult, Stop};
+use crate::wire::short;
+use crate::{check, fail, skip};
+
+const LIFECYCLE: &str = "`POST /volumes {sizeMb}` answers 201 `{id, sizeBytes, usedBytes, createdAt, attachments}`; `GET /volumes/<id>` and `GET /volumes` show it; `DELETE` answers 204, then `GET` 404.";
+const REFUSALS: &str = "Volume routes need the bearer token (401); an unknown id gets 404, a size out of bounds 400, each with a PluginError body.";
+const OUTLIVES: &str = "A file written on a volume by one sandbox's agent is read by the next sandbox's; while a sandbox mounts it read-write a second writer gets 409 and `DELETE /volumes/<id>` 409.";
+
+/// The cases of this group, in id order.
+pub static CASES: &[Case] = &[
+    case!(
+        "V.1.1",
+        Must,
+        "volumes",
+        "Volumes are created, shown, listed and deleted",
+        LIFECYCLE,
+        lifecycle
+    ),
+    case!(
+        "V.1.2",
+        Must,
+        "volumes",
+        "Volume refusals: 401, 404, 400 PluginError",
+        REFUSALS,
+        refusals
+    ),
+    case!(
+        "V.2.1",
+        Must,
+        "volumes",
+        "A volume outlives its writer; one writer at a time",
+        OUTLIVES,
+        outlives
+    ),
+];
+
+/// Creates a volume of `size_mb`; skips when the server has no volumes.
+async fn create_volume(ctx: &Ctx, size_mb: u64) -> Result<Value, Stop> {
+    let body = json!({"sizeMb": size_mb}).to_string();
+    let (status, v) = http(
+        ctx,
+        "POST",
+        "/volumes",
+        body.as_bytes(),
+        Some(&ctx.cfg.token),
+    )
+    .await?;
+    if status == 404 || status == 405 || (status == 422 && v["capability"] == "volumes") {
+        skip!("the server has no volumes (POST /volumes: HTTP {status})");
+    }
+    check!(
+        status == 201,
+        "POST /volumes: HTTP {status}, expected 201: {}",
+        short(&v)
+    );
+    check!(
+        v["id"].as_str().is_some_and(|i| !i.is_empty()),
+        "POST /volumes: no id: {}",
+        short(&v)
+    );
+    Ok(v)
+}
+
+async fn get_volume(ctx: &Ctx, id: &str) -> Result<(u16, Value), Stop> {
+    http(
+        ctx,
+        "GET",
+        &format!("/volumes/{id}"),
+        b"",
+        Some(&ctx.cfg.token),
+    )
+    .await
+}
+
+async fn delete_volume(ctx: &Ctx, id: &str) -> Result<(u16, Value), Stop> {
+    http(
+        ctx,
+        "DELETE",
+        &format!("/volumes/{id}"),
+        b"",
+        Some(&ctx.cfg.token),
+    )
+    .await
+}
+
+async fn lifecycle(ctx: C) -> CaseResult {
+    let v = create_volume(&ctx, 16).await?;
+    let id = v["id"].as_str().unwrap_or_default().to_owned();
+    let r = async {
+        check!(
+            v["sizeBytes"] == 16u64 << 20
+                && v["usedBytes"].is_u64()
+                && v["createdAt"].is_string()
+                && v["attachments"] == json!([]),
+            "POST /volumes: not a new 16 MiB volume: {}",
+            short(&v)
+        );
+        let (status, got) = get_volume(&ctx, &id).await?;
+        check!(
+            status == 200 && got["id"] == id.as_str(),
+            "GET /volumes/{id}: HTTP {status}: {}",
+            short(&got)
+        );
+        let (status, list) = http(&ctx, "GET", "/volumes", b"", Some(&ctx.cfg.token)).await?;
+        let listed = list["volumes"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|x| x["id"] == id.as_str()));
+        check!(
+            status == 200 && listed,
+            "GET /volumes: HTTP {status}, {id} not listed: {}",
+            short(&list)
+        );
+        Ok(())
+    }
+    .await;
+    let (status, body) = delete_volume(&ctx, &id).await?;
+    r?;
+    check!(
+        status == 204,
+        "DELETE /volumes/{id}: HTTP {status}: {}",
+        short(&body)
+    );
+    let (status, body) = get_volume(&ctx, &id).await?;
+    plugin_error("GET after DELETE", status, 404, &body, "invalid_state")?;
+    Ok(format!("created, shown, listed and deleted {id}"))
+}
+
+async fn refusals(ctx: C) -> CaseResult {
+    // Whether the server has volumes at all (skips when not); removed at once.
+    let v = create_volume(&ctx, 8).await?;
+    delete_volume(&ctx, v["id"].as_str().unwrap_or_default()).await?;
+    let (status, body) = http(&ctx, "GET", "/volumes", b"", None).await?;
+    plugin_error(
+        "GET /volumes without a token",
+        status,
+        401,
+        &body,
+        "invalid_state",
+    )?;
+    let (status, body) = http(
+        &ctx,
+        "POST",
+        "/volumes",
+        b"{\"sizeMb\": 8}",
+        Some("wrong-token"),
+    )
+    .await?;
+    plugin_error(
+        "POST /volumes with a wrong token",
+        status,
+        401,
+        &body,
+        "invalid_state",
+    )?;
+    for method in ["GET", "DELETE"] {
+        let (status, body) = http(
+            &ctx,
+            method,
+            "/volumes/vol-conformance-none",
+            b"",
+            Some(&ctx.cfg.token),
+        )
+        .await?;
+        plugin_error(
+            &format!("{method} of an unknown volume"),
+            status,
+            404,
+            &body,
+            "invalid_state",
+        )?;
+    }
+    for size in [0u64, 1 << 40] {
+        let req = json!({"sizeMb": size}).to_string();
+        let (status, body) = http(
+            &ctx,
+            "POST",
+            "/volumes",
+            req.as_bytes(),
+            Some(&ctx.cfg.token),
+        )
+        .await?;
+        plugin_error(
+            &format!("POST /volumes sizeMb {size}"),
+            status,
+            400,
+            &body,
+            "invalid_state",
+        )?;
+    }
+    Ok("401, 404 and 400 with PluginError bodies".into())
+}
+
+/// A sandbox with the volume mounted read-write at `/workspace/data`: its id, or the refusal.
+async fn sandbox_on(ctx: &Ctx, volume: &str) -> Result<Result<String, (u16, Value)>, Stop> {
+    let mut body = create_body();
+    body["workspaceRequirements"]["mounts"] =
+        json!([{"volume": volume, "path": "/workspace/data"}]);
+    let (status, v) = http(
+        ctx,
+        "POST",
+        "/sandboxes",
+        body.to_string().as_bytes(),
+        Some(&ctx.cfg.token),
+    )
+    .await?;
+    if status == 404 || status == 405 {
+        skip!("the server has no agent sandboxes (POST /sandboxes: HTTP {status})");
+    }
+    match (status, v["id"].as_str()) {
+        (201, Some(id)) => Ok(Ok(id.to_owned())),
+        _ => Ok(Err((status, v))),
+    }
+}
+
+/// Runs `script` in sandbox `id` and returns the first status message starting with `prefix`.
+async fn status_from(ctx: &Ctx, id: &str, script: Value, prefix: &str) -> Result<String, Stop> {
+    let mut events = Events::open(ctx, id).await?;
+    spawn(ctx, id, script).await?;
+    for _ in 0..20 {
+        let e = events.next(ctx, 1).await?.remove(0);
+        if let Some(m) = e["event"]["message"]
+            .as_str()
+            .filter(|m| m.starts_with(prefix))
+        {
+            let m = m.to_owned();
+            events.close().await;
+            return Ok(m);
+        }
+    }
+    events.close().await;
+    fail!("no status {prefix:?} in the first 20 events")
+}
+
+async fn outlives(ctx: C) -> CaseResult {
+    let v = create_volume(&ctx, 16).await?;
+    let vid = v["id"].as_str().unwrap_or_default().to_owned();
+    let mut made = Vec::new();
+    let r = outlives_on(&ctx, &vid, &mut made).await;
+    for id in made {
+        remove(&ctx, &id).await;
+    }
+    let (status, body) = delete_volume(&ctx, &vid).await?;
+    let said = r?;
+    check!(
+        status == 204,
+        "DELETE /volumes/{vid} after its sandboxes: HTTP {status}: {}",
+        short(&body)
+    );
+    Ok(said)
+}
+
+async fn outlives_on(ctx: &Ctx, vid: &str, made: &mut Vec<String>) -> CaseResult {
+    let first = match sandbox_on(ctx, vid).await? {
+        Ok(id) => id,
+        Err((status, body)) => fail!(
+            "POST /sandboxes with the volume mounted: HTTP {status}: {}",
+            short(&body)
+        ),
+    };
+    made.push(first.clone());
+    let script =
+        json!([{"write": {"path": "data/kept.txt", "content": "kept"}}, {"read": "data/kept.txt"}]);
+    let m = status_from(ctx, &first, script, "read").await?;
+    check!(
+        m == "read kept",
+        "the writer could not write its volume: {m:?}"
+    );
+    match sandbox_on(ctx, vid).await? {
+        Ok(id) => {
+            made.push(id);
+            fail!("a second sandbox mounted the volume read-write while the first one did")
+        }
+        Err((status, body)) => {
+            plugin_error("a second writer", status, 409, &body, "invalid_state")?
+        }
+    }
+    let (status, body) = delete_volume(ctx, vid).await?;
+    plugin_error(
+        "DELETE of a mounted volume",
+        status,
+        409,
+        &body,
+        "invalid_state",
+    )?;
+    remove(ctx, &first).await;
+    made.clear();
+    let next = match sandbox_on(ctx, vid).await? {
+        Ok(id) => id,
+        Err((status, body)) => fail!(
+            "POST /sandboxes after the writer's deletion: HTTP {status}: {}",
+            short(&body)
+        ),
+    };
+    made.push(next.clone());
+    let m = status_from(ctx, &next, json!([{"read": "data/kept.txt"}]), "read").await?;
+    check!(
+        m == "read kept",
+        "the next sandbox did not find the file: {m:?}"
+    );
+    Ok("the next sandbox read the file; second writer and deletion refused with 409".into())
+}
