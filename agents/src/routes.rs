@@ -452,10 +452,12 @@ async fn stream_events(sb: Arc<Sandbox>, ws: WebSocket) {
 }
 
 /// Runs `work` as a task of its own and waits for it: a client that goes away mid-request (its handler dropped)
-/// cannot cut a creation or a removal short and leave its state half made. A panic is 503.
+/// cannot cut a creation or a removal short and leave its state half made. It stays in the request's span. A panic
+/// is 503.
 async fn detached<T: Send + 'static>(
     work: impl std::future::Future<Output = T> + Send + 'static,
 ) -> Result<T, Refusal> {
+    let work = tracing::Instrument::instrument(work, tracing::Span::current());
     tokio::spawn(work).await.map_err(|e| {
         Refusal::from(PluginError::ProviderUnavailable {
             message: format!("The request failed: {e}"),

@@ -412,6 +412,48 @@ impl Volumes {
         host_id: u32,
         read_only: bool,
     ) -> Result<(), VolumeError> {
+        let source = self.reserve(id, sandbox, path, read_only).await?;
+        let target = target.to_owned();
+        let done = self
+            .blocking(move |v| v.disks.attach(&source, &target, host_id, read_only))
+            .await
+            .and_then(|r| r);
+        if let Err(e) = done {
+            self.release(id, sandbox, path, read_only).await;
+            return Err(disk("mount", id, e));
+        }
+        Ok(())
+    }
+
+    /// Claims volume `id` for `holder` (an execution: `execution:<id>`) at `path`, mounted, for a container to
+    /// bind; released when the claim is dropped (once the container is gone). A second writer is refused.
+    pub async fn claim(
+        self: &Arc<Self>,
+        id: &str,
+        holder: &str,
+        path: &str,
+        read_only: bool,
+    ) -> Result<Claim, VolumeError> {
+        let source = self.reserve(id, holder, path, read_only).await?;
+        Ok(Claim {
+            volumes: self.clone(),
+            id: id.to_owned(),
+            holder: holder.to_owned(),
+            path: path.to_owned(),
+            read_only,
+            source: source.join("mnt"),
+        })
+    }
+
+    /// Notes `holder`'s mount (a writer refused while there is one; a writer written to `volume.json` before it
+    /// can write anything) and mounts the volume: its directory.
+    async fn reserve(
+        self: &Arc<Self>,
+        id: &str,
+        holder: &str,
+        path: &str,
+        read_only: bool,
+    ) -> Result<PathBuf, VolumeError> {
         {
             let mut entries = self.entries();
             let e = live(&mut entries, id)?;
@@ -422,31 +464,32 @@ impl Volumes {
                         writer: w.sandbox_id.clone(),
                     });
                 }
-                e.meta.writer = Some(sandbox.to_owned());
+                e.meta.writer = Some(holder.to_owned());
             }
             e.attachments.push(VolumeAttachment {
-                sandbox_id: sandbox.to_owned(),
+                sandbox_id: holder.to_owned(),
                 path: path.to_owned(),
                 read_only,
             });
         }
-        let (owned, target) = (id.to_owned(), target.to_owned());
+        let owned = id.to_owned();
         let done = self
-            .blocking(move |v| -> Result<(), BoxError> {
+            .blocking(move |v| -> Result<PathBuf, BoxError> {
                 let _disk = v.disk();
                 let dir = v.path(&owned);
-                // The writer is on disk before it can write anything.
                 v.persist(&owned)?;
                 v.disks.mount(&dir)?;
-                v.disks.attach(&dir, &target, host_id, read_only)
+                Ok(dir)
             })
             .await
             .and_then(|r| r);
-        if let Err(e) = done {
-            self.release(id, sandbox, path, read_only).await;
-            return Err(disk("mount", id, e));
+        match done {
+            Ok(dir) => Ok(dir),
+            Err(e) => {
+                self.release(id, holder, path, read_only).await;
+                Err(disk("mount", id, e))
+            }
         }
-        Ok(())
     }
 
     /// Forgets sandbox `sandbox`'s mount of volume `id` at `path` (its workspace, which held the bind, is gone); a
@@ -557,6 +600,64 @@ impl Volumes {
             .await;
         if !matches!(saved, Ok(Ok(()))) {
             error!(volume = %id, "cannot save a volume's recovery report");
+        }
+    }
+}
+
+/// A volume claimed for an execution's container ([`Volumes::claim`]); dropping it releases the volume.
+pub struct Claim {
+    volumes: Arc<Volumes>,
+    id: String,
+    holder: String,
+    path: String,
+    read_only: bool,
+    source: PathBuf,
+}
+
+impl Claim {
+    /// The volume's filesystem on the host, to bind (with the container's idmapping).
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// Where it goes inside.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Whether it is mounted read-only.
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+}
+
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("volume", &self.id)
+            .field("holder", &self.holder)
+            .field("path", &self.path)
+            .field("read_only", &self.read_only)
+            .finish()
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let (volumes, id, holder, path) = (
+            self.volumes.clone(),
+            std::mem::take(&mut self.id),
+            std::mem::take(&mut self.holder),
+            std::mem::take(&mut self.path),
+        );
+        let read_only = self.read_only;
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move { volumes.release(&id, &holder, &path, read_only).await });
+            }
+            Err(_) => {
+                error!(volume = %id, holder, "a volume claim dropped outside the runtime stays held")
+            }
         }
     }
 }

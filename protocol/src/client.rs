@@ -147,6 +147,69 @@ pub struct ExecuteRequest {
     /// Egress through the server's proxy (extension `network`); `None`: no network, as always.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkRequest>,
+    /// Volumes of the server's mounted under the working directory (extension `volumes`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<MountRequest>,
+}
+
+/// The most volumes one execution may mount.
+pub const MAX_MOUNTS: usize = 8;
+
+/// `execute.mounts[]` (extension `volumes`): a volume (`POST /volumes`) mounted at `path`, under `/workspace`;
+/// read-write by one holder at a time (an execution or an agent sandbox), read-only by any number.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MountRequest {
+    /// The volume's id.
+    pub volume: String,
+    /// Where: `/workspace/<relative path>`.
+    pub path: String,
+    /// Mounted read-only.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+impl MountRequest {
+    /// `path` relative to `/workspace`.
+    pub fn relative(&self) -> &str {
+        self.path.strip_prefix("/workspace/").unwrap_or_default()
+    }
+}
+
+/// Checks `mounts`: at most [`MAX_MOUNTS`], each a volume id and a path under `/workspace` (not `/workspace`
+/// itself), no volume twice, none inside another, no input file inside one.
+fn check_mounts(mounts: &[MountRequest], files: &[FileSpec]) -> Result<(), String> {
+    if mounts.len() > MAX_MOUNTS {
+        return Err(format!("Field mounts: at most {MAX_MOUNTS} volumes"));
+    }
+    let under = |x: &str, y: &str| x == y || x.starts_with(&format!("{y}/"));
+    for (i, m) in mounts.iter().enumerate() {
+        if m.volume.is_empty() || m.volume.len() > 64 || m.volume.contains('/') {
+            return Err(format!("Field mounts[{i}].volume: not a volume id"));
+        }
+        let rel = m.path.strip_prefix("/workspace/").ok_or_else(|| {
+            format!(
+                "Field mounts[{i}].path: {:?} is not under /workspace",
+                m.path
+            )
+        })?;
+        validate_relative_path(rel).map_err(|e| format!("Field mounts[{i}].path: {e}"))?;
+        for (j, other) in mounts[..i].iter().enumerate() {
+            if other.volume == m.volume
+                || under(rel, other.relative())
+                || under(other.relative(), rel)
+            {
+                return Err(format!("Field mounts[{i}]: overlaps mounts[{j}]"));
+            }
+        }
+        if let Some(f) = files.iter().find(|f| under(&f.path, rel)) {
+            return Err(format!(
+                "Field files: {} lies in the volume mounted at {}",
+                f.path, m.path
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The most entries `network.allow` may list.
@@ -222,6 +285,7 @@ impl ExecuteRequest {
             warm: None,
             network: None,
             traceparent: None,
+            mounts: Vec::new(),
         }
     }
 
@@ -267,6 +331,9 @@ impl ExecuteRequest {
             return fail(message);
         }
         if let Some(Err(message)) = self.network.as_ref().map(NetworkRequest::check) {
+            return fail(message);
+        }
+        if let Err(message) = check_mounts(&self.mounts, &self.files) {
             return fail(message);
         }
         Ok(())
@@ -476,6 +543,8 @@ struct ExecuteBody {
     traceparent: Option<String>,
     #[serde(default)]
     network: Option<NetworkRequest>,
+    #[serde(default)]
+    mounts: Option<Vec<MountRequest>>,
 }
 
 /// The fields of `tool_result` besides the envelope. Unknown fields are refused.
@@ -659,6 +728,7 @@ fn parse_execute(
         warm: body.warm,
         traceparent: body.traceparent,
         network: body.network,
+        mounts: body.mounts.unwrap_or_default(),
     };
     request.validate()?;
     Ok(request)

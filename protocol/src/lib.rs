@@ -31,8 +31,8 @@ pub mod validate;
 pub use artifacts::{Artifact, ArtifactManifest, DroppedArtifacts, SkippedArtifact};
 pub use client::{
     is_traceparent, parse_client_message, ArtifactsRequest, CancelRequest, ClientMessage,
-    ExecuteRequest, FileContentError, FileEncoding, FileSpec, NetworkRequest, PingRequest,
-    MAX_NETWORK_ALLOW,
+    ExecuteRequest, FileContentError, FileEncoding, FileSpec, MountRequest, NetworkRequest,
+    PingRequest, MAX_MOUNTS, MAX_NETWORK_ALLOW,
 };
 pub use envelope::{
     format_ts, is_valid_id, now_ts, parse_ts, TimestampError, MAX_ID_LEN, PROTOCOL_VERSION,

@@ -343,6 +343,10 @@ struct ExecArgs {
     /// Bytes the program may exchange with the outside, both directions together (server default and maximum).
     #[arg(long, value_name = "N", requires = "allow")]
     egress_bytes: Option<u64>,
+    /// Mount volume VOLUME (`sandboxctl volume create`) at /workspace/PATH, read-only with `:ro` (extension
+    /// `volumes`; repeatable).
+    #[arg(long = "mount", value_name = "VOLUME=PATH[:ro]")]
+    mounts: Vec<String>,
 }
 
 /// `--cpu-cores`: a number of cores the protocol accepts.
@@ -814,6 +818,20 @@ async fn build_request(args: &ExecArgs) -> anyhow::Result<ExecuteRequest> {
             .with_context(|| format!("--env {kv:?}: expected K=V"))?;
         request.env.insert(k.to_owned(), v.to_owned());
     }
+    for spec in &args.mounts {
+        let (volume, place) = spec
+            .split_once('=')
+            .with_context(|| format!("--mount {spec:?}: expected VOLUME=PATH[:ro]"))?;
+        let (path, read_only) = match place.strip_suffix(":ro") {
+            Some(path) => (path, true),
+            None => (place, false),
+        };
+        request.mounts.push(protocol::MountRequest {
+            volume: volume.to_owned(),
+            path: format!("/workspace/{}", path.trim_start_matches('/')),
+            read_only,
+        });
+    }
     for spec in &args.files {
         let (path, local) = spec
             .split_once('=')
@@ -1138,6 +1156,24 @@ mod tests {
         assert_eq!(request_of(&exec_args(&[]).unwrap()).network, None);
         let err = exec_args(&["--egress-bytes", "5"]).unwrap_err();
         assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+    }
+
+    #[test]
+    fn mounts_become_the_request_s_mounts() {
+        let args = exec_args(&["--mount", "vol-a=data", "--mount", "vol-b=ref/x:ro"]).unwrap();
+        let req = request_of(&args);
+        let got: Vec<(&str, &str, bool)> = req
+            .mounts
+            .iter()
+            .map(|m| (m.volume.as_str(), m.path.as_str(), m.read_only))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("vol-a", "/workspace/data", false),
+                ("vol-b", "/workspace/ref/x", true)
+            ]
+        );
     }
 
     #[test]

@@ -508,6 +508,9 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     info!(%addr, "listening");
     let agents = agents::Agents::new(agent_host::host(&engine)).context("agent sandboxes")?;
+    if let Some(volumes) = agents.volumes() {
+        engine.set_volumes(volumes.clone());
+    }
     let state = server::AppState {
         engine: engine.clone(),
         tokens: Arc::new(config.auth.tokens.clone()),

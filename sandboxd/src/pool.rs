@@ -29,7 +29,9 @@ use tokio::sync::Notify;
 use tracing::{debug, error, info, warn, Instrument};
 
 use crate::containers::helper::{HelperBackend, Helpers};
-use crate::containers::{ContainerBackend, ContainerHandle, CreateError, Plan, WorkspacePlan};
+use crate::containers::{
+    ContainerBackend, ContainerHandle, CreateError, Plan, VolumeBind, WorkspacePlan,
+};
 use crate::images::LanguageRuntime;
 use agents::container::Workspace;
 use runtime::error::Chain;
@@ -106,6 +108,8 @@ pub struct Container {
     pub interpreter: bool,
     /// The container itself, behind the backend's seam.
     pub handle: Box<dyn ContainerHandle>,
+    /// The volumes it binds, released once it is removed (dropped with it).
+    pub claims: Vec<agents::volumes::Claim>,
 }
 
 /// What the pool needs to create containers: the backend, host uids, ids, and the count of removals under way.
@@ -182,14 +186,14 @@ impl Factory {
         self.backend.shutdown().await
     }
 
-    /// Creates a container for `lang` with `disk_mb` of scratch space and `limits` in its cgroup; `warm`: its
-    /// init starts the language's warm interpreter, if it has one.
+    /// Creates a container for `lang` with `disk_mb` of scratch space and `limits` in its cgroup, and `volumes`
+    /// bound under `/workspace`; `warm`: its init starts the language's warm interpreter, if it has one.
     pub async fn create(
         &self,
         lang: &LanguageRuntime,
-        disk_mb: u64,
-        limits: &Limits,
+        (disk_mb, limits): (u64, &Limits),
         warm: bool,
+        volumes: &[VolumeBind],
     ) -> Result<Container, CreateError> {
         let host_id = self.uids.take().await;
         let cid = format!(
@@ -204,6 +208,7 @@ impl Factory {
             disk_mb,
             limits,
             warm: warm && lang.warm.is_some(),
+            volumes,
         };
         let interpreter = plan.warm;
         match self.backend.create(plan).await {
@@ -213,6 +218,7 @@ impl Factory {
                 warm: false,
                 interpreter,
                 handle,
+                claims: Vec::new(),
             }),
             Err(e) => {
                 self.uids.give_back(host_id);
@@ -411,7 +417,9 @@ impl Pool {
             }
             while have + creating.len() < self.size && creating.len() < parallel {
                 let (factory, rt) = (self.factory.clone(), rt.clone());
-                creating.spawn(async move { factory.create(&rt, POOL_DISK_MB, &max, true).await });
+                creating.spawn(async move {
+                    factory.create(&rt, (POOL_DISK_MB, &max), true, &[]).await
+                });
             }
             if creating.is_empty() {
                 notified.await;
@@ -461,7 +469,22 @@ impl Pool {
             self.replenish(lang);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        self.factory.create(rt, limits.disk_mb, limits, false).await
+        self.factory
+            .create(rt, (limits.disk_mb, limits), false, &[])
+            .await
+    }
+
+    /// A container created for an execution that mounts volumes (never a pooled one: binds are made at creation).
+    pub async fn take_with_volumes(
+        &self,
+        rt: &LanguageRuntime,
+        limits: &Limits,
+        volumes: &[VolumeBind],
+    ) -> Result<Container, CreateError> {
+        self.touch();
+        self.factory
+            .create(rt, (limits.disk_mb, limits), false, volumes)
+            .await
     }
 
     /// Lets the language's refill task top the pool up (after an execution that took a ready container ended).

@@ -309,7 +309,8 @@ fn execute(
     }
 }
 
-/// Refusals that need the engine: language availability, unsupported extensions, files bigger than the scratch.
+/// Refusals that need the engine: language availability, unsupported extensions, unknown volumes, files bigger
+/// than the scratch.
 fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessage> {
     let id = Some(req.id.clone());
     if engine.language(req.language).is_none() {
@@ -333,6 +334,9 @@ fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessag
         if let Err(refusal) = checked {
             return Some(refusal);
         }
+    }
+    if let Err(message) = engine.check_mounts(req) {
+        return Some(ErrorMessage::new(id, ErrorCode::InvalidRequest, message));
     }
     if let Some(a) = &req.artifacts {
         if let Err(e) =

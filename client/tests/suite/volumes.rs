@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use agent_api::{AdapterEvent, CreateVolumeRequest, Volume};
 use client::gateway::{Gateway, GatewayError, SandboxClient};
+use client::Execute as _;
 use serde_json::{json, Value};
 
 use super::agents::{
@@ -374,4 +375,108 @@ async fn sandboxctl_volume_commands() {
     assert_eq!(code, Some(0), "{err}");
     let (code, out, _) = ctl(&["volume", "ls"]);
     assert_eq!((code, out.as_str()), (Some(0), ""));
+}
+
+fn execution(code: &str, mounts: Value) -> client::ExecuteRequest {
+    let mut req = client::ExecuteRequest::new(
+        client::new_execution_id(),
+        client::Language::Shell,
+        code,
+        client::RequestedLimits::new(20_000, 128),
+    );
+    req.mounts = serde_json::from_value(mounts).unwrap();
+    req
+}
+
+/// Executions (extension `volumes`): a file written by one read-write execution is read by the next, as the
+/// container's own root's; a read-only mount refuses writes; a writer is refused while a sandbox writes the
+/// volume; unknown volumes and bad paths are `INVALID_REQUEST`; the volume is free once the execution is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executions_mount_volumes() {
+    let Some((d, gw)) = start().await else {
+        return;
+    };
+    let pool = client::Pool::builder(d.url())
+        .token(d.token.clone())
+        .build()
+        .unwrap();
+    let v = volume(&gw, 16).await;
+    let rw = json!([{"volume": v.id, "path": "/workspace/data"}]);
+    let ro = json!([{"volume": v.id, "path": "/workspace/ref", "read_only": true}]);
+
+    let r = pool
+        .execute(execution(
+            "echo kept > data/f && stat -c %u data/f && ls",
+            rw.clone(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    assert!(r.stdout_text().starts_with("0\n"), "{r:?}");
+    let r = pool
+        .execute(execution(
+            "cat ref/f; echo x > ref/g || echo refused",
+            ro.clone(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_text(), "kept\nrefused\n", "{r:?}");
+    assert!(r.stderr_text().contains("Read-only file system"), "{r:?}");
+
+    // While a sandbox writes the volume, an execution may read it but not write it.
+    let backend = Backend::start().await;
+    let sb = sandbox(
+        &gw,
+        &backend,
+        json!([{"volume": v.id, "path": "/workspace/data"}]),
+    )
+    .await
+    .unwrap();
+    let e = pool
+        .execute(execution("true", rw.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(protocol::ErrorCode::InvalidRequest), "{e}");
+    assert!(e.to_string().contains(sb.id()), "{e}");
+    let r = pool.execute(execution("cat ref/f", ro)).await.unwrap();
+    assert_eq!(r.stdout_text(), "kept\n", "{r:?}");
+    gw.delete(sb.id()).await.unwrap();
+
+    for (mounts, says) in [
+        (
+            json!([{"volume": "vol-nope", "path": "/workspace/x"}]),
+            "No volume",
+        ),
+        (
+            json!([{"volume": v.id, "path": "/etc"}]),
+            "not under /workspace",
+        ),
+        (
+            json!([{"volume": v.id, "path": "/workspace/a"}, {"volume": v.id, "path": "/workspace/b"}]),
+            "overlaps",
+        ),
+    ] {
+        let e = pool
+            .execute(execution("true", mounts.clone()))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.code(),
+            Some(protocol::ErrorCode::InvalidRequest),
+            "{mounts}: {e}"
+        );
+        assert!(e.to_string().contains(says), "{mounts}: {e}");
+    }
+    // Released once the executions are over (removal runs in the background).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let held = gw.volume(&v.id).await.unwrap().attachments;
+        if held.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "still held: {held:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    gw.delete_volume(&v.id).await.unwrap();
+    nothing_mounted(&d);
 }

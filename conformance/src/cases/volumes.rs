@@ -5,14 +5,15 @@
 use serde_json::{json, Value};
 
 use super::agents::{create_body, http, plugin_error, remove, spawn, Events};
-use super::common::{case, C};
-use crate::ctx::Ctx;
+use super::common::{case, refused, text, C};
+use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::wire::short;
 use crate::{check, fail, skip};
 
 const LIFECYCLE: &str = "`POST /volumes {sizeMb}` answers 201 `{id, sizeBytes, usedBytes, createdAt, attachments}`; `GET /volumes/<id>` and `GET /volumes` show it; `DELETE` answers 204, then `GET` 404.";
 const REFUSALS: &str = "Volume routes need the bearer token (401); an unknown id gets 404, a size out of bounds 400, each with a PluginError body.";
+const EXECUTIONS: &str = "With the `volumes` extension announced, `execute.mounts: [{volume, path, read_only}]` mounts a volume under `/workspace`: a file one execution writes there the next reads, a `read_only` mount refuses writes, and an unknown volume gets `INVALID_REQUEST`.";
 const OUTLIVES: &str = "A file written on a volume by one sandbox's agent is read by the next sandbox's; while a sandbox mounts it read-write a second writer gets 409 and `DELETE /volumes/<id>` 409.";
 
 /// The cases of this group, in id order.
@@ -40,6 +41,14 @@ pub static CASES: &[Case] = &[
         "A volume outlives its writer; one writer at a time",
         OUTLIVES,
         outlives
+    ),
+    case!(
+        "V.3.1",
+        Must,
+        "volumes",
+        "Executions mount volumes (execute.mounts)",
+        EXECUTIONS,
+        executions
     ),
 ];
 
@@ -307,4 +316,69 @@ async fn outlives_on(ctx: &Ctx, vid: &str, made: &mut Vec<String>) -> CaseResult
         "the next sandbox did not find the file: {m:?}"
     );
     Ok("the next sandbox read the file; second writer and deletion refused with 409".into())
+}
+
+async fn executions(ctx: C) -> CaseResult {
+    if ctx.extension("volumes") != Some(true) {
+        skip!("the volumes extension is not announced in pong.capabilities.extensions");
+    }
+    let sh = ctx.shell()?;
+    let v = create_volume(&ctx, 16).await?;
+    let vid = v["id"].as_str().unwrap_or_default().to_owned();
+    let r = executions_on(&ctx, sh, &vid).await;
+    let (status, body) = delete_volume(&ctx, &vid).await?;
+    let said = r?;
+    check!(
+        status == 204,
+        "DELETE /volumes/{vid} after the executions: HTTP {status}: {}",
+        short(&body)
+    );
+    Ok(said)
+}
+
+async fn executions_on(ctx: &Ctx, sh: &str, vid: &str) -> CaseResult {
+    let mut c = ctx.connect().await?;
+    let mounts = |read_only: bool| json!({"mounts": [{"volume": vid, "path": "/workspace/vol", "read_only": read_only}]});
+    let id = ctx.id("volw");
+    let e = c
+        .run(
+            &ctx.exec_with(&id, sh, "echo kept > vol/f && echo ok", mounts(false)),
+            ctx.end_within(TIMEOUT_MS),
+        )
+        .await?;
+    check!(
+        e.terminal_status().as_deref() == Some("completed") && e.stdout_text().trim() == "ok",
+        "the writing execution did not write its volume: {}",
+        e.dump()
+    );
+    let id = ctx.id("volr");
+    let code = "cat vol/f; echo x > vol/g 2>/dev/null || echo refused";
+    let e = c
+        .run(
+            &ctx.exec_with(&id, sh, code, mounts(true)),
+            ctx.end_within(TIMEOUT_MS),
+        )
+        .await?;
+    check!(
+        e.stdout_text() == "kept\nrefused\n",
+        "the next execution did not read the file, or wrote a read-only volume: {}",
+        e.dump()
+    );
+    let id = ctx.id("volx");
+    let exec = ctx.exec_with(
+        &id,
+        sh,
+        "true",
+        json!({"mounts": [{"volume": "vol-conformance-none", "path": "/workspace/x"}]}),
+    );
+    refused(
+        ctx,
+        &mut c,
+        text(&exec),
+        "INVALID_REQUEST",
+        Some(&id),
+        &["mounts"],
+    )
+    .await?;
+    Ok("written, read back read-only, unknown volume refused".into())
 }

@@ -271,7 +271,7 @@ fn unknown_fields_in_execute_are_refused() {
     );
     assert_eq!(
         err.message,
-        "Unknown field foo; expected one of language, code, stdin, env, limits, files, artifacts, tools, tool_timeout_ms, warm, traceparent, network"
+        "Unknown field foo; expected one of language, code, stdin, env, limits, files, artifacts, tools, tool_timeout_ms, warm, traceparent, network, mounts"
     );
     let text = execute_with(|o| {
         drop(
@@ -682,5 +682,78 @@ fn traceparent_must_be_w3c() {
             err.message
         );
         assert_eq!(err.id.as_deref(), Some("exec_1"));
+    }
+}
+
+#[test]
+fn mounts_stay_under_the_working_directory_and_apart() {
+    let m = |v: &str, p: &str| json!({"volume": v, "path": p});
+    let with = |mounts: Value, files: Value| {
+        execute_with(|o| {
+            o.insert("mounts".into(), mounts);
+            o.insert("files".into(), files);
+        })
+    };
+    let ok = parse_execute(&with(
+        json!([m("vol-a", "/workspace/data"), {"volume": "vol-b", "path": "/workspace/ref/x", "read_only": true}]),
+        json!([{"path": "data2/f", "content": ""}]),
+    ));
+    assert_eq!(ok.mounts.len(), 2);
+    assert_eq!(
+        (ok.mounts[0].relative(), ok.mounts[1].read_only),
+        ("data", true)
+    );
+    let cases = [
+        (
+            json!([m("vol-a", "/workspace")]),
+            json!([]),
+            "mounts[0].path",
+        ),
+        (json!([m("vol-a", "/etc")]), json!([]), "mounts[0].path"),
+        (
+            json!([m("vol-a", "/workspace/../etc")]),
+            json!([]),
+            "mounts[0].path",
+        ),
+        (
+            json!([m("", "/workspace/a")]),
+            json!([]),
+            "mounts[0].volume",
+        ),
+        (
+            json!([m("a/b", "/workspace/a")]),
+            json!([]),
+            "mounts[0].volume",
+        ),
+        (
+            json!([m("vol-a", "/workspace/a"), m("vol-b", "/workspace/a/b")]),
+            json!([]),
+            "mounts[1]",
+        ),
+        (
+            json!([m("vol-a", "/workspace/a"), m("vol-a", "/workspace/b")]),
+            json!([]),
+            "mounts[1]",
+        ),
+        (
+            json!([m("vol-a", "/workspace/a")]),
+            json!([{"path": "a/f", "content": ""}]),
+            "files",
+        ),
+        (
+            json!((0..9)
+                .map(|i| m(&format!("v{i}"), &format!("/workspace/{i}")))
+                .collect::<Vec<_>>()),
+            json!([]),
+            "mounts",
+        ),
+        (
+            json!([{"volume": "v", "path": "/workspace/a", "extra": 1}]),
+            json!([]),
+            "mounts[0]",
+        ),
+    ];
+    for (mounts, files, field) in cases {
+        invalid(&with(mounts.clone(), files), ID, field);
     }
 }

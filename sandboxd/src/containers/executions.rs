@@ -30,10 +30,15 @@ impl ContainerBackend for Arc<HelperBackend> {
     ) -> BoxFuture<'a, Result<Box<dyn ContainerHandle>, CreateError>> {
         Box::pin(async move {
             let this = self.clone();
-            let owned = (plan.cid.to_owned(), plan.lang.clone(), *plan.limits);
+            let owned = (
+                plan.cid.to_owned(),
+                plan.lang.clone(),
+                *plan.limits,
+                plan.volumes.to_vec(),
+            );
             let (host_id, disk_mb, warm) = (plan.host_id, plan.disk_mb, plan.warm);
             let prepared = tokio::task::spawn_blocking(move || {
-                let (cid, lang, limits) = owned;
+                let (cid, lang, limits, volumes) = owned;
                 this.prepare(&Plan {
                     cid: &cid,
                     host_id,
@@ -41,6 +46,7 @@ impl ContainerBackend for Arc<HelperBackend> {
                     disk_mb,
                     limits: &limits,
                     warm,
+                    volumes: &volumes,
                 })
             })
             .await

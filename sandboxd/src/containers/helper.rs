@@ -12,7 +12,7 @@ use runtime::cgroups::Cgroups;
 use runtime::helper::HelperClient;
 use runtime::init::Report;
 use runtime::rootfs::{RootSource, Scratch, CODE_DIR, WORKDIR};
-use runtime::spec::ContainerPlan;
+use runtime::spec::{BindMount, ContainerPlan};
 use tracing::error;
 
 use super::{CreateError, Plan};
@@ -96,6 +96,8 @@ pub(super) struct Bundle<'a> {
     pub cpu_shares: u64,
     pub fsize_bytes: u64,
     pub shm_bytes: u64,
+    /// Binds after the image's and the scratch space's (an execution's volumes).
+    pub extra_binds: Vec<BindMount>,
 }
 
 impl HelperBackend {
@@ -107,6 +109,7 @@ impl HelperBackend {
             RootKind::Oci { .. } => (b.scratch.rootfs(), false, Vec::new()),
         };
         binds.extend(b.scratch.binds());
+        binds.extend(b.extra_binds);
         let plan = ContainerPlan {
             rootfs,
             readonly_root,
@@ -141,9 +144,11 @@ impl HelperBackend {
             disk_mb,
             limits,
             warm: _,
+            volumes,
         } = *plan;
         let disk_bytes = disk_mb << 20;
         let scratch = create_scratch(&self.run_dir, cid, disk_bytes, host_id, &lang.image)?;
+        let extra_binds = bind_volumes(&scratch, volumes, host_id)?;
         let mut args = lang.command.clone();
         args.push(format!("{CODE_DIR}/{}", lang.file_name));
         self.write_bundle(Bundle {
@@ -158,9 +163,31 @@ impl HelperBackend {
             cpu_shares: limits.cpu_shares,
             fsize_bytes: disk_bytes,
             shm_bytes: disk_bytes,
+            extra_binds,
         })?;
         Ok(scratch)
     }
+}
+
+/// Binds each volume, idmapped for `host_id`, at `vol-<n>` on the scratch tmpfs (out of the container's sight; its
+/// lazy unmount takes them with it), and the container's binds of them under `/workspace`.
+fn bind_volumes(
+    scratch: &Scratch,
+    volumes: &[super::VolumeBind],
+    host_id: u32,
+) -> Result<Vec<BindMount>, CreateError> {
+    let mut binds = Vec::with_capacity(volumes.len());
+    for (n, v) in volumes.iter().enumerate() {
+        let at = scratch.dir().join(format!("scratch/vol-{n}"));
+        std::fs::create_dir(&at).map_err(|e| CreateError::Prepare(runtime::Error::io(&at, e)))?;
+        runtime::idmap::bind(&v.source, &at, host_id, v.read_only).map_err(CreateError::Prepare)?;
+        binds.push(BindMount {
+            source: at,
+            destination: Path::new(WORKDIR).join(&v.rel),
+            readonly: v.read_only,
+        });
+    }
+    Ok(binds)
 }
 
 /// `<parent>/<id>/` with its tmpfs of `disk_bytes`, and the overlay root for an OCI image.

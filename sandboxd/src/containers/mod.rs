@@ -60,6 +60,20 @@ pub struct Plan<'a> {
     pub limits: &'a Limits,
     /// Its init starts the language's warm interpreter ([`crate::warm`]) ahead of the launch.
     pub warm: bool,
+    /// Volumes bound under `/workspace` (extension `volumes`).
+    pub volumes: &'a [VolumeBind],
+}
+
+/// A volume bound into an execution's container: its filesystem on the host, shown with the container's
+/// idmapping (owner 0 on disk is the container's root).
+#[derive(Debug, Clone)]
+pub struct VolumeBind {
+    /// The volume's filesystem on the host.
+    pub source: PathBuf,
+    /// Where, relative to `/workspace`.
+    pub rel: String,
+    /// Mounted read-only.
+    pub read_only: bool,
 }
 
 /// What an agent sandbox's workspace is created for: the long-lived kind of container ([`agents::container`]).

@@ -91,6 +91,7 @@ impl HelperWorkspace {
                 cpu_shares: 1024,
                 fsize_bytes: self.disk_bytes,
                 shm_bytes: plan.shm_bytes,
+                extra_binds: Vec::new(),
             })
             .map_err(|e| LongLivedError::Create(Box::new(e)))
     }

@@ -39,7 +39,7 @@ use self::outcome::KillReason;
 use self::streams::{make_stdio, Stdio, Streams};
 use crate::capacity::{Admission, Capacity, Slot};
 use crate::config::Config;
-use crate::containers::{ContainerHandle, EndRecord, PrepareError};
+use crate::containers::{ContainerHandle, EndRecord, PrepareError, VolumeBind};
 use crate::daemon::{Daemon, Drained};
 use crate::images::LanguageRuntime;
 use crate::pool::{Container, Pool};
@@ -69,6 +69,9 @@ pub struct Engine {
     seccomp_digest: String,
     /// The `network` extension, when the operator enabled it.
     egress: Option<Arc<crate::egress::Egress>>,
+    /// The `volumes` extension: the volumes agent sandboxes share (set once, before the server listens, when the
+    /// host can make them).
+    volumes: std::sync::OnceLock<Arc<agents::volumes::Volumes>>,
 }
 
 /// What an execution's body hands back: the messages to send (or the error), and the container to remove.
@@ -94,7 +97,30 @@ impl Engine {
             isolation,
             seccomp_digest,
             egress: egress.map(Arc::new),
+            volumes: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Whether the request's mounts can be served: the extension is there and each volume exists (a second
+    /// writer is only known when the volume is claimed, after the `ack`).
+    pub fn check_mounts(&self, req: &ExecuteRequest) -> Result<(), String> {
+        if req.mounts.is_empty() {
+            return Ok(());
+        }
+        let Some(volumes) = self.volumes.get() else {
+            return Err("Field mounts: this server has no volumes (extension volumes)".into());
+        };
+        for (i, m) in req.mounts.iter().enumerate() {
+            volumes
+                .get(&m.volume)
+                .map_err(|e| format!("Field mounts[{i}]: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Gives executions the volumes (extension `volumes`); once, before the server listens.
+    pub fn set_volumes(&self, volumes: Arc<agents::volumes::Volumes>) {
+        let _ = self.volumes.set(volumes);
     }
 
     /// The `network` extension, when enabled.
@@ -186,6 +212,9 @@ impl Engine {
             .collect();
         if self.egress.is_some() {
             extensions.push("network".to_owned());
+        }
+        if self.volumes.get().is_some() {
+            extensions.push("volumes".to_owned());
         }
         extensions
     }
@@ -345,13 +374,12 @@ impl Engine {
         };
         // Never abandoned half-way: a container being created would be left behind.
         let container = match self
-            .pool
-            .take(req.language, &lang, limits)
+            .take(req, &lang, limits)
             .instrument(tracing::info_span!("container_take"))
             .await
         {
             Ok(c) => c,
-            Err(e) => return (None, Err(ExecError::Create(e).into())),
+            Err(e) => return (None, Err(*e)),
         };
         let taken = t0.elapsed();
         crate::metrics::created(key);
@@ -410,6 +438,68 @@ impl Engine {
             "execution timings"
         );
         (Some(container), finished)
+    }
+
+    /// A container for the request: from the pool, or (extension `volumes`) one created with the request's
+    /// volumes claimed and bound, which it holds until it is removed.
+    async fn take(
+        &self,
+        req: &ExecuteRequest,
+        lang: &LanguageRuntime,
+        limits: &Limits,
+    ) -> Result<Container, Box<Failure>> {
+        if req.mounts.is_empty() {
+            return self
+                .pool
+                .take(req.language, lang, limits)
+                .await
+                .map_err(|e| Box::new(ExecError::Create(e).into()));
+        }
+        let refuse = |message: String| {
+            Box::new(Failure::Refused(ErrorMessage::new(
+                Some(req.id.clone()),
+                ErrorCode::InvalidRequest,
+                message,
+            )))
+        };
+        let Some(volumes) = self.volumes.get() else {
+            return Err(refuse(
+                "Field mounts: this server has no volumes (extension volumes)".into(),
+            ));
+        };
+        let holder = format!("execution:{}", req.id);
+        let mut claims = Vec::with_capacity(req.mounts.len());
+        for (i, m) in req.mounts.iter().enumerate() {
+            match volumes
+                .claim(&m.volume, &holder, &m.path, m.read_only)
+                .await
+            {
+                Ok(c) => claims.push(c),
+                Err(e) => {
+                    return Err(refuse(format!(
+                        "Field mounts[{i}]: {}",
+                        runtime::error::Chain(&e)
+                    )))
+                }
+            }
+        }
+        let binds: Vec<VolumeBind> = req
+            .mounts
+            .iter()
+            .zip(&claims)
+            .map(|(m, c)| VolumeBind {
+                source: c.source().to_owned(),
+                rel: m.relative().to_owned(),
+                read_only: m.read_only,
+            })
+            .collect();
+        let mut container = self
+            .pool
+            .take_with_volumes(lang, limits, &binds)
+            .await
+            .map_err(|e| Box::new(ExecError::Create(e).into()))?;
+        container.claims = claims;
+        Ok(container)
     }
 
     /// The request's egress proxy, listening inside the container; `None` without `network`.
