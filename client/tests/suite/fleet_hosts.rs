@@ -157,10 +157,10 @@ async fn a_busy_host_receives_less() {
     drop(long);
 }
 
-/// Runs 60 one-second executions over the hosts, breaks host `node` with `fail` 1.5 s in, and checks that every
-/// execution ended in a result or `NodeLost` (at least one: the host had executions in flight), none hung, and
-/// nothing was placed on the host after its ejection. Then `recover`s it and checks it is re-admitted and placed
-/// on again.
+/// Runs 60 one-second executions over the hosts, breaks host `node` with `fail` once the batch is under way and
+/// the host has an execution in flight (1 s in at the earliest), and checks that every execution ended in a result
+/// or `NodeLost` (at least one: the host had executions in flight), none hung, and nothing was placed on the host
+/// after its ejection. Then `recover`s it and checks it is re-admitted and placed on again.
 async fn break_mid_run(
     mut hosts: Hosts,
     node: usize,
@@ -173,7 +173,12 @@ async fn break_mid_run(
         let fleet = fleet.clone();
         tokio::spawn(async move { run(&fleet, 60, 9, "sleep 1; echo ok").await })
     };
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A fixed delay raced the host's own executions: on a loaded machine its first ones had all ended by then.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while fleet.status()[node].in_flight == 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     fail(&mut hosts);
     wait_health(&fleet, node, NodeHealth::Ejected).await;
     let placed_at_ejection = placed(&fleet)[node];
