@@ -273,6 +273,11 @@ impl Volumes {
             .collect()
     }
 
+    /// Whether volume `id` exists (and is not being deleted).
+    pub fn contains(&self, id: &str) -> bool {
+        self.entries().get(id).is_some_and(|e| !e.deleting)
+    }
+
     /// Every volume, by id.
     pub fn list(&self) -> Vec<Volume> {
         self.views(None)
@@ -919,7 +924,7 @@ pub fn plan(
             .map_err(|e| PluginError::invalid(format!("{field}.sandboxPath: {e}")))?;
         if let Some(other) = planned
             .iter()
-            .find(|p| overlaps(&p.rel, &rel) || p.volume == volume)
+            .find(|p| protocol::paths_overlap(&p.rel, &rel) || p.volume == volume)
         {
             return Err(PluginError::invalid(format!(
                 "{field}: overlaps the mount of {} at {}",
@@ -933,10 +938,12 @@ pub fn plan(
             read_only: m.read_only,
         });
     }
-    if let Some((f, m)) = files
-        .iter()
-        .find_map(|f| planned.iter().find(|m| overlaps(f, &m.rel)).map(|m| (f, m)))
-    {
+    if let Some((f, m)) = files.iter().find_map(|f| {
+        planned
+            .iter()
+            .find(|m| protocol::paths_overlap(f, &m.rel))
+            .map(|m| (f, m))
+    }) {
         return Err(PluginError::invalid(format!(
             "template.files: {f} lies in the volume mounted at {}",
             m.path
@@ -959,12 +966,6 @@ pub fn mount_place(path: &str) -> Result<String, String> {
         .ok_or_else(|| format!("{path:?} is not at or under {}", runtime::rootfs::WORKDIR))?;
     protocol::validate_relative_path(rel).map_err(|e| format!("{path:?}: {e}"))?;
     Ok(rel.to_owned())
-}
-
-/// Whether relative path `a` is `b`, or lies under it, or `b` under `a` (component-wise; empty is the root).
-pub fn overlaps(a: &str, b: &str) -> bool {
-    let under = |x: &str, y: &str| y.is_empty() || x == y || x.starts_with(&format!("{y}/"));
-    under(a, b) || under(b, a)
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use crate::error::RequestError;
 use crate::language::Language;
 use crate::limits::{Limits, RequestedLimits};
 use crate::tools::{check_tools, ToolResult, ToolSpec, DEFAULT_TOOL_TIMEOUT_MS};
-use crate::validate::{validate_env_var, validate_relative_path};
+use crate::validate::{paths_overlap, validate_env_var, validate_relative_path};
 
 /// The longest artifact type name, in bytes.
 const MAX_ARTIFACT_TYPE_LEN: usize = 64;
@@ -182,7 +182,6 @@ fn check_mounts(mounts: &[MountRequest], files: &[FileSpec]) -> Result<(), Strin
     if mounts.len() > MAX_MOUNTS {
         return Err(format!("Field mounts: at most {MAX_MOUNTS} volumes"));
     }
-    let under = |x: &str, y: &str| x == y || x.starts_with(&format!("{y}/"));
     for (i, m) in mounts.iter().enumerate() {
         if m.volume.is_empty() || m.volume.len() > 64 || m.volume.contains('/') {
             return Err(format!("Field mounts[{i}].volume: not a volume id"));
@@ -195,14 +194,11 @@ fn check_mounts(mounts: &[MountRequest], files: &[FileSpec]) -> Result<(), Strin
         })?;
         validate_relative_path(rel).map_err(|e| format!("Field mounts[{i}].path: {e}"))?;
         for (j, other) in mounts[..i].iter().enumerate() {
-            if other.volume == m.volume
-                || under(rel, other.relative())
-                || under(other.relative(), rel)
-            {
+            if other.volume == m.volume || paths_overlap(rel, other.relative()) {
                 return Err(format!("Field mounts[{i}]: overlaps mounts[{j}]"));
             }
         }
-        if let Some(f) = files.iter().find(|f| under(&f.path, rel)) {
+        if let Some(f) = files.iter().find(|f| paths_overlap(&f.path, rel)) {
             return Err(format!(
                 "Field files: {} lies in the volume mounted at {}",
                 f.path, m.path

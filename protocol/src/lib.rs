@@ -51,4 +51,6 @@ pub use tools::{
     parse_tool_request, RawArgs, ToolCall, ToolRequest, ToolRequestError, ToolResult, ToolSpec,
     DEFAULT_TOOL_TIMEOUT_MS, MAX_TOOLS,
 };
-pub use validate::{validate_env_var, validate_relative_path, EnvError, PathError, MAX_PATH_LEN};
+pub use validate::{
+    paths_overlap, validate_env_var, validate_relative_path, EnvError, PathError, MAX_PATH_LEN,
+};

@@ -30,6 +30,13 @@ pub enum PathError {
     EmptyComponent,
 }
 
+/// Whether relative path `a` is `b` or lies under it, or `b` under `a` (component-wise; the empty path is the
+/// root, under which everything lies): two mounts there would hide one another.
+pub fn paths_overlap(a: &str, b: &str) -> bool {
+    let under = |x: &str, y: &str| y.is_empty() || x == y || x.starts_with(&format!("{y}/"));
+    under(a, b) || under(b, a)
+}
+
 /// Checks that `path` is a normalized path relative to the working directory: non-empty, at most
 /// [`MAX_PATH_LEN`] bytes, no NUL, not absolute, and no `..`, `.` or empty component.
 pub fn validate_relative_path(path: &str) -> Result<(), PathError> {

@@ -102,28 +102,15 @@ mod tests {
 
     use super::*;
 
-    /// In a mount namespace of this test's thread alone (mount events private), so nothing reaches the host's.
-    fn private_mounts() {
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).unwrap();
-        nix::mount::mount(
-            None::<&str>,
-            "/",
-            None::<&str>,
-            nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_PRIVATE,
-            None::<&str>,
-        )
-        .unwrap();
-    }
-
     #[test]
     fn a_bind_shows_owner_zero_as_the_host_id_and_read_only_refuses_writes() {
         const TEST: &str = "idmap::a_bind_shows_owner_zero_as_the_host_id";
         if !test_support::require_root(TEST, "mounts") {
             return;
         }
-        // Everything in a thread of its own: its mount namespace goes with it.
+        // Everything in a thread of its own, in a mount namespace of its own (the daemon's): it goes with the thread.
         std::thread::spawn(|| {
-            private_mounts();
+            crate::rootfs::unshare_mount_namespace().unwrap();
             let dir = tempfile::tempdir().unwrap();
             let (src, rw, ro) = (
                 dir.path().join("src"),

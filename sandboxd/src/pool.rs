@@ -266,9 +266,12 @@ impl Factory {
             cid,
             host_id,
             handle,
+            claims,
             ..
         } = c;
         handle.remove().await;
+        // Its volumes are free for another writer only once nothing of it can write them.
+        drop(claims);
         self.uids.give_back(host_id);
         debug!(container = %cid, "container removed");
     }

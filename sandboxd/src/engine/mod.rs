@@ -110,12 +110,13 @@ impl Engine {
         let Some(volumes) = self.volumes.get() else {
             return Err("Field mounts: this server has no volumes (extension volumes)".into());
         };
-        for (i, m) in req.mounts.iter().enumerate() {
-            volumes
-                .get(&m.volume)
-                .map_err(|e| format!("Field mounts[{i}]: {e}"))?;
+        match req.mounts.iter().position(|m| !volumes.contains(&m.volume)) {
+            Some(i) => Err(format!(
+                "Field mounts[{i}]: No volume {:?}",
+                req.mounts[i].volume
+            )),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Gives executions the volumes (extension `volumes`); once, before the server listens.
