@@ -634,6 +634,24 @@ impl Claim {
     pub fn read_only(&self) -> bool {
         self.read_only
     }
+
+    /// Gives the volume back now: when this returns, the volume no longer lists the holder and another writer (or
+    /// a deletion) is let in. Dropping a claim does the same in a task of its own.
+    pub async fn release(mut self) {
+        let (id, holder, path) = self.take();
+        self.volumes
+            .release(&id, &holder, &path, self.read_only)
+            .await;
+    }
+
+    /// Empties the claim (its drop then does nothing): the volume's id, the holder and the path.
+    fn take(&mut self) -> (String, String, String) {
+        (
+            std::mem::take(&mut self.id),
+            std::mem::take(&mut self.holder),
+            std::mem::take(&mut self.path),
+        )
+    }
 }
 
 impl std::fmt::Debug for Claim {
@@ -649,13 +667,11 @@ impl std::fmt::Debug for Claim {
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        let (volumes, id, holder, path) = (
-            self.volumes.clone(),
-            std::mem::take(&mut self.id),
-            std::mem::take(&mut self.holder),
-            std::mem::take(&mut self.path),
-        );
-        let read_only = self.read_only;
+        let (id, holder, path) = self.take();
+        if id.is_empty() {
+            return; // released already
+        }
+        let (volumes, read_only) = (self.volumes.clone(), self.read_only);
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 rt.spawn(async move { volumes.release(&id, &holder, &path, read_only).await });

@@ -228,7 +228,7 @@ impl Factory {
     }
 
     /// Removes a container: the backend kills, deletes and reaps it and removes its scratch space, then the uid is
-    /// free again. Errors are logged: there is nobody left to tell.
+    /// free again, and its volumes are given back. Errors are logged: there is nobody left to tell.
     pub async fn remove(&self, c: Container) {
         self.removing.fetch_add(1, Ordering::SeqCst);
         self.remove_inner(c).await;
@@ -271,7 +271,9 @@ impl Factory {
         } = c;
         handle.remove().await;
         // Its volumes are free for another writer only once nothing of it can write them.
-        drop(claims);
+        for claim in claims {
+            claim.release().await;
+        }
         self.uids.give_back(host_id);
         debug!(container = %cid, "container removed");
     }

@@ -322,9 +322,13 @@ impl Engine {
             .clone()
             .execute(&req, &limits, &key, &out, control, tool_inbox)
             .await;
-        // The container goes first (in the background): the result does not wait for its removal.
-        if let Some(c) = container {
-            self.pool.factory().remove_in_background(c);
+        // The container goes first, in the background: the result does not wait for its removal. One that mounted
+        // volumes is removed before the result, so that its volumes are free (for the next writer, or to delete)
+        // when the client learns that the execution ended.
+        match container {
+            Some(c) if !c.claims.is_empty() => self.pool.factory().remove(c).await,
+            Some(c) => self.pool.factory().remove_in_background(c),
+            None => {}
         }
         registration.release();
         match outcome {
