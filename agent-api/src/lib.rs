@@ -115,6 +115,43 @@ pub struct Volume {
     pub recovery: Option<VolumeRecovery>,
 }
 
+/// A snapshot (`POST /sandboxes/<id>/snapshot`): a sandbox's `/workspace` as it was, stored once and started from
+/// by any number of sandboxes (`fromSnapshot`), none of which copies it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    /// Its id (`snap-...`).
+    pub id: String,
+    /// `sha256:<hex>` over its files' paths, kinds, modes and contents: the same files give the same digest.
+    pub digest: String,
+    /// Bytes of file content it holds.
+    pub bytes: u64,
+    /// Files, directories and symbolic links it holds.
+    pub files: u64,
+    /// The image of the sandbox it was taken from (the default image of sandboxes started from it).
+    pub image: String,
+    /// The sandbox it was taken from.
+    pub source: String,
+    /// When it was taken (RFC 3339).
+    pub created_at: String,
+    /// The sandboxes started from it that exist now (it cannot be deleted while there are any).
+    pub used_by: Vec<String>,
+    /// What it left out: entries that are neither files, directories nor symbolic links (sockets, FIFOs), and
+    /// volumes mounted in the workspace (their own data is kept by the volume).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<String>,
+}
+
+/// `POST /sandboxes/<id>/fork` → 201: the snapshot taken and the sandbox started from it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkResponse {
+    /// The snapshot of the source sandbox.
+    pub snapshot: Snapshot,
+    /// The new sandbox.
+    pub sandbox: CreateSandboxResponse,
+}
+
 /// A system-level capability a sandbox may ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -245,6 +282,10 @@ pub struct CreateSandboxRequest {
     /// Without it the sandbox has no way out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<SandboxNetwork>,
+    /// Start `/workspace` from this snapshot (`snap-...`): its files are there, owned by the sandbox's root, and
+    /// nothing is copied; without `workspaceRequirements.baseImage`, the snapshot's image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<String>,
 }
 
 /// `network` of `POST /sandboxes`: the same shape as an FSP execute's `network` (its field names are snake_case,

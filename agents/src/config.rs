@@ -51,6 +51,9 @@ pub struct AgentsConfig {
     pub volume_max_mb: u64,
     /// Volumes at once; `POST /volumes` beyond it is refused (`provider_unavailable`, retryable).
     pub max_volumes: usize,
+    /// Snapshots at once (`POST /sandboxes/<id>/snapshot`, fork); beyond it a snapshot is refused
+    /// (`provider_unavailable`, retryable). Each holds at most a sandbox's `disk_mb` on the state disk.
+    pub max_snapshots: usize,
 }
 
 impl Default for AgentsConfig {
@@ -69,6 +72,7 @@ impl Default for AgentsConfig {
             replay_bytes: DEFAULT_AGENT_REPLAY_BYTES,
             volume_max_mb: 1024,
             max_volumes: 32,
+            max_snapshots: 32,
         }
     }
 }

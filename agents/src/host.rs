@@ -31,6 +31,9 @@ pub struct WorkspaceRequest<'a> {
     pub image: &'a str,
     /// Size of `/workspace` and `/tmp`, MiB.
     pub disk_mb: u64,
+    /// A snapshot's layer (files owned by 0) that `/workspace` starts from, as an overlay's lower layer: nothing
+    /// copied, shown as owned by the sandbox's root.
+    pub snapshot: Option<&'a Path>,
 }
 
 /// A workspace could not be created.
@@ -195,4 +198,7 @@ pub struct Host {
     pub network: Option<Arc<dyn Network>>,
     /// Volumes' filesystems (`None`: no volumes; the endpoints and volume mounts are refused).
     pub disks: Option<Arc<dyn crate::volumes::Disks>>,
+    /// Whether workspaces can start from snapshots on this host (idmapped overlay layers under
+    /// `<state_dir>/snapshots`); the reason when not (the snapshot routes and `fromSnapshot` are refused).
+    pub snapshots: Result<(), String>,
 }

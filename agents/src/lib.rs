@@ -14,6 +14,8 @@
 //!   calls, the token check, the egress proxy's settings, configuration values. This crate does not depend on the daemon.
 //! - [`volumes`]: volumes that outlive sandboxes and restarts (`POST /volumes`), mounted into sandboxes, and the
 //!   recovery scan once their writer is gone.
+//! - [`snapshots`]: a sandbox's `/workspace` kept (`POST /sandboxes/<id>/snapshot`) and started from by other
+//!   sandboxes without a copy (`fromSnapshot`, fork).
 //! - [`config`]: the `agents:` configuration block.
 //!
 //! The wire types are `agent_api`'s.
@@ -27,6 +29,7 @@ pub mod network;
 pub mod registry;
 pub mod routes;
 pub mod sandbox;
+pub mod snapshots;
 pub mod volumes;
 
 pub use registry::Agents;

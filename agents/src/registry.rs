@@ -19,6 +19,7 @@ use crate::events::{Budgets, Hub};
 use crate::host::{Host, WorkspaceError, WorkspaceRequest};
 use crate::network::SandboxEgress;
 use crate::sandbox::{Limits, Sandbox, CONTROL_SOCKET};
+use crate::snapshots::{SnapshotError, Snapshots};
 use crate::volumes::{Mounted, Volumes};
 
 /// A refused `POST /sandboxes`: its HTTP status and body.
@@ -55,6 +56,8 @@ pub struct Agents {
     dir: PathBuf,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     volumes: Option<Arc<Volumes>>,
+    /// `Err`: why this host has none.
+    snapshots: Result<Arc<Snapshots>, String>,
     nonce: String,
     seq: AtomicU64,
 }
@@ -78,11 +81,19 @@ impl Agents {
                 )
             })
             .transpose()?;
+        let snapshots = match &host.snapshots {
+            Ok(()) => Ok(Snapshots::open(
+                settings.state_dir.join("snapshots"),
+                settings.agents.max_snapshots,
+            )?),
+            Err(why) => Err(why.clone()),
+        };
         Ok(Arc::new(Self {
             host,
             dir,
             sandboxes: Mutex::new(HashMap::new()),
             volumes,
+            snapshots,
             nonce: format!("{:08x}", rand::random::<u32>()),
             seq: AtomicU64::new(0),
         }))
@@ -105,6 +116,71 @@ impl Agents {
     /// The volumes, when the host has them.
     pub fn volumes(&self) -> Option<&Arc<Volumes>> {
         self.volumes.as_ref()
+    }
+
+    /// The snapshots, or [`SnapshotError::Unsupported`] with why this host has none.
+    pub fn snapshots(&self) -> Result<&Arc<Snapshots>, SnapshotError> {
+        self.snapshots
+            .as_ref()
+            .map_err(|why| SnapshotError::Unsupported(why.clone()))
+    }
+
+    /// `POST /sandboxes/<id>/snapshot`: `None` if there is no such sandbox.
+    pub async fn snapshot(
+        &self,
+        id: &str,
+    ) -> Option<Result<agent_api::Snapshot, crate::snapshots::SnapshotError>> {
+        let sb = self.get(id)?;
+        let store = match self.snapshots() {
+            Ok(s) => s,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(
+            sb.snapshot(store, self.host.settings.agents.disk_mb << 20)
+                .await,
+        )
+    }
+
+    /// `POST /sandboxes/<id>/fork`: a snapshot of sandbox `id` and a sandbox created from it with `req` (which
+    /// must not name a snapshot of its own). When the creation is refused, the snapshot is deleted again.
+    pub async fn fork(
+        &self,
+        id: &str,
+        mut req: CreateSandboxRequest,
+    ) -> Result<(agent_api::Snapshot, Arc<Sandbox>), Refusal> {
+        if req.from_snapshot.is_some() {
+            return Err(PluginError::invalid(
+                "fromSnapshot: a fork starts from the snapshot it takes; leave it out",
+            )
+            .into());
+        }
+        let snapshot = match self.snapshot(id).await {
+            None => {
+                return Err(Refusal {
+                    status: 404,
+                    error: PluginError::invalid("No such sandbox"),
+                })
+            }
+            Some(Err(e)) => {
+                let (status, error) = e.plugin();
+                return Err(Refusal { status, error });
+            }
+            Some(Ok(s)) => s,
+        };
+        req.from_snapshot = Some(snapshot.id.clone());
+        let store = self.snapshots().map_err(|e| {
+            let (status, error) = e.plugin();
+            Refusal { status, error }
+        })?;
+        match self.create(req).await {
+            Ok(sb) => Ok((store.get(&snapshot.id).unwrap_or(snapshot), sb)),
+            Err(r) => {
+                if let Err(e) = store.delete(&snapshot.id).await {
+                    warn!(snapshot = %snapshot.id, error = %e, "cannot delete the snapshot of a refused fork");
+                }
+                Err(r)
+            }
+        }
     }
 
     fn resolve_limits(&self, req: &CreateSandboxRequest) -> Result<Limits, PluginError> {
@@ -169,6 +245,45 @@ impl Agents {
             self.seq.fetch_add(1, Ordering::Relaxed)
         );
         tracing::Span::current().record("sandbox", id.as_str());
+        let layer = match &req.from_snapshot {
+            Some(snapshot) => Some(
+                self.snapshots()
+                    .and_then(|s| s.acquire(snapshot, &id))
+                    .map_err(|e| {
+                        let (status, error) = e.plugin();
+                        Refusal { status, error }
+                    })?,
+            ),
+            None => None,
+        };
+        let made = self
+            .create_as(
+                &id,
+                req,
+                (limits, image, template, files),
+                mounts,
+                network,
+                layer,
+            )
+            .await;
+        if let (Err(_), Ok(s)) = (&made, &self.snapshots) {
+            s.release(&id);
+        }
+        made
+    }
+
+    /// [`Self::create`] once its id is chosen and its snapshot (if any) acquired.
+    #[allow(clippy::too_many_arguments)]
+    async fn create_as(
+        &self,
+        id: &str,
+        req: CreateSandboxRequest,
+        (limits, image, template, files): (Limits, String, AgentTemplate, Vec<InputFile>),
+        mounts: Vec<Mounted>,
+        network: Option<SandboxEgress>,
+        layer: Option<(PathBuf, String)>,
+    ) -> Result<Arc<Sandbox>, Refusal> {
+        let id = id.to_owned();
         let manifest = serde_json::json!({
             "sandboxId": id,
             "agentId": req.bootstrap.agent_id,
@@ -178,7 +293,7 @@ impl Agents {
         let (workspace, hub) = self
             .prepare(
                 (&id, &req.bootstrap.agent_id),
-                &image,
+                (&image, layer.as_ref().map(|(l, _)| l.as_path())),
                 limits.disk_mb,
                 manifest,
                 files,
@@ -239,7 +354,18 @@ impl Agents {
             });
         }
         let limits = self.resolve_limits(req)?;
-        let image = wr.base_image.as_deref().unwrap_or("host");
+        // A sandbox started from a snapshot runs on the snapshot's image unless told otherwise (an unknown snapshot
+        // is refused when it is acquired).
+        let from = req
+            .from_snapshot
+            .as_deref()
+            .and_then(|s| self.snapshots().ok()?.get(s).ok())
+            .map(|s| s.image);
+        let image = wr
+            .base_image
+            .as_deref()
+            .or(from.as_deref())
+            .unwrap_or("host");
         if self.host.containers.image_environment(image).is_none() {
             return Err(PluginError::invalid(format!(
                 "workspaceRequirements.baseImage {image:?} is not an image of this daemon (host or one a language runs on)",
@@ -248,9 +374,15 @@ impl Agents {
         let image = image.to_owned();
         let template = req.template.clone().unwrap_or_default();
         let mut files = Vec::with_capacity(template.files.len());
-        for f in &template.files {
+        for (i, f) in template.files.iter().enumerate() {
             protocol::validate_relative_path(&f.path)
                 .map_err(|e| PluginError::invalid(format!("template.files: {}: {e}", f.path)))?;
+            if template.files[..i].iter().any(|g| g.path == f.path) {
+                return Err(PluginError::invalid(format!(
+                    "template.files: {}: listed twice",
+                    f.path
+                )));
+            }
             let content = f
                 .decoded()
                 .map_err(|e| PluginError::invalid(format!("template.files: {}: {e}", f.path)))?;
@@ -267,7 +399,7 @@ impl Agents {
     async fn prepare(
         &self,
         (id, agent_id): (&str, &str),
-        image: &str,
+        (image, snapshot): (&str, Option<&Path>),
         disk_mb: u64,
         manifest: String,
         files: Vec<InputFile>,
@@ -277,6 +409,7 @@ impl Agents {
             parent: &self.dir,
             image,
             disk_mb,
+            snapshot,
         };
         let workspace = self
             .host
@@ -376,6 +509,10 @@ impl Agents {
             return false;
         };
         sb.destroy(reason).await;
+        // Its workspace (and the snapshot's layer under it) is unmounted now.
+        if let Ok(s) = &self.snapshots {
+            s.release(id);
+        }
         info!(sandbox = %id, "agent sandbox removed");
         true
     }

@@ -1,5 +1,6 @@
 //! The axum routes of agent sandboxes: `POST /sandboxes`, `DELETE /sandboxes/<id>`, the adapter-shim endpoints
-//! under `/sandboxes/<id>`, and sandboxd's own `POST /sandboxes/<id>/network` (a new egress allowlist). Every route checks the same bearer token as `/ws` before anything else, reads at most
+//! under `/sandboxes/<id>`, and sandboxd's own `POST /sandboxes/<id>/network` (a new egress allowlist), volumes
+//! (`/volumes`) and snapshots (`POST /sandboxes/<id>/snapshot`, `POST /sandboxes/<id>/fork`, `/snapshots`). Every route checks the same bearer token as `/ws` before anything else, reads at most
 //! `agents.max_body_bytes` of body, and answers every refusal with a `PluginError` JSON body (an unknown path under
 //! `/sandboxes/<id>/` too: 404, and a wrong method: 405). `POST /replay` streams its answer from the log.
 
@@ -7,7 +8,7 @@ use std::sync::Arc;
 
 use agent_api::{
     AgentBrief, ContextInjection, CreateSandboxRequest, CreateSandboxResponse, CreateVolumeRequest,
-    KillRequest, PluginError, ReplayRequest, ResolveRequest, SandboxNetworkAllow,
+    ForkResponse, KillRequest, PluginError, ReplayRequest, ResolveRequest, SandboxNetworkAllow,
     SerializedAgentState, UpdateBriefRequest,
 };
 use axum::body::Body;
@@ -23,6 +24,7 @@ use serde::de::DeserializeOwned;
 use crate::network::NetworkError;
 use crate::registry::Refusal;
 use crate::sandbox::Sandbox;
+use crate::snapshots::{SnapshotError, Snapshots};
 use crate::volumes::{VolumeError, Volumes};
 use crate::Agents;
 
@@ -55,6 +57,13 @@ pub fn router() -> Router<AgentState> {
         .route(
             "/volumes/{id}",
             only(get(volume).delete(delete_volume), "GET, DELETE"),
+        )
+        .route("/sandboxes/{id}/snapshot", only(post(snapshot), "POST"))
+        .route("/sandboxes/{id}/fork", only(post(fork), "POST"))
+        .route("/snapshots", only(get(list_snapshots), "GET"))
+        .route(
+            "/snapshots/{id}",
+            only(get(get_snapshot).delete(delete_snapshot), "GET, DELETE"),
         )
         .route("/sandboxes/{id}/", any(unknown_path))
         .route("/sandboxes/{id}/{*rest}", any(unknown_path))
@@ -169,29 +178,32 @@ async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Re
         Ok(r) => r,
         Err(r) => return *r,
     };
-    let host = headers
+    let host = request_host(&st, &headers);
+    let agents = st.clone();
+    let created = detached(async move { agents.create(req).await }).await;
+    match created.and_then(|r| r) {
+        Ok(sb) => (StatusCode::CREATED, Json(created_response(&host, &sb))).into_response(),
+        Err(r) => refused(r),
+    }
+}
+
+/// The `Host` the client used (for the endpoints it is told), else the daemon's listen address.
+fn request_host(st: &AgentState, headers: &HeaderMap) -> String {
+    headers
         .get(axum::http::header::HOST)
         .and_then(|h| h.to_str().ok())
         .filter(|h| h.bytes().all(|c| c.is_ascii_graphic()))
         .map(str::to_owned)
-        .unwrap_or_else(|| st.host().settings.listen.to_string());
-    let agents = st.clone();
-    let created = detached(async move { agents.create(req).await }).await;
-    match created.and_then(|r| r) {
-        Ok(sb) => {
-            let base = format!("http://{host}/sandboxes/{}", sb.id);
-            (
-                StatusCode::CREATED,
-                Json(CreateSandboxResponse {
-                    id: sb.id.clone(),
-                    event_stream_endpoint: format!("ws://{host}/sandboxes/{}/events", sb.id),
-                    health_endpoint: format!("{base}/health"),
-                    rpc_endpoint: base,
-                }),
-            )
-                .into_response()
-        }
-        Err(r) => refused(r),
+        .unwrap_or_else(|| st.host().settings.listen.to_string())
+}
+
+fn created_response(host: &str, sb: &Sandbox) -> CreateSandboxResponse {
+    let base = format!("http://{host}/sandboxes/{}", sb.id);
+    CreateSandboxResponse {
+        id: sb.id.clone(),
+        event_stream_endpoint: format!("ws://{host}/sandboxes/{}/events", sb.id),
+        health_endpoint: format!("{base}/health"),
+        rpc_endpoint: base,
     }
 }
 
@@ -541,6 +553,118 @@ async fn delete_volume(
     match detached(async move { vols.delete(&id).await }).await {
         Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
         Ok(Err(e)) => volume_refused(e),
+        Err(r) => refused(r),
+    }
+}
+
+fn snapshot_refused(e: SnapshotError) -> Response {
+    let (status, error) = e.plugin();
+    refused(Refusal { status, error })
+}
+
+/// An empty body (or `{}`): the snapshot routes take no options.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoOptions {}
+
+/// `POST /sandboxes/<id>/snapshot` → 201 `Snapshot`.
+async fn snapshot(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    b: Body,
+) -> Response {
+    if let Err(r) = lookup(&st, &headers, &id) {
+        return *r;
+    }
+    if let Err(r) = body::<NoOptions>(&st, b).await {
+        return *r;
+    }
+    let agents = st.clone();
+    match detached(async move { agents.snapshot(&id).await }).await {
+        Ok(Some(Ok(s))) => (StatusCode::CREATED, Json(s)).into_response(),
+        Ok(Some(Err(e))) => snapshot_refused(e),
+        Ok(None) => refuse(
+            StatusCode::NOT_FOUND,
+            PluginError::invalid("No such sandbox"),
+        ),
+        Err(r) => refused(r),
+    }
+}
+
+/// `POST /sandboxes/<id>/fork` (a creation request) → 201 `ForkResponse`.
+async fn fork(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    b: Body,
+) -> Response {
+    if let Err(r) = lookup(&st, &headers, &id) {
+        return *r;
+    }
+    let req: CreateSandboxRequest = match body(&st, b).await {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let host = request_host(&st, &headers);
+    let agents = st.clone();
+    match detached(async move { agents.fork(&id, req).await }).await {
+        Ok(Ok((snapshot, sb))) => (
+            StatusCode::CREATED,
+            Json(ForkResponse {
+                snapshot,
+                sandbox: created_response(&host, &sb),
+            }),
+        )
+            .into_response(),
+        Ok(Err(r)) | Err(r) => refused(r),
+    }
+}
+
+/// Auth, then the snapshots (`capability_unsupported` when the host has none).
+fn snapshot_store(st: &AgentState, headers: &HeaderMap) -> Result<Arc<Snapshots>, Box<Response>> {
+    if !st.host().auth.authorized(headers) {
+        return Err(Box::new(unauthorized()));
+    }
+    st.snapshots()
+        .cloned()
+        .map_err(|e| Box::new(snapshot_refused(e)))
+}
+
+/// `GET /snapshots` → `{snapshots: [Snapshot]}`.
+async fn list_snapshots(State(st): State<AgentState>, headers: HeaderMap) -> Response {
+    match snapshot_store(&st, &headers) {
+        Ok(s) => Json(serde_json::json!({ "snapshots": s.list() })).into_response(),
+        Err(r) => *r,
+    }
+}
+
+/// `GET /snapshots/<id>` → `Snapshot`.
+async fn get_snapshot(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    match snapshot_store(&st, &headers).map(|s| s.get(&id)) {
+        Ok(Ok(s)) => Json(s).into_response(),
+        Ok(Err(e)) => snapshot_refused(e),
+        Err(r) => *r,
+    }
+}
+
+/// `DELETE /snapshots/<id>` → 204; 409 while a sandbox started from it exists.
+async fn delete_snapshot(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let snapshots = match snapshot_store(&st, &headers) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    match detached(async move { snapshots.delete(&id).await }).await {
+        Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Err(e)) => snapshot_refused(e),
         Err(r) => refused(r),
     }
 }

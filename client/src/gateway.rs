@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use agent_api::{
     AdapterEvent, AgentBrief, AgentHandle, ContextInjection, CreateSandboxRequest,
-    CreateSandboxResponse, CreateVolumeRequest, KillRequest, KillResponse, PluginError,
-    ReplayResponse, SandboxHealthResponse, SandboxNetworkAllow, SequenceRange,
-    SerializedAgentState, Volume,
+    CreateSandboxResponse, CreateVolumeRequest, ForkResponse, KillRequest, KillResponse,
+    PluginError, ReplayResponse, SandboxHealthResponse, SandboxNetworkAllow, SequenceRange,
+    SerializedAgentState, Snapshot, Volume,
 };
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
@@ -284,6 +284,48 @@ impl Gateway {
     pub async fn delete_volume(&self, id: &str) -> Result<(), GatewayError> {
         self.http
             .delete(&format!("{}/volumes/{id}", self.base))
+            .await
+    }
+
+    /// `POST /sandboxes/<id>/snapshot`: sandbox `id`'s `/workspace` kept as a snapshot (its agent frozen
+    /// meanwhile).
+    pub async fn snapshot(&self, id: &str) -> Result<Snapshot, GatewayError> {
+        let url = format!("{}/sandboxes/{id}/snapshot", self.base);
+        self.http.call("POST", &url, &serde_json::json!({})).await
+    }
+
+    /// `POST /sandboxes/<id>/fork`: a snapshot of sandbox `id` and a new sandbox created from it with `req`.
+    pub async fn fork(
+        &self,
+        id: &str,
+        req: &CreateSandboxRequest,
+    ) -> Result<(Snapshot, SandboxClient), GatewayError> {
+        let url = format!("{}/sandboxes/{id}/fork", self.base);
+        let resp: ForkResponse = self.http.call("POST", &url, req).await?;
+        Ok((resp.snapshot, self.sandbox(resp.sandbox)))
+    }
+
+    /// `GET /snapshots`.
+    pub async fn snapshots(&self) -> Result<Vec<Snapshot>, GatewayError> {
+        #[derive(serde::Deserialize)]
+        struct List {
+            snapshots: Vec<Snapshot>,
+        }
+        let url = format!("{}/snapshots", self.base);
+        let list: List = self.http.call("GET", &url, &()).await?;
+        Ok(list.snapshots)
+    }
+
+    /// `GET /snapshots/<id>`.
+    pub async fn snapshot_info(&self, id: &str) -> Result<Snapshot, GatewayError> {
+        let url = format!("{}/snapshots/{id}", self.base);
+        self.http.call("GET", &url, &()).await
+    }
+
+    /// `DELETE /snapshots/<id>` (refused while a sandbox started from it exists).
+    pub async fn delete_snapshot(&self, id: &str) -> Result<(), GatewayError> {
+        self.http
+            .delete(&format!("{}/snapshots/{id}", self.base))
             .await
     }
 

@@ -244,10 +244,13 @@ fn status_response(code: StatusCode, body: String) -> ErrorResponse {
     reason = "the handshake callback's error type is tungstenite's"
 )]
 async fn connection(shared: Arc<Shared>, stream: TcpStream) {
-    // Agent sandboxes (`/sandboxes...`) are served by their own module; it has no volumes (`/volumes...` gets 404,
-    // and the V cases skip).
+    // Agent sandboxes (`/sandboxes...`) are served by their own module; it has no volumes nor snapshots
+    // (`/volumes...` and `/snapshots...` get 404, and the V and S cases skip).
     if let Some(path) = request_target(&stream).await {
-        if path.starts_with("/sandboxes") || path.starts_with("/volumes") {
+        if ["/sandboxes", "/volumes", "/snapshots"]
+            .iter()
+            .any(|p| path.starts_with(p))
+        {
             let is_ws = path.ends_with("/events");
             let (token, faults) = (shared.config.token.clone(), shared.config.faults.clone());
             shared

@@ -97,7 +97,7 @@ mod tests {
             let parts: Vec<&str> = c.id.split('.').collect();
             assert_eq!(parts.len(), 3, "{}", c.id);
             assert!(
-                matches!(parts[0], "P" | "I" | "R" | "E" | "A" | "V"),
+                matches!(parts[0], "P" | "I" | "R" | "E" | "A" | "V" | "S"),
                 "{}",
                 c.id
             );

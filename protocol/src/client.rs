@@ -150,6 +150,11 @@ pub struct ExecuteRequest {
     /// Volumes of the server's mounted under the working directory (extension `volumes`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<MountRequest>,
+    /// A snapshot of an agent sandbox's workspace (`POST /sandboxes/<id>/snapshot`) the working directory starts
+    /// from (extension `snapshots`): its files are there, nothing is copied, and what the program changes never
+    /// reaches the snapshot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 /// The most volumes one execution may mount.
@@ -282,6 +287,7 @@ impl ExecuteRequest {
             network: None,
             traceparent: None,
             mounts: Vec::new(),
+            snapshot: None,
         }
     }
 
@@ -331,6 +337,15 @@ impl ExecuteRequest {
         }
         if let Err(message) = check_mounts(&self.mounts, &self.files) {
             return fail(message);
+        }
+        if let Some(s) = &self.snapshot {
+            let ok = !s.is_empty()
+                && s.len() <= 128
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !ok {
+                return fail("Field snapshot: not a snapshot id".into());
+            }
         }
         Ok(())
     }
@@ -541,6 +556,8 @@ struct ExecuteBody {
     network: Option<NetworkRequest>,
     #[serde(default)]
     mounts: Option<Vec<MountRequest>>,
+    #[serde(default)]
+    snapshot: Option<String>,
 }
 
 /// The fields of `tool_result` besides the envelope. Unknown fields are refused.
@@ -725,6 +742,7 @@ fn parse_execute(
         traceparent: body.traceparent,
         network: body.network,
         mounts: body.mounts.unwrap_or_default(),
+        snapshot: body.snapshot,
     };
     request.validate()?;
     Ok(request)

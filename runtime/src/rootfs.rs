@@ -329,30 +329,7 @@ impl Scratch {
         mkdir(&upper, 0o755)?;
         mkdir(&work, 0o700)?;
         mkdir(&root, 0o755)?;
-        let mut data = String::from("lowerdir=");
-        for (i, l) in lowers.iter().enumerate() {
-            let l = l.to_str().filter(|l| !l.contains([',', ':']));
-            let Some(l) = l else {
-                return Err(RootfsError::LayerPath.into());
-            };
-            if i > 0 {
-                data.push(':');
-            }
-            data.push_str(l);
-        }
-        data.push_str(&format!(
-            ",upperdir={},workdir={}",
-            upper.display(),
-            work.display()
-        ));
-        // The kernel takes one page of mount options.
-        if data.len() >= 4000 {
-            return Err(RootfsError::TooManyLayers {
-                layers: lowers.len(),
-                bytes: data.len(),
-            }
-            .into());
-        }
+        let data = overlay_options(lowers, &upper, &work)?;
         nix::mount::mount(
             Some("sandboxd-root"),
             &root,
@@ -371,6 +348,37 @@ impl Scratch {
             }
         }
         Ok(())
+    }
+
+    /// Makes `/workspace` an overlay whose lower layer is `layer` (a snapshot: files owned by 0, shown as this
+    /// space's host id through an idmapped read-only bind) and whose upper layer is on the tmpfs: the snapshot's
+    /// files are there at once, none copied, and what the program changes is copied up into the tmpfs (within
+    /// `disk_mb`) and never reaches the snapshot. Before any input is written. Everything is mounted inside the
+    /// tmpfs, so [`Self::remove`]'s one lazy unmount takes it along.
+    pub fn workspace_from(&mut self, layer: &Path) -> Result<()> {
+        let tmpfs = self.dir.join("scratch");
+        let (lower, upper, work) = (
+            tmpfs.join("ws-lower"),
+            tmpfs.join("ws-upper"),
+            tmpfs.join("ws-work"),
+        );
+        mkdir(&lower, 0o700)?;
+        mkdir(&upper, 0o755)?;
+        fs::set_permissions(&upper, fs::Permissions::from_mode(0o755))
+            .map_err(|e| Error::io(&upper, e))?;
+        self.chown(&upper)?;
+        mkdir(&work, 0o700)?;
+        crate::idmap::bind(layer, &lower, self.host_id, true)?;
+        let data = overlay_options(std::slice::from_ref(&lower), &upper, &work)?;
+        let target = self.workspace();
+        nix::mount::mount(
+            Some("sandboxd-workspace"),
+            &target,
+            Some("overlay"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(data.as_str()),
+        )
+        .map_err(|e| Error::sys(format!("mount overlay on {}", target.display()), e))
     }
 
     /// The overlay root (meaningful for [`RootSource::Overlay`]). It is mounted inside the scratch tmpfs, so the
@@ -449,8 +457,10 @@ impl Inputs {
                 path: f.path.clone(),
                 reason,
             };
-            // Parents are created one by one and owned by the execution; the tree is fresh and only we write to it
-            // before the program starts, so no component can be a symlink.
+            // Parents are created one by one and owned by the execution. Nothing else writes to the tree before the
+            // program starts, but a workspace started from a snapshot holds what an earlier program left: a
+            // component that is not a directory (a symlink included) is refused, and the file itself is opened
+            // without following a link.
             let mut dir = workspace.clone();
             if let Some(parent) = Path::new(&f.path).parent() {
                 for comp in parent.components() {
@@ -473,13 +483,22 @@ impl Inputs {
                     }
                 }
             }
+            // A file of the snapshot's is replaced (never through a link, nor a FIFO's open that would block).
             let mut file = fs::OpenOptions::new()
                 .write(true)
-                .create_new(true)
+                .create(true)
+                .truncate(true)
                 .mode(0o644)
-                .custom_flags(libc::O_NOFOLLOW)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
                 .open(&target)
                 .map_err(|e| refuse(e.to_string()))?;
+            if !file
+                .metadata()
+                .map_err(|e| refuse(e.to_string()))?
+                .is_file()
+            {
+                return Err(refuse("not a regular file".into()));
+            }
             file.write_all(&f.content).map_err(|e| {
                 if e.raw_os_error() == Some(libc::ENOSPC) {
                     refuse(format!(
@@ -489,7 +508,8 @@ impl Inputs {
                     refuse(e.to_string())
                 }
             })?;
-            chown(self.host_id, &target)?;
+            std::os::unix::fs::fchown(&file, Some(self.host_id), Some(self.host_id))
+                .map_err(|e| Error::io(&target, e))?;
         }
         let code_path = self.dir.join("code").join(code_name);
         fs::write(&code_path, code).map_err(|e| Error::io(&code_path, e))?;
@@ -497,6 +517,88 @@ impl Inputs {
             .map_err(|e| Error::io(&code_path, e))?;
         Ok(())
     }
+}
+
+/// Whether a workspace can start from a snapshot stored under `dir` here ([`Scratch::workspace_from`]): an
+/// idmapped read-only bind of a directory there, and an overlay with it as the lower layer and its upper layer on a
+/// tmpfs, are mounted (in the caller's mount namespace) and unmounted again. Needs idmapped mounts on `dir`'s
+/// filesystem and overlayfs taking idmapped layers (Linux 5.19).
+pub fn probe_workspace_from(dir: &Path, host_id: u32) -> Result<()> {
+    let probe = dir.join(".probe");
+    match fs::remove_dir_all(&probe) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&probe, e)),
+        _ => {}
+    }
+    let (layer, lower, tmp) = (probe.join("layer"), probe.join("lower"), probe.join("tmp"));
+    for d in [&layer, &lower, &tmp] {
+        mkdir(d, 0o700)?;
+    }
+    let mut mounted: Vec<PathBuf> = Vec::new();
+    let made = (|| -> Result<()> {
+        crate::idmap::bind(&layer, &lower, host_id, true)?;
+        mounted.push(lower.clone());
+        nix::mount::mount(
+            Some("sandboxd-probe"),
+            &tmp,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some("size=1m"),
+        )
+        .map_err(|e| Error::sys(format!("mount tmpfs on {}", tmp.display()), e))?;
+        mounted.push(tmp.clone());
+        let (upper, work, merged) = (tmp.join("upper"), tmp.join("work"), tmp.join("merged"));
+        for d in [&upper, &work, &merged] {
+            mkdir(d, 0o700)?;
+        }
+        let data = overlay_options(std::slice::from_ref(&lower), &upper, &work)?;
+        nix::mount::mount(
+            Some("sandboxd-probe"),
+            &merged,
+            Some("overlay"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(data.as_str()),
+        )
+        .map_err(|e| Error::sys(format!("mount overlay on {}", merged.display()), e))?;
+        mounted.push(merged);
+        Ok(())
+    })();
+    for m in mounted.iter().rev() {
+        if let Err(e) = nix::mount::umount2(m, MntFlags::MNT_DETACH) {
+            tracing::warn!(path = %m.display(), error = %e, "cannot unmount a probe");
+        }
+    }
+    made?;
+    fs::remove_dir_all(&probe).map_err(|e| Error::io(&probe, e))
+}
+
+/// Overlay mount options for `lowers` (top first), `upper` and `work`; refused when a path holds a separator or
+/// the options exceed the page the kernel takes.
+fn overlay_options(lowers: &[PathBuf], upper: &Path, work: &Path) -> Result<String> {
+    let mut data = String::from("lowerdir=");
+    for (i, l) in lowers.iter().enumerate() {
+        let l = l.to_str().filter(|l| !l.contains([',', ':']));
+        let Some(l) = l else {
+            return Err(RootfsError::LayerPath.into());
+        };
+        if i > 0 {
+            data.push(':');
+        }
+        data.push_str(l);
+    }
+    data.push_str(&format!(
+        ",upperdir={},workdir={}",
+        upper.display(),
+        work.display()
+    ));
+    // The kernel takes one page of mount options.
+    if data.len() >= 4000 {
+        return Err(RootfsError::TooManyLayers {
+            layers: lowers.len(),
+            bytes: data.len(),
+        }
+        .into());
+    }
+    Ok(data)
 }
 
 fn chown(host_id: u32, p: &Path) -> Result<()> {

@@ -181,9 +181,12 @@ enum Command {
     },
     /// GET /healthz of the daemon (exit 0 when healthy, 69 when not).
     Health,
-    /// Agent sandboxes: create, spawn, events, kill, rm (JSON in, JSON out).
+    /// Agent sandboxes: create, spawn, events, kill, snapshot, fork, rm (JSON in, JSON out).
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// Snapshots of agent sandboxes' workspaces: ls, show, rm (JSON out).
+    #[command(subcommand)]
+    Snapshot(SnapshotCommand),
     /// Volumes that outlive agent sandboxes: create, ls, show, rm (JSON out).
     #[command(subcommand)]
     Volume(VolumeCommand),
@@ -241,9 +244,39 @@ enum SandboxCommand {
         #[arg(long)]
         grace_timeout_ms: Option<u64>,
     },
+    /// POST /sandboxes/ID/snapshot: keeps its /workspace (the agent frozen meanwhile); prints the snapshot.
+    Snapshot {
+        /// Sandbox id.
+        id: String,
+    },
+    /// POST /sandboxes/ID/fork with a CreateSandboxRequest (JSON file, `-` for stdin): a snapshot and a new
+    /// sandbox started from it; prints both.
+    Fork {
+        /// Sandbox id.
+        id: String,
+        /// The new sandbox's request.
+        #[arg(long)]
+        request: PathBuf,
+    },
     /// DELETE /sandboxes/ID.
     Rm {
         /// Sandbox id.
+        id: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum SnapshotCommand {
+    /// GET /snapshots; prints one snapshot per line.
+    Ls,
+    /// GET /snapshots/ID; prints the snapshot (and the sandboxes started from it).
+    Show {
+        /// Snapshot id.
+        id: String,
+    },
+    /// DELETE /snapshots/ID (refused while a sandbox started from it exists).
+    Rm {
+        /// Snapshot id.
         id: String,
     },
 }
@@ -430,6 +463,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Health => health(&cli.url()).await,
         Command::Sandbox(cmd) => sandbox(&url, token, cmd).await,
         Command::Volume(cmd) => volume(&url, token, cmd).await,
+        Command::Snapshot(cmd) => snapshot(&url, token, cmd).await,
     }
 }
 
@@ -595,7 +629,45 @@ async fn sandbox(
                     .await?;
                 let _ = print_json(&r).await;
             }
+            SandboxCommand::Snapshot { id } => {
+                let _ = print_json(&gw.snapshot(&id).await?).await;
+            }
+            SandboxCommand::Fork { id, request } => {
+                let req =
+                    read_json(&request).map_err(|e| GatewayError::Events(format!("{e:#}")))?;
+                let (snapshot, sb) = gw.fork(&id, &req).await?;
+                let out = agent_api::ForkResponse {
+                    snapshot,
+                    sandbox: sb.transport,
+                };
+                let _ = print_json(&out).await;
+            }
             SandboxCommand::Rm { id } => gw.delete(&id).await?,
+        }
+        Ok(())
+    }
+    .await;
+    gateway_exit(outcome).await
+}
+
+async fn snapshot(
+    url: &str,
+    token: Option<String>,
+    cmd: SnapshotCommand,
+) -> anyhow::Result<ExitCode> {
+    use client::gateway::{Gateway, GatewayError};
+    let gw = Gateway::new(&http_base(url)?, token.as_deref().unwrap_or_default());
+    let outcome: Result<(), GatewayError> = async {
+        match cmd {
+            SnapshotCommand::Ls => {
+                for s in gw.snapshots().await? {
+                    let _ = print_json(&s).await;
+                }
+            }
+            SnapshotCommand::Show { id } => {
+                let _ = print_json(&gw.snapshot_info(&id).await?).await;
+            }
+            SnapshotCommand::Rm { id } => gw.delete_snapshot(&id).await?,
         }
         Ok(())
     }

@@ -65,6 +65,15 @@ pub fn host(engine: &Arc<Engine>) -> Host {
                 None
             }
         },
+        snapshots: runtime::rootfs::probe_workspace_from(
+            &cfg.state_dir.join("snapshots"),
+            cfg.sandbox.uid_base,
+        )
+        .map_err(|e| {
+            let why = runtime::error::Chain(&e).to_string();
+            tracing::warn!(reason = %why, "no snapshots on this host (POST /sandboxes/<id>/snapshot: 422 capability_unsupported)");
+            why
+        }),
     }
 }
 
@@ -115,6 +124,7 @@ impl Containers for AgentContainers {
                 host_id,
                 image,
                 disk_mb: req.disk_mb,
+                snapshot: req.snapshot,
             };
             match self.factory.create_workspace(plan).await {
                 Ok(inner) => Ok(Arc::new(UidWorkspace {

@@ -435,6 +435,7 @@ impl Config {
         positive("agents.timeout_ms", a.timeout_ms)?;
         positive("agents.pids_max", a.pids_max)?;
         positive("agents.max_volumes", a.max_volumes as u64)?;
+        positive("agents.max_snapshots", a.max_snapshots as u64)?;
         positive("agents.max_body_bytes", a.max_body_bytes as u64)?;
         positive("agents.upload_attempts", a.upload_attempts as u64)?;
         positive("agents.max_line_bytes", a.max_line_bytes)?;

@@ -511,6 +511,9 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
     if let Some(volumes) = agents.volumes() {
         engine.set_volumes(volumes.clone());
     }
+    if let Ok(snapshots) = agents.snapshots() {
+        engine.set_snapshots(snapshots.clone());
+    }
     let state = server::AppState {
         engine: engine.clone(),
         tokens: Arc::new(config.auth.tokens.clone()),

@@ -18,7 +18,7 @@
 //! running or being removed, is bounded by the uid range.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -110,6 +110,8 @@ pub struct Container {
     pub handle: Box<dyn ContainerHandle>,
     /// The volumes it binds, released once it is removed (dropped with it).
     pub claims: Vec<agents::volumes::Claim>,
+    /// The snapshot its workspace starts from (extension `snapshots`), given back after its removal.
+    pub snapshot: Option<agents::snapshots::Hold>,
 }
 
 /// What the pool needs to create containers: the backend, host uids, ids, and the count of removals under way.
@@ -193,7 +195,7 @@ impl Factory {
         lang: &LanguageRuntime,
         (disk_mb, limits): (u64, &Limits),
         warm: bool,
-        volumes: &[VolumeBind],
+        (volumes, snapshot): (&[VolumeBind], Option<&Path>),
     ) -> Result<Container, CreateError> {
         let host_id = self.uids.take().await;
         let cid = format!(
@@ -209,6 +211,7 @@ impl Factory {
             limits,
             warm: warm && lang.warm.is_some(),
             volumes,
+            snapshot,
         };
         let interpreter = plan.warm;
         match self.backend.create(plan).await {
@@ -219,6 +222,7 @@ impl Factory {
                 interpreter,
                 handle,
                 claims: Vec::new(),
+                snapshot: None,
             }),
             Err(e) => {
                 self.uids.give_back(host_id);
@@ -267,6 +271,7 @@ impl Factory {
             host_id,
             handle,
             claims,
+            snapshot,
             ..
         } = c;
         handle.remove().await;
@@ -274,6 +279,7 @@ impl Factory {
         for claim in claims {
             claim.release().await;
         }
+        drop(snapshot);
         self.uids.give_back(host_id);
         debug!(container = %cid, "container removed");
     }
@@ -423,7 +429,9 @@ impl Pool {
             while have + creating.len() < self.size && creating.len() < parallel {
                 let (factory, rt) = (self.factory.clone(), rt.clone());
                 creating.spawn(async move {
-                    factory.create(&rt, (POOL_DISK_MB, &max), true, &[]).await
+                    factory
+                        .create(&rt, (POOL_DISK_MB, &max), true, (&[], None))
+                        .await
                 });
             }
             if creating.is_empty() {
@@ -475,20 +483,21 @@ impl Pool {
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         self.factory
-            .create(rt, (limits.disk_mb, limits), false, &[])
+            .create(rt, (limits.disk_mb, limits), false, (&[], None))
             .await
     }
 
-    /// A container created for an execution that mounts volumes (never a pooled one: binds are made at creation).
+    /// A container created for an execution that mounts volumes or starts from a snapshot (never a pooled one:
+    /// binds and the workspace's overlay are made at creation).
     pub async fn take_with_volumes(
         &self,
         rt: &LanguageRuntime,
         limits: &Limits,
-        volumes: &[VolumeBind],
+        (volumes, snapshot): (&[VolumeBind], Option<&Path>),
     ) -> Result<Container, CreateError> {
         self.touch();
         self.factory
-            .create(rt, (limits.disk_mb, limits), false, volumes)
+            .create(rt, (limits.disk_mb, limits), false, (volumes, snapshot))
             .await
     }
 

@@ -335,7 +335,10 @@ fn refuse(engine: &Engine, req: &protocol::ExecuteRequest) -> Option<ErrorMessag
             return Some(refusal);
         }
     }
-    if let Err(message) = engine.check_mounts(req) {
+    if let Err(message) = engine
+        .check_mounts(req)
+        .and_then(|()| engine.check_snapshot(req))
+    {
         return Some(ErrorMessage::new(id, ErrorCode::InvalidRequest, message));
     }
     if let Some(a) = &req.artifacts {

@@ -1,5 +1,7 @@
 //! Pause and resume: a paused agent's container is frozen (the cgroup freezer: every process stopped where it is,
 //! no CPU used) and thawed on resume; a resume with no agent running starts a new run from a stored state instead.
+//! A snapshot freezes a running agent the same way while its workspace is copied, and thaws it after (a paused one
+//! stays paused).
 
 use std::sync::Arc;
 
@@ -11,6 +13,7 @@ use runtime::error::Chain;
 use serde_json::Value;
 
 use super::{unavailable, Sandbox};
+use crate::snapshots::{SnapshotError, Snapshots};
 
 impl Sandbox {
     /// `POST /pause`: freezes the agent's cgroup.
@@ -97,5 +100,36 @@ impl Sandbox {
         self.hub
             .emit(&run_id, lifecycle_event(&self.agent_id, "resumed", None));
         Ok(self.handle())
+    }
+
+    /// `POST /snapshot`: copies the workspace into `store`, with a running agent frozen meanwhile (and thawed
+    /// after) so that the copy is of one moment; a paused agent stays paused. Refused (409) when the workspace
+    /// holds more than `max_bytes`.
+    #[tracing::instrument(name = "agent_snapshot", skip_all, fields(sandbox = %self.id))]
+    pub async fn snapshot(
+        &self,
+        store: &Arc<Snapshots>,
+        max_bytes: u64,
+    ) -> Result<agent_api::Snapshot, SnapshotError> {
+        let ops = self.ops.lock().await;
+        let frozen = match Self::live(&ops) {
+            Some(run) if self.status() != Some(AgentStatus::Paused) => {
+                run.container
+                    .freeze()
+                    .await
+                    .map_err(|e| SnapshotError::Freeze(Chain(&e).to_string()))?;
+                Some(run)
+            }
+            _ => None,
+        };
+        let taken = store
+            .take(self.workspace.workspace(), &self.image, &self.id, max_bytes)
+            .await;
+        if let Some(run) = frozen {
+            if let Err(e) = run.container.thaw().await {
+                tracing::error!(sandbox = %self.id, error = %Chain(&e), "cannot thaw the agent after a snapshot");
+            }
+        }
+        taken
     }
 }

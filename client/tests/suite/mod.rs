@@ -17,6 +17,7 @@ mod network;
 mod pool_behaviour;
 mod readme;
 mod sandboxctl;
+mod snapshots;
 mod tls;
 mod tools;
 mod volumes;

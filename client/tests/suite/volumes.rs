@@ -27,7 +27,7 @@ async fn sandbox(
 }
 
 /// Runs the fake agent's `script` in `sb` (its first run) and returns the status messages it produced.
-async fn run(sb: &SandboxClient, script: Value) -> Vec<String> {
+pub(super) async fn run(sb: &SandboxClient, script: Value) -> Vec<String> {
     let mut events = sb.events(0);
     let mut steps = script.as_array().unwrap().clone();
     steps.push(json!({"emit": {"type": "status", "message": "script done"}}));
@@ -50,7 +50,7 @@ fn message(e: &AdapterEvent) -> Option<String> {
         .then(|| e.event["message"].as_str().unwrap_or_default().to_owned())
 }
 
-fn said<'a>(messages: &'a [String], prefix: &str) -> &'a str {
+pub(super) fn said<'a>(messages: &'a [String], prefix: &str) -> &'a str {
     messages
         .iter()
         .find(|m| m.starts_with(prefix))

@@ -245,7 +245,7 @@ fn time_in(secs: i64) -> time::OffsetDateTime {
 }
 
 /// Creates a sandbox; skips when the server has no agent sandboxes.
-async fn create(ctx: &Ctx) -> Result<String, Stop> {
+pub(super) async fn create(ctx: &Ctx) -> Result<String, Stop> {
     let (status, body) = http(
         ctx,
         "POST",

@@ -1,5 +1,5 @@
 //! Every case of the suite, by spec section (`P.*`), isolation posture (`I.*`), resources and lifecycle (`R.*`)
-//! extension (`E.*`), agent sandboxes (`A.*`) and volumes (`V.*`); the helpers they share are in [`common`]. Ids are stable: a case is never renumbered,
+//! extension (`E.*`), agent sandboxes (`A.*`), volumes (`V.*`) and snapshots (`S.*`); the helpers they share are in [`common`]. Ids are stable: a case is never renumbered,
 //! a retired id is not reused.
 
 use crate::framework::Case;
@@ -14,6 +14,7 @@ pub mod network;
 pub mod requests;
 pub mod resources;
 pub mod sequences;
+pub mod snapshots;
 pub mod tools;
 pub mod transport;
 pub mod volumes;
@@ -33,6 +34,7 @@ pub fn all() -> Vec<Case> {
         network::CASES,
         agents::CASES,
         volumes::CASES,
+        snapshots::CASES,
     ]
     .concat()
 }

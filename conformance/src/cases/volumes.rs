@@ -231,7 +231,12 @@ async fn sandbox_on(ctx: &Ctx, volume: &str) -> Result<Result<String, (u16, Valu
 }
 
 /// Runs `script` in sandbox `id` and returns the first status message starting with `prefix`.
-async fn status_from(ctx: &Ctx, id: &str, script: Value, prefix: &str) -> Result<String, Stop> {
+pub(super) async fn status_from(
+    ctx: &Ctx,
+    id: &str,
+    script: Value,
+    prefix: &str,
+) -> Result<String, Stop> {
     let mut events = Events::open(ctx, id).await?;
     spawn(ctx, id, script).await?;
     for _ in 0..20 {

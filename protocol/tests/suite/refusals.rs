@@ -271,7 +271,7 @@ fn unknown_fields_in_execute_are_refused() {
     );
     assert_eq!(
         err.message,
-        "Unknown field foo; expected one of language, code, stdin, env, limits, files, artifacts, tools, tool_timeout_ms, warm, traceparent, network, mounts"
+        "Unknown field foo; expected one of language, code, stdin, env, limits, files, artifacts, tools, tool_timeout_ms, warm, traceparent, network, mounts, snapshot"
     );
     let text = execute_with(|o| {
         drop(

@@ -77,6 +77,7 @@ impl Rig {
             auth: Arc::new(Tokens(Arc::new(vec!["t".into()]))),
             network: None,
             disks: None,
+            snapshots: Err("the fake backend mounts nothing".into()),
         };
         std::fs::create_dir_all(dir.path().join("state")).unwrap();
         Self {

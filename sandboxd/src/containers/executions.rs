@@ -35,10 +35,11 @@ impl ContainerBackend for Arc<HelperBackend> {
                 plan.lang.clone(),
                 *plan.limits,
                 plan.volumes.to_vec(),
+                plan.snapshot.map(Path::to_owned),
             );
             let (host_id, disk_mb, warm) = (plan.host_id, plan.disk_mb, plan.warm);
             let prepared = tokio::task::spawn_blocking(move || {
-                let (cid, lang, limits, volumes) = owned;
+                let (cid, lang, limits, volumes, snapshot) = owned;
                 this.prepare(&Plan {
                     cid: &cid,
                     host_id,
@@ -47,6 +48,7 @@ impl ContainerBackend for Arc<HelperBackend> {
                     limits: &limits,
                     warm,
                     volumes: &volumes,
+                    snapshot: snapshot.as_deref(),
                 })
             })
             .await

@@ -56,6 +56,13 @@ impl ContainerBackend for FakeBackend {
                 std::fs::create_dir_all(&sub)
                     .map_err(|e| CreateError::Prepare(runtime::Error::io(sub, e)))?;
             }
+            // The real backend mounts a snapshot as an overlay's lower layer; the fake copies it.
+            if let Some(layer) = plan.snapshot {
+                let to = dir.join("workspace");
+                std::fs::remove_dir(&to)
+                    .and_then(|()| agents::snapshots::copy_tree(layer, &to, u64::MAX).map(|_| ()))
+                    .map_err(|e| CreateError::Prepare(runtime::Error::io(to, e)))?;
+            }
             self.recorder.record(Call::Create(plan.cid.to_owned()));
             Ok(Box::new(FakeContainer {
                 cid: plan.cid.to_owned(),

@@ -33,10 +33,17 @@ impl FakeWorkspace {
     /// `<parent>/<id>/` with its layout.
     pub fn create(plan: WorkspacePlan<'_>, recorder: Arc<Recorder>) -> runtime::Result<Self> {
         let dir = plan.parent.join(plan.id);
-        for sub in ["code", "scratch/workspace", "scratch/tmp"] {
+        for sub in ["code", "scratch/tmp"] {
             let sub = dir.join(sub);
             std::fs::create_dir_all(&sub).map_err(|e| runtime::Error::io(sub, e))?;
         }
+        let workspace = dir.join("scratch/workspace");
+        // The real backend mounts a snapshot as an overlay's lower layer; the fake copies it.
+        match plan.snapshot {
+            Some(layer) => agents::snapshots::copy_tree(layer, &workspace, u64::MAX).map(|_| ()),
+            None => std::fs::create_dir(&workspace),
+        }
+        .map_err(|e| runtime::Error::io(&workspace, e))?;
         recorder.record(Call::CreateWorkspace(plan.id.to_owned()));
         Ok(Self {
             id: plan.id.to_owned(),

@@ -145,9 +145,16 @@ impl HelperBackend {
             limits,
             warm: _,
             volumes,
+            snapshot,
         } = *plan;
         let disk_bytes = disk_mb << 20;
-        let scratch = create_scratch(&self.run_dir, cid, disk_bytes, host_id, &lang.image)?;
+        let mut scratch = create_scratch(&self.run_dir, cid, disk_bytes, host_id, &lang.image)?;
+        if let Some(layer) = snapshot {
+            // On error the scratch space is removed as it is dropped.
+            scratch
+                .workspace_from(layer)
+                .map_err(CreateError::Prepare)?;
+        }
         let extra_binds = bind_volumes(&scratch, volumes, host_id)?;
         let mut args = lang.command.clone();
         args.push(format!("{CODE_DIR}/{}", lang.file_name));

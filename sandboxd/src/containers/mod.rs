@@ -62,6 +62,9 @@ pub struct Plan<'a> {
     pub warm: bool,
     /// Volumes bound under `/workspace` (extension `volumes`).
     pub volumes: &'a [VolumeBind],
+    /// A snapshot's layer `/workspace` starts from (extension `snapshots`; see
+    /// [`runtime::rootfs::Scratch::workspace_from`]).
+    pub snapshot: Option<&'a Path>,
 }
 
 /// A volume bound into an execution's container: its filesystem on the host, shown with the container's
@@ -89,6 +92,9 @@ pub struct WorkspacePlan<'a> {
     pub image: &'a Arc<RootImage>,
     /// Size of `/workspace` and `/tmp` (tmpfs) and `RLIMIT_FSIZE`, MiB.
     pub disk_mb: u64,
+    /// A snapshot's layer `/workspace` starts from (an overlay's lower layer; see
+    /// [`runtime::rootfs::Scratch::workspace_from`]).
+    pub snapshot: Option<&'a Path>,
 }
 
 /// How the init reported the end: its status record (empty when it died without writing) and the

@@ -39,9 +39,16 @@ pub(super) async fn create_workspace(
         plan.image.clone(),
     );
     let (host_id, disk_bytes) = (plan.host_id, plan.disk_mb << 20);
-    let image2 = image.clone();
+    let (image2, snapshot) = (image.clone(), plan.snapshot.map(Path::to_owned));
     let scratch = tokio::task::spawn_blocking(move || {
-        create_scratch(&parent, &id, disk_bytes, host_id, &image2)
+        let mut scratch = create_scratch(&parent, &id, disk_bytes, host_id, &image2)?;
+        if let Some(layer) = snapshot {
+            // On error the scratch space is removed as it is dropped.
+            scratch
+                .workspace_from(&layer)
+                .map_err(CreateError::Prepare)?;
+        }
+        Ok::<_, CreateError>(scratch)
     })
     .await
     .map_err(CreateError::Panicked)??;

@@ -72,6 +72,8 @@ pub struct Engine {
     /// The `volumes` extension: the volumes agent sandboxes share (set once, before the server listens, when the
     /// host can make them).
     volumes: std::sync::OnceLock<Arc<agents::volumes::Volumes>>,
+    /// The agent sandboxes' snapshots (extension `snapshots`), set once the agent registry exists.
+    snapshots: std::sync::OnceLock<Arc<agents::snapshots::Snapshots>>,
 }
 
 /// What an execution's body hands back: the messages to send (or the error), and the container to remove.
@@ -98,6 +100,7 @@ impl Engine {
             seccomp_digest,
             egress: egress.map(Arc::new),
             volumes: std::sync::OnceLock::new(),
+            snapshots: std::sync::OnceLock::new(),
         }
     }
 
@@ -122,6 +125,25 @@ impl Engine {
     /// Gives executions the volumes (extension `volumes`); once, before the server listens.
     pub fn set_volumes(&self, volumes: Arc<agents::volumes::Volumes>) {
         let _ = self.volumes.set(volumes);
+    }
+
+    /// Whether the request's snapshot can be served: the extension is there and the snapshot exists.
+    pub fn check_snapshot(&self, req: &ExecuteRequest) -> Result<(), String> {
+        let Some(id) = &req.snapshot else {
+            return Ok(());
+        };
+        match self.snapshots.get() {
+            None => {
+                Err("Field snapshot: this server has no snapshots (extension snapshots)".into())
+            }
+            Some(s) if !s.contains(id) => Err(format!("Field snapshot: No snapshot {id:?}")),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Gives executions the agent sandboxes' snapshots (extension `snapshots`); once, before the server listens.
+    pub fn set_snapshots(&self, snapshots: Arc<agents::snapshots::Snapshots>) {
+        let _ = self.snapshots.set(snapshots);
     }
 
     /// The `network` extension, when enabled.
@@ -216,6 +238,9 @@ impl Engine {
         }
         if self.volumes.get().is_some() {
             extensions.push("volumes".to_owned());
+        }
+        if self.snapshots.get().is_some() {
+            extensions.push("snapshots".to_owned());
         }
         extensions
     }
@@ -453,7 +478,7 @@ impl Engine {
         lang: &LanguageRuntime,
         limits: &Limits,
     ) -> Result<Container, Box<Failure>> {
-        if req.mounts.is_empty() {
+        if req.mounts.is_empty() && req.snapshot.is_none() {
             return self
                 .pool
                 .take(req.language, lang, limits)
@@ -467,27 +492,22 @@ impl Engine {
                 message,
             )))
         };
-        let Some(volumes) = self.volumes.get() else {
-            return Err(refuse(
-                "Field mounts: this server has no volumes (extension volumes)".into(),
-            ));
-        };
         let holder = format!("execution:{}", req.id);
-        let mut claims = Vec::with_capacity(req.mounts.len());
-        for (i, m) in req.mounts.iter().enumerate() {
-            match volumes
-                .claim(&m.volume, &holder, &m.path, m.read_only)
-                .await
-            {
-                Ok(c) => claims.push(c),
-                Err(e) => {
-                    return Err(refuse(format!(
-                        "Field mounts[{i}]: {}",
-                        runtime::error::Chain(&e)
-                    )))
-                }
+        let claims = self.claim_volumes(req, &holder).await.map_err(refuse)?;
+        let snapshot = match &req.snapshot {
+            None => None,
+            Some(id) => {
+                let Some(snapshots) = self.snapshots.get() else {
+                    return Err(refuse(
+                        "Field snapshot: this server has no snapshots (extension snapshots)".into(),
+                    ));
+                };
+                let held = snapshots.hold(id, &holder).map_err(|e| {
+                    refuse(format!("Field snapshot: {}", runtime::error::Chain(&e)))
+                })?;
+                Some(held)
             }
-        }
+        };
         let binds: Vec<VolumeBind> = req
             .mounts
             .iter()
@@ -498,13 +518,37 @@ impl Engine {
                 read_only: m.read_only,
             })
             .collect();
+        let layer = snapshot.as_ref().map(|(l, _)| l.as_path());
         let mut container = self
             .pool
-            .take_with_volumes(lang, limits, &binds)
+            .take_with_volumes(lang, limits, (&binds, layer))
             .await
             .map_err(|e| Box::new(ExecError::Create(e).into()))?;
         container.claims = claims;
+        container.snapshot = snapshot.map(|(_, h)| h);
         Ok(container)
+    }
+
+    /// Claims each volume of `req.mounts` for `holder`; the refusal's message names the field.
+    async fn claim_volumes(
+        &self,
+        req: &ExecuteRequest,
+        holder: &str,
+    ) -> Result<Vec<agents::volumes::Claim>, String> {
+        if req.mounts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(volumes) = self.volumes.get() else {
+            return Err("Field mounts: this server has no volumes (extension volumes)".into());
+        };
+        let mut claims = Vec::with_capacity(req.mounts.len());
+        for (i, m) in req.mounts.iter().enumerate() {
+            match volumes.claim(&m.volume, holder, &m.path, m.read_only).await {
+                Ok(c) => claims.push(c),
+                Err(e) => return Err(format!("Field mounts[{i}]: {}", runtime::error::Chain(&e))),
+            }
+        }
+        Ok(claims)
     }
 
     /// The request's egress proxy, listening inside the container; `None` without `network`.
