@@ -227,6 +227,14 @@ impl Agents {
     #[tracing::instrument(name = "agent_create", skip_all, fields(sandbox = tracing::field::Empty))]
     pub async fn create(&self, req: CreateSandboxRequest) -> Result<Arc<Sandbox>, Refusal> {
         let (limits, image, template, files) = self.admit(&req)?;
+        // A volume's mount point is made by the daemon through the workspace's paths, which in a snapshot are the
+        // agent's (a directory there may be a link out of it): not both.
+        if req.from_snapshot.is_some() && !req.workspace_requirements.mounts.is_empty() {
+            return Err(PluginError::invalid(
+                "workspaceRequirements.mounts: not with fromSnapshot (a snapshot's paths are an earlier agent's)",
+            )
+            .into());
+        }
         let names: Vec<&str> = files.iter().map(|f| f.path.as_str()).collect();
         let mounts = crate::volumes::plan(
             &req.workspace_requirements.mounts,

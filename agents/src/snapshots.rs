@@ -434,7 +434,7 @@ fn store(
 /// What [`copy_tree`] copied.
 #[derive(Debug, Default)]
 pub struct Copied {
-    /// `sha256:<hex>` over every entry's line (kind, mode, size, path, content hash or link target), sorted by path.
+    /// `sha256:<hex>` over every entry (kind, stored mode, size, path, content hash or link target) in walk order.
     pub digest: String,
     /// Bytes of file content.
     pub bytes: u64,
@@ -444,10 +444,18 @@ pub struct Copied {
     pub skipped: Vec<String>,
 }
 
+/// Bytes a directory or a link is charged against a snapshot's size (a block of the state disk).
+const ENTRY_BYTES: u64 = 4096;
+/// Bytes of paths a copy keeps at once (the directories still to walk, and those whose modes are set last).
+const MAX_PATH_BYTES: usize = 64 << 20;
+
 /// Copies the tree at `src` into the new directory `dst` (blocking): regular files, directories and symbolic links
 /// (as links: never followed), each owned by the caller (0), with its permission bits (set-id bits dropped) and
 /// modification time; anything else, and any directory on another filesystem (a mount), is left out and listed.
-/// `src` must not change meanwhile. More than `max_bytes` of content is an error of kind `FileTooLarge`.
+/// `src` must not change meanwhile. More than `max_bytes` (file content, and [`ENTRY_BYTES`] per directory and
+/// link), more entries than a tmpfs of `max_bytes` holds, or a tree whose paths would take more than
+/// [`MAX_PATH_BYTES`] to walk, is an error of kind `FileTooLarge`. The digest covers each entry in the walk's order
+/// (a directory's entries sorted by name, depth first), each field length-prefixed.
 pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copied> {
     let top = std::fs::symlink_metadata(src)?;
     if !top.is_dir() {
@@ -457,9 +465,11 @@ pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copi
         )));
     }
     let dev = top.dev();
+    let max_entries = runtime::spec::inodes_for(max_bytes);
     std::fs::DirBuilder::new().mode(0o700).create(dst)?;
-    let mut out = Copied::default();
-    let mut lines: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let too_large = || std::io::Error::from(std::io::ErrorKind::FileTooLarge);
+    let (mut out, mut charged, mut path_bytes) = (Copied::default(), 0u64, 0usize);
+    let mut h = Sha256::new();
     // Directories get their modes and times last (after their entries were written).
     let mut dirs: Vec<(PathBuf, std::fs::Metadata)> = vec![(dst.to_owned(), top)];
     let mut todo: Vec<PathBuf> = vec![PathBuf::new()];
@@ -469,58 +479,59 @@ pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copi
             .map(|e| e.map(|e| e.file_name()))
             .collect::<std::io::Result<_>>()?;
         names.sort();
+        // Pushed in reverse, so that they are walked in name order.
+        let mut subdirs = Vec::new();
         for name in names {
             let rel = rel.join(&name);
             let (from, to) = (src.join(&rel), dst.join(&rel));
             let md = std::fs::symlink_metadata(&from)?;
             let ft = md.file_type();
-            let mode = md.mode() & 0o1777;
-            let (kind, detail) = if ft.is_dir() && md.dev() != dev {
+            let size = if ft.is_file() { md.len() } else { ENTRY_BYTES };
+            charged = charged.saturating_add(size);
+            if charged > max_bytes || out.files >= max_entries {
+                return Err(too_large());
+            }
+            let (kind, mode, detail) = if ft.is_dir() && md.dev() != dev {
                 skip(&mut out, &rel, "a mount");
                 std::fs::DirBuilder::new().mode(0o755).create(&to)?;
-                ("d", Vec::new())
+                (b'd', 0o755, Vec::new())
             } else if ft.is_dir() {
                 std::fs::DirBuilder::new().mode(0o700).create(&to)?;
-                dirs.push((to, md.clone()));
-                todo.push(rel.clone());
-                ("d", Vec::new())
-            } else if ft.is_file() {
-                if out.bytes + md.len() > max_bytes {
-                    return Err(std::io::ErrorKind::FileTooLarge.into());
+                path_bytes += 2 * rel.as_os_str().len();
+                if path_bytes > MAX_PATH_BYTES {
+                    return Err(too_large());
                 }
-                let hash = copy_file(&from, &to, mode & 0o777, &mut buf)?;
+                dirs.push((to, md.clone()));
+                subdirs.push(rel.clone());
+                (b'd', md.mode() & 0o1777, Vec::new())
+            } else if ft.is_file() {
+                let mode = md.mode() & 0o777;
+                let hash = copy_file(&from, &to, mode, &mut buf)?;
                 set_mtime(&to, &md)?;
                 out.bytes += md.len();
-                ("f", hash)
+                (b'f', mode, hash)
             } else if ft.is_symlink() {
                 let target = std::fs::read_link(&from)?;
                 std::os::unix::fs::symlink(&target, &to)?;
-                ("l", target.as_os_str().as_bytes().to_vec())
+                (b'l', 0o777, target.as_os_str().as_bytes().to_vec())
             } else {
                 skip(&mut out, &rel, "not a file, directory or link");
                 continue;
             };
             out.files += 1;
-            let mut line = format!(
-                "{kind} {mode:o} {} ",
-                if kind == "f" { md.len() } else { 0 }
-            )
-            .into_bytes();
-            line.extend_from_slice(rel.as_os_str().as_bytes());
-            line.push(0);
-            line.extend_from_slice(&detail);
-            line.push(b'\n');
-            lines.push((rel.as_os_str().as_bytes().to_vec(), line));
+            h.update([kind]);
+            h.update(mode.to_le_bytes());
+            h.update((if kind == b'f' { md.len() } else { 0 }).to_le_bytes());
+            for field in [rel.as_os_str().as_bytes(), &detail] {
+                h.update((field.len() as u64).to_le_bytes());
+                h.update(field);
+            }
         }
+        todo.extend(subdirs.into_iter().rev());
     }
     for (dir, md) in dirs.iter().rev() {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(md.mode() & 0o1777))?;
         set_mtime(dir, md)?;
-    }
-    lines.sort();
-    let mut h = Sha256::new();
-    for (_, line) in &lines {
-        h.update(line);
     }
     out.digest = format!("sha256:{}", hex(&h.finalize()));
     Ok(out)

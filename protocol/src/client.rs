@@ -346,6 +346,9 @@ impl ExecuteRequest {
             if !ok {
                 return fail("Field snapshot: not a snapshot id".into());
             }
+            if !self.mounts.is_empty() {
+                return fail("Field mounts: not with snapshot".into());
+            }
         }
         Ok(())
     }

@@ -110,7 +110,7 @@ mod tests {
         }
         // Everything in a thread of its own, in a mount namespace of its own (the daemon's): it goes with the thread.
         std::thread::spawn(|| {
-            crate::rootfs::unshare_mount_namespace().unwrap();
+            crate::sys::unshare_mount_namespace().unwrap();
             let dir = tempfile::tempdir().unwrap();
             let (src, rw, ro) = (
                 dir.path().join("src"),

@@ -483,7 +483,15 @@ impl Inputs {
                     }
                 }
             }
-            // A file of the snapshot's is replaced (never through a link, nor a FIFO's open that would block).
+            // A file of the snapshot's is replaced; a link or a FIFO there is removed first (never followed or
+            // opened), a directory is refused.
+            match fs::symlink_metadata(&target) {
+                Ok(m) if m.is_dir() => return Err(refuse("is a directory".into())),
+                Ok(m) if !m.is_file() => {
+                    fs::remove_file(&target).map_err(|e| refuse(e.to_string()))?
+                }
+                _ => {}
+            }
             let mut file = fs::OpenOptions::new()
                 .write(true)
                 .create(true)
@@ -629,20 +637,8 @@ pub fn mount_run_dir(dir: &Path) -> Result<()> {
     .map_err(|e| Error::sys(format!("mount tmpfs on {}", dir.display()), e))
 }
 
-/// Detaches the calling process (and the helper it forks later) from the host's mount propagation: mounts sandboxd
-/// makes are invisible on the host and disappear with the daemon, while host mounts still propagate in.
-pub fn unshare_mount_namespace() -> Result<()> {
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
-        .map_err(|e| Error::sys("unshare(CLONE_NEWNS)", e))?;
-    nix::mount::mount(
-        None::<&str>,
-        "/",
-        None::<&str>,
-        MsFlags::MS_REC | MsFlags::MS_SLAVE,
-        None::<&str>,
-    )
-    .map_err(|e| Error::sys("mount --make-rslave /", e))
-}
+/// Detaches the calling process from the host's mount propagation (see [`crate::sys::unshare_mount_namespace`]).
+pub use crate::sys::unshare_mount_namespace;
 
 #[cfg(test)]
 mod tests {

@@ -312,6 +312,21 @@ pub fn move_mount_onto(tree: &OwnedFd, target: &OwnedFd) -> nix::Result<()> {
     nix::errno::Errno::result(rc).map(drop)
 }
 
+/// Detaches the calling process (and the helper it forks later) from the host's mount propagation: mounts sandboxd
+/// makes are invisible on the host and disappear with the daemon, while host mounts still propagate in.
+pub fn unshare_mount_namespace() -> Result<()> {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(|e| Error::sys("unshare(CLONE_NEWNS)", e))?;
+    nix::mount::mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_SLAVE,
+        None::<&str>,
+    )
+    .map_err(|e| Error::sys("mount --make-rslave /", e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -114,10 +114,11 @@ impl Sandbox {
         let ops = self.ops.lock().await;
         let frozen = match Self::live(&ops) {
             Some(run) if self.status() != Some(AgentStatus::Paused) => {
-                run.container
-                    .freeze()
-                    .await
-                    .map_err(|e| SnapshotError::Freeze(Chain(&e).to_string()))?;
+                if let Err(e) = run.container.freeze().await {
+                    // A freeze may have been half done: nothing stays frozen behind a refusal.
+                    let _ = run.container.thaw().await;
+                    return Err(SnapshotError::Freeze(Chain(&e).to_string()));
+                }
                 Some(run)
             }
             _ => None,
@@ -127,7 +128,22 @@ impl Sandbox {
             .await;
         if let Some(run) = frozen {
             if let Err(e) = run.container.thaw().await {
-                tracing::error!(sandbox = %self.id, error = %Chain(&e), "cannot thaw the agent after a snapshot");
+                // Still frozen: it says so, and `resume` thaws it again.
+                tracing::error!(sandbox = %self.id, error = %Chain(&e), "cannot thaw the agent after a snapshot; it is paused");
+                let run_id = {
+                    let mut sh = self.shared();
+                    sh.before_pause = sh.status;
+                    sh.status = Some(AgentStatus::Paused);
+                    sh.run_id.clone()
+                };
+                self.hub.emit(
+                    &run_id,
+                    lifecycle_event(
+                        &self.agent_id,
+                        "paused",
+                        Some("not thawed after a snapshot"),
+                    ),
+                );
             }
         }
         taken

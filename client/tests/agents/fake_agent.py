@@ -137,6 +137,8 @@ for position, step in enumerate(script):
             n += 1
     elif "sleep_ms" in step:
         time.sleep(step["sleep_ms"] / 1000.0)
+    elif "symlink" in step:
+        os.symlink(step["symlink"]["target"], os.path.join("/workspace", step["symlink"]["path"]))
     elif "mkfifo" in step:
         os.mkfifo(os.path.join("/workspace", step["mkfifo"]))
     elif "big_line" in step:

@@ -210,6 +210,13 @@ async fn snapshots_of_a_working_and_a_paused_agent_and_a_fork() {
 
     // Refusals.
     let mut req = create_request(backend.port, 3600);
+    req.from_snapshot = Some(s.id.clone());
+    req.workspace_requirements.mounts =
+        serde_json::from_value(json!([{"volume": "vol-x", "path": "/workspace/data"}])).unwrap();
+    let (status, e) = plugin_err(gw.create(&req).await);
+    assert_eq!(status, 400, "{e:?}");
+    assert!(e.to_string().contains("not with fromSnapshot"), "{e}");
+    let mut req = create_request(backend.port, 3600);
     req.from_snapshot = Some("snap-none".into());
     let (status, e) = plugin_err(gw.create(&req).await);
     assert_eq!(status, 404, "{e:?}");
@@ -245,6 +252,42 @@ async fn snapshots_of_a_working_and_a_paused_agent_and_a_fork() {
         all.iter().all(|x| x.used_by.iter().all(|u| u == f.id())),
         "{all:#?}"
     );
+}
+
+/// A link the agent left where the next sandbox's template writes a file: the link is replaced, its target (a host
+/// file) is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_file_replaces_a_link_the_snapshot_holds() {
+    let Some((_d, gw)) = start().await else {
+        return;
+    };
+    let backend = Backend::start().await;
+    let host = tempfile::tempdir().unwrap();
+    let victim = host.path().join("victim");
+    std::fs::write(&victim, "host file").unwrap();
+    let a = gw
+        .create(&create_request(backend.port, 3600))
+        .await
+        .unwrap();
+    run(
+        &a,
+        json!([{"symlink": {"target": victim.to_str().unwrap(), "path": "planted.txt"}}]),
+    )
+    .await;
+    let s = gw.snapshot(a.id()).await.unwrap();
+    let mut req = create_request(backend.port, 3600);
+    req.from_snapshot = Some(s.id.clone());
+    req.template.as_mut().unwrap().files.push(
+        serde_json::from_value(json!({"path": "planted.txt", "content": "from the template"}))
+            .unwrap(),
+    );
+    let b = gw.create(&req).await.unwrap();
+    let read = run(&b, json!([{"read": "planted.txt"}])).await;
+    assert_eq!(
+        said(&read, "read"),
+        "read planted.txt: from the template uid 0"
+    );
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "host file");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -757,3 +757,29 @@ fn mounts_stay_under_the_working_directory_and_apart() {
         invalid(&with(mounts.clone(), files), ID, field);
     }
 }
+
+#[test]
+fn a_snapshot_is_an_id_and_not_with_mounts() {
+    let ok = parse_execute(&execute_with(|o| {
+        o.insert("snapshot".into(), json!("snap-0123abcd"));
+    }));
+    assert_eq!(ok.snapshot.as_deref(), Some("snap-0123abcd"));
+    for snapshot in [json!(""), json!("snap/../x"), json!("a b")] {
+        invalid(
+            &execute_with(|o| drop(o.insert("snapshot".into(), snapshot.clone()))),
+            ID,
+            "Field snapshot",
+        );
+    }
+    invalid(
+        &execute_with(|o| {
+            o.insert("snapshot".into(), json!("snap-1"));
+            o.insert(
+                "mounts".into(),
+                json!([{"volume": "vol-a", "path": "/workspace/data"}]),
+            );
+        }),
+        ID,
+        "not with snapshot",
+    );
+}

@@ -348,10 +348,12 @@ impl Engine {
             .execute(&req, &limits, &key, &out, control, tool_inbox)
             .await;
         // The container goes first, in the background: the result does not wait for its removal. One that mounted
-        // volumes is removed before the result, so that its volumes are free (for the next writer, or to delete)
-        // when the client learns that the execution ended.
+        // volumes or started from a snapshot is removed before the result, so that they are free (for the next
+        // writer, or to delete) when the client learns that the execution ended.
         match container {
-            Some(c) if !c.claims.is_empty() => self.pool.factory().remove(c).await,
+            Some(c) if !c.claims.is_empty() || c.snapshot.is_some() => {
+                self.pool.factory().remove(c).await
+            }
             Some(c) => self.pool.factory().remove_in_background(c),
             None => {}
         }
