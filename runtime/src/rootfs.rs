@@ -527,56 +527,26 @@ impl Inputs {
     }
 }
 
-/// Whether a workspace can start from a snapshot stored under `dir` here ([`Scratch::workspace_from`]): an
-/// idmapped read-only bind of a directory there, and an overlay with it as the lower layer and its upper layer on a
-/// tmpfs, are mounted (in the caller's mount namespace) and unmounted again. Needs idmapped mounts on `dir`'s
-/// filesystem and overlayfs taking idmapped layers (Linux 5.19).
+/// Whether a workspace can start from a snapshot stored under `dir` here: a small scratch space is made under it
+/// and its `/workspace` started from an empty layer there ([`Scratch::workspace_from`], the same mounts a sandbox
+/// gets), then removed again (in the caller's mount namespace). Needs idmapped mounts on `dir`'s filesystem and
+/// overlayfs taking idmapped layers (Linux 5.19).
 pub fn probe_workspace_from(dir: &Path, host_id: u32) -> Result<()> {
     let probe = dir.join(".probe");
     match fs::remove_dir_all(&probe) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&probe, e)),
         _ => {}
     }
-    let (layer, lower, tmp) = (probe.join("layer"), probe.join("lower"), probe.join("tmp"));
-    for d in [&layer, &lower, &tmp] {
-        mkdir(d, 0o700)?;
-    }
-    let mut mounted: Vec<PathBuf> = Vec::new();
-    let made = (|| -> Result<()> {
-        crate::idmap::bind(&layer, &lower, host_id, true)?;
-        mounted.push(lower.clone());
-        nix::mount::mount(
-            Some("sandboxd-probe"),
-            &tmp,
-            Some("tmpfs"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-            Some("size=1m"),
-        )
-        .map_err(|e| Error::sys(format!("mount tmpfs on {}", tmp.display()), e))?;
-        mounted.push(tmp.clone());
-        let (upper, work, merged) = (tmp.join("upper"), tmp.join("work"), tmp.join("merged"));
-        for d in [&upper, &work, &merged] {
-            mkdir(d, 0o700)?;
-        }
-        let data = overlay_options(std::slice::from_ref(&lower), &upper, &work)?;
-        nix::mount::mount(
-            Some("sandboxd-probe"),
-            &merged,
-            Some("overlay"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-            Some(data.as_str()),
-        )
-        .map_err(|e| Error::sys(format!("mount overlay on {}", merged.display()), e))?;
-        mounted.push(merged);
-        Ok(())
-    })();
-    for m in mounted.iter().rev() {
-        if let Err(e) = nix::mount::umount2(m, MntFlags::MNT_DETACH) {
-            tracing::warn!(path = %m.display(), error = %e, "cannot unmount a probe");
-        }
-    }
-    made?;
-    fs::remove_dir_all(&probe).map_err(|e| Error::io(&probe, e))
+    let layer = probe.join("layer");
+    mkdir(&layer, 0o700)?;
+    let made = Scratch::create(&probe, "scratch", 1 << 20, host_id, RootSource::Shared).and_then(
+        |mut scratch| {
+            let r = scratch.workspace_from(&layer);
+            scratch.remove().and(r)
+        },
+    );
+    let removed = fs::remove_dir_all(&probe).map_err(|e| Error::io(&probe, e));
+    made.and(removed)
 }
 
 /// Overlay mount options for `lowers` (top first), `upper` and `work`; refused when a path holds a separator or

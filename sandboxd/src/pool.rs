@@ -114,6 +114,13 @@ pub struct Container {
     pub snapshot: Option<agents::snapshots::Hold>,
 }
 
+impl Container {
+    /// Whether it holds volumes or a snapshot that other holders wait for (freed once it is removed).
+    pub fn holds_shared_storage(&self) -> bool {
+        !self.claims.is_empty() || self.snapshot.is_some()
+    }
+}
+
 /// What the pool needs to create containers: the backend, host uids, ids, and the count of removals under way.
 pub struct Factory {
     /// The limits a pooled container is created with, lowered to the request's at launch.

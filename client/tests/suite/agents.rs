@@ -203,7 +203,7 @@ pub(super) fn plugin_err(r: Result<impl std::fmt::Debug, GatewayError>) -> (u16,
 }
 
 /// [`start`], a backend, and one sandbox created against it (an hour's lifetime).
-async fn start_with_sandbox() -> Option<(Daemon, Gateway, Backend, SandboxClient)> {
+pub(super) async fn start_with_sandbox() -> Option<(Daemon, Gateway, Backend, SandboxClient)> {
     let (d, gw) = start().await?;
     let backend = Backend::start().await;
     let sb = gw

@@ -9,7 +9,9 @@ use agent_api::AdapterEvent;
 use client::gateway::{EventStream, Gateway, SandboxClient};
 use serde_json::json;
 
-use super::agents::{brief, create_request, mounts_under, plugin_err, start, until, Backend};
+use super::agents::{
+    brief, create_request, mounts_under, plugin_err, start, start_with_sandbox, until, Backend,
+};
 use super::volumes::{run, said};
 
 /// Bytes in use on sandbox `id`'s tmpfs (`/workspace` and `/tmp`), seen through the daemon's mount namespace.
@@ -69,14 +71,9 @@ async fn ticking(gw: &Gateway, backend: &Backend) -> (SandboxClient, EventStream
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_starts_sandboxes_without_a_copy_and_outlives_the_daemon() {
-    let Some((mut d, gw)) = start().await else {
+    let Some((mut d, gw, backend, a)) = start_with_sandbox().await else {
         return;
     };
-    let backend = Backend::start().await;
-    let a = gw
-        .create(&create_request(backend.port, 3600))
-        .await
-        .unwrap();
     let wrote = run(
         &a,
         json!([
@@ -258,17 +255,12 @@ async fn snapshots_of_a_working_and_a_paused_agent_and_a_fork() {
 /// file) is untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_template_file_replaces_a_link_the_snapshot_holds() {
-    let Some((_d, gw)) = start().await else {
+    let Some((_d, gw, backend, a)) = start_with_sandbox().await else {
         return;
     };
-    let backend = Backend::start().await;
     let host = tempfile::tempdir().unwrap();
     let victim = host.path().join("victim");
     std::fs::write(&victim, "host file").unwrap();
-    let a = gw
-        .create(&create_request(backend.port, 3600))
-        .await
-        .unwrap();
     run(
         &a,
         json!([{"symlink": {"target": victim.to_str().unwrap(), "path": "planted.txt"}}]),
@@ -292,14 +284,9 @@ async fn a_template_file_replaces_a_link_the_snapshot_holds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandboxctl_snapshot_and_fork_commands() {
-    let Some((d, gw)) = start().await else {
+    let Some((d, _gw, backend, a)) = start_with_sandbox().await else {
         return;
     };
-    let backend = Backend::start().await;
-    let a = gw
-        .create(&create_request(backend.port, 3600))
-        .await
-        .unwrap();
     let ctl = |args: &[&str]| d.sandboxctl(args);
     let (code, out, err) = ctl(&["sandbox", "snapshot", a.id()]);
     assert_eq!(code, Some(0), "{err}");

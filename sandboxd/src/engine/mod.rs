@@ -351,9 +351,7 @@ impl Engine {
         // volumes or started from a snapshot is removed before the result, so that they are free (for the next
         // writer, or to delete) when the client learns that the execution ended.
         match container {
-            Some(c) if !c.claims.is_empty() || c.snapshot.is_some() => {
-                self.pool.factory().remove(c).await
-            }
+            Some(c) if c.holds_shared_storage() => self.pool.factory().remove(c).await,
             Some(c) => self.pool.factory().remove_in_background(c),
             None => {}
         }
