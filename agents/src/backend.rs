@@ -119,6 +119,11 @@ impl Backend {
         })
     }
 
+    /// The credentials as last renewed.
+    pub fn bootstrap(&self) -> SandboxBootstrap {
+        self.get()
+    }
+
     fn get(&self) -> SandboxBootstrap {
         self.bootstrap
             .lock()
@@ -169,7 +174,8 @@ impl Backend {
 
     /// Renews the token forever (until the task is aborted): at 80% of its lifetime, then with exponential backoff
     /// (1 s doubling to 60 s) while the backend refuses or is unreachable.
-    pub async fn renew_loop(self: Arc<Self>) {
+    /// `renewed` is called after each renewal (the sandbox's record keeps the new token).
+    pub async fn renew_loop(self: Arc<Self>, renewed: impl Fn() + Send + 'static) {
         let mut backoff = Duration::from_secs(1);
         loop {
             let wait = self.renew_at() - OffsetDateTime::now_utc();
@@ -180,6 +186,7 @@ impl Backend {
                 Ok(()) => {
                     backoff = Duration::from_secs(1);
                     tracing::info!("backend token renewed");
+                    renewed();
                 }
                 Err(e) => {
                     tracing::warn!(error = %runtime::error::Chain(&e), "backend token renewal failed; retrying");

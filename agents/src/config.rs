@@ -54,6 +54,10 @@ pub struct AgentsConfig {
     /// Snapshots at once (`POST /sandboxes/<id>/snapshot`, fork); beyond it a snapshot is refused
     /// (`provider_unavailable`, retryable). Each holds at most a sandbox's `disk_mb` on the state disk.
     pub max_snapshots: usize,
+    /// Agent sandboxes outlive the daemon (Docker's `live-restore`): a daemon that is stopped, killed or upgraded
+    /// leaves their agents running, and the next daemon on the same `state_dir` takes them back (their runs,
+    /// cgroups, control connections, event logs and sequence numbers). Off: they end with the daemon.
+    pub live_restore: bool,
 }
 
 impl Default for AgentsConfig {
@@ -73,6 +77,7 @@ impl Default for AgentsConfig {
             volume_max_mb: 1024,
             max_volumes: 32,
             max_snapshots: 32,
+            live_restore: false,
         }
     }
 }

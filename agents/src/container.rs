@@ -13,7 +13,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -84,6 +84,31 @@ pub struct RunPlan<'a> {
     pub pids_max: u64,
     /// Size of `/dev/shm`, bytes.
     pub shm_bytes: u64,
+    /// The run outlives the daemon (live restore): its init holds the control socket for a later daemon, which
+    /// adopts it ([`Workspace::adopt_run`]).
+    pub keep: bool,
+}
+
+/// Which process a kept run's init is: its pid and its start time (`/proc/<pid>/stat`, clock ticks since boot),
+/// so a recycled pid is never taken for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InitIdentity {
+    /// Host pid.
+    pub pid: i32,
+    /// Start time, clock ticks after boot.
+    pub start: u64,
+}
+
+/// A run taken back from a previous daemon, and what its init held.
+pub type AdoptedRun = (Arc<dyn RunContainer>, Adopted);
+
+/// What an adopted run's init held for the daemon.
+#[derive(Debug)]
+pub struct Adopted {
+    /// The control socket's listener.
+    pub control: OwnedFd,
+    /// The agent's control connection, if it had connected.
+    pub conn: Option<OwnedFd>,
 }
 
 /// An agent sandbox's workspace.
@@ -110,6 +135,24 @@ pub trait Workspace: Send + Sync + 'static {
 
     /// Removes the workspace (its runs must be removed first). Idempotent; errors are logged.
     fn remove(&self) -> BoxFuture<'_, ()>;
+
+    /// Leaves the workspace as it is for a later daemon (live restore at the daemon's exit): nothing of it is
+    /// removed when it is dropped.
+    fn leave(&self) {}
+
+    /// Takes back a kept run (see [`RunPlan::keep`]) whose init is `init`, from a daemon that is gone.
+    fn adopt_run<'a>(
+        &'a self,
+        cid: &'a str,
+        init: InitIdentity,
+    ) -> BoxFuture<'a, Result<AdoptedRun, LongLivedError>> {
+        let _ = (cid, init);
+        Box::pin(async {
+            Err(LongLivedError::Create(
+                "runs cannot be adopted on this backend".into(),
+            ))
+        })
+    }
 }
 
 /// One run's container.
@@ -117,8 +160,25 @@ pub trait RunContainer: Send + Sync + 'static {
     /// Its id.
     fn cid(&self) -> &str;
 
-    /// Launches the agent with its stdin, stdout and stderr (the init holds its own copies after).
-    fn launch(&self, stdio: [BorrowedFd<'_>; 3]) -> Result<(), LongLivedError>;
+    /// Launches the agent with its stdin, stdout and stderr (the init holds its own copies after). A kept run
+    /// ([`RunPlan::keep`]) gets the control socket's listener too, which its init holds for a later daemon.
+    fn launch(
+        &self,
+        stdio: [BorrowedFd<'_>; 3],
+        control: Option<BorrowedFd<'_>>,
+    ) -> Result<(), LongLivedError>;
+
+    /// A kept run's init holds the agent's control connection from now on (for a later daemon). A run that is
+    /// not kept ignores it.
+    fn hold(&self, conn: BorrowedFd<'_>) -> Result<(), LongLivedError> {
+        let _ = conn;
+        Ok(())
+    }
+
+    /// A kept run's init (`None` for a run that is not kept).
+    fn init(&self) -> Option<InitIdentity> {
+        None
+    }
 
     /// Sends `signal` to the container's init: `SIGKILL` ends the whole container, `SIGTERM`, `SIGINT` and
     /// `SIGHUP` are passed on to the agent. Errors are logged (it may be gone already).

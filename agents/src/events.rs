@@ -18,7 +18,7 @@
 use std::collections::VecDeque;
 use std::fs;
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -157,6 +157,51 @@ impl Log {
         Ok(())
     }
 
+    /// Takes up the segments on disk (a last line without its newline is cut off); the last sequence logged.
+    fn recover(&mut self) -> std::io::Result<Option<u64>> {
+        let scan = |path: &Path| -> std::io::Result<Option<(u64, u64, u64, u64)>> {
+            let bytes = match fs::read(path) {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            if whole < bytes.len() {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)?
+                    .set_len(whole as u64)?;
+            }
+            let seq = |line: &[u8]| {
+                serde_json::from_slice::<LoggedSequence>(line)
+                    .map(|l| l.source_sequence)
+                    .map_err(std::io::Error::other)
+            };
+            let mut lines = bytes[..whole]
+                .split(|&b| b == b'\n')
+                .filter(|l| !l.is_empty());
+            let Some(first) = lines.next() else {
+                return Ok(None);
+            };
+            let first = seq(first)?;
+            let (mut last, mut len) = (first, 1);
+            for l in lines {
+                last = seq(l)?;
+                len += 1;
+            }
+            Ok(Some((first, last, len, whole as u64)))
+        };
+        let older = scan(&self.older())?;
+        let current = scan(&self.current())?;
+        self.older_first = older.map(|(first, ..)| first);
+        if let Some((first, _, len, bytes)) = current {
+            self.current_first = first;
+            self.current_len = len;
+            self.current_bytes = bytes;
+        }
+        Ok(current.or(older).map(|(_, last, ..)| last))
+    }
+
     /// The first sequence still on disk (`last + 1` when nothing is).
     fn first_available(&self, last: u64) -> u64 {
         match (self.older_first, self.current_len) {
@@ -266,6 +311,19 @@ impl Hub {
     #[cfg(test)]
     pub fn new(dir: PathBuf, agent_id: &str) -> std::io::Result<Arc<Self>> {
         Self::with_budgets(dir, agent_id, Budgets::default())
+    }
+
+    /// A hub that goes on with the log a previous daemon left under `dir` (live restore): the next event gets the
+    /// sequence after the last one logged, and replay serves the logged ones. A line cut short by the crash is
+    /// removed first.
+    pub fn reopen(dir: PathBuf, agent_id: &str, budgets: Budgets) -> std::io::Result<Arc<Self>> {
+        let hub = Self::with_budgets(dir, agent_id, budgets)?;
+        {
+            let mut inner = hub.lock();
+            let last = inner.log.recover()?;
+            inner.next_seq = last.map_or(1, |l| l + 1);
+        }
+        Ok(hub)
     }
 
     /// A hub logging under `dir` (created); `agent_id` names the agent in sandboxd's own warnings.
@@ -587,6 +645,41 @@ mod tests {
             .unwrap()
             .collect();
         assert_eq!(r.events.len(), 2);
+    }
+
+    #[test]
+    fn a_reopened_log_goes_on_with_the_next_sequence_and_replays_across_both_daemons() {
+        let dir = tempfile::tempdir().unwrap();
+        let ev = dir.path().join("ev");
+        let first = Hub::with_budgets(ev.clone(), "a", small()).unwrap();
+        // Enough to roll the log once: both segments are taken up again.
+        for i in 0..400 {
+            first.emit("r1", status(i));
+        }
+        let last = first.last_sequence();
+        drop(first);
+        // A crash in the middle of a line: the half line is cut off.
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(ev.join("current.jsonl"))
+            .unwrap();
+        f.write_all(b"{\"sourceSequence\":99").unwrap();
+        drop(f);
+        let hub = Hub::reopen(ev.clone(), "a", small()).unwrap();
+        assert_eq!(hub.emit("r2", status(0)), last + 1, "no gap, no repeat");
+        let r = hub
+            .replay(SequenceRange {
+                from_sequence: last - 2,
+                to_sequence: last + 1,
+            })
+            .unwrap()
+            .collect();
+        let seqs: Vec<u64> = r.events.iter().map(|e| e.source_sequence).collect();
+        assert_eq!(seqs, vec![last - 2, last - 1, last, last + 1]);
+        assert_eq!(r.last_sequence, last + 1);
+        // An empty directory starts at 1.
+        let fresh = Hub::reopen(dir.path().join("none"), "a", small()).unwrap();
+        assert_eq!(fresh.emit("r", status(0)), 1);
     }
 
     /// Small budgets: 64 KiB of queue, 64 KiB of log, 16 KiB events.

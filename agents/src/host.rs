@@ -61,6 +61,20 @@ pub trait Containers: Send + Sync + 'static {
         &'a self,
         req: WorkspaceRequest<'a>,
     ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, WorkspaceError>>;
+
+    /// Takes back the workspace a previous daemon left mounted (live restore), with the host uid it had.
+    fn adopt_workspace<'a>(
+        &'a self,
+        req: WorkspaceRequest<'a>,
+        host_id: u32,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, WorkspaceError>> {
+        let _ = (req, host_id);
+        Box::pin(async {
+            Err(WorkspaceError::Failed(
+                "workspaces cannot be adopted here".into(),
+            ))
+        })
+    }
 }
 
 /// An artifact in the store.

@@ -16,6 +16,8 @@
 //!   recovery scan once their writer is gone.
 //! - [`snapshots`]: a sandbox's `/workspace` kept (`POST /sandboxes/<id>/snapshot`) and started from by other
 //!   sandboxes without a copy (`fromSnapshot`, fork).
+//! - [`restore`]: live restore (`agents.live_restore`): each sandbox's record, and the runs a later daemon takes
+//!   back.
 //! - [`config`]: the `agents:` configuration block.
 //!
 //! The wire types are `agent_api`'s.
@@ -27,6 +29,7 @@ pub mod events;
 pub mod host;
 pub mod network;
 pub mod registry;
+pub mod restore;
 pub mod routes;
 pub mod sandbox;
 pub mod snapshots;

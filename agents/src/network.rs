@@ -204,7 +204,11 @@ mod tests {
         fn cid(&self) -> &str {
             "run-1"
         }
-        fn launch(&self, _: [BorrowedFd<'_>; 3]) -> Result<(), LongLivedError> {
+        fn launch(
+            &self,
+            _: [BorrowedFd<'_>; 3],
+            _: Option<BorrowedFd<'_>>,
+        ) -> Result<(), LongLivedError> {
             unreachable!()
         }
         fn signal(&self, _: Signal) {}

@@ -63,11 +63,17 @@ pub struct Agents {
 }
 
 impl Agents {
-    /// The registry, with `<state_dir>/agents` emptied of a previous daemon's leftovers.
+    /// The registry, with `<state_dir>/agents` emptied of a previous daemon's leftovers (with live restore, what
+    /// a previous daemon recorded stays for [`Self::restore`]).
     pub fn new(host: Host) -> std::io::Result<Arc<Self>> {
         let dir = host.settings.state_dir.join("agents");
-        remove_leftovers(&dir)?;
-        std::fs::DirBuilder::new().mode(0o711).create(&dir)?;
+        if !host.settings.agents.live_restore {
+            remove_leftovers(&dir)?;
+        }
+        match std::fs::DirBuilder::new().mode(0o711).create(&dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            made => made?,
+        }
         let settings = &host.settings;
         let volumes = host
             .disks
@@ -292,6 +298,7 @@ impl Agents {
         layer: Option<(PathBuf, String)>,
     ) -> Result<Arc<Sandbox>, Refusal> {
         let id = id.to_owned();
+        let from_snapshot = req.from_snapshot.clone();
         let manifest = serde_json::json!({
             "sandboxId": id,
             "agentId": req.bootstrap.agent_id,
@@ -339,9 +346,10 @@ impl Agents {
             workspace,
             network,
             self.volumes.clone().map(|v| (v, mounts)),
-            self.host.clone(),
+            (from_snapshot, self.host.clone()),
         );
         sb.start_tasks();
+        sb.persist();
         self.map().insert(id.clone(), sb.clone());
         info!(sandbox = %id, "agent sandbox created");
         Ok(sb)
@@ -525,8 +533,151 @@ impl Agents {
         true
     }
 
-    /// Removes every sandbox (daemon shutdown).
+    /// Takes back what a previous daemon recorded (live restore; nothing without it): each sandbox with its live
+    /// run, or, when that cannot be, removed. Anything else under `<state_dir>/agents` is a leftover and removed.
+    /// Returns what was done, one line per sandbox, for the log.
+    pub async fn restore(&self) -> Vec<String> {
+        if !self.host.settings.agents.live_restore {
+            return Vec::new();
+        }
+        let mut report = Vec::new();
+        let recorded = crate::restore::recorded(&self.dir);
+        for dir in &recorded {
+            let name = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            match self.adopt(dir).await {
+                Ok((sb, None)) => {
+                    let status = serde_json::to_string(&sb.handle().status).unwrap_or_default();
+                    report.push(format!("{name}: taken back ({})", status.trim_matches('"')))
+                }
+                Ok((_, Some(why))) => {
+                    report.push(format!("{name}: taken back, its run ended: {why}"))
+                }
+                Err(why) => {
+                    remove_leftover(dir);
+                    report.push(format!("{name}: removed: {why}"));
+                }
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(&self.dir) {
+            for e in entries.flatten() {
+                if e.path().is_dir() && !recorded.contains(&e.path()) {
+                    remove_leftover(&e.path());
+                    report.push(format!(
+                        "{}: removed: no record",
+                        e.file_name().to_string_lossy()
+                    ));
+                }
+            }
+        }
+        report
+    }
+
+    /// One recorded sandbox taken back: its workspace, snapshot use, event log, credentials and live run (`Some`
+    /// with why when the run could not be taken back and ended as a crash).
+    async fn adopt(&self, dir: &Path) -> Result<(Arc<Sandbox>, Option<String>), String> {
+        let record = crate::restore::load(dir).map_err(|e| format!("unreadable record: {e}"))?;
+        let req = WorkspaceRequest {
+            id: &record.id,
+            parent: &self.dir,
+            image: &record.image,
+            disk_mb: record.disk_mb,
+            snapshot: None,
+        };
+        let workspace = self
+            .host
+            .containers
+            .adopt_workspace(req, record.host_id)
+            .await
+            .map_err(|e| {
+                if let Some(run) = &record.run {
+                    crate::restore::kill_init(run.init);
+                }
+                format!("its workspace cannot be taken back: {}", Chain(&e))
+            })?;
+        let refuse = |why: String| async {
+            if let Some(run) = &record.run {
+                if let Ok((c, _)) = workspace.adopt_run(&run.cid, run.init).await {
+                    c.remove().await;
+                } else {
+                    crate::restore::kill_init(run.init);
+                }
+            }
+            workspace.remove().await;
+            Err(why)
+        };
+        if record.network || record.mounts {
+            return refuse(
+                "a sandbox with network or volume mounts is not taken back by this daemon".into(),
+            )
+            .await;
+        }
+        if let Some(snapshot) = &record.from_snapshot {
+            let acquired = self
+                .snapshots()
+                .and_then(|s| s.acquire(snapshot, &record.id));
+            if let Err(e) = acquired {
+                return refuse(format!("its snapshot {snapshot}: {e}")).await;
+            }
+        }
+        let budgets = Budgets::from_config(&self.host.settings.agents);
+        let hub = match Hub::reopen(dir.join("events"), &record.agent_id, budgets) {
+            Ok(h) => h,
+            Err(e) => {
+                if let Ok(s) = &self.snapshots {
+                    s.release(&record.id);
+                }
+                return refuse(format!("its event log: {e}")).await;
+            }
+        };
+        let backend = Backend::new(
+            record.bootstrap.clone(),
+            self.host.settings.agents.upload_attempts,
+            self.host.uploads.clone(),
+        );
+        let sb = Sandbox::restore(&record, (backend, hub), workspace, self.host.clone());
+        let ended = match record.run.clone() {
+            Some(run) => sb.adopt_run(run).await.err(),
+            None => None,
+        };
+        sb.start_tasks();
+        sb.persist();
+        self.map().insert(record.id.clone(), sb.clone());
+        info!(sandbox = %record.id, "agent sandbox taken back from a previous daemon");
+        Ok((sb, ended))
+    }
+
+    /// Whether sandboxes outlive the daemon ([`crate::config::AgentsConfig::live_restore`]).
+    pub fn live_restore(&self) -> bool {
+        self.host.settings.agents.live_restore
+    }
+
+    /// How many sandboxes there are.
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.map().is_empty()
+    }
+
+    /// Daemon shutdown: removes every sandbox, or with live restore leaves them running for the next daemon (their
+    /// records written).
     pub async fn shutdown(&self) {
+        if self.live_restore() {
+            let sandboxes: Vec<Arc<Sandbox>> = self.map().values().cloned().collect();
+            for sb in sandboxes {
+                sb.leave();
+            }
+            info!(
+                count = self.len(),
+                "agent sandboxes left running for the next daemon (agents.live_restore)"
+            );
+            return;
+        }
         let ids: Vec<String> = self.map().keys().cloned().collect();
         for id in ids {
             self.remove(&id, "shutdown").await;
@@ -553,6 +704,18 @@ fn mount_point(target: &Path, host_id: u32) -> std::io::Result<()> {
         Ok(())
     } else {
         Err(std::io::Error::other("not a directory"))
+    }
+}
+
+/// Removes a sandbox directory a previous daemon left, unmounting what is mounted under it first.
+fn remove_leftover(dir: &Path) {
+    warn!(path = %dir.display(), "removing a leftover agent sandbox");
+    if let Err(e) = runtime::rootfs::detach_mounts_under(dir) {
+        warn!(path = %dir.display(), error = %Chain(&e), "cannot unmount a leftover agent sandbox");
+        return;
+    }
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        warn!(path = %dir.display(), error = %e, "cannot remove a leftover agent sandbox");
     }
 }
 

@@ -553,7 +553,20 @@ impl Cgroups {
     /// Kills every process in each leftover cgroup (they are ours: nothing else lives under our parent), then
     /// removes the directories, deepest first.
     pub fn remove_leftovers(&self) -> Vec<Result<Removed>> {
-        let dirs = self.leftovers();
+        self.remove_leftovers_except(&[])
+    }
+
+    /// [`Self::remove_leftovers`], but the containers named in `kept` (agent runs a restarted daemon takes back)
+    /// are left as they are.
+    pub fn remove_leftovers_except(&self, kept: &[String]) -> Vec<Result<Removed>> {
+        let dirs: Vec<PathBuf> = self
+            .leftovers()
+            .into_iter()
+            .filter(|d| {
+                d.file_name()
+                    .is_none_or(|n| !kept.iter().any(|k| n == k.as_str()))
+            })
+            .collect();
         dirs.iter().for_each(|d| thaw_tree(d));
         dirs.iter().map(|dir| remove_tree(dir)).collect()
     }
@@ -1197,12 +1210,15 @@ mod tests {
         write(&t.path().join("memory/sandboxd/old1/cgroup.procs"), "");
         write(&t.path().join("pids/sandboxd/old1/cgroup.procs"), "");
         write(&t.path().join("memory/someone-else/cgroup.procs"), "");
-        assert_eq!(cg.leftovers().len(), 2);
-        let removed = cg.remove_leftovers();
+        write(&t.path().join("memory/sandboxd/kept/cgroup.procs"), "");
+        assert_eq!(cg.leftovers().len(), 3);
+        let removed = cg.remove_leftovers_except(&["kept".to_owned()]);
         assert_eq!(removed.len(), 2);
         assert!(removed
             .iter()
             .all(|r| r.as_ref().is_ok_and(|r| r.killed == 0)));
+        assert_eq!(cg.leftovers(), vec![t.path().join("memory/sandboxd/kept")]);
+        cg.remove_leftovers();
         assert!(cg.leftovers().is_empty());
         assert!(t.path().join("memory/someone-else").exists());
     }

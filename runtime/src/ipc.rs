@@ -11,8 +11,8 @@ use crate::error::{Error, Result};
 
 /// The largest message either side sends. Requests carry paths and ids, never payloads.
 pub const MAX_MESSAGE: usize = 64 * 1024;
-/// The most descriptors one message carries (stdin, stdout, stderr).
-pub const MAX_FDS: usize = 4;
+/// The most descriptors one message carries (a kept launch: stdio, its payload and three kept descriptors).
+pub const MAX_FDS: usize = 8;
 
 /// A connected pair of close-on-exec seqpacket sockets.
 pub fn pair() -> Result<(OwnedFd, OwnedFd)> {

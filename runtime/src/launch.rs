@@ -40,11 +40,37 @@ pub struct Launch {
     /// launch alone, through a pipe, and relays its stdout and stderr to the launch's ([`crate::init`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub relay: bool,
+    /// An agent run that outlives the daemon: the launch carries [`KEPT`] more descriptors (the control socket's
+    /// listener, the keeper's listener, the status pipe's read end) that the init keeps for a later daemon
+    /// ([`crate::init::keeper`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep: bool,
 }
+
+/// Descriptors a [`Launch::keep`] launch carries after the payload.
+pub const KEPT: usize = 3;
+
+/// What the init received: the launch, the program's stdio, and the [`KEPT`] descriptors of a kept run (empty
+/// otherwise).
+pub type Received = (Launch, [OwnedFd; 3], Vec<OwnedFd>);
 
 /// Sends `launch` with the program's stdin, stdout and stderr. Never blocks for long: the init is waiting and the
 /// datagram is tiny. A gone init is `Error::Sys` with `EPIPE`/`ECONNRESET`/`ECONNREFUSED`.
 pub fn send(sock: BorrowedFd<'_>, launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -> Result<()> {
+    send_keeping(sock, launch, stdio, &[])
+}
+
+/// [`send`] with the descriptors a [`Launch::keep`] launch hands the init (exactly [`KEPT`] of them, in order).
+pub fn send_keeping(
+    sock: BorrowedFd<'_>,
+    launch: &Launch,
+    stdio: [BorrowedFd<'_>; 3],
+    kept: &[BorrowedFd<'_>],
+) -> Result<()> {
+    let expected = if launch.keep { KEPT } else { 0 };
+    if kept.len() != expected {
+        return Err(LaunchError::Descriptors(kept.len()).into());
+    }
     let bytes = serde_json::to_vec(launch).map_err(LaunchError::Encode)?;
     if bytes.len() > MAX_LAUNCH {
         return Err(LaunchError::TooLarge { max: MAX_LAUNCH }.into());
@@ -60,11 +86,13 @@ pub fn send(sock: BorrowedFd<'_>, launch: &Launch, stdio: [BorrowedFd<'_>; 3]) -
             .map_err(|e| Error::sys("write launch", e))?;
     }
     let [a, b, c] = stdio;
-    ipc::send(sock, MESSAGE, &[a, b, c, payload.as_fd()]).map_err(|e| Error::sys("send launch", e))
+    let mut fds = vec![a, b, c, payload.as_fd()];
+    fds.extend_from_slice(kept);
+    ipc::send(sock, MESSAGE, &fds).map_err(|e| Error::sys("send launch", e))
 }
 
 /// Receives the launch (blocking; retried on `EINTR`). `Ok(None)`: the daemon closed the channel.
-pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
+pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<Received>> {
     let mut buf = [0u8; 64];
     let (n, fds) = loop {
         match ipc::recv(sock, &mut buf) {
@@ -74,9 +102,14 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
             Err(e) => return Err(Error::sys("receive launch", e)),
         }
     };
-    let [stdin, stdout, stderr, payload]: [OwnedFd; 4] = fds
-        .try_into()
-        .map_err(|v: Vec<OwnedFd>| LaunchError::Descriptors(v.len()))?;
+    let count = fds.len();
+    if count != 4 && count != 4 + KEPT {
+        return Err(LaunchError::Descriptors(count).into());
+    }
+    let mut fds = fds.into_iter();
+    let mut next = || fds.next().ok_or(LaunchError::Descriptors(count));
+    let (stdin, stdout, stderr, payload) = (next()?, next()?, next()?, next()?);
+    let kept: Vec<OwnedFd> = fds.collect();
     if &buf[..n] != MESSAGE {
         return Err(LaunchError::Malformed.into());
     }
@@ -85,7 +118,11 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<(Launch, [OwnedFd; 3])>> {
     file.seek(SeekFrom::Start(0))
         .and_then(|_| file.take(MAX_LAUNCH as u64 + 1).read_to_end(&mut bytes))
         .map_err(|e| Error::io("launch payload", e))?;
-    Ok(Some((decode(&bytes)?, [stdin, stdout, stderr])))
+    let launch = decode(&bytes)?;
+    if launch.keep != (kept.len() == KEPT) {
+        return Err(LaunchError::Descriptors(count).into());
+    }
+    Ok(Some((launch, [stdin, stdout, stderr], kept)))
 }
 
 /// Decodes and checks the payload [`recv`] read from the memfd: at most [`MAX_LAUNCH`] bytes of JSON, an
@@ -117,10 +154,12 @@ mod tests {
             env: vec!["A=1".into()],
             warm: false,
             relay: false,
+            keep: false,
         };
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         drop(w);
-        let (got, [_, out, _]) = recv(b.as_fd()).unwrap().unwrap();
+        let (got, [_, out, _], kept) = recv(b.as_fd()).unwrap().unwrap();
+        assert!(kept.is_empty());
         assert_eq!(got, launch);
         std::fs::File::from(out).write_all(b"x").unwrap();
         let mut s = String::new();
@@ -138,10 +177,60 @@ mod tests {
             env: vec![format!("HUGE={}", "e".repeat(4 << 20))],
             warm: false,
             relay: false,
+            keep: false,
         };
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
-        let (got, _) = recv(b.as_fd()).unwrap().unwrap();
+        let (got, _, _) = recv(b.as_fd()).unwrap().unwrap();
         assert_eq!(got, launch);
+    }
+
+    #[test]
+    fn a_kept_launch_carries_its_three_descriptors_and_only_then() {
+        let (a, b) = ipc::pair().unwrap();
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let stdio = [w.as_fd(), w.as_fd(), w.as_fd()];
+        let kept = Launch {
+            args: vec!["/bin/true".into()],
+            env: vec![],
+            warm: false,
+            relay: false,
+            keep: true,
+        };
+        send_keeping(a.as_fd(), &kept, stdio, &[w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
+        let (got, _, fds) = recv(b.as_fd()).unwrap().unwrap();
+        assert_eq!((got, fds.len()), (kept.clone(), KEPT));
+        assert!(
+            send(a.as_fd(), &kept, stdio).is_err(),
+            "kept without its descriptors"
+        );
+        let plain = Launch {
+            keep: false,
+            ..kept
+        };
+        assert!(
+            send_keeping(a.as_fd(), &plain, stdio, &[w.as_fd(), w.as_fd(), w.as_fd()]).is_err()
+        );
+        // A launch whose flag and descriptors disagree is refused by the init too.
+        let bytes = serde_json::to_vec(&plain).unwrap();
+        let payload =
+            nix::sys::memfd::memfd_create(c"t", nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
+                .unwrap();
+        nix::unistd::write(&payload, &bytes).unwrap();
+        ipc::send(
+            a.as_fd(),
+            MESSAGE,
+            &[
+                w.as_fd(),
+                w.as_fd(),
+                w.as_fd(),
+                payload.as_fd(),
+                w.as_fd(),
+                w.as_fd(),
+                w.as_fd(),
+            ],
+        )
+        .unwrap();
+        assert!(recv(b.as_fd()).is_err());
     }
 
     #[test]
@@ -153,6 +242,7 @@ mod tests {
             env: vec![],
             warm: false,
             relay: false,
+            keep: false,
         };
         send(a.as_fd(), &relative, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         assert!(recv(b.as_fd()).is_err());

@@ -225,6 +225,8 @@ pub struct InputFile {
 pub struct Scratch {
     dir: PathBuf,
     mounted: bool,
+    /// Adopted from a previous daemon ([`Self::adopt`]): `dir` itself is a mount (the tree carried over).
+    carried: bool,
     /// The host uid and gid that own the writable directories (container root).
     host_id: u32,
     /// Size of the tmpfs.
@@ -260,6 +262,7 @@ impl Scratch {
         let mut scratch = Self {
             dir,
             mounted: false,
+            carried: false,
             host_id,
             disk_bytes,
         };
@@ -278,6 +281,33 @@ impl Scratch {
                 Err(e)
             }
         }
+    }
+
+    /// Takes back `<run_dir>/<id>/` as a previous daemon left it mounted (its tmpfs carried into this daemon's
+    /// mount namespace): nothing is created; [`Self::remove`] removes it as usual.
+    pub fn adopt(run_dir: &Path, id: &str, disk_bytes: u64, host_id: u32) -> Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let dir = run_dir.join(id);
+        let tmpfs = dir.join("scratch");
+        let (outer, inner) = (
+            fs::metadata(&dir).map_err(|e| Error::io(&dir, e))?,
+            fs::metadata(&tmpfs).map_err(|e| Error::io(&tmpfs, e))?,
+        );
+        if outer.dev() == inner.dev() {
+            return Err(Error::io(
+                &tmpfs,
+                std::io::Error::other("not mounted (the previous daemon's mounts are gone)"),
+            ));
+        }
+        // mountinfo names the canonical path.
+        let carried = is_mount_point(&fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone()));
+        Ok(Self {
+            dir,
+            mounted: true,
+            carried,
+            host_id,
+            disk_bytes,
+        })
     }
 
     fn mount(&mut self, disk_bytes: u64, host_id: u32) -> Result<()> {
@@ -429,12 +459,76 @@ impl Scratch {
                 Err(e) => return Err(Error::sys(format!("umount {}", tmpfs.display()), e)),
             }
         }
+        // A tree carried over from a previous daemon is mounted on the directory itself.
+        if self.carried {
+            match nix::mount::umount2(&self.dir, MntFlags::MNT_DETACH) {
+                Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => self.carried = false,
+                Err(e) => return Err(Error::sys(format!("umount {}", self.dir.display()), e)),
+            }
+        }
         match fs::remove_dir_all(&self.dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(Error::io(&self.dir, e)),
         }
     }
+}
+
+/// Whether `dir` is a mount point (as `/proc/self/mountinfo` lists them).
+pub fn is_mount_point(dir: &Path) -> bool {
+    fs::read_to_string("/proc/self/mountinfo").is_ok_and(|info| {
+        info.lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .any(|p| Path::new(&unescape_mountinfo(p)) == dir)
+    })
+}
+
+/// Lazily unmounts every mount at or under `dir` (deepest first), as `/proc/self/mountinfo` lists them: what a
+/// directory left by a previous daemon may still have mounted.
+pub fn detach_mounts_under(dir: &Path) -> Result<()> {
+    // mountinfo names canonical paths.
+    let canonical = fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let dir = canonical.as_path();
+    let info = fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| Error::io(Path::new("/proc/self/mountinfo"), e))?;
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(unescape_mountinfo(p)))
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    points.dedup();
+    for p in points {
+        match nix::mount::umount2(&p, MntFlags::MNT_DETACH) {
+            Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => {}
+            Err(e) => return Err(Error::sys(format!("umount {}", p.display()), e)),
+        }
+    }
+    Ok(())
+}
+
+/// A mountinfo path with its octal escapes (`\040` for a space, and tab, newline, backslash) undone.
+fn unescape_mountinfo(p: &str) -> String {
+    let b = p.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (b[i], octal) {
+            (b'\\', Some(d)) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The places of a [`Scratch`] the inputs are written to, with their owner and the space's size.
@@ -583,6 +677,15 @@ fn chown(host_id: u32, p: &Path) -> Result<()> {
     let id = Some(nix::unistd::Uid::from_raw(host_id));
     let gid = Some(nix::unistd::Gid::from_raw(host_id));
     nix::unistd::chown(p, id, gid).map_err(|e| Error::sys(format!("chown {}", p.display()), e))
+}
+
+impl Scratch {
+    /// Leaves the scratch space as it is, mounted, for a later daemon to adopt ([`Self::adopt`]): dropped without
+    /// its removal.
+    pub fn leave(self) {
+        // Only the path's memory is not given back, once, at the daemon's exit.
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for Scratch {

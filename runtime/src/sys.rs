@@ -71,6 +71,26 @@ pub fn pidfd_send_signal(
     }
 }
 
+/// `pidfd_getfd(pidfd, fd, 0)`: a copy (close-on-exec) of descriptor `fd` of the process behind `pidfd`. Needs
+/// ptrace rights over it (root has them) but nothing from the process itself, which may be stopped or frozen.
+pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, fd: RawFd) -> nix::Result<OwnedFd> {
+    // SAFETY: pidfd_getfd takes two descriptor numbers and a flags word and touches no memory of ours.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0u32) };
+    let got = nix::errno::Errno::result(got)?;
+    let got = RawFd::try_from(got).map_err(|_| nix::Error::EBADF)?;
+    // SAFETY: pidfd_getfd returned a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(got) })
+}
+
+/// When process `pid` started (`/proc/<pid>/stat` field 22, clock ticks after boot): with its pid, what tells one
+/// process from a later one that got the same pid. `None` when there is no such process.
+pub fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything: count from the last `)`.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// Asks the kernel to send `signal` to this process when its parent dies (`PR_SET_PDEATHSIG`).
 pub fn set_parent_death_signal(signal: nix::sys::signal::Signal) -> Result<()> {
     nix::sys::prctl::set_pdeathsig(signal).map_err(|e| Error::sys("prctl(PR_SET_PDEATHSIG)", e))
@@ -330,6 +350,14 @@ pub fn unshare_mount_namespace() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_start_time_tells_this_process_and_none_for_a_missing_one() {
+        let me = std::process::id() as i32;
+        let t = start_time(me).expect("our own start time");
+        assert_eq!(start_time(me), Some(t), "stable");
+        assert!(start_time(i32::MAX).is_none());
+    }
 
     #[test]
     fn only_a_plain_name_may_use_the_openat_fallback() {

@@ -467,6 +467,7 @@ fn launch(created: runtime::helper::Created, script: &str) -> Result<(String, St
             env: vec!["PATH=/usr/bin:/bin".into()],
             warm: false,
             relay: false,
+            keep: false,
         },
         [null.as_fd(), out_w.as_fd(), out_w.as_fd()],
     )

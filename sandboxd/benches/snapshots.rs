@@ -26,7 +26,6 @@ use serde_json::json;
 const TOKEN: &str = "bench-token-0123456789abcdef";
 const FILES: usize = 1000;
 const FILE_BYTES: u64 = 100 << 10;
-const FAKE_AGENT: &str = include_str!("../../client/tests/agents/fake_agent.py");
 
 struct Daemon {
     child: common::Stopped,
@@ -84,24 +83,7 @@ impl Daemon {
 }
 
 fn request() -> CreateSandboxRequest {
-    serde_json::from_value(json!({
-        "workspaceRequirements": {
-            "mounts": [], "capabilities": [],
-            "resourceLimits": {"cpuCores": 1, "memoryMb": 256, "diskMb": 256, "timeoutMs": 3_600_000}
-        },
-        "bootstrap": {
-            "backendUrl": "http://127.0.0.1:9",
-            "backendToken": "bench",
-            "tokenExpiresAt": "2099-01-01T00:00:00Z",
-            "agentId": "bench-agent",
-            "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts",
-        },
-        "template": {
-            "command": ["/usr/bin/python3", "/workspace/fake_agent.py"],
-            "files": [{"path": "fake_agent.py", "content": FAKE_AGENT}],
-        }
-    }))
-    .unwrap()
+    common::agent_request(256)
 }
 
 fn brief(script: serde_json::Value) -> AgentBrief {

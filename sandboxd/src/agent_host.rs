@@ -10,7 +10,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use agents::container::{BoxFuture, LongLivedError, RunContainer, RunPlan, Workspace};
+use agents::container::{
+    AdoptedRun, BoxFuture, InitIdentity, LongLivedError, RunContainer, RunPlan, Workspace,
+};
 use agents::host::{
     ArtifactStore, Authorizer, BoxError, Containers, Host, HttpFailure, Network, Settings,
     StoredArtifact, Upload, Uploads, WorkspaceError, WorkspaceRequest,
@@ -113,31 +115,64 @@ impl Containers for AgentContainers {
         req: WorkspaceRequest<'a>,
     ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, WorkspaceError>> {
         Box::pin(async move {
-            let image = self
-                .images
-                .get(req.image)
-                .ok_or_else(|| WorkspaceError::NoImage(req.image.to_owned()))?;
             let host_id = self.uids.try_take().ok_or(WorkspaceError::Full(self.max))?;
-            let plan = WorkspacePlan {
-                id: req.id,
-                parent: req.parent,
-                host_id,
-                image,
-                disk_mb: req.disk_mb,
-                snapshot: req.snapshot,
-            };
-            match self.factory.create_workspace(plan).await {
-                Ok(inner) => Ok(Arc::new(UidWorkspace {
-                    inner,
-                    uid: Mutex::new(Some(host_id)),
-                    uids: self.uids.clone(),
-                }) as Arc<dyn Workspace>),
-                Err(e) => {
-                    self.uids.give_back(host_id);
-                    Err(WorkspaceError::Failed(Box::new(e)))
-                }
-            }
+            self.with_uid(req, host_id, false).await
         })
+    }
+
+    fn adopt_workspace<'a>(
+        &'a self,
+        req: WorkspaceRequest<'a>,
+        host_id: u32,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, WorkspaceError>> {
+        Box::pin(async move {
+            if !self.uids.take_exact(host_id) {
+                return Err(WorkspaceError::Failed(
+                    format!("host uid {host_id} is not one for agent sandboxes, or is taken")
+                        .into(),
+                ));
+            }
+            self.with_uid(req, host_id, true).await
+        })
+    }
+}
+
+impl AgentContainers {
+    /// The workspace `req` asks for on host uid `host_id` (taken: given back on failure), created or `adopted`
+    /// from a previous daemon.
+    async fn with_uid(
+        &self,
+        req: WorkspaceRequest<'_>,
+        host_id: u32,
+        adopted: bool,
+    ) -> Result<Arc<dyn Workspace>, WorkspaceError> {
+        let Some(image) = self.images.get(req.image) else {
+            self.uids.give_back(host_id);
+            return Err(WorkspaceError::NoImage(req.image.to_owned()));
+        };
+        let plan = WorkspacePlan {
+            id: req.id,
+            parent: req.parent,
+            host_id,
+            image,
+            disk_mb: req.disk_mb,
+            snapshot: req.snapshot,
+        };
+        let made = match adopted {
+            true => self.factory.adopt_workspace(plan).await,
+            false => self.factory.create_workspace(plan).await,
+        };
+        match made {
+            Ok(inner) => Ok(Arc::new(UidWorkspace {
+                inner,
+                uid: Mutex::new(Some(host_id)),
+                uids: self.uids.clone(),
+            }) as Arc<dyn Workspace>),
+            Err(e) => {
+                self.uids.give_back(host_id);
+                Err(WorkspaceError::Failed(Box::new(e)))
+            }
+        }
     }
 }
 
@@ -171,6 +206,18 @@ impl Workspace for UidWorkspace {
         plan: RunPlan<'a>,
     ) -> BoxFuture<'a, Result<Arc<dyn RunContainer>, LongLivedError>> {
         self.inner.create_run(plan)
+    }
+
+    fn adopt_run<'a>(
+        &'a self,
+        cid: &'a str,
+        init: InitIdentity,
+    ) -> BoxFuture<'a, Result<AdoptedRun, LongLivedError>> {
+        self.inner.adopt_run(cid, init)
+    }
+
+    fn leave(&self) {
+        self.inner.leave();
     }
 
     fn remove(&self) -> BoxFuture<'_, ()> {

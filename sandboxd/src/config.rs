@@ -439,6 +439,22 @@ impl Config {
         positive("agents.max_body_bytes", a.max_body_bytes as u64)?;
         positive("agents.upload_attempts", a.upload_attempts as u64)?;
         positive("agents.max_line_bytes", a.max_line_bytes)?;
+        if a.live_restore && self.sandbox.nofile <= runtime::init::keeper::CONN_FD as u64 {
+            return Err(ConfigError::Value {
+                key: "sandbox.nofile",
+                reason: format!(
+                    "must be above {} with agents.live_restore (a kept run's init holds the control connection at that descriptor)",
+                    runtime::init::keeper::CONN_FD
+                ),
+            });
+        }
+        if a.live_restore && self.sandbox.start != runtime::helper::StartMethod::Direct {
+            return Err(ConfigError::Value {
+                key: "agents.live_restore",
+                reason: "needs sandbox.start: direct (a kept run's init is the direct start's)"
+                    .into(),
+            });
+        }
         if a.volume_max_mb < agents::volumes::MIN_VOLUME_MB {
             return Err(ConfigError::Value {
                 key: "agents.volume_max_mb",
@@ -866,6 +882,26 @@ mod tests {
             Some(0.5)
         );
         assert_eq!(c.sandbox.cgroup_parent, "sbx-test");
+    }
+
+    #[test]
+    fn live_restore_needs_the_direct_start_and_room_for_the_kept_descriptors() {
+        assert!(Config::parse("agents: {live_restore: true}\n").is_ok());
+        let e = Config::parse("agents: {live_restore: true}\nsandbox: {nofile: 32}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("sandbox.nofile") && e.contains("live_restore"),
+            "{e}"
+        );
+        assert!(
+            Config::parse("sandbox: {nofile: 32}\n").is_ok(),
+            "only with live restore"
+        );
+        let e = Config::parse("agents: {live_restore: true}\nsandbox: {start: libcontainer}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sandbox.start: direct"), "{e}");
     }
 
     #[test]

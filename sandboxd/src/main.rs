@@ -15,6 +15,7 @@ mod egress;
 mod engine;
 mod images;
 mod images_cli;
+mod live_restore;
 mod metrics;
 mod notify;
 mod pool;
@@ -262,13 +263,25 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         .with_context(|| format!("cannot create state_dir {}", config.state_dir.display()))?;
     ensure_token(&mut config, explicit)?;
     let (cgroups, seccomp, landlock_abi) = isolation_layers(&config)?;
-    runtime::rootfs::unshare_mount_namespace()?;
+    let live = config.agents.live_restore;
+    live_restore::enter_mount_namespace(&config.state_dir, live)?;
     let run_dir = config.state_dir.join("run");
-    remove_leftovers(&cgroups, &run_dir)?;
+    // With live restore, the cgroups of the runs a previous daemon left alive are theirs, not leftovers.
+    let kept = match live {
+        true => agents::restore::kept_runs(&config.state_dir.join("agents")),
+        false => Vec::new(),
+    };
+    remove_leftovers(&cgroups, &run_dir, &kept)?;
     runtime::rootfs::mount_run_dir(&run_dir)?;
     cgroups.ensure_parent()?;
     // From here on, every way out of `start` (an early error included) removes the parent, empty by then.
-    let _parent = ParentGuard(cgroups.clone());
+    let parent = ParentGuard(cgroups.clone());
+    // With live restore the parent holds runs that outlive this daemon, whatever way it ends (an early error
+    // included): it is removed only at a normal exit that leaves no sandbox.
+    if live {
+        std::mem::forget(parent);
+    }
+    let (state_dir, cgroups_at_exit) = (config.state_dir.clone(), cgroups.clone());
 
     let host = HostImage::prepare(&config.state_dir.join("images/host"), Path::new("/"))?;
     // The store lock (if any OCI image is used) is held for the daemon's lifetime: `images rm` waits for us.
@@ -322,6 +335,10 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     for pid in helper_pids {
         let _ = nix::sys::wait::waitpid(pid, None);
     }
+    if live && agents::restore::recorded(&state_dir.join("agents")).is_empty() {
+        live_restore::unpin_if_unused(&state_dir);
+        drop(ParentGuard(cgroups_at_exit));
+    }
     result?;
     info!("stopped");
     Ok(Exit::Ok)
@@ -348,8 +365,8 @@ fn isolation_layers(config: &Config) -> anyhow::Result<(Cgroups, runtime::seccom
 }
 
 /// What a crashed instance left behind: cgroups under our parent, and per-execution state.
-fn remove_leftovers(cgroups: &Cgroups, run_dir: &Path) -> anyhow::Result<()> {
-    for r in cgroups.remove_leftovers() {
+fn remove_leftovers(cgroups: &Cgroups, run_dir: &Path, kept: &[String]) -> anyhow::Result<()> {
+    for r in cgroups.remove_leftovers_except(kept) {
         match r {
             Ok(r) => {
                 metrics::get().leftover("cgroup");
@@ -508,6 +525,9 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     info!(%addr, "listening");
     let agents = agents::Agents::new(agent_host::host(&engine)).context("agent sandboxes")?;
+    for line in agents.restore().await {
+        info!(sandbox = %line, "live restore");
+    }
     if let Some(volumes) = agents.volumes() {
         engine.set_volumes(volumes.clone());
     }

@@ -84,6 +84,18 @@ impl Uids {
         self.lock().pop()
     }
 
+    /// Takes `uid` itself (a sandbox adopted from a previous daemon keeps its own); `false` when it is not free.
+    pub fn take_exact(&self, uid: u32) -> bool {
+        let mut free = self.lock();
+        match free.iter().position(|&u| u == uid) {
+            Some(i) => {
+                free.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Gives a uid back (its container is gone).
     pub fn give_back(&self, uid: u32) {
         self.lock().push(uid);
@@ -177,6 +189,14 @@ impl Factory {
         plan: WorkspacePlan<'_>,
     ) -> Result<Arc<dyn Workspace>, CreateError> {
         self.backend.create_workspace(plan).await
+    }
+
+    /// Takes back the workspace a previous daemon left mounted (see [`ContainerBackend::adopt_workspace`]).
+    pub async fn adopt_workspace(
+        &self,
+        plan: WorkspacePlan<'_>,
+    ) -> Result<Arc<dyn Workspace>, CreateError> {
+        self.backend.adopt_workspace(plan).await
     }
 
     /// False once containers can no longer be created or removed (a helper process died): the daemon is

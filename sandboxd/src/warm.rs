@@ -78,6 +78,7 @@ pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
         env,
         warm: false,
         relay,
+        keep: false,
     })
 }
 
@@ -191,6 +192,7 @@ mod tests {
             env: vec!["A=1".into()],
             warm: true,
             relay: false,
+            keep: false,
         };
         assert!(fits_exec(&l));
         l.env.push(format!("HUGE={}", "e".repeat(MAX_ARG_STRLEN)));

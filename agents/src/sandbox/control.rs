@@ -23,6 +23,7 @@ use tokio_util::bytes::BytesMut;
 use tokio_util::codec::{Decoder, FramedRead, LinesCodec, LinesCodecError};
 use tracing::{warn, Instrument};
 
+use super::spool::{Spool, Spooled};
 use super::Sandbox;
 use crate::container::{Ended, RunContainer};
 
@@ -37,11 +38,12 @@ impl Sandbox {
     /// Serves the run until the container has exited and the control connection's last line is processed (or
     /// never opened, or [`DRAIN_GRACE`] past the exit). A connection that drops while the agent keeps running kills
     /// the container and is the crash reason.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn watch_run(
         self: &Arc<Self>,
         c: &dyn RunContainer,
         listener: tokio::net::UnixListener,
-        brief_line: String,
+        first: First,
         commands_rx: mpsc::Receiver<String>,
         run_id: &str,
         killing: &AtomicBool,
@@ -55,6 +57,29 @@ impl Sandbox {
         let mut eof = false;
         let mut eof_deadline: Option<tokio::time::Instant> = None;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
+        let First {
+            pre,
+            brief: brief_line,
+            mut spool,
+        } = first;
+        // An adopted run's agent connected to an earlier daemon (its brief went out then, unless `brief_line` says
+        // otherwise).
+        if let Some(stream) = pre {
+            connected = true;
+            let me = self.clone();
+            let after: AfterFirst = match brief_line.is_empty() {
+                true => None,
+                false => Some(Box::new(move || me.persist_connected())),
+            };
+            let conn = (stream, brief_line.clone(), spool.take());
+            self.serve_connection(
+                conn,
+                (commands_rx.take(), after),
+                run_id,
+                &processed_tx,
+                &mut helpers,
+            );
+        }
         loop {
             if ended.is_some() && (eof || !connected) {
                 break;
@@ -67,17 +92,21 @@ impl Sandbox {
                 acc = listener.accept(), if !connected => match acc {
                     Ok((stream, _)) => {
                         connected = true;
-                        let (r, w) = stream.into_split();
-                        // One line in flight: the reader waits while the processor works (backpressure).
-                        let (line_tx, line_rx) = mpsc::channel::<Incoming>(1);
-                        let max = self.host.settings.agents.max_line_bytes;
-                        helpers.push(tokio::spawn(read_lines(r, line_tx, max)));
-                        helpers.push(tokio::spawn(self.clone().process_lines(
-                            run_id.to_owned(), line_rx, processed_tx.clone(),
-                        ).in_current_span()));
-                        if let Some(rx) = commands_rx.take() {
-                            helpers.push(tokio::spawn(write_lines(w, brief_line.clone(), rx)));
-                        }
+                        // A kept run's init holds the connection too, for a daemon after this one; once the brief is
+                        // out, the record says so.
+                        let after_brief: AfterFirst = match c.hold(std::os::fd::AsFd::as_fd(&stream)) {
+                            Ok(()) => {
+                                let me = self.clone();
+                                Some(Box::new(move || me.persist_connected()))
+                            }
+                            Err(e) => {
+                                warn!(error = %Chain(&e), "the run's init cannot hold the control connection: it ends with this daemon");
+                                self.forget_kept();
+                                None
+                            }
+                        };
+                        let conn = (stream, brief_line.clone(), spool.take());
+                        self.serve_connection(conn, (commands_rx.take(), after_brief), run_id, &processed_tx, &mut helpers);
                     }
                     Err(e) => warn!(error = %e, "control socket accept failed"),
                 },
@@ -113,38 +142,90 @@ impl Sandbox {
         }
     }
 
+    /// Reads and processes the agent's lines from the connection (after what its spool holds unprocessed), and
+    /// writes the first line and then the commands to it.
+    fn serve_connection(
+        self: &Arc<Self>,
+        (stream, first, spool): (tokio::net::UnixStream, String, Option<SpoolStart>),
+        (commands_rx, after_first): (Option<mpsc::Receiver<String>>, AfterFirst),
+        run_id: &str,
+        processed_tx: &mpsc::Sender<()>,
+        helpers: &mut Vec<tokio::task::JoinHandle<()>>,
+    ) {
+        let (r, w) = stream.into_split();
+        let (reader, start, spool): (Box<dyn tokio::io::AsyncRead + Unpin + Send>, u64, _) =
+            match spool {
+                Some((sp, rest, start)) => {
+                    let spooled = Spooled::new(r, sp.clone());
+                    let reader =
+                        tokio::io::AsyncReadExt::chain(std::io::Cursor::new(rest), spooled);
+                    (Box::new(reader), start, Some(sp))
+                }
+                None => (Box::new(r), 0, None),
+            };
+        // One line in flight: the reader waits while the processor works (backpressure).
+        let (line_tx, line_rx) = mpsc::channel::<(Incoming, u64)>(1);
+        let max = self.host.settings.agents.max_line_bytes;
+        helpers.push(tokio::spawn(read_lines(reader, line_tx, (max, start))));
+        helpers.push(tokio::spawn(
+            self.clone()
+                .process_lines(run_id.to_owned(), (line_rx, spool), processed_tx.clone())
+                .in_current_span(),
+        ));
+        if let Some(rx) = commands_rx {
+            helpers.push(tokio::spawn(write_lines(w, (first, after_first), rx)));
+        }
+    }
+
     /// Turns the agent's lines into events one at a time, artifact uploads included; says when the connection's
     /// last line is processed.
     async fn process_lines(
         self: Arc<Self>,
         run_id: String,
-        mut lines: mpsc::Receiver<Incoming>,
+        (mut lines, spool): (mpsc::Receiver<(Incoming, u64)>, Option<Arc<Spool>>),
         processed: mpsc::Sender<()>,
     ) {
-        while let Some(msg) = lines.recv().await {
-            match msg {
-                Incoming::Line(line) => self.handle_line(&run_id, line.as_bytes()).await,
-                Incoming::NotUtf8 => self.malformed(&run_id, "the line is not UTF-8"),
-                Incoming::TooLong => {
-                    let max = self.host.settings.agents.max_line_bytes;
-                    self.hub.emit(
-                        &run_id,
-                        error_event(
-                            &self.agent_id,
-                            "warning",
-                            &format!(
-                                "A control line of more than {max} bytes was skipped: over agents.max_line_bytes"
-                            ),
-                            true,
-                            Some("control_line_too_long"),
-                            "internal",
-                        ),
-                    );
-                }
-                Incoming::Eof => break,
+        while let Some((msg, end)) = lines.recv().await {
+            if matches!(msg, Incoming::Eof) {
+                break;
+            }
+            let changed = self.process_one(&run_id, msg).await;
+            // The line is not read again by a daemon after this one (written right after its event, so only a
+            // death in between repeats it), and what it changed (status, decisions, checkpoint) is kept for it.
+            if let Some(spool) = &spool {
+                spool.processed(end);
+            }
+            if changed {
+                self.persist();
             }
         }
         let _ = processed.send(()).await;
+    }
+
+    /// Processes one item; whether it changed the sandbox's state (what its record keeps).
+    async fn process_one(&self, run_id: &str, msg: Incoming) -> bool {
+        match msg {
+            Incoming::Line(line) => return self.handle_line(run_id, line.as_bytes()).await,
+            Incoming::NotUtf8 => self.malformed(run_id, "the line is not UTF-8"),
+            Incoming::TooLong => {
+                let max = self.host.settings.agents.max_line_bytes;
+                self.hub.emit(
+                    run_id,
+                    error_event(
+                        &self.agent_id,
+                        "warning",
+                        &format!(
+                            "A control line of more than {max} bytes was skipped: over agents.max_line_bytes"
+                        ),
+                        true,
+                        Some("control_line_too_long"),
+                        "internal",
+                    ),
+                );
+            }
+            Incoming::Eof | Incoming::Skipped => {}
+        }
+        false
     }
 
     fn malformed(&self, run_id: &str, why: &str) {
@@ -162,14 +243,19 @@ impl Sandbox {
         );
     }
 
-    async fn handle_line(&self, run_id: &str, bytes: &[u8]) {
+    /// Handles one line; whether it changed the sandbox's state (a checkpoint, a decision).
+    async fn handle_line(&self, run_id: &str, bytes: &[u8]) -> bool {
         match parse_agent_line(bytes) {
-            Err(why) => self.malformed(run_id, &why),
+            Err(why) => {
+                self.malformed(run_id, &why);
+                false
+            }
             Ok(AgentLine::State {
                 checkpoint,
                 conversation_summary,
             }) => {
                 self.shared().checkpoint = Some((checkpoint, conversation_summary));
+                true
             }
             Ok(AgentLine::Event(mut event)) => {
                 let kind = event
@@ -177,6 +263,7 @@ impl Sandbox {
                     .and_then(Value::as_str)
                     .unwrap_or_default()
                     .to_owned();
+                let mut changed = false;
                 if kind == "decision" {
                     if let Some(d) = event.get("decisionId").and_then(Value::as_str) {
                         let mut sh = self.shared();
@@ -184,6 +271,7 @@ impl Sandbox {
                         if sh.status == Some(AgentStatus::Running) {
                             sh.status = Some(AgentStatus::WaitingOnHuman);
                         }
+                        changed = true;
                     }
                 }
                 let mut failure = None;
@@ -221,9 +309,26 @@ impl Sandbox {
                         ),
                     );
                 }
+                changed
             }
         }
     }
+}
+
+/// Called once the first line (the brief) is written.
+type AfterFirst = Option<Box<dyn FnOnce() + Send>>;
+
+/// A run's spool ([`Spool`]), the spooled bytes not processed yet, and the stream offset they start at.
+pub(super) type SpoolStart = (Arc<Spool>, Vec<u8>, u64);
+
+/// How a run's control channel starts.
+pub(super) struct First {
+    /// The agent's connection, when it connected to an earlier daemon (an adopted run).
+    pub pre: Option<tokio::net::UnixStream>,
+    /// The first line to write (the brief; empty when it went out already).
+    pub brief: String,
+    /// The spool (live restore).
+    pub spool: Option<SpoolStart>,
 }
 
 /// How a run's watch ended.
@@ -243,19 +348,27 @@ enum Incoming {
     NotUtf8,
     /// A line over the limit (skipped by the codec up to its newline).
     TooLong,
+    /// More of such a line skipped (nothing to process: its bytes are consumed, for the spool).
+    Skipped,
     /// The connection's end.
     Eof,
 }
 
 /// [`LinesCodec`] with a maximum line length whose refusals are items, not errors: a [`FramedRead`] ends its
 /// stream after a decoder error, and the run must go on after a long or non-UTF-8 line.
-struct ControlCodec(LinesCodec);
+/// It counts the bytes it consumed: an item's end in the connection's byte stream (for the spool).
+struct ControlCodec {
+    lines: LinesCodec,
+    /// Stream offset after the bytes consumed so far.
+    consumed: u64,
+}
 
 impl ControlCodec {
-    fn new(max: u64) -> Self {
-        Self(LinesCodec::new_with_max_length(
-            usize::try_from(max).unwrap_or(usize::MAX),
-        ))
+    fn new(max: u64, start: u64) -> Self {
+        Self {
+            lines: LinesCodec::new_with_max_length(usize::try_from(max).unwrap_or(usize::MAX)),
+            consumed: start,
+        }
     }
 
     fn item(r: Result<Option<String>, LinesCodecError>) -> std::io::Result<Option<Incoming>> {
@@ -276,23 +389,37 @@ impl Decoder for ControlCodec {
     type Error = std::io::Error;
 
     fn decode(&mut self, buf: &mut BytesMut) -> std::io::Result<Option<Incoming>> {
-        Self::item(self.0.decode(buf))
+        let before = buf.len();
+        let r = self.lines.decode(buf);
+        let consumed = (before - buf.len()) as u64;
+        self.consumed += consumed;
+        // The inner codec consumes bytes without a line only while it skips a long one: said, so the spool
+        // learns they are done with.
+        match r {
+            Ok(None) if consumed > 0 => Ok(Some(Incoming::Skipped)),
+            r => Self::item(r),
+        }
     }
 
     fn decode_eof(&mut self, buf: &mut BytesMut) -> std::io::Result<Option<Incoming>> {
-        Self::item(self.0.decode_eof(buf))
+        let before = buf.len();
+        let r = self.lines.decode_eof(buf);
+        self.consumed += (before - buf.len()) as u64;
+        Self::item(r)
     }
 }
 
 /// Reads the agent's lines (at most `max` bytes each) and hands them to the processor one at a time; empty lines
 /// are skipped. A read error ends the connection as its end does.
+/// Each item goes with its end in the connection's byte stream, which starts at stream offset `start`.
 async fn read_lines<R: tokio::io::AsyncRead + Unpin + Send>(
     r: R,
-    tx: mpsc::Sender<Incoming>,
-    max: u64,
+    tx: mpsc::Sender<(Incoming, u64)>,
+    (max, start): (u64, u64),
 ) {
-    let mut lines = FramedRead::new(r, ControlCodec::new(max));
+    let mut lines = FramedRead::new(r, ControlCodec::new(max, start));
     while let Some(Ok(item)) = lines.next().await {
+        let end = lines.decoder().consumed;
         let item = match item {
             Incoming::Line(l) => {
                 let l = l.trim_end_matches(['\r', '\n']);
@@ -303,20 +430,25 @@ async fn read_lines<R: tokio::io::AsyncRead + Unpin + Send>(
             }
             other => other,
         };
-        if tx.send(item).await.is_err() {
+        if tx.send((item, end)).await.is_err() {
             return;
         }
     }
-    let _ = tx.send(Incoming::Eof).await;
+    let end = lines.decoder().consumed;
+    let _ = tx.send((Incoming::Eof, end)).await;
 }
 
+/// Writes `first` (then calls `after_first`), then each command.
 async fn write_lines(
     mut w: tokio::net::unix::OwnedWriteHalf,
-    first: String,
+    (first, after_first): (String, AfterFirst),
     mut rx: mpsc::Receiver<String>,
 ) {
     if w.write_all(first.as_bytes()).await.is_err() {
         return;
+    }
+    if let Some(f) = after_first {
+        f();
     }
     while let Some(l) = rx.recv().await {
         if w.write_all(l.as_bytes()).await.is_err() {
@@ -338,14 +470,65 @@ mod tests {
 
     /// What the reader hands on for `input` with lines of at most `max` bytes.
     async fn read(input: &[u8], max: u64) -> Vec<Incoming> {
+        read_from(input, max, 0)
+            .await
+            .into_iter()
+            .filter(|(i, _)| *i != Incoming::Skipped)
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// What the reader hands on, with each item's end in the stream, for a stream that starts at `start`.
+    async fn read_from(input: &[u8], max: u64, start: u64) -> Vec<(Incoming, u64)> {
         let (tx, mut rx) = mpsc::channel(1);
-        let reader = tokio::spawn(read_lines(std::io::Cursor::new(input.to_vec()), tx, max));
+        let input = std::io::Cursor::new(input.to_vec());
+        let reader = tokio::spawn(read_lines(input, tx, (max, start)));
         let mut got = Vec::new();
         while let Some(item) = rx.recv().await {
             got.push(item);
         }
         reader.await.unwrap();
         got
+    }
+
+    #[tokio::test]
+    async fn each_item_ends_where_its_bytes_end_in_the_stream() {
+        let got = read_from(
+            b"12345678
+123456789
+
+ok
+",
+            8,
+            100,
+        )
+        .await;
+        assert_eq!(
+            got,
+            [
+                (line("12345678"), 109),
+                // Reported as soon as the line is over the maximum, before its rest is skipped.
+                (Incoming::TooLong, 109),
+                // The rest of the long line and the empty line are consumed before "ok".
+                (line("ok"), 123),
+                (Incoming::Eof, 123)
+            ]
+        );
+        // A long line skipped over many reads: its bytes are said consumed as they go (the spool drops them).
+        let mut long = vec![b'x'; 100_000];
+        long.extend_from_slice(b"\nafter\n");
+        let got = read_from(&long, 8, 0).await;
+        let skipped: Vec<u64> = got
+            .iter()
+            .filter(|(i, _)| *i == Incoming::Skipped)
+            .map(|(_, end)| *end)
+            .collect();
+        assert!(
+            skipped.len() > 1 && skipped.windows(2).all(|w| w[0] < w[1]),
+            "{skipped:?}"
+        );
+        assert!(skipped.last().is_some_and(|&e| e > 90_000), "{skipped:?}");
+        assert_eq!(got[got.len() - 2], (line("after"), 100_007));
     }
 
     fn line(s: &str) -> Incoming {

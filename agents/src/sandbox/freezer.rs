@@ -39,6 +39,7 @@ impl Sandbox {
             sh.before_pause = status;
             sh.status = Some(AgentStatus::Paused);
         }
+        self.persist();
         let run_id = self.shared().run_id.clone();
         self.hub
             .emit(&run_id, lifecycle_event(&self.agent_id, "paused", None));
@@ -97,6 +98,7 @@ impl Sandbox {
             sh.status = Some(sh.before_pause.take().unwrap_or(AgentStatus::Running));
             sh.run_id.clone()
         };
+        self.persist();
         self.hub
             .emit(&run_id, lifecycle_event(&self.agent_id, "resumed", None));
         Ok(self.handle())
@@ -136,6 +138,7 @@ impl Sandbox {
                     sh.status = Some(AgentStatus::Paused);
                     sh.run_id.clone()
                 };
+                self.persist();
                 self.hub.emit(
                     &run_id,
                     lifecycle_event(

@@ -21,17 +21,27 @@ use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn, Instrument};
 
+use super::control::First;
+use super::spool::Spool;
 use super::{line, unavailable, Ops, Run, Sandbox, COMMAND_QUEUE, CONTROL_SOCKET};
 use crate::container::{BoxFuture, Ended, RunContainer, RunPlan};
 use crate::network::Serving;
+use crate::restore::RunRecord;
 use crate::volumes::{Mounted, Volumes};
 
 impl Sandbox {
     /// Starts the sandbox's background tasks: token renewal and the lifetime limit.
     pub fn start_tasks(self: &Arc<Self>) {
-        let renew = tokio::spawn(self.backend.clone().renew_loop());
         let me = Arc::downgrade(self);
-        let lifetime = Duration::from_millis(self.limits.timeout_ms);
+        let renew = tokio::spawn(self.backend.clone().renew_loop(move || {
+            if let Some(sb) = me.upgrade() {
+                sb.persist();
+            }
+        }));
+        let me = Arc::downgrade(self);
+        // What is left of it (a sandbox taken back from a previous daemon has lived a while).
+        let lifetime =
+            Duration::from_millis(self.limits.timeout_ms).saturating_sub(self.created.elapsed());
         let expire = tokio::spawn(async move {
             tokio::time::sleep(lifetime).await;
             if let Some(sb) = me.upgrade() {
@@ -80,7 +90,9 @@ impl Sandbox {
         let cid = format!("{}-{n}", self.id);
         let run_id = uuid::Uuid::now_v7().to_string();
         let listener = self.control_socket()?;
-        let (c, serving) = self.start_container(&cid, command).await?;
+        let keep = self.host.settings.agents.live_restore;
+        let control = keep.then(|| listener.as_fd());
+        let (c, serving) = self.start_container(&cid, command, control).await?;
         info!(sandbox = %self.id, container = %c.cid(), run = %run_id, "agent started");
 
         ops.brief = match serde_json::to_value(&brief) {
@@ -104,8 +116,132 @@ impl Sandbox {
             sandbox_id: self.id.clone(),
             resume,
         });
+        {
+            let mut sh = self.shared();
+            sh.brief = ops.brief.clone();
+            sh.kept = c.init().map(|init| RunRecord {
+                cid: cid.clone(),
+                init,
+                brief_line: brief_line.clone(),
+                connected: false,
+            });
+            if keep && sh.kept.is_none() {
+                warn!(sandbox = %self.id, "the run's init is not known: a later daemon cannot take this run back");
+            }
+        }
         self.hub
             .emit(&run_id, lifecycle_event(&self.agent_id, "started", None));
+        self.persist();
+        // A kept run's lines are spooled until processed, for a daemon after this one.
+        let spool = match keep {
+            true => match Spool::create(&self.dir) {
+                Ok(s) => Some((s, Vec::new(), 0)),
+                Err(e) => {
+                    warn!(sandbox = %self.id, error = %e, "no control spool: lines read when the daemon dies may be lost");
+                    None
+                }
+            },
+            false => None,
+        };
+        let first = First {
+            pre: None,
+            brief: brief_line,
+            spool,
+        };
+        self.supervised(ops, (c, serving), listener, first, run_id);
+        Ok(self.handle())
+    }
+
+    /// Takes back the live run a previous daemon recorded (live restore): its container, its control socket and
+    /// the agent's connection from the run's init, and a supervisor as a spawn would start. A run that cannot be
+    /// taken back (its init is gone) ends as a crash, with why; its cgroups were removed as leftovers at start.
+    pub async fn adopt_run(self: &Arc<Self>, run: RunRecord) -> Result<(), String> {
+        let mut ops = self.ops.lock().await;
+        let run_id = self.shared().run_id.clone();
+        let adopted = self.workspace.adopt_run(&run.cid, run.init).await;
+        let (c, io) = match adopted {
+            Ok(a) => a,
+            Err(e) => {
+                let why = format!(
+                    "the run could not be taken back after a daemon restart: {}",
+                    Chain(&e)
+                );
+                {
+                    let mut sh = self.shared();
+                    sh.kept = None;
+                    sh.status = Some(AgentStatus::Error);
+                    sh.before_pause = None;
+                }
+                self.hub.emit(
+                    &run_id,
+                    lifecycle_event(&self.agent_id, "crashed", Some(&why)),
+                );
+                self.persist();
+                return Err(why);
+            }
+        };
+        let listener = std::os::unix::net::UnixListener::from(io.control);
+        let pre = io.conn.map(std::os::unix::net::UnixStream::from);
+        let tokio_io = listener
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::UnixListener::from_std(listener))
+            .and_then(|l| {
+                let pre = pre
+                    .map(|p| {
+                        p.set_nonblocking(true)?;
+                        tokio::net::UnixStream::from_std(p)
+                    })
+                    .transpose()?;
+                Ok((l, pre))
+            });
+        let (listener, pre) = match tokio_io {
+            Ok(x) => x,
+            Err(e) => {
+                c.signal(Signal::SIGKILL);
+                c.remove().await;
+                return Err(format!("the run's control socket cannot be served: {e}"));
+            }
+        };
+        let spool = match Spool::reopen(&self.dir) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                warn!(sandbox = %self.id, error = %e, "the control spool cannot be read: the lines the previous daemon read and did not process are lost");
+                None
+            }
+        };
+        // An agent whose brief the record does not say is out gets it from this daemon (when it connects, or now if
+        // it connected to a daemon that died before the brief was written: twice rather than never).
+        let first = if run.connected {
+            String::new()
+        } else {
+            run.brief_line.clone()
+        };
+        {
+            let mut sh = self.shared();
+            sh.container = Some(c.clone());
+            sh.kept = Some(run);
+        }
+        info!(sandbox = %self.id, container = %c.cid(), run = %run_id, "agent run taken back");
+        let first = First {
+            pre,
+            brief: first,
+            spool,
+        };
+        self.supervised(&mut ops, (c, None), listener, first, run_id);
+        Ok(())
+    }
+
+    /// Makes `c` the live run and starts its supervisor in the run's span: a child of the spawn (or resume, or
+    /// restore) that started it, open until the run has ended, with how it ended (`completed`, `killed` or
+    /// `crashed`, the last an error).
+    fn supervised(
+        self: &Arc<Self>,
+        ops: &mut Ops,
+        (c, serving): (Arc<dyn RunContainer>, Option<Serving>),
+        listener: tokio::net::UnixListener,
+        first: First,
+        run_id: String,
+    ) {
         let (commands, commands_rx) = mpsc::channel(COMMAND_QUEUE);
         let (done_tx, done) = watch::channel(false);
         let killing = Arc::new(AtomicBool::new(false));
@@ -115,8 +251,6 @@ impl Sandbox {
             killing: killing.clone(),
             container: c.clone(),
         });
-        // The run's span: a child of the spawn (or resume) that started it, open until the run has ended, with how
-        // it ended (`completed`, `killed` or `crashed`, the last an error).
         let span = tracing::info_span!(
             "agent",
             sandbox = %self.id,
@@ -129,7 +263,7 @@ impl Sandbox {
                 .supervise(
                     (c, serving),
                     listener,
-                    brief_line,
+                    first,
                     commands_rx,
                     run_id,
                     killing,
@@ -137,7 +271,6 @@ impl Sandbox {
                 )
                 .instrument(span),
         );
-        Ok(self.handle())
     }
 
     /// Whether a run may start now, and the agent's command (the brief's, else the template's).
@@ -194,6 +327,7 @@ impl Sandbox {
         &self,
         cid: &str,
         args: Vec<String>,
+        control: Option<std::os::fd::BorrowedFd<'_>>,
     ) -> Result<(Arc<dyn RunContainer>, Option<Serving>), PluginError> {
         let stdin = std::fs::File::open("/dev/null")
             .map_err(|e| unavailable(format!("/dev/null: {e}"), false))?;
@@ -209,6 +343,7 @@ impl Sandbox {
             memory_mb: self.limits.memory_mb,
             pids_max: self.host.settings.agents.pids_max,
             shm_bytes: (self.limits.disk_mb << 20).min(64 << 20),
+            keep: control.is_some(),
         };
         let c = self
             .workspace
@@ -217,7 +352,7 @@ impl Sandbox {
             .map_err(|e| unavailable(Chain(&e).to_string(), true))?;
         let started = c.set_cpu_quota(self.limits.cpu_cores).and_then(|()| {
             let serving = self.network.as_ref().map(|n| n.serve_in(&*c)).transpose()?;
-            c.launch([stdin.as_fd(), log.as_fd(), log.as_fd()])?;
+            c.launch([stdin.as_fd(), log.as_fd(), log.as_fd()], control)?;
             Ok(serving)
         });
         match started {
@@ -258,14 +393,14 @@ impl Sandbox {
         self: Arc<Self>,
         (c, serving): (Arc<dyn RunContainer>, Option<Serving>),
         listener: tokio::net::UnixListener,
-        brief_line: String,
+        first: First,
         commands_rx: mpsc::Receiver<String>,
         run_id: String,
         killing: Arc<AtomicBool>,
         done_tx: watch::Sender<bool>,
     ) {
         let end = self
-            .watch_run(&*c, listener, brief_line, commands_rx, &run_id, &killing)
+            .watch_run(&*c, listener, first, commands_rx, &run_id, &killing)
             .await;
         let killed = killing.load(Ordering::SeqCst);
         let crashed = crash_reason(killed, end.crash, &end.ended);
@@ -277,7 +412,9 @@ impl Sandbox {
             } else {
                 AgentStatus::Completed
             });
+            sh.kept = None;
         }
+        self.persist();
         let span = tracing::Span::current();
         span.record(
             "outcome",

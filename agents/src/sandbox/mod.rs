@@ -13,18 +13,20 @@
 
 //!
 //! The parts: [`lifecycle`] (spawn, the run's supervisor and its end, kill with grace, the lifetime limit,
-//! removal), [`control`] (the control channel: the agent's lines in, commands out) and [`freezer`] (pause and
-//! resume). Here: the sandbox's state, the commands forwarded to a live agent, its saved state and health.
+//! removal, and a run taken back from a previous daemon), [`control`] (the control channel: the agent's lines in,
+//! commands out), `spool` (the lines read and not processed yet, on disk, for live restore) and [`freezer`] (pause
+//! and resume). Here: the sandbox's state, the commands forwarded to a live agent, its saved state and health.
 
 pub mod control;
 pub mod freezer;
 pub mod lifecycle;
+mod spool;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use agent_api::{
     AgentCommand, AgentHandle, AgentStatus, AgentTemplate, ContextInjection, HealthStatus,
@@ -40,6 +42,7 @@ use crate::container::{RunContainer, Workspace};
 use crate::events::Hub;
 use crate::host::Host;
 use crate::network::{NetworkError, SandboxEgress};
+use crate::restore::{Record, RunRecord};
 use crate::volumes::{Mounted, Volumes};
 
 /// Name of the control socket in the code directory (`/sandbox` inside).
@@ -77,6 +80,10 @@ struct Shared {
     last_exit: Option<ProgramExit>,
     cpu_sample: Option<(Instant, u64)>,
     expired: bool,
+    /// The live run when it is kept (live restore).
+    kept: Option<RunRecord>,
+    /// The brief of the live run (a copy of the operations' own, for the record).
+    brief: Option<Map<String, Value>>,
 }
 
 /// A live run, as operations see it.
@@ -119,6 +126,12 @@ pub struct Sandbox {
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     runs: AtomicU64,
     created: Instant,
+    /// When it was created, Unix ms (kept across daemons).
+    created_unix_ms: u64,
+    /// The snapshot its workspace started from.
+    from_snapshot: Option<String>,
+    /// The record last written (live restore), so an unchanged one is not written again.
+    written: Mutex<Vec<u8>>,
     host: Host,
 }
 
@@ -143,7 +156,7 @@ impl Sandbox {
         workspace: Arc<dyn Workspace>,
         network: Option<SandboxEgress>,
         volumes: Option<(Arc<Volumes>, Vec<Mounted>)>,
-        host: Host,
+        (from_snapshot, host): (Option<String>, Host),
     ) -> Arc<Self> {
         let (volumes, mounts) = match volumes {
             Some((v, m)) => (Some(v), m),
@@ -168,8 +181,146 @@ impl Sandbox {
             tasks: Mutex::new(Vec::new()),
             runs: AtomicU64::new(0),
             created: Instant::now(),
+            created_unix_ms: unix_ms(),
+            from_snapshot,
+            written: Mutex::new(Vec::new()),
             host,
         })
+    }
+
+    /// A sandbox a previous daemon left (live restore), around its adopted workspace and reopened hub, in the
+    /// state its record gives. Its live run, if any, is adopted next ([`Self::adopt_run`]).
+    pub fn restore(
+        record: &Record,
+        (backend, hub): (Arc<Backend>, Arc<Hub>),
+        workspace: Arc<dyn Workspace>,
+        host: Host,
+    ) -> Arc<Self> {
+        let dir = workspace.dir().to_owned();
+        let age = Duration::from_millis(unix_ms().saturating_sub(record.created_unix_ms));
+        let created = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
+        let shared = Shared {
+            status: record.status,
+            before_pause: record.before_pause,
+            run_id: record.run_id.clone(),
+            pending_decisions: record.pending_decisions.clone(),
+            checkpoint: record.checkpoint.clone(),
+            last_exit: record.last_exit,
+            expired: record.expired,
+            brief: record.brief.clone(),
+            ..Shared::default()
+        };
+        Arc::new(Self {
+            id: record.id.clone(),
+            agent_id: record.agent_id.clone(),
+            limits: Limits {
+                cpu_cores: record.cpu_cores,
+                memory_mb: record.memory_mb,
+                disk_mb: record.disk_mb,
+                timeout_ms: record.timeout_ms,
+            },
+            template: record.template.clone(),
+            image: record.image.clone(),
+            backend,
+            hub,
+            dir,
+            workspace,
+            network: None,
+            volumes: None,
+            mounts: Mutex::new(Vec::new()),
+            ops: tokio::sync::Mutex::new(Ops {
+                run: None,
+                brief: record.brief.clone(),
+            }),
+            shared: Mutex::new(shared),
+            tasks: Mutex::new(Vec::new()),
+            runs: AtomicU64::new(record.runs),
+            created,
+            created_unix_ms: record.created_unix_ms,
+            from_snapshot: record.from_snapshot.clone(),
+            written: Mutex::new(Vec::new()),
+            host,
+        })
+    }
+
+    /// What a daemon after this one needs to take the sandbox back.
+    pub fn record(&self) -> Record {
+        let sh = self.shared();
+        Record {
+            version: crate::restore::VERSION,
+            id: self.id.clone(),
+            agent_id: self.agent_id.clone(),
+            cpu_cores: self.limits.cpu_cores,
+            memory_mb: self.limits.memory_mb,
+            disk_mb: self.limits.disk_mb,
+            timeout_ms: self.limits.timeout_ms,
+            template: self.template.clone(),
+            image: self.image.clone(),
+            host_id: self.workspace.host_id(),
+            created_unix_ms: self.created_unix_ms,
+            bootstrap: self.backend.bootstrap(),
+            from_snapshot: self.from_snapshot.clone(),
+            mounts: !self
+                .mounts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty(),
+            network: self.network.is_some(),
+            runs: self.runs.load(std::sync::atomic::Ordering::Relaxed),
+            status: sh.status,
+            before_pause: sh.before_pause,
+            run_id: sh.run_id.clone(),
+            pending_decisions: sh.pending_decisions.clone(),
+            checkpoint: sh.checkpoint.clone(),
+            last_exit: sh.last_exit,
+            expired: sh.expired,
+            brief: sh.brief.clone(),
+            run: sh.kept.clone(),
+        }
+    }
+
+    /// Writes the record when live restore is on and it changed (errors are logged: the sandbox goes on, a later
+    /// daemon may not find it as it is now).
+    pub fn persist(&self) {
+        if !self.host.settings.agents.live_restore {
+            return;
+        }
+        // Built under the lock: of two callers, the later state is written last.
+        let mut written = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        let Ok(bytes) = serde_json::to_vec(&self.record()) else {
+            return;
+        };
+        if *written == bytes {
+            return;
+        }
+        match crate::restore::save_bytes(&self.dir, &bytes) {
+            Ok(()) => *written = bytes,
+            Err(e) => {
+                tracing::warn!(sandbox = %self.id, error = %e, "cannot write the sandbox's record")
+            }
+        }
+    }
+
+    /// Daemon exit with live restore: the record written, the workspace left mounted, the runs left running (their
+    /// supervisors end with the daemon's tasks; nothing removes them).
+    pub fn leave(&self) {
+        self.persist();
+        self.workspace.leave();
+    }
+
+    /// The kept run cannot be taken back by a later daemon (its init could not hold the control connection): the
+    /// record says it has no run, so the next daemon ends it with the rest of what it does not know.
+    fn forget_kept(&self) {
+        self.shared().kept = None;
+        self.persist();
+    }
+
+    /// The kept run's agent has its brief (a later daemon does not send it again).
+    fn persist_connected(&self) {
+        if let Some(k) = self.shared().kept.as_mut() {
+            k.connected = true;
+        }
+        self.persist();
     }
 
     fn shared(&self) -> std::sync::MutexGuard<'_, Shared> {
@@ -265,6 +416,8 @@ impl Sandbox {
         if let Some(b) = ops.brief.as_mut() {
             b.extend(changes);
         }
+        self.shared().brief = ops.brief.clone();
+        self.persist();
         Ok(())
     }
 
@@ -358,6 +511,13 @@ impl Sandbox {
             network: self.network.as_ref().map(SandboxEgress::usage),
         }
     }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn line(cmd: &AgentCommand) -> String {

@@ -246,7 +246,7 @@ pub(super) fn mounts_under(pid: i32, dir: &Path) -> Vec<String> {
 }
 
 /// Processes in a sandbox's container cgroup (pids hierarchy on v1, the leaf on v2).
-fn container_pids(parent: &str, cid: &str) -> Vec<i32> {
+pub(super) fn container_pids(parent: &str, cid: &str) -> Vec<i32> {
     for p in [
         format!("/sys/fs/cgroup/pids/{parent}/{cid}/cgroup.procs"),
         format!("/sys/fs/cgroup/{parent}/{cid}/cgroup.procs"),

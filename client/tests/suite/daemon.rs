@@ -123,6 +123,11 @@ pub struct DaemonOpts {
     /// `pool.size`: warm containers (default 0: every process of the uid range belongs to a running execution,
     /// which some tests rely on; the daemon's own suite covers the pool).
     pub pool_size: usize,
+    /// `agents.live_restore`.
+    pub live_restore: bool,
+    /// Start the daemon in a mount namespace of its own (`unshare --mount --propagation slave`), as a systemd unit
+    /// with `ProtectSystem=` or `PrivateTmp=` does.
+    pub private_mounts: bool,
 }
 
 impl Default for DaemonOpts {
@@ -137,6 +142,8 @@ impl Default for DaemonOpts {
             host: "127.0.0.1".into(),
             token: None,
             pool_size: 0,
+            live_restore: false,
+            private_mounts: false,
         }
     }
 }
@@ -148,6 +155,7 @@ pub struct Daemon {
     dir: tempfile::TempDir,
     config: PathBuf,
     netns: Option<String>,
+    private_mounts: bool,
     /// Listen address.
     pub host: String,
     /// Listen port.
@@ -206,7 +214,8 @@ impl Daemon {
             };
             let config = test_support::fsp::with(
                 config.to_json(),
-                json!({"agents": {"max_sandboxes": opts.max_sandboxes},
+                json!({"agents": {"max_sandboxes": opts.max_sandboxes,
+                                  "live_restore": opts.live_restore},
                        "listen": format!("{}:{port}", opts.host)}),
             );
             let config_path = daemon::write_config(dir.path(), &config);
@@ -216,6 +225,7 @@ impl Daemon {
                 dir,
                 config: config_path,
                 netns: opts.netns.clone(),
+                private_mounts: opts.private_mounts,
                 host: opts.host.clone(),
                 port,
                 token: token.clone(),
@@ -239,6 +249,18 @@ impl Daemon {
                 let net = PathBuf::from(format!("--net=/run/netns/{netns}"));
                 let args = [&net, &self.binary, Path::new("--config"), &self.config];
                 daemon::spawn(Path::new("nsenter"), &args, self.dir.path())
+            }
+            // unshare execs the daemon too.
+            None if self.private_mounts => {
+                let args = [
+                    Path::new("--mount"),
+                    Path::new("--propagation"),
+                    Path::new("slave"),
+                    &self.binary,
+                    Path::new("--config"),
+                    &self.config,
+                ];
+                daemon::spawn(Path::new("unshare"), &args, self.dir.path())
             }
             None => {
                 let args = [Path::new("--config"), &self.config];
@@ -360,10 +382,16 @@ impl Daemon {
         }
     }
 
-    fn stop(&mut self) {
+    /// Stops the daemon with SIGTERM (SIGKILL if it ignores it) and reaps it.
+    pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             daemon::stop(&mut child);
         }
+    }
+
+    /// Runs `binary` from the next (re)start on: an upgrade.
+    pub fn set_binary(&mut self, binary: &Path) {
+        self.binary = binary.to_owned();
     }
 }
 
@@ -375,6 +403,11 @@ impl Drop for Daemon {
             self.dir.path(),
         );
         remove_cgroup_parent(&self.cgroup_parent);
+        // A daemon with live restore pins its mount namespace in the state directory: unpinned, or the directory
+        // could not be removed.
+        let pin = self.state_dir().join("mntns");
+        let _ = nix::mount::umount2(&pin.join("ns"), nix::mount::MntFlags::MNT_DETACH);
+        while nix::mount::umount2(&pin, nix::mount::MntFlags::MNT_DETACH).is_ok() {}
     }
 }
 

@@ -12,6 +12,7 @@ mod daemon_pool;
 mod fleet_hosts;
 mod fleet_k8s;
 mod fleet_rules;
+mod live_restore;
 mod malformed;
 mod network;
 mod pool_behaviour;

@@ -43,8 +43,11 @@ fn step<T>(what: impl std::fmt::Display, r: nix::Result<T>) -> Result<T, Failed>
 
 /// Runs the init: waits for go, sets the container up, reports, and becomes the waiting init. Never returns.
 pub(super) fn run(sock: OwnedFd, blueprint: &Blueprint, init: &InitExecutor) -> ! {
-    // Die with the helper from now on; before go, a helper that died also closes the socket.
-    let _ = crate::sys::set_parent_death_signal(Signal::SIGKILL);
+    // Die with the helper from now on (unless told to outlive it); before go, a helper that died also closes the
+    // socket.
+    if !blueprint.outlives_helper {
+        let _ = crate::sys::set_parent_death_signal(Signal::SIGKILL);
+    }
     let mut buf = [0u8; 8];
     let go = matches!(ipc::recv(sock.as_fd(), &mut buf), Ok(Some((n, _))) if &buf[..n] == GO);
     if !go {
@@ -97,8 +100,10 @@ fn set_up(bp: &Blueprint) -> Result<(), Failed> {
     )?;
     // The kernel clears the parent death signal when the ids change: set it again, or a helper dying from here on
     // would leave this init behind (one that died before is caught by the report it can no longer receive).
-    crate::sys::set_parent_death_signal(Signal::SIGKILL)
-        .map_err(|e| Failed(crate::error::Chain(&e).to_string()))?;
+    if !bp.outlives_helper {
+        crate::sys::set_parent_death_signal(Signal::SIGKILL)
+            .map_err(|e| Failed(crate::error::Chain(&e).to_string()))?;
+    }
     mount_root(bp)?;
     own_stdio_is_null()?;
     step("sethostname", nix::unistd::sethostname(&bp.hostname))?;

@@ -73,6 +73,8 @@ pub struct Blueprint {
     pub rlimits: Vec<(Resource, u64, u64)>,
     /// The cgroup limits the container starts with.
     pub limits: CgroupLimits,
+    /// The init has no parent death signal: it outlives the helper (set by the helper, never by a spec).
+    pub outlives_helper: bool,
 }
 
 fn unsupported(what: impl Into<String>) -> StartError {
@@ -152,6 +154,7 @@ impl Blueprint {
             )?,
             rlimits,
             limits: limits(linux.resources())?,
+            outlives_helper: false,
         })
     }
 }

@@ -115,6 +115,8 @@ struct Running {
     #[cfg(feature = "libcontainer")]
     container: Option<libcontainer::container::Container>,
     pid: Pid,
+    /// Outlives the helper: the shutdown leaves it running ([`Request::Create`]'s `keep`).
+    kept: bool,
 }
 
 struct Helper {
@@ -217,7 +219,8 @@ impl Helper {
                 bundle,
                 landlock,
                 warm,
-            } => match self.create(&id, bundle, landlock, warm) {
+                keep,
+            } => match self.create(&id, bundle, landlock, warm, keep) {
                 Ok((pid, [launch, status, pidfd])) => {
                     let sent = self.send(
                         &Event::Created {
@@ -278,6 +281,7 @@ impl Helper {
         bundle: PathBuf,
         landlock: crate::landlock::Policy,
         warm: Option<crate::launch::Launch>,
+        keep: bool,
     ) -> Result<(Pid, [OwnedFd; 3])> {
         let taken = self.running.contains_key(id)
             || self.config.state_root.join(id).exists()
@@ -299,9 +303,18 @@ impl Helper {
             seccomp: self.config.seccomp.clone(),
             landlock,
             warm,
+            outlives_helper: keep,
         };
         let pid = match self.config.start {
             StartMethod::Direct => self.start_direct(id, &bundle, &executor)?,
+            // libcontainer's init is its own: it cannot be told to outlive the helper.
+            #[cfg(feature = "libcontainer")]
+            StartMethod::Libcontainer if keep => {
+                return Err(StartError::Unsupported(
+                    "a container that outlives the daemon needs sandbox.start: direct".into(),
+                )
+                .into())
+            }
             #[cfg(feature = "libcontainer")]
             StartMethod::Libcontainer => self.start_libcontainer(id, bundle, executor)?,
             // spawn_helper refuses it; a helper never gets here.
@@ -325,7 +338,8 @@ impl Helper {
         let path = bundle.join("config.json");
         let spec = oci_spec::runtime::Spec::load(&path)
             .map_err(|source| StartError::ReadSpec { path, source })?;
-        let blueprint = Blueprint::from_spec(&spec, &self.config.cgroups.cgroups_path(id))?;
+        let mut blueprint = Blueprint::from_spec(&spec, &self.config.cgroups.cgroups_path(id))?;
+        blueprint.outlives_helper = init.outlives_helper;
         let pid = crate::direct::start(id, &blueprint, &self.config.cgroups, init)?;
         self.running.insert(
             id.to_owned(),
@@ -333,6 +347,7 @@ impl Helper {
                 #[cfg(feature = "libcontainer")]
                 container: None,
                 pid,
+                kept: init.outlives_helper,
             },
         );
         Ok(pid)
@@ -351,6 +366,7 @@ impl Helper {
         let running = self.running.entry(id.to_owned()).insert_entry(Running {
             container: Some(container),
             pid,
+            kept: false,
         });
         crate::sys::bring_up_loopback(pid)?;
         match running.into_mut().container.as_mut() {
@@ -422,6 +438,8 @@ impl Helper {
     }
 
     fn shutdown(&mut self) {
+        // A kept container outlives us: its init is reparented when we exit, and a later daemon adopts it.
+        self.running.retain(|_, r| !r.kept);
         for r in self.running.values() {
             let _ = nix::sys::signal::kill(r.pid, Signal::SIGKILL);
         }

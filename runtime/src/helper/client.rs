@@ -89,6 +89,28 @@ impl HelperClient {
         landlock: crate::landlock::Policy,
         warm: Option<crate::launch::Launch>,
     ) -> Result<Created> {
+        self.create_with(id, bundle, landlock, warm, false).await
+    }
+
+    /// [`Self::create`] for a container that outlives the helper and the daemon (`keep`, see
+    /// [`Request::Create`]): nothing but its removal ends it.
+    pub async fn create_kept(
+        &self,
+        id: &str,
+        bundle: PathBuf,
+        landlock: crate::landlock::Policy,
+    ) -> Result<Created> {
+        self.create_with(id, bundle, landlock, None, true).await
+    }
+
+    async fn create_with(
+        &self,
+        id: &str,
+        bundle: PathBuf,
+        landlock: crate::landlock::Policy,
+        warm: Option<crate::launch::Launch>,
+        keep: bool,
+    ) -> Result<Created> {
         let answer = self
             .ask(
                 id,
@@ -97,6 +119,7 @@ impl HelperClient {
                     bundle,
                     landlock,
                     warm,
+                    keep,
                 },
             )
             .await?;

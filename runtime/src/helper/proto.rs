@@ -19,6 +19,10 @@ pub enum Request {
         /// An interpreter the init starts ahead of time ([`crate::init::InitExecutor::warm`]).
         #[serde(default)]
         warm: Option<crate::launch::Launch>,
+        /// The container outlives the helper and the daemon (an agent run under live restore): its init has no
+        /// parent death signal, and the helper's shutdown leaves it running. Only its removal ends it.
+        #[serde(default)]
+        keep: bool,
     },
     /// Signal a container's init. The daemon normally signals through the pidfd it got with
     /// [`Event::Created`]; this is for callers that only know the id.

@@ -13,6 +13,9 @@
 //! A pooled container's init may also start an interpreter ahead of time, confined the same way, and hand it the
 //! launch instead of forking a program ([`warm`]).
 //!
+//! An agent run's init may be kept: it outlives the helper and the daemon, and holds the run's control socket and
+//! status pipe for the next daemon, which takes the run back ([`keeper`]).
+//!
 //! Everything here runs in the forked container process, which is single-threaded (the helper is).
 
 use std::os::fd::{AsFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -26,6 +29,7 @@ use crate::error::{Chain, InitError};
 use crate::launch::Launch;
 use crate::sys;
 
+pub mod keeper;
 mod program;
 mod relay;
 mod warm;
@@ -143,6 +147,9 @@ pub struct InitExecutor {
     pub landlock: crate::landlock::Policy,
     /// An interpreter to start ahead of time, confined like any program, that waits for the launch ([`warm`]).
     pub warm: Option<Launch>,
+    /// Outlive the helper (no parent death signal): an agent run that a restarted daemon adopts. Its launch
+    /// hands it the descriptors it keeps for that daemon ([`keeper`]).
+    pub outlives_helper: bool,
 }
 
 /// The program's pid, for the signal forwarder (0 while there is none).
@@ -177,8 +184,19 @@ impl InitExecutor {
             Some(w) => Some(warm::start(status, w)?),
             None => None,
         };
-        let (launch, stdio) = self.receive(status);
+        let (launch, stdio, kept) = self.receive(status);
         mark(status, "received");
+        let mut keeper = match launch.keep {
+            true if self.outlives_helper => match keeper::Keeper::new(kept) {
+                Some(k) => Some(k),
+                None => setup_failed(status, "a kept launch without its descriptors"),
+            },
+            true => setup_failed(
+                status,
+                "a kept launch in a container that dies with the helper",
+            ),
+            false => None,
+        };
         let program = match warm {
             Some(w) if launch.warm => w.hand_over(&launch, stdio),
             Some(w) => {
@@ -195,9 +213,10 @@ impl InitExecutor {
             Err(stdio) => (self.fork_program(status, &launch, stdio)?, None),
         };
         PROGRAM.store(program.as_raw(), Ordering::SeqCst);
-        let exit = match relay {
-            Some(relay) => relay.run_until(program, || reap_ended(program)),
-            None => reap_until(program),
+        let exit = match (relay, keeper.as_mut()) {
+            (Some(relay), _) => relay.run_until(program, || reap_ended(program)),
+            (None, Some(k)) => k.run_until(program, || reap_ended(program)),
+            (None, None) => reap_until(program),
         };
         PROGRAM.store(0, Ordering::SeqCst);
         let mut record = exit.encode();
@@ -206,6 +225,9 @@ impl InitExecutor {
         }
         mark(status, "reaped");
         let _ = nix::unistd::write(status, record.as_bytes());
+        if let Some(k) = keeper {
+            k.hand_over(keeper::LINGER);
+        }
         // SAFETY: end the init without unwinding into its caller, which expects no return.
         unsafe { libc::_exit(0) }
     }
@@ -258,8 +280,11 @@ impl InitExecutor {
         sys::close_range(3, lo - 1).map_err(other)?;
         sys::close_range(lo + 1, hi - 1).map_err(other)?;
         sys::close_range(hi + 1, RawFd::MAX).map_err(other)?;
-        // Die with the helper; and let no process in the container ptrace or inspect the init.
-        sys::set_parent_death_signal(Signal::SIGKILL).map_err(other)?;
+        // Die with the helper (unless told to outlive it); and let no process in the container ptrace or inspect
+        // the init.
+        if !self.outlives_helper {
+            sys::set_parent_death_signal(Signal::SIGKILL).map_err(other)?;
+        }
         sys::set_not_dumpable().map_err(other)?;
         let handler = SigAction::new(
             SigHandler::SigAction(forward),
@@ -292,7 +317,7 @@ impl InitExecutor {
 
     /// Waits for the launch message. The daemon dropping the container before using it ends the init quietly
     /// (nothing ran, nothing to report); a malformed launch is reported as a setup failure.
-    fn receive(&self, status: BorrowedFd<'_>) -> (Launch, [OwnedFd; 3]) {
+    fn receive(&self, status: BorrowedFd<'_>) -> crate::launch::Received {
         // SAFETY: `launch_fd` is inherited from the helper and owned by nothing else in this process.
         let launch_sock = unsafe { OwnedFd::from_raw_fd(self.launch_fd) };
         match crate::launch::recv(launch_sock.as_fd()) {

@@ -1,4 +1,4 @@
-//! What the benches share: a free loopback port for a daemon, and its `/healthz`.
+//! What the benches share: a free loopback port for a daemon, its `/healthz`, and an agent sandbox request.
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -49,4 +49,28 @@ impl Drop for Stopped {
         );
         let _ = self.0.wait();
     }
+}
+
+/// A `POST /sandboxes` body for benches: the fake agent of the client suite as the template's command, an hour's
+/// lifetime, `disk_mb` of workspace, a backend nobody answers.
+#[allow(dead_code)]
+pub fn agent_request(disk_mb: u64) -> agent_api::CreateSandboxRequest {
+    serde_json::from_value(serde_json::json!({
+        "workspaceRequirements": {
+            "mounts": [], "capabilities": [],
+            "resourceLimits": {"cpuCores": 1, "memoryMb": 256, "diskMb": disk_mb, "timeoutMs": 3_600_000}
+        },
+        "bootstrap": {
+            "backendUrl": "http://127.0.0.1:9",
+            "backendToken": "bench",
+            "tokenExpiresAt": "2099-01-01T00:00:00Z",
+            "agentId": "bench-agent",
+            "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts",
+        },
+        "template": {
+            "command": ["/usr/bin/python3", "/workspace/fake_agent.py"],
+            "files": [{"path": "fake_agent.py", "content": include_str!("../../../client/tests/agents/fake_agent.py")}],
+        }
+    }))
+    .unwrap()
 }

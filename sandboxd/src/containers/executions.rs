@@ -90,6 +90,14 @@ impl ContainerBackend for Arc<HelperBackend> {
         Box::pin(super::runs::create_workspace(self.clone(), plan))
     }
 
+    fn adopt_workspace<'a>(
+        &'a self,
+        plan: WorkspacePlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>> {
+        let adopted = super::runs::adopt_workspace(self.clone(), plan);
+        Box::pin(async move { adopted })
+    }
+
     fn parallelism(&self) -> usize {
         // Each helper is single-threaded: one creation at a time in each.
         self.helpers.len().max(1)

@@ -209,7 +209,11 @@ impl RunContainer for FakeRun {
         &self.cid
     }
 
-    fn launch(&self, stdio: [BorrowedFd<'_>; 3]) -> Result<(), LongLivedError> {
+    fn launch(
+        &self,
+        stdio: [BorrowedFd<'_>; 3],
+        _control: Option<BorrowedFd<'_>>,
+    ) -> Result<(), LongLivedError> {
         self.recorder.record(Call::Launch(self.cid.clone()));
         self.spawn(stdio)
             .map_err(|e| LongLivedError::Launch(Box::new(e)))

@@ -164,6 +164,16 @@ pub trait ContainerBackend: Send + Sync + 'static {
         plan: WorkspacePlan<'a>,
     ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>>;
 
+    /// Takes back an agent sandbox's workspace that a previous daemon left mounted at `plan.parent/plan.id`
+    /// (live restore); nothing is created. The backends that cannot say so.
+    fn adopt_workspace<'a>(
+        &'a self,
+        plan: WorkspacePlan<'a>,
+    ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>> {
+        let _ = plan;
+        Box::pin(async { Err(CreateError::NoHelper) })
+    }
+
     /// How many creations are worth running at once (with the helpers: how many there are).
     fn parallelism(&self) -> usize;
 

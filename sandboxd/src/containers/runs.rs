@@ -22,7 +22,8 @@ use super::helper::{create_scratch, remove_scratch, report_so_far, Bundle, Helpe
 use super::{CreateError, WorkspacePlan};
 use crate::images::RootImage;
 use agents::container::{
-    BoxFuture, Ended, LongLivedError, RunContainer, RunPlan, RunUsage, Workspace,
+    Adopted, AdoptedRun, BoxFuture, Ended, InitIdentity, LongLivedError, RunContainer, RunPlan,
+    RunUsage, Workspace,
 };
 
 /// How long a run's removal may take before it is given up (logged).
@@ -57,6 +58,24 @@ pub(super) async fn create_workspace(
         backend,
         image,
         host_id,
+        disk_bytes,
+        scratch: Mutex::new(Some(scratch)),
+    }))
+}
+
+/// Takes back a workspace a previous daemon left mounted (live restore).
+pub(super) fn adopt_workspace(
+    backend: Arc<HelperBackend>,
+    plan: WorkspacePlan<'_>,
+) -> Result<Arc<dyn Workspace>, CreateError> {
+    let disk_bytes = plan.disk_mb << 20;
+    let scratch = Scratch::adopt(plan.parent, plan.id, disk_bytes, plan.host_id)
+        .map_err(CreateError::Prepare)?;
+    Ok(Arc::new(HelperWorkspace {
+        dir: scratch.dir().to_owned(),
+        backend,
+        image: plan.image.clone(),
+        host_id: plan.host_id,
         disk_bytes,
         scratch: Mutex::new(Some(scratch)),
     }))
@@ -135,43 +154,116 @@ impl Workspace for HelperWorkspace {
         Box::pin(async move {
             self.write_bundle(&plan)?;
             let client = self.backend.helpers.primary().clone();
-            let created = client
-                .create(
-                    plan.cid,
-                    self.dir.clone(),
-                    self.image.landlock.clone(),
-                    None,
-                )
-                .await
-                .map_err(|e| LongLivedError::Create(Box::new(e)))?;
-            let pidfd = created.pidfd.try_clone().and_then(|fd| {
-                // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its lifetime.
-                unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
-                    .map_err(std::io::Error::from)
-            });
+            let landlock = self.image.landlock.clone();
+            let created = if plan.keep {
+                client
+                    .create_kept(plan.cid, self.dir.clone(), landlock)
+                    .await
+            } else {
+                client
+                    .create(plan.cid, self.dir.clone(), landlock, None)
+                    .await
+            }
+            .map_err(|e| LongLivedError::Create(Box::new(e)))?;
+            let Created {
+                pid,
+                launch,
+                status,
+                pidfd,
+            } = created;
             let run = HelperRun {
                 cid: plan.cid.to_owned(),
-                client,
+                client: Some(client),
                 cgroups: self.backend.cgroups.clone(),
                 launch: Launch {
                     args: plan.args,
                     env: plan.env,
                     warm: false,
                     relay: false,
+                    keep: plan.keep,
                 },
-                created,
-                pidfd: None,
+                launch_chan: Some(launch),
+                status,
+                watch: None,
+                pidfd,
+                kept: plan.keep.then(|| Kept {
+                    path: self.dir.join(KEEPER_SOCKET),
+                    link: Mutex::new(None),
+                    init: Mutex::new(None),
+                    pid,
+                }),
             };
-            match pidfd {
-                Ok(pidfd) => Ok(Arc::new(HelperRun {
-                    pidfd: Some(pidfd),
-                    ..run
-                }) as Arc<dyn RunContainer>),
-                Err(e) => {
-                    run.remove().await;
-                    Err(LongLivedError::Create(Box::new(e)))
-                }
+            run.watched().await
+        })
+    }
+
+    fn leave(&self) {
+        if let Some(scratch) = self.scratch().take() {
+            scratch.leave();
+        }
+    }
+
+    fn adopt_run<'a>(
+        &'a self,
+        cid: &'a str,
+        init: InitIdentity,
+    ) -> BoxFuture<'a, Result<AdoptedRun, LongLivedError>> {
+        let path = self.dir.join(KEEPER_SOCKET);
+        let cgroups = self.backend.cgroups.clone();
+        let cid = cid.to_owned();
+        Box::pin(async move {
+            let adopt = |what: &str, e: runtime::Error| {
+                LongLivedError::Create(format!("{what}: {}", Chain(&e)).into())
+            };
+            let pidfd = runtime::sys::pidfd_open(nix::unistd::Pid::from_raw(init.pid))
+                .map_err(|e| adopt("the run's init is gone", e))?;
+            // The pidfd pins the pid: if it still starts when the record says, it is the same process.
+            if runtime::sys::start_time(init.pid) != Some(init.start) {
+                return Err(LongLivedError::Create(
+                    "the run's init is gone (its pid now names another process)".into(),
+                ));
             }
+            // From here on the init is this daemon's: a run not taken back is ended, never left unsupervised.
+            let collected = match runtime::init::keeper::collect(pidfd.as_fd()) {
+                Ok(c) => c,
+                Err(e) => {
+                    end_adopted(&cid, &pidfd, &cgroups).await;
+                    return Err(adopt("the run's init holds nothing", e));
+                }
+            };
+            // A frozen init does not accept: without a link now, one is made when it is needed.
+            let link = runtime::init::keeper::connect(&path)
+                .inspect_err(|e| {
+                    debug!(container = %cid, error = %Chain(e), "no link to the run's keeper yet")
+                })
+                .ok();
+            let run = HelperRun {
+                cid,
+                client: None,
+                cgroups,
+                launch: Launch {
+                    args: Vec::new(),
+                    env: Vec::new(),
+                    warm: false,
+                    relay: false,
+                    keep: true,
+                },
+                launch_chan: None,
+                status: collected.status,
+                watch: None,
+                pidfd,
+                kept: Some(Kept {
+                    path,
+                    link: Mutex::new(link),
+                    init: Mutex::new(Some(init)),
+                    pid: init.pid,
+                }),
+            };
+            let adopted = Adopted {
+                control: collected.control,
+                conn: collected.conn,
+            };
+            Ok((run.watched().await?, adopted))
         })
     }
 
@@ -185,20 +277,60 @@ impl Workspace for HelperWorkspace {
     }
 }
 
-/// A run's container, created by the primary helper.
+/// The kept run's socket in the workspace's directory ([`runtime::init::keeper`]).
+const KEEPER_SOCKET: &str = "keeper.sock";
+
+/// A run's container, created by the primary helper (or adopted from a previous daemon).
 struct HelperRun {
     cid: String,
-    /// The helper that created it, which removes it (its init is that helper's child).
-    client: HelperClient,
+    /// The helper that created it, which removes it (its init is that helper's child); `None` for a run adopted
+    /// from a previous daemon, whose init is nobody's child of ours.
+    client: Option<HelperClient>,
     cgroups: Cgroups,
     launch: Launch,
-    /// The daemon's descriptors: launch channel, status pipe, pidfd.
-    created: Created,
-    /// The init's pidfd, registered with the reactor (always `Some` once handed out).
-    pidfd: Option<AsyncFd<OwnedFd>>,
+    /// The launch channel (`None` for an adopted run: it was launched long ago).
+    launch_chan: Option<OwnedFd>,
+    /// The status pipe's read end.
+    status: OwnedFd,
+    /// The init's pidfd.
+    pidfd: OwnedFd,
+    /// A copy of the pidfd registered with the reactor (always `Some` once handed out).
+    watch: Option<AsyncFd<OwnedFd>>,
+    /// A kept run's keeper.
+    kept: Option<Kept>,
+}
+
+/// What a daemon knows of a kept run's keeper.
+struct Kept {
+    /// Its socket.
+    path: PathBuf,
+    /// This daemon's connection to it, once the run is launched.
+    link: Mutex<Option<OwnedFd>>,
+    /// The init, once launched.
+    init: Mutex<Option<InitIdentity>>,
+    pid: i32,
 }
 
 impl HelperRun {
+    /// The run with its pidfd watched by the reactor; on failure it is removed.
+    async fn watched(self) -> Result<Arc<dyn RunContainer>, LongLivedError> {
+        let pidfd = self.pidfd.try_clone().and_then(|fd| {
+            // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its lifetime.
+            unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+                .map_err(std::io::Error::from)
+        });
+        match pidfd {
+            Ok(pidfd) => Ok(Arc::new(HelperRun {
+                watch: Some(pidfd),
+                ..self
+            }) as Arc<dyn RunContainer>),
+            Err(e) => {
+                self.remove().await;
+                Err(LongLivedError::Create(Box::new(e)))
+            }
+        }
+    }
+
     fn cgroup<T: Send + 'static>(
         &self,
         what: &'static str,
@@ -212,6 +344,85 @@ impl HelperRun {
             }
         })
     }
+
+    /// A kept run's launch: the keeper's listener is made, handed to the init with the control listener and the
+    /// status pipe's read end, and this daemon connects to it.
+    fn launch_kept(
+        &self,
+        chan: &OwnedFd,
+        stdio: [BorrowedFd<'_>; 3],
+        control: BorrowedFd<'_>,
+        kept: &Kept,
+    ) -> Result<(), LongLivedError> {
+        let listener = runtime::init::keeper::listen(&kept.path)
+            .map_err(|e| LongLivedError::Launch(Box::new(e)))?;
+        let sent = runtime::launch::send_keeping(
+            chan.as_fd(),
+            &self.launch,
+            stdio,
+            &[control, listener.as_fd(), self.status.as_fd()],
+        );
+        drop(listener);
+        sent.map_err(|e| self.launch_error(e))?;
+        let link = runtime::init::keeper::connect(&kept.path)
+            .map_err(|e| LongLivedError::Launch(Box::new(e)))?;
+        *lock(&kept.link) = Some(link);
+        *lock(&kept.init) = runtime::sys::start_time(kept.pid).map(|start| InitIdentity {
+            pid: kept.pid,
+            start,
+        });
+        Ok(())
+    }
+
+    fn launch_error(&self, e: runtime::Error) -> LongLivedError {
+        match report_so_far(&self.status).setup_error {
+            Some(setup) => LongLivedError::Setup(setup),
+            None => LongLivedError::Launch(Box::new(e)),
+        }
+    }
+
+    /// An adopted run's removal: killed through its pidfd (thawed first), waited for, its cgroups removed.
+    async fn remove_adopted(&self) {
+        end_adopted(&self.cid, &self.pidfd, &self.cgroups).await;
+    }
+}
+
+/// Ends an adopted run's container: SIGKILL to its init, its cgroup leaves thawed, emptied and removed, and the
+/// init waited for through `pidfd` (it is not our child: its reaper is init).
+async fn end_adopted(cid: &str, pidfd: &OwnedFd, cgroups: &Cgroups) {
+    if let Err(e) = runtime::sys::pidfd_send_signal(pidfd.as_fd(), Signal::SIGKILL) {
+        debug!(container = %cid, error = %e, "SIGKILL of an adopted init failed (already gone?)");
+    }
+    let (cg, id) = (cgroups.clone(), cid.to_owned());
+    match tokio::task::spawn_blocking(move || cg.remove_leaf(&id)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            error!(container = %cid, error = %Chain(&e), "an adopted run's cgroups not removed")
+        }
+        Err(e) => error!(container = %cid, error = %e, "an adopted run's cgroup removal panicked"),
+    }
+    let exited = pidfd
+        .try_clone()
+        .and_then(|fd| {
+            // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its lifetime.
+            unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+                .map_err(std::io::Error::from)
+        })
+        .map(|w| async move {
+            let _ = w.readable().await;
+        });
+    match exited {
+        Ok(wait) => {
+            if tokio::time::timeout(REMOVE_TIMEOUT, wait).await.is_err() {
+                error!(container = %cid, "an adopted init did not end within 30 s of SIGKILL");
+            }
+        }
+        Err(e) => warn!(container = %cid, error = %e, "cannot wait for an adopted init"),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn cgroup_error(
@@ -229,17 +440,48 @@ impl RunContainer for HelperRun {
         &self.cid
     }
 
-    fn launch(&self, stdio: [BorrowedFd<'_>; 3]) -> Result<(), LongLivedError> {
-        runtime::launch::send(self.created.launch.as_fd(), &self.launch, stdio).map_err(|e| {
-            match report_so_far(&self.created.status).setup_error {
-                Some(setup) => LongLivedError::Setup(setup),
-                None => LongLivedError::Launch(Box::new(e)),
-            }
-        })
+    fn launch(
+        &self,
+        stdio: [BorrowedFd<'_>; 3],
+        control: Option<BorrowedFd<'_>>,
+    ) -> Result<(), LongLivedError> {
+        let Some(chan) = &self.launch_chan else {
+            return Err(LongLivedError::Launch(
+                "an adopted run is launched already".into(),
+            ));
+        };
+        match (&self.kept, control) {
+            (Some(kept), Some(control)) => self.launch_kept(chan, stdio, control, kept),
+            (None, None) => runtime::launch::send(chan.as_fd(), &self.launch, stdio)
+                .map_err(|e| self.launch_error(e)),
+            _ => Err(LongLivedError::Launch(
+                "a kept run is launched with its control socket, and only a kept run".into(),
+            )),
+        }
+    }
+
+    fn hold(&self, conn: BorrowedFd<'_>) -> Result<(), LongLivedError> {
+        let Some(kept) = &self.kept else {
+            return Ok(());
+        };
+        let mut link = lock(&kept.link);
+        if link.is_none() && self.launch_chan.is_none() {
+            // An adopted run whose keeper did not accept at adoption (it was frozen).
+            *link = runtime::init::keeper::connect(&kept.path).ok();
+        }
+        match link.as_ref() {
+            Some(l) => runtime::init::keeper::hand(l, conn)
+                .map_err(|e| LongLivedError::Launch(Box::new(e))),
+            None => Err(LongLivedError::Launch("no link to the run's keeper".into())),
+        }
+    }
+
+    fn init(&self) -> Option<InitIdentity> {
+        self.kept.as_ref().and_then(|k| *lock(&k.init))
     }
 
     fn signal(&self, signal: Signal) {
-        if let Err(e) = runtime::sys::pidfd_send_signal(self.created.pidfd.as_fd(), signal) {
+        if let Err(e) = runtime::sys::pidfd_send_signal(self.pidfd.as_fd(), signal) {
             debug!(container = %self.cid, error = %e, "signal to the container's init failed (already gone?)");
         }
     }
@@ -275,12 +517,12 @@ impl RunContainer for HelperRun {
         &self,
         address: std::net::SocketAddr,
     ) -> std::io::Result<std::net::TcpListener> {
-        runtime::sys::tcp_listener_in_netns(self.created.pidfd.as_fd(), address)
+        runtime::sys::tcp_listener_in_netns(self.pidfd.as_fd(), address)
     }
 
     fn ended(&self) -> BoxFuture<'_, Ended> {
         Box::pin(async move {
-            if let Some(pidfd) = &self.pidfd {
+            if let Some(pidfd) = &self.watch {
                 // The readiness stays set (the pidfd stays readable): a later call returns at once.
                 match pidfd.readable().await {
                     Ok(mut guard) => guard.retain_ready(),
@@ -289,7 +531,7 @@ impl RunContainer for HelperRun {
                     }
                 }
             }
-            let report = report_so_far(&self.created.status);
+            let report = report_so_far(&self.status);
             Ended {
                 // Only SIGKILL ends the init without a record.
                 exit: report.exit.unwrap_or(ProgramExit::Signal(libc::SIGKILL)),
@@ -300,7 +542,13 @@ impl RunContainer for HelperRun {
 
     fn remove(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            match tokio::time::timeout(REMOVE_TIMEOUT, self.client.remove(&self.cid)).await {
+            if let Some(kept) = &self.kept {
+                let _ = std::fs::remove_file(&kept.path);
+            }
+            let Some(client) = &self.client else {
+                return self.remove_adopted().await;
+            };
+            match tokio::time::timeout(REMOVE_TIMEOUT, client.remove(&self.cid)).await {
                 Ok(Ok(None)) => {}
                 Ok(Ok(Some(step))) => {
                     error!(container = %self.cid, error = %step, "container removal reported an error")

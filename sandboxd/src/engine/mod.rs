@@ -639,6 +639,7 @@ impl Engine {
             env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
             warm: false,
             relay: false,
+            keep: false,
         };
         launch.warm = container.interpreter
             && crate::warm::wanted(req)

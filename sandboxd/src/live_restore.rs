@@ -1,0 +1,220 @@
+//! Live restore's part of the daemon's start and exit (`agents.live_restore`, see [`agents::restore`]): the mount
+//! namespace and the cgroups a previous daemon's agent sandboxes live on.
+//!
+//! The daemon makes its mounts (each sandbox's tmpfs, root overlay, workspace from a snapshot) in a mount namespace
+//! of its own, which would die with it. With live restore the namespace is pinned: bound onto
+//! `<state_dir>/mntns/ns` in the host's mount namespace (pid 1's, else the parent's) (`<state_dir>/mntns` a private bind of itself, root's only, so
+//! the pin never propagates). The next daemon, before anything else, clones each recorded sandbox's directory with what is mounted
+//! under it out of the pinned namespace (`open_tree`) and attaches it at the same place in its own new one
+//! (`move_mount`); then it pins its own namespace instead. What the old namespace held for anything else (the
+//! executions' mounts) goes with it.
+//!
+//! Hand-written, because no crate moves mount trees between namespaces; it uses the same two syscalls the runtime's
+//! binds do ([`runtime::sys::open_tree`], [`runtime::sys::move_mount_onto`]).
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use std::sync::OnceLock;
+
+use anyhow::Context;
+use nix::mount::{MntFlags, MsFlags};
+use nix::sched::CloneFlags;
+use tracing::{info, warn};
+
+/// The host's mount namespace (where the pin is), kept from the start for [`unpin_if_unused`].
+static HOST: OnceLock<File> = OnceLock::new();
+
+/// The pin's directory and file under `state_dir`.
+fn pin(state_dir: &Path) -> (PathBuf, PathBuf) {
+    let dir = state_dir.join("mntns");
+    let file = dir.join("ns");
+    (dir, file)
+}
+
+/// Whether `path` is a mount namespace file (a pin).
+fn is_pinned(path: &Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::NSFS_MAGIC)
+}
+
+/// Enters the daemon's own mount namespace (as [`runtime::rootfs::unshare_mount_namespace`] does). With live
+/// restore, first carries over the recorded sandboxes' mounts from the previous daemon's pinned namespace, and
+/// pins the new one; without it, a pin a previous daemon left is released. The pin lives in the host's mount
+/// namespace (pid 1's, else the parent's), not necessarily the one the daemon started in: a service manager may
+/// start it in a namespace of its own (`ProtectSystem=`, `PrivateTmp=`), which ends with it. Must run while the daemon is single-threaded (it
+/// changes mount namespaces back and forth).
+pub fn enter_mount_namespace(state_dir: &Path, live_restore: bool) -> anyhow::Result<()> {
+    let (pin_dir, pin_file) = pin(state_dir);
+    if !live_restore && !pin_dir.exists() {
+        runtime::rootfs::unshare_mount_namespace()?;
+        return Ok(());
+    }
+    let cwd = std::env::current_dir().ok();
+    let start = File::open("/proc/self/ns/mnt").context("open our mount namespace")?;
+    // First: the unshare gives this thread a filesystem context of its own, without which it could not change
+    // namespaces while other threads run (telemetry's exporter may have started some).
+    runtime::rootfs::unshare_mount_namespace()?;
+    let new = File::open("/proc/self/ns/mnt").context("open our mount namespace")?;
+    let enter = |ns: &File, what: &str| {
+        nix::sched::setns(ns.as_fd(), CloneFlags::CLONE_NEWNS)
+            .with_context(|| format!("enter {what} mount namespace"))
+    };
+    // The host's namespace, where the pin is: init's; when it cannot be entered (a host that hides pid 1), the one
+    // of the process that started us (a service manager that gave us a namespace of our own is in the host's);
+    // else the one we started in.
+    let parent = format!("/proc/{}/ns/mnt", nix::unistd::getppid());
+    let host = ["/proc/1/ns/mnt", parent.as_str()]
+        .into_iter()
+        .filter_map(|p| File::open(p).ok())
+        .find(|h| enter(h, "the host's").is_ok());
+    let host = match host {
+        Some(h) => h,
+        None => {
+            info!("the host's mount namespace cannot be entered: the pin lasts as long as the one sandboxd started in");
+            enter(&start, "the starting")?;
+            start
+        }
+    };
+    let old = match is_pinned(&pin_file) {
+        true => Some(File::open(&pin_file).context("open the previous daemon's mount namespace")?),
+        false => None,
+    };
+    let result = if live_restore {
+        carry_all(state_dir, old.as_ref(), &new)
+            .and_then(|()| enter(&host, "the host's"))
+            .and_then(|()| pin_new(&pin_dir, &pin_file, old.is_some(), &new))
+    } else {
+        if old.is_some() {
+            warn!(pin = %pin_file.display(), "agents.live_restore is off: the previous daemon's mount namespace is released (its sandboxes are removed)");
+        }
+        let _ = nix::mount::umount2(&pin_file, MntFlags::MNT_DETACH);
+        while nix::mount::umount2(&pin_dir, MntFlags::MNT_DETACH).is_ok() {}
+        let _ = std::fs::remove_file(&pin_file);
+        let _ = std::fs::remove_dir(&pin_dir);
+        Ok(())
+    };
+    enter(&new, "our")?;
+    // Our copy of the pin directory, if the namespace we started in had one (the pin itself is never copied).
+    while nix::mount::umount2(&pin_dir, MntFlags::MNT_DETACH).is_ok() {}
+    if let Some(cwd) = cwd {
+        let _ = std::env::set_current_dir(cwd);
+    }
+    if live_restore {
+        let _ = HOST.set(host);
+    }
+    result
+}
+
+/// Carries every recorded sandbox's mounts from `old` (if there is a previous namespace) into `new`; ends in `new`.
+fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result<()> {
+    let Some(old) = old else {
+        return Ok(());
+    };
+    for dir in agents::restore::recorded(&state_dir.join("agents")) {
+        match carry(old, new, &dir) {
+            Ok(()) => info!(path = %dir.display(), "agent sandbox mounts carried over"),
+            Err(e) => {
+                warn!(path = %dir.display(), error = %format!("{e:#}"), "agent sandbox mounts not carried over")
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Clones `dir` with its mounts in `old` and attaches the clone at `dir` in `new`; ends in `new`.
+fn carry(old: &File, new: &File, dir: &Path) -> anyhow::Result<()> {
+    let path = CString::new(dir.as_os_str().as_bytes())?;
+    nix::sched::setns(old.as_fd(), CloneFlags::CLONE_NEWNS)
+        .context("enter the previous namespace")?;
+    let tree = runtime::sys::open_tree(libc::AT_FDCWD, &path);
+    nix::sched::setns(new.as_fd(), CloneFlags::CLONE_NEWNS).context("enter our namespace again")?;
+    let tree = tree.context("open_tree")?;
+    let target: OwnedFd = File::open(dir).context("open the mount point")?.into();
+    runtime::sys::move_mount_onto(&tree, &target).context("move_mount")?;
+    Ok(())
+}
+
+/// In the host's namespace: replaces the pin with `new` (the pin's directory made a private mount first).
+fn pin_new(pin_dir: &Path, pin_file: &Path, had_pin: bool, new: &File) -> anyhow::Result<()> {
+    if had_pin {
+        nix::mount::umount2(pin_file, MntFlags::MNT_DETACH)
+            .context("unpin the previous namespace")?;
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(pin_dir)?;
+    if !runtime::rootfs::is_mount_point(pin_dir) {
+        nix::mount::mount(
+            Some(pin_dir),
+            pin_dir,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .context("bind the pin's directory")?;
+    }
+    nix::mount::mount(
+        None::<&str>,
+        pin_dir,
+        None::<&str>,
+        MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .context("make the pin's directory private")?;
+    File::create(pin_file)?;
+    let source = format!("/proc/self/fd/{}", new.as_raw_fd());
+    nix::mount::mount(
+        Some(source.as_str()),
+        pin_file,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .context("pin our mount namespace")?;
+    Ok(())
+}
+
+/// At exit with live restore: when no sandbox is left for a next daemon, the pin and its directory are removed
+/// (in the host's namespace, from a forked child: the daemon is multi-threaded by then).
+pub fn unpin_if_unused(state_dir: &Path) {
+    if !agents::restore::recorded(&state_dir.join("agents")).is_empty() {
+        return;
+    }
+    let (pin_dir, pin_file) = pin(state_dir);
+    let Some(host) = HOST.get() else {
+        return;
+    };
+    let (Ok(dir), Ok(file)) = (
+        CString::new(pin_dir.as_os_str().as_bytes()),
+        CString::new(pin_file.as_os_str().as_bytes()),
+    ) else {
+        return;
+    };
+    // SAFETY: the child only makes raw syscalls (setns, umount2, unlink, rmdir) and `_exit`s: nothing that needs
+    // a lock another thread of ours may hold at the fork.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Child) => {
+            // SAFETY: raw syscalls on valid descriptors and NUL-terminated paths that outlive them.
+            unsafe {
+                if libc::setns(host.as_raw_fd(), libc::CLONE_NEWNS) == 0 {
+                    libc::umount2(file.as_ptr(), libc::MNT_DETACH);
+                    // A pin directory bound more than once (an older daemon's) comes off in full.
+                    while libc::umount2(dir.as_ptr(), libc::MNT_DETACH) == 0 {}
+                    libc::unlink(file.as_ptr());
+                    libc::rmdir(dir.as_ptr());
+                }
+                libc::_exit(0)
+            }
+        }
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            let _ = nix::sys::wait::waitpid(child, None);
+        }
+        Err(e) => warn!(error = %e, "cannot unpin the mount namespace"),
+    }
+}
