@@ -579,6 +579,15 @@ impl Agents {
     /// with why when the run could not be taken back and ended as a crash).
     async fn adopt(&self, dir: &Path) -> Result<(Arc<Sandbox>, Option<String>), String> {
         let record = crate::restore::load(dir).map_err(|e| format!("unreadable record: {e}"))?;
+        if !crate::restore::adoptable(&record) {
+            // Its run's cgroups were removed with its processes at the start, and its mounts were not carried.
+            if let Some(run) = &record.run {
+                crate::restore::kill_init(run.init);
+            }
+            return Err(
+                "a sandbox with network or volume mounts is not taken back by this daemon".into(),
+            );
+        }
         let req = WorkspaceRequest {
             id: &record.id,
             parent: &self.dir,
@@ -608,12 +617,6 @@ impl Agents {
             workspace.remove().await;
             Err(why)
         };
-        if record.network || record.mounts {
-            return refuse(
-                "a sandbox with network or volume mounts is not taken back by this daemon".into(),
-            )
-            .await;
-        }
         if let Some(snapshot) = &record.from_snapshot {
             let acquired = self
                 .snapshots()

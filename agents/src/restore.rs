@@ -146,8 +146,23 @@ pub fn load(dir: &Path) -> std::io::Result<Record> {
     Ok(record)
 }
 
-/// The sandbox directories under `agents` (`<state_dir>/agents`) that hold a record: what a daemon with live
-/// restore carries over into its mount namespace.
+/// Whether this daemon takes such a sandbox back. A sandbox with volume mounts is not (yet): its volumes are
+/// mounted again at the start, and an ext4 volume must never be mounted twice at once, so its run is ended and its
+/// mounts are left behind before that; one with `network` is not either (its proxy's byte budget is not recorded).
+pub fn adoptable(record: &Record) -> bool {
+    !record.mounts && !record.network
+}
+
+/// The sandbox directories under `agents` whose record this daemon takes back ([`adoptable`]): what a daemon with
+/// live restore carries over into its mount namespace.
+pub fn carried(agents: &Path) -> Vec<PathBuf> {
+    recorded(agents)
+        .into_iter()
+        .filter(|d| load(d).is_ok_and(|r| adoptable(&r)))
+        .collect()
+}
+
+/// The sandbox directories under `agents` (`<state_dir>/agents`) that hold a record.
 pub fn recorded(agents: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(agents) else {
         return Vec::new();
@@ -161,12 +176,12 @@ pub fn recorded(agents: &Path) -> Vec<PathBuf> {
     dirs
 }
 
-/// The container ids of the recorded live runs whose init is still the recorded process: their cgroups are not
-/// leftovers.
+/// The container ids of the recorded live runs of sandboxes taken back ([`adoptable`]) whose init is still the
+/// recorded process: their cgroups are not leftovers (the others' are removed with their processes).
 pub fn kept_runs(agents: &Path) -> Vec<String> {
     recorded(agents)
         .iter()
-        .filter_map(|d| load(d).ok()?.run)
+        .filter_map(|d| load(d).ok().filter(adoptable)?.run)
         .filter(|r| runtime::sys::start_time(r.init.pid) == Some(r.init.start))
         .map(|r| r.cid)
         .collect()
@@ -262,6 +277,13 @@ mod tests {
         std::fs::create_dir(t.path().join("no-record")).unwrap();
         assert_eq!(recorded(t.path()).len(), 2);
         assert_eq!(kept_runs(t.path()), vec!["ags-1-2".to_owned()]);
+        // A sandbox with volume mounts is not taken back: its run is not kept, its mounts not carried.
+        let mut mounted = record();
+        mounted.mounts = true;
+        save(&live, &mounted).unwrap();
+        assert!(kept_runs(t.path()).is_empty());
+        assert_eq!(carried(t.path()), vec![gone.clone()]);
+        save(&live, &r).unwrap();
         // Another version is refused.
         let mut v2 = record();
         v2.version = VERSION + 1;

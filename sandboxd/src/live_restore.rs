@@ -36,6 +36,11 @@ fn pin(state_dir: &Path) -> (PathBuf, PathBuf) {
     (dir, file)
 }
 
+/// Where a new namespace is pinned before it replaces the old one at the pin (see [`pin_new`]).
+fn next(pin_file: &Path) -> PathBuf {
+    pin_file.with_extension("next")
+}
+
 /// Whether `path` is a mount namespace file (a pin).
 fn is_pinned(path: &Path) -> bool {
     nix::sys::statfs::statfs(path)
@@ -46,8 +51,8 @@ fn is_pinned(path: &Path) -> bool {
 /// restore, first carries over the recorded sandboxes' mounts from the previous daemon's pinned namespace, and
 /// pins the new one; without it, a pin a previous daemon left is released. The pin lives in the host's mount
 /// namespace (pid 1's, else the parent's), not necessarily the one the daemon started in: a service manager may
-/// start it in a namespace of its own (`ProtectSystem=`, `PrivateTmp=`), which ends with it. Must run while the daemon is single-threaded (it
-/// changes mount namespaces back and forth).
+/// start it in a namespace of its own (`ProtectSystem=`, `PrivateTmp=`), which ends with it. Must run on the thread
+/// that forks the helpers, before it does (they start in the namespace it ends in).
 pub fn enter_mount_namespace(state_dir: &Path, live_restore: bool) -> anyhow::Result<()> {
     let (pin_dir, pin_file) = pin(state_dir);
     if !live_restore && !pin_dir.exists() {
@@ -80,19 +85,22 @@ pub fn enter_mount_namespace(state_dir: &Path, live_restore: bool) -> anyhow::Re
             start
         }
     };
-    let old = match is_pinned(&pin_file) {
-        true => Some(File::open(&pin_file).context("open the previous daemon's mount namespace")?),
-        false => None,
-    };
+    // A pin being replaced when a daemon died is at `next` (the newer one, with every carried sandbox).
+    let old = [next(&pin_file), pin_file.clone()]
+        .into_iter()
+        .find(|p| is_pinned(p))
+        .map(|p| File::open(&p).context("open the previous daemon's mount namespace"))
+        .transpose()?;
     let result = if live_restore {
         carry_all(state_dir, old.as_ref(), &new)
             .and_then(|()| enter(&host, "the host's"))
-            .and_then(|()| pin_new(&pin_dir, &pin_file, old.is_some(), &new))
+            .and_then(|()| pin_new(&pin_dir, &pin_file, &new))
     } else {
         if old.is_some() {
             warn!(pin = %pin_file.display(), "agents.live_restore is off: the previous daemon's mount namespace is released (its sandboxes are removed)");
         }
         let _ = nix::mount::umount2(&pin_file, MntFlags::MNT_DETACH);
+        let _ = nix::mount::umount2(&next(&pin_file), MntFlags::MNT_DETACH);
         while nix::mount::umount2(&pin_dir, MntFlags::MNT_DETACH).is_ok() {}
         let _ = std::fs::remove_file(&pin_file);
         let _ = std::fs::remove_dir(&pin_dir);
@@ -115,7 +123,7 @@ fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result
     let Some(old) = old else {
         return Ok(());
     };
-    for dir in agents::restore::recorded(&state_dir.join("agents")) {
+    for dir in agents::restore::carried(&state_dir.join("agents")) {
         match carry(old, new, &dir) {
             Ok(()) => info!(path = %dir.display(), "agent sandbox mounts carried over"),
             Err(e) => {
@@ -139,12 +147,10 @@ fn carry(old: &File, new: &File, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// In the host's namespace: replaces the pin with `new` (the pin's directory made a private mount first).
-fn pin_new(pin_dir: &Path, pin_file: &Path, had_pin: bool, new: &File) -> anyhow::Result<()> {
-    if had_pin {
-        nix::mount::umount2(pin_file, MntFlags::MNT_DETACH)
-            .context("unpin the previous namespace")?;
-    }
+/// In the host's namespace: replaces the pin with `new` (the pin's directory made a private mount first). At every
+/// moment one of the pin and `next` pins a namespace with every sandbox's mounts: `new` is pinned at `next` first,
+/// then at the pin, and only then is `next` released.
+fn pin_new(pin_dir: &Path, pin_file: &Path, new: &File) -> anyhow::Result<()> {
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -167,16 +173,25 @@ fn pin_new(pin_dir: &Path, pin_file: &Path, had_pin: bool, new: &File) -> anyhow
         None::<&str>,
     )
     .context("make the pin's directory private")?;
-    File::create(pin_file)?;
     let source = format!("/proc/self/fd/{}", new.as_raw_fd());
-    nix::mount::mount(
-        Some(source.as_str()),
-        pin_file,
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .context("pin our mount namespace")?;
+    let bind = |to: &Path| -> anyhow::Result<()> {
+        // A pin there already (a previous namespace) is released first.
+        while nix::mount::umount2(to, MntFlags::MNT_DETACH).is_ok() {}
+        File::create(to)?;
+        nix::mount::mount(
+            Some(source.as_str()),
+            to,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .with_context(|| format!("pin our mount namespace at {}", to.display()))
+    };
+    let next = next(pin_file);
+    bind(&next)?;
+    bind(pin_file)?;
+    while nix::mount::umount2(&next, MntFlags::MNT_DETACH).is_ok() {}
+    let _ = std::fs::remove_file(&next);
     Ok(())
 }
 

@@ -3,7 +3,8 @@
 //! theirs is lost or repeated), the gateway's event stream reconnects and replays with no gap in the sequence
 //! numbers, a paused agent is still paused, commands reach the agents, a sandbox without a run can spawn one, and a
 //! run whose init died while the daemon was away ends as a crash with the reason. Lines the killed daemon had read
-//! but not processed are processed by the next one. The daemon runs in a mount namespace of its own, as under a
+//! but not processed are processed by the next one. A sandbox with a volume is not taken back: its run ends before
+//! the volume is mounted again, which is mounted once. The daemon runs in a mount namespace of its own, as under a
 //! systemd unit with `ProtectSystem=`. Deleted at the end, nothing is left: no process, cgroup, mount
 //! or pin of the mount namespace.
 
@@ -313,6 +314,65 @@ async fn lines_read_and_not_processed_when_the_daemon_dies_are_processed_by_the_
         assert_eq!(w[1].source_sequence, w[0].source_sequence + 1, "{seen:#?}");
     }
     gw.delete(sb.id()).await.unwrap();
+    d.stop();
+    assert!(!pinned(&d.state_dir()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_with_a_volume_is_ended_at_the_restart_and_the_volume_mounted_once() {
+    let Some((mut d, gw)) = live_daemon("live restore (a volume)", false).await else {
+        return;
+    };
+    let Ok(v) = gw
+        .create_volume(&agent_api::CreateVolumeRequest {
+            size_mb: 16,
+            name: None,
+        })
+        .await
+    else {
+        eprintln!("SKIPPED: this host has no volumes (mkfs.ext4 and loop devices)");
+        return;
+    };
+    let backend = Backend::start().await;
+    let mounts = json!([{"volume": v.id, "path": "/workspace/data"}]);
+    let a = super::volumes::sandbox(&gw, &backend, mounts)
+        .await
+        .unwrap();
+    let mut events = a.events(0);
+    let script = json!([
+        {"write": {"path": "data/x.txt", "content": "written"}},
+        {"emit_many": 1_000_000, "every_ms": 20}
+    ]);
+    a.spawn(&brief(script)).await.unwrap();
+    until(
+        &mut events,
+        "the first tick",
+        Duration::from_secs(30),
+        |e| tick(e) == Some(0),
+    )
+    .await;
+    let cid = format!("{}-1", a.id());
+    assert!(!container_pids(&d.cgroup_parent, &cid).is_empty());
+    d.kill_hard();
+    d.restart().await;
+    // Not taken back: its run ended before the volume was mounted again, once; the volume had its writer's scan.
+    assert!(
+        container_pids(&d.cgroup_parent, &cid).is_empty(),
+        "the run is ended"
+    );
+    let loops = super::volumes::loop_devices_on(&d.state_dir());
+    assert_eq!(loops.len(), 1, "the volume is mounted once: {loops:?}");
+    let log = d.log();
+    assert!(log.contains("not taken back"), "{log}");
+    assert_eq!(super::agents::plugin_err(a.health().await).0, 404);
+    let after = gw.volume(&v.id).await.unwrap();
+    let recovery = after.recovery.clone().expect("the lost writer's scan");
+    assert_eq!(
+        (recovery.sandbox_id.as_str(), recovery.reason.as_str()),
+        (a.id(), "restart")
+    );
+    assert!(after.attachments.is_empty(), "{after:?}");
+    gw.delete_volume(&v.id).await.unwrap();
     d.stop();
     assert!(!pinned(&d.state_dir()));
 }

@@ -16,7 +16,7 @@ use super::agents::{
 };
 
 /// A sandbox with `mounts` (`workspaceRequirements.mounts`).
-async fn sandbox(
+pub(super) async fn sandbox(
     gw: &Gateway,
     backend: &Backend,
     mounts: Value,
@@ -57,13 +57,24 @@ pub(super) fn said<'a>(messages: &'a [String], prefix: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no status {prefix:?} in {messages:#?}"))
 }
 
-async fn volume(gw: &Gateway, size_mb: u64) -> Volume {
+pub(super) async fn volume(gw: &Gateway, size_mb: u64) -> Volume {
     gw.create_volume(&CreateVolumeRequest {
         size_mb,
         name: Some("test-data".into()),
     })
     .await
     .unwrap()
+}
+
+/// The backing files under `state` of the loop devices attached now.
+pub(super) fn loop_devices_on(state: &std::path::Path) -> Vec<String> {
+    let state = state.display().to_string();
+    std::fs::read_dir("/sys/block")
+        .unwrap()
+        .flatten()
+        .filter_map(|dev| std::fs::read_to_string(dev.path().join("loop/backing_file")).ok())
+        .filter(|backing| backing.contains(&state))
+        .collect()
 }
 
 /// No volume nor sandbox mount is left in the daemon's mount namespace, and no loop device on a volume's file.
@@ -74,15 +85,7 @@ fn nothing_mounted(d: &super::daemon::Daemon) {
         assert!(left.is_empty(), "{left:#?}");
     }
     // The loop device goes with its last mount (autoclear), possibly a moment after the unmount.
-    let state = d.state_dir().display().to_string();
-    let attached = || -> Vec<String> {
-        std::fs::read_dir("/sys/block")
-            .unwrap()
-            .flatten()
-            .filter_map(|dev| std::fs::read_to_string(dev.path().join("loop/backing_file")).ok())
-            .filter(|backing| backing.contains(&state))
-            .collect()
-    };
+    let attached = || loop_devices_on(&d.state_dir());
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while !attached().is_empty() && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
