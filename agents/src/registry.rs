@@ -652,31 +652,16 @@ impl Agents {
         Ok((sb, ended))
     }
 
-    /// Whether sandboxes outlive the daemon ([`crate::config::AgentsConfig::live_restore`]).
-    pub fn live_restore(&self) -> bool {
-        self.host.settings.agents.live_restore
-    }
-
-    /// How many sandboxes there are.
-    pub fn len(&self) -> usize {
-        self.map().len()
-    }
-
-    /// Whether there is none.
-    pub fn is_empty(&self) -> bool {
-        self.map().is_empty()
-    }
-
     /// Daemon shutdown: removes every sandbox, or with live restore leaves them running for the next daemon (their
     /// records written).
     pub async fn shutdown(&self) {
-        if self.live_restore() {
+        if self.host.settings.agents.live_restore {
             let sandboxes: Vec<Arc<Sandbox>> = self.map().values().cloned().collect();
-            for sb in sandboxes {
+            for sb in &sandboxes {
                 sb.leave();
             }
             info!(
-                count = self.len(),
+                count = sandboxes.len(),
                 "agent sandboxes left running for the next daemon (agents.live_restore)"
             );
             return;

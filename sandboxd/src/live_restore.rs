@@ -3,10 +3,10 @@
 //!
 //! The daemon makes its mounts (each sandbox's tmpfs, root overlay, workspace from a snapshot) in a mount namespace
 //! of its own, which would die with it. With live restore the namespace is pinned: bound onto
-//! `<state_dir>/mntns/ns` in the host's mount namespace (pid 1's, else the parent's) (`<state_dir>/mntns` a private bind of itself, root's only, so
-//! the pin never propagates). The next daemon, before anything else, clones each recorded sandbox's directory with what is mounted
-//! under it out of the pinned namespace (`open_tree`) and attaches it at the same place in its own new one
-//! (`move_mount`); then it pins its own namespace instead. What the old namespace held for anything else (the
+//! `<state_dir>/mntns/ns` in the host's mount namespace (pid 1's, else the parent's), where `<state_dir>/mntns` is a
+//! private bind of itself, root's only, so the pin never propagates. The next daemon, before anything else, clones
+//! each recorded sandbox's directory with what is mounted under it out of the pinned namespace (`open_tree`) and
+//! attaches it at the same place in its own new one (`move_mount`); then it pins its own namespace instead. What the old namespace held for anything else (the
 //! executions' mounts) goes with it.
 //!
 //! Hand-written, because no crate moves mount trees between namespaces; it uses the same two syscalls the runtime's
@@ -18,7 +18,6 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
-
 use std::sync::OnceLock;
 
 use anyhow::Context;
@@ -99,12 +98,7 @@ pub fn enter_mount_namespace(state_dir: &Path, live_restore: bool) -> anyhow::Re
         if old.is_some() {
             warn!(pin = %pin_file.display(), "agents.live_restore is off: the previous daemon's mount namespace is released (its sandboxes are removed)");
         }
-        let _ = nix::mount::umount2(&pin_file, MntFlags::MNT_DETACH);
-        let _ = nix::mount::umount2(&next(&pin_file), MntFlags::MNT_DETACH);
-        while nix::mount::umount2(&pin_dir, MntFlags::MNT_DETACH).is_ok() {}
-        let _ = std::fs::remove_file(&pin_file);
-        let _ = std::fs::remove_dir(&pin_dir);
-        Ok(())
+        Unpin::new(&pin_dir, &pin_file).map(|u| u.run())
     };
     enter(&new, "our")?;
     // Our copy of the pin directory, if the namespace we started in had one (the pin itself is never copied).
@@ -202,27 +196,17 @@ pub fn unpin_if_unused(state_dir: &Path) {
         return;
     }
     let (pin_dir, pin_file) = pin(state_dir);
-    let Some(host) = HOST.get() else {
+    let (Some(host), Ok(unpin)) = (HOST.get(), Unpin::new(&pin_dir, &pin_file)) else {
         return;
     };
-    let (Ok(dir), Ok(file)) = (
-        CString::new(pin_dir.as_os_str().as_bytes()),
-        CString::new(pin_file.as_os_str().as_bytes()),
-    ) else {
-        return;
-    };
-    // SAFETY: the child only makes raw syscalls (setns, umount2, unlink, rmdir) and `_exit`s: nothing that needs
-    // a lock another thread of ours may hold at the fork.
+    // SAFETY: the child only makes raw syscalls (setns, then `Unpin::run`'s) and `_exit`s: nothing that needs a
+    // lock another thread of ours may hold at the fork.
     match unsafe { nix::unistd::fork() } {
         Ok(nix::unistd::ForkResult::Child) => {
-            // SAFETY: raw syscalls on valid descriptors and NUL-terminated paths that outlive them.
+            // SAFETY: setns on a valid descriptor; `_exit` ends the child without running anything of ours.
             unsafe {
                 if libc::setns(host.as_raw_fd(), libc::CLONE_NEWNS) == 0 {
-                    libc::umount2(file.as_ptr(), libc::MNT_DETACH);
-                    // A pin directory bound more than once (an older daemon's) comes off in full.
-                    while libc::umount2(dir.as_ptr(), libc::MNT_DETACH) == 0 {}
-                    libc::unlink(file.as_ptr());
-                    libc::rmdir(dir.as_ptr());
+                    unpin.run();
                 }
                 libc::_exit(0)
             }
@@ -231,5 +215,38 @@ pub fn unpin_if_unused(state_dir: &Path) {
             let _ = nix::sys::wait::waitpid(child, None);
         }
         Err(e) => warn!(error = %e, "cannot unpin the mount namespace"),
+    }
+}
+
+/// Releasing the pin (both names) and its directory, as raw syscalls on paths made beforehand: it runs in a forked
+/// child of the multi-threaded daemon too, where nothing may allocate.
+struct Unpin {
+    file: CString,
+    next: CString,
+    dir: CString,
+}
+
+impl Unpin {
+    fn new(pin_dir: &Path, pin_file: &Path) -> anyhow::Result<Unpin> {
+        let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).context("a pin path");
+        Ok(Unpin {
+            file: c(pin_file)?,
+            next: c(&next(pin_file))?,
+            dir: c(pin_dir)?,
+        })
+    }
+
+    /// In the host's namespace: every pin, then the directory (bound more than once by an older daemon, it comes
+    /// off in full). Errors are ignored: what is not there is released already.
+    fn run(&self) {
+        // SAFETY: umount2, unlink and rmdir on NUL-terminated paths that outlive the calls; nothing else.
+        unsafe {
+            libc::umount2(self.file.as_ptr(), libc::MNT_DETACH);
+            libc::umount2(self.next.as_ptr(), libc::MNT_DETACH);
+            while libc::umount2(self.dir.as_ptr(), libc::MNT_DETACH) == 0 {}
+            libc::unlink(self.file.as_ptr());
+            libc::unlink(self.next.as_ptr());
+            libc::rmdir(self.dir.as_ptr());
+        }
     }
 }

@@ -43,7 +43,7 @@ impl Sandbox {
         let run_id = self.shared().run_id.clone();
         self.hub
             .emit(&run_id, lifecycle_event(&self.agent_id, "paused", None));
-        Ok(self.serialize(&ops, SerializedBy::Pause))
+        Ok(self.serialize(SerializedBy::Pause))
     }
 
     /// `POST /resume`: thaws a paused agent; with no agent running, starts a new run from the state's brief

@@ -95,7 +95,7 @@ impl Sandbox {
         let (c, serving) = self.start_container(&cid, command, control).await?;
         info!(sandbox = %self.id, container = %c.cid(), run = %run_id, "agent started");
 
-        ops.brief = match serde_json::to_value(&brief) {
+        let brief_map = match serde_json::to_value(&brief) {
             Ok(Value::Object(m)) => Some(m),
             _ => None,
         };
@@ -118,7 +118,7 @@ impl Sandbox {
         });
         {
             let mut sh = self.shared();
-            sh.brief = ops.brief.clone();
+            sh.brief = brief_map;
             sh.kept = c.init().map(|init| RunRecord {
                 cid: cid.clone(),
                 init,
@@ -516,7 +516,7 @@ impl Sandbox {
             }
         }
         let state = (req.grace && self.shared().checkpoint.is_some())
-            .then(|| self.serialize(ops, SerializedBy::KillGrace));
+            .then(|| self.serialize(SerializedBy::KillGrace));
         let artifacts_extracted = self.shared().uploads - uploads_before;
         let run_id = self.shared().run_id.clone();
         self.hub.emit(

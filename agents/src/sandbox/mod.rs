@@ -82,7 +82,7 @@ struct Shared {
     expired: bool,
     /// The live run when it is kept (live restore).
     kept: Option<RunRecord>,
-    /// The brief of the live run (a copy of the operations' own, for the record).
+    /// The brief of the last run, as `update-brief` changed it.
     brief: Option<Map<String, Value>>,
 }
 
@@ -97,7 +97,6 @@ struct Run {
 #[derive(Default)]
 struct Ops {
     run: Option<Run>,
-    brief: Option<Map<String, Value>>,
 }
 
 /// One agent sandbox.
@@ -228,10 +227,7 @@ impl Sandbox {
             network: None,
             volumes: None,
             mounts: Mutex::new(Vec::new()),
-            ops: tokio::sync::Mutex::new(Ops {
-                run: None,
-                brief: record.brief.clone(),
-            }),
+            ops: tokio::sync::Mutex::new(Ops::default()),
             shared: Mutex::new(shared),
             tasks: Mutex::new(Vec::new()),
             runs: AtomicU64::new(record.runs),
@@ -403,7 +399,7 @@ impl Sandbox {
 
     /// `POST /update-brief`: forwarded to the running agent (hot update) and applied to the brief snapshot.
     pub async fn update_brief(&self, changes: Map<String, Value>) -> Result<(), PluginError> {
-        let mut ops = self.ops.lock().await;
+        let ops = self.ops.lock().await;
         if changes.contains_key("agentId") {
             return Err(PluginError::invalid("update-brief cannot change agentId"));
         }
@@ -413,15 +409,14 @@ impl Sandbox {
                 changes: changes.clone(),
             },
         )?;
-        if let Some(b) = ops.brief.as_mut() {
+        if let Some(b) = self.shared().brief.as_mut() {
             b.extend(changes);
         }
-        self.shared().brief = ops.brief.clone();
         self.persist();
         Ok(())
     }
 
-    fn serialize(&self, ops: &Ops, by: SerializedBy) -> SerializedAgentState {
+    fn serialize(&self, by: SerializedBy) -> SerializedAgentState {
         let sh = self.shared();
         let (agent_checkpoint, summary) = sh.checkpoint.clone().unzip();
         let mut state = SerializedAgentState {
@@ -435,7 +430,7 @@ impl Sandbox {
                 "frozen": by == SerializedBy::Pause,
                 "agent": agent_checkpoint,
             }),
-            brief_snapshot: ops.brief.clone().map(Value::Object).unwrap_or(Value::Null),
+            brief_snapshot: sh.brief.clone().map(Value::Object).unwrap_or(Value::Null),
             conversation_summary: summary.flatten(),
             pending_decision_ids: sh.pending_decisions.iter().cloned().collect(),
             last_sequence: self.hub.last_sequence(),

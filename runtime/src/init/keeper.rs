@@ -97,9 +97,9 @@ impl Keeper {
     }
 
     /// After the program's end (the exit record is on the status pipe): with a daemon connected, nothing more to
-    /// do (it holds its own copies); without one, ends what is left of the container and waits up to `linger` for
-    /// a daemon to connect and collect the descriptors.
-    pub(crate) fn hand_over(mut self, linger: Duration) {
+    /// do (it holds its own copies); without one, ends what is left of the container (`reap` reaps what ended) and
+    /// waits up to `linger` for a daemon to connect and collect the descriptors.
+    pub(crate) fn hand_over(mut self, linger: Duration, mut reap: impl FnMut()) {
         // Notice a daemon that went away (or came) while the program ended.
         self.settle();
         if self.daemon.is_some() {
@@ -116,11 +116,8 @@ impl Keeper {
             if self.daemon.is_some() {
                 return;
             }
-            while let Ok(
-                nix::sys::wait::WaitStatus::Exited(..) | nix::sys::wait::WaitStatus::Signaled(..),
-            ) = nix::sys::wait::waitpid(None, Some(nix::sys::wait::WaitPidFlag::WNOHANG))
-            {
-            }
+            // The killed processes, reaped as they end.
+            reap();
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return;
@@ -199,18 +196,9 @@ impl Keeper {
 /// The daemon's side: the keeper's listener at `path` (a `SOCK_SEQPACKET` socket only root may connect to), handed
 /// to the init with the launch. A stale socket file is replaced.
 pub fn listen(path: &std::path::Path) -> crate::Result<OwnedFd> {
-    use nix::sys::socket::{
-        bind, listen as listen_on, socket, AddressFamily, Backlog, SockType, UnixAddr,
-    };
-    let sock = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .map_err(|e| crate::Error::sys("socket(keeper)", e))?;
+    use nix::sys::socket::{bind, listen as listen_on, Backlog};
+    let (sock, addr) = socket_for(path, SockFlag::SOCK_CLOEXEC)?;
     let _ = std::fs::remove_file(path);
-    let addr = UnixAddr::new(path).map_err(|e| crate::Error::sys("keeper socket path", e))?;
     bind(sock.as_raw_fd(), &addr).map_err(|e| crate::Error::sys("bind(keeper)", e))?;
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
         .map_err(|e| crate::Error::io(path, e))?;
@@ -251,17 +239,22 @@ pub fn collect(pidfd: std::os::fd::BorrowedFd<'_>) -> crate::Result<Collected> {
 /// a daemon connected). Never waits for the init: a frozen one has not accepted the earlier daemons' links, and
 /// once its backlog is full this fails with `EAGAIN` instead of blocking.
 pub fn connect(path: &std::path::Path) -> crate::Result<OwnedFd> {
-    use nix::sys::socket::{connect as connect_to, socket, AddressFamily, SockType, UnixAddr};
-    let sock = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        None,
-    )
-    .map_err(|e| crate::Error::sys("socket(keeper)", e))?;
-    let addr = UnixAddr::new(path).map_err(|e| crate::Error::sys("keeper socket path", e))?;
+    use nix::sys::socket::connect as connect_to;
+    let (sock, addr) = socket_for(path, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK)?;
     connect_to(sock.as_raw_fd(), &addr).map_err(|e| crate::Error::sys("connect(keeper)", e))?;
     Ok(sock)
+}
+
+/// A `SOCK_SEQPACKET` socket with `flags`, and the address of `path`.
+fn socket_for(
+    path: &std::path::Path,
+    flags: SockFlag,
+) -> crate::Result<(OwnedFd, nix::sys::socket::UnixAddr)> {
+    use nix::sys::socket::{socket, AddressFamily, SockType, UnixAddr};
+    let sock = socket(AddressFamily::Unix, SockType::SeqPacket, flags, None)
+        .map_err(|e| crate::Error::sys("socket(keeper)", e))?;
+    let addr = UnixAddr::new(path).map_err(|e| crate::Error::sys("keeper socket path", e))?;
+    Ok((sock, addr))
 }
 
 /// The daemon's side: hands the init the agent's control connection to hold.

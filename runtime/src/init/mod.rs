@@ -226,7 +226,9 @@ impl InitExecutor {
         mark(status, "reaped");
         let _ = nix::unistd::write(status, record.as_bytes());
         if let Some(k) = keeper {
-            k.hand_over(keeper::LINGER);
+            k.hand_over(keeper::LINGER, || {
+                alone();
+            });
         }
         // SAFETY: end the init without unwinding into its caller, which expects no return.
         unsafe { libc::_exit(0) }

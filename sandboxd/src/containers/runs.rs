@@ -314,12 +314,7 @@ struct Kept {
 impl HelperRun {
     /// The run with its pidfd watched by the reactor; on failure it is removed.
     async fn watched(self) -> Result<Arc<dyn RunContainer>, LongLivedError> {
-        let pidfd = self.pidfd.try_clone().and_then(|fd| {
-            // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its lifetime.
-            unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
-                .map_err(std::io::Error::from)
-        });
-        match pidfd {
+        match watch(&self.pidfd) {
             Ok(pidfd) => Ok(Arc::new(HelperRun {
                 watch: Some(pidfd),
                 ..self
@@ -401,16 +396,9 @@ async fn end_adopted(cid: &str, pidfd: &OwnedFd, cgroups: &Cgroups) {
         }
         Err(e) => error!(container = %cid, error = %e, "an adopted run's cgroup removal panicked"),
     }
-    let exited = pidfd
-        .try_clone()
-        .and_then(|fd| {
-            // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its lifetime.
-            unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
-                .map_err(std::io::Error::from)
-        })
-        .map(|w| async move {
-            let _ = w.readable().await;
-        });
+    let exited = watch(pidfd).map(|w| async move {
+        let _ = w.readable().await;
+    });
     match exited {
         Ok(wait) => {
             if tokio::time::timeout(REMOVE_TIMEOUT, wait).await.is_err() {
@@ -419,6 +407,14 @@ async fn end_adopted(cid: &str, pidfd: &OwnedFd, cgroups: &Cgroups) {
         }
         Err(e) => warn!(container = %cid, error = %e, "cannot wait for an adopted init"),
     }
+}
+
+/// A copy of `pidfd` registered with the reactor: readable once the process has ended.
+fn watch(pidfd: &OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
+    let fd = pidfd.try_clone()?;
+    // SAFETY: the OwnedFd moves into the AsyncFd, which keeps it open and unchanged for its lifetime.
+    unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+        .map_err(std::io::Error::from)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
