@@ -15,7 +15,7 @@ use egress::{Allowlist, AllowlistError, Proxy};
 use serde_json::Value;
 
 use crate::config::AgentsConfig;
-use crate::container::{BoxFuture, Workspace};
+use crate::container::{BoxFuture, InitIdentity, Workspace};
 
 /// Any error, boxed (from the daemon's side of a trait).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -74,6 +74,14 @@ pub trait Containers: Send + Sync + 'static {
                 "workspaces cannot be adopted here".into(),
             ))
         })
+    }
+
+    /// Ends a kept run of a previous daemon that is not taken back (its sandbox is not, or its workspace cannot
+    /// be): its init is killed if it is still the recorded process, and what holds its container (a frozen cgroup
+    /// included) is removed, so nothing of it lingers. Without a backend of its own, the init alone is killed.
+    fn end_kept_run<'a>(&'a self, cid: &'a str, init: InitIdentity) -> BoxFuture<'a, ()> {
+        let _ = cid;
+        Box::pin(async move { crate::restore::kill_init(init) })
     }
 }
 

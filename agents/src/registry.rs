@@ -582,7 +582,7 @@ impl Agents {
         if !crate::restore::adoptable(&record) {
             // Its run's cgroups were removed with its processes at the start, and its mounts were not carried.
             if let Some(run) = &record.run {
-                crate::restore::kill_init(run.init);
+                self.host.containers.end_kept_run(&run.cid, run.init).await;
             }
             return Err(
                 "a sandbox with network or volume mounts is not taken back by this daemon".into(),
@@ -595,23 +595,26 @@ impl Agents {
             disk_mb: record.disk_mb,
             snapshot: None,
         };
-        let workspace = self
+        let workspace = match self
             .host
             .containers
             .adopt_workspace(req, record.host_id)
             .await
-            .map_err(|e| {
+        {
+            Ok(w) => w,
+            Err(e) => {
                 if let Some(run) = &record.run {
-                    crate::restore::kill_init(run.init);
+                    self.host.containers.end_kept_run(&run.cid, run.init).await;
                 }
-                format!("its workspace cannot be taken back: {}", Chain(&e))
-            })?;
+                return Err(format!("its workspace cannot be taken back: {}", Chain(&e)));
+            }
+        };
         let refuse = |why: String| async {
             if let Some(run) = &record.run {
                 if let Ok((c, _)) = workspace.adopt_run(&run.cid, run.init).await {
                     c.remove().await;
                 } else {
-                    crate::restore::kill_init(run.init);
+                    self.host.containers.end_kept_run(&run.cid, run.init).await;
                 }
             }
             workspace.remove().await;

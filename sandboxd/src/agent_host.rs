@@ -38,10 +38,8 @@ pub fn host(engine: &Arc<Engine>) -> Host {
         .values()
         .map(|l| (l.image.name.clone(), l.image.clone()))
         .collect();
-    let uids = Uids::new(
-        cfg.sandbox.uid_base + cfg.uid_count() as u32,
-        cfg.agents.max_sandboxes as u32,
-    );
+    let range = cfg.agent_uids();
+    let uids = Uids::new(range.start, range.end - range.start);
     Host {
         settings: Arc::new(Settings {
             agents: cfg.agents.clone(),
@@ -134,6 +132,10 @@ impl Containers for AgentContainers {
             }
             self.with_uid(req, host_id, true).await
         })
+    }
+
+    fn end_kept_run<'a>(&'a self, cid: &'a str, init: InitIdentity) -> BoxFuture<'a, ()> {
+        Box::pin(self.factory.end_kept_run(cid, init))
     }
 }
 

@@ -137,6 +137,12 @@ impl Config {
         };
         2 * self.capacity.max_concurrent + self.pool_size() + rounding
     }
+
+    /// The host uids of agent sandboxes: `agents.max_sandboxes` of them, after the executions' [`Self::uid_count`].
+    pub fn agent_uids(&self) -> std::ops::Range<u32> {
+        let base = self.sandbox.uid_base + self.uid_count() as u32;
+        base..base + self.agents.max_sandboxes as u32
+    }
 }
 
 /// `images.<name>:`

@@ -189,6 +189,31 @@ fn pin_new(pin_dir: &Path, pin_file: &Path, new: &File) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuses a start with live restore whose agent uids (`range`, from [`crate::config::Config::agent_uids`]) do
+/// not hold the host uid of every sandbox a previous daemon left to take back under `agents`: such a sandbox
+/// keeps its uid (its files and processes are that uid's), which this daemon would not take, or would give to an
+/// execution. Checked before any container is created.
+pub fn check_recorded_uids(agents: &Path, range: std::ops::Range<u32>) -> anyhow::Result<()> {
+    for dir in agents::restore::carried(agents) {
+        let Ok(record) = agents::restore::load(&dir) else {
+            continue;
+        };
+        if !range.contains(&record.host_id) {
+            anyhow::bail!(
+                "agents.live_restore: sandbox {} of a previous daemon runs as host uid {}, outside this \
+                 configuration's agent sandbox uids {}..{} (from sandbox.uid_base, capacity.max_concurrent, \
+                 pool.size and agents.max_sandboxes): start with the values it was created under, or once with \
+                 agents.live_restore: false, which ends the sandboxes a previous daemon left",
+                record.id,
+                record.host_id,
+                range.start,
+                range.end
+            );
+        }
+    }
+    Ok(())
+}
+
 /// At exit with live restore: when no sandbox is left for a next daemon, the pin and its directory are removed
 /// (in the host's namespace, from a forked child: the daemon is multi-threaded by then).
 pub fn unpin_if_unused(state_dir: &Path) {

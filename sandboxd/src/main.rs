@@ -261,9 +261,15 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     }
     std::fs::create_dir_all(&config.state_dir)
         .with_context(|| format!("cannot create state_dir {}", config.state_dir.display()))?;
+    // Mounts under it are matched against /proc/self/mountinfo, which names them by their real path.
+    config.state_dir = std::fs::canonicalize(&config.state_dir)
+        .with_context(|| format!("state_dir {}", config.state_dir.display()))?;
     ensure_token(&mut config, explicit)?;
     let (cgroups, seccomp, landlock_abi) = isolation_layers(&config)?;
     let live = config.agents.live_restore;
+    if live {
+        live_restore::check_recorded_uids(&config.state_dir.join("agents"), config.agent_uids())?;
+    }
     live_restore::enter_mount_namespace(&config.state_dir, live)?;
     let run_dir = config.state_dir.join("run");
     // With live restore, the cgroups of the runs a previous daemon left alive are theirs, not leftovers.

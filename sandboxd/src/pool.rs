@@ -199,6 +199,11 @@ impl Factory {
         self.backend.adopt_workspace(plan).await
     }
 
+    /// Ends a previous daemon's kept run that is not taken back (see [`ContainerBackend::end_kept_run`]).
+    pub async fn end_kept_run(&self, cid: &str, init: agents::container::InitIdentity) {
+        self.backend.end_kept_run(cid, init).await
+    }
+
     /// False once containers can no longer be created or removed (a helper process died): the daemon is
     /// unhealthy.
     pub fn alive(&self) -> bool {

@@ -389,6 +389,32 @@ impl Daemon {
         }
     }
 
+    /// Merges `extra` into the configuration of the next (re)start (see [`test_support::fsp::merge`]).
+    pub fn patch_config(&mut self, extra: serde_json::Value) {
+        let text = std::fs::read_to_string(&self.config).unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        test_support::fsp::merge(&mut config, extra);
+        daemon::write_config(self.dir.path(), &config);
+    }
+
+    /// Starts the daemon again and waits for it to exit (a start it refuses): its exit status.
+    pub fn start_refused(&mut self) -> std::process::ExitStatus {
+        assert!(self.child.is_none(), "a daemon is running");
+        self.spawn();
+        let mut child = self.child.take().unwrap();
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if start.elapsed() > READY_DEADLINE {
+                self.child = Some(child);
+                panic!("the daemon did not refuse to start");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Runs `binary` from the next (re)start on: an upgrade.
     pub fn set_binary(&mut self, binary: &Path) {
         self.binary = binary.to_owned();

@@ -376,3 +376,43 @@ async fn a_sandbox_with_a_volume_is_ended_at_the_restart_and_the_volume_mounted_
     d.stop();
     assert!(!pinned(&d.state_dir()));
 }
+
+/// The settings the agent sandboxes' host uids derive from changed between daemons: the next daemon refuses to
+/// start, naming them, and the agent keeps running; with the settings back, it is taken back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_whose_agent_uids_moved_is_refused_and_the_agents_keep_running() {
+    let Some((mut d, gw)) = live_daemon("live restore (uid settings)", false).await else {
+        return;
+    };
+    let backend = Backend::start().await;
+    let mut a = Ticker::start(&gw, &backend, 20).await;
+    let cid = format!("{}-1", a.sb.id());
+    let pids = container_pids(&d.cgroup_parent, &cid);
+    assert!(!pids.is_empty());
+    d.kill_hard();
+    // Two more execution uids: the agents' range starts two higher, past the sandbox's uid.
+    d.patch_config(json!({"capacity": {"max_concurrent": d.max_concurrent + 1}}));
+    let status = d.start_refused();
+    assert!(!status.success(), "{status:?}");
+    let log = d.log();
+    assert!(
+        log.contains("outside this configuration's agent sandbox uids")
+            && log.contains("capacity.max_concurrent"),
+        "{log}"
+    );
+    assert_eq!(
+        container_pids(&d.cgroup_parent, &cid),
+        pids,
+        "the agent runs on"
+    );
+    d.patch_config(json!({"capacity": {"max_concurrent": d.max_concurrent}}));
+    d.restart().await;
+    assert_eq!(container_pids(&d.cgroup_parent, &cid), pids);
+    assert!(
+        a.go_on(Duration::from_millis(1000)).await >= 10,
+        "it ticks on"
+    );
+    gw.delete(a.sb.id()).await.unwrap();
+    d.stop();
+    assert!(!pinned(&d.state_dir()));
+}

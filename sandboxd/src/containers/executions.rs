@@ -20,7 +20,7 @@ use super::{
     BoxFuture, ContainerBackend, ContainerHandle, CreateError, EndRecord, LaunchError, Plan,
     PrepareError, WorkspacePlan,
 };
-use agents::container::Workspace;
+use agents::container::{InitIdentity, Workspace};
 use runtime::error::Chain;
 
 impl ContainerBackend for Arc<HelperBackend> {
@@ -96,6 +96,10 @@ impl ContainerBackend for Arc<HelperBackend> {
     ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>> {
         let adopted = super::runs::adopt_workspace(self.clone(), plan);
         Box::pin(async move { adopted })
+    }
+
+    fn end_kept_run<'a>(&'a self, cid: &'a str, init: InitIdentity) -> BoxFuture<'a, ()> {
+        Box::pin(super::runs::end_kept(cid, init, &self.cgroups))
     }
 
     fn parallelism(&self) -> usize {

@@ -40,7 +40,7 @@ use runtime::rootfs::InputFile;
 use tokio::sync::oneshot;
 
 use crate::images::{LanguageRuntime, RootImage};
-use agents::container::Workspace;
+use agents::container::{InitIdentity, Workspace};
 
 /// A boxed, sendable future (what the backend's asynchronous calls return).
 pub use agents::container::BoxFuture;
@@ -172,6 +172,13 @@ pub trait ContainerBackend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Arc<dyn Workspace>, CreateError>> {
         let _ = plan;
         Box::pin(async { Err(CreateError::NoHelper) })
+    }
+
+    /// Ends a kept run of a previous daemon that is not taken back: its init killed if it is still `init`, its
+    /// cgroups (thawed) removed. A backend without kept runs has none to end.
+    fn end_kept_run<'a>(&'a self, cid: &'a str, init: InitIdentity) -> BoxFuture<'a, ()> {
+        let _ = (cid, init);
+        Box::pin(async {})
     }
 
     /// How many creations are worth running at once (with the helpers: how many there are).

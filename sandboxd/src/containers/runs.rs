@@ -409,6 +409,21 @@ async fn end_adopted(cid: &str, pidfd: &OwnedFd, cgroups: &Cgroups) {
     }
 }
 
+/// Ends a kept run that is not taken back ([`super::ContainerBackend::end_kept_run`]): as an adopted run's end
+/// when its init is still `init`; otherwise its process is gone and only its cgroups may be left.
+pub(super) async fn end_kept(cid: &str, init: InitIdentity, cgroups: &Cgroups) {
+    let pidfd = runtime::sys::pidfd_open(nix::unistd::Pid::from_raw(init.pid)).ok();
+    match pidfd.filter(|_| runtime::sys::start_time(init.pid) == Some(init.start)) {
+        Some(pidfd) => end_adopted(cid, &pidfd, cgroups).await,
+        None => {
+            let (cg, id) = (cgroups.clone(), cid.to_owned());
+            if let Ok(Err(e)) = tokio::task::spawn_blocking(move || cg.remove_leaf(&id)).await {
+                error!(container = %cid, error = %Chain(&e), "a kept run's cgroups not removed");
+            }
+        }
+    }
+}
+
 /// A copy of `pidfd` registered with the reactor: readable once the process has ended.
 fn watch(pidfd: &OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
     let fd = pidfd.try_clone()?;
