@@ -477,6 +477,20 @@ impl Cgroups {
         }
     }
 
+    /// The CPU time an execution's cgroup has used so far, ns (what [`Self::usage`] reads as `cpu_time_ns`).
+    pub fn cpu_time_ns(&self, id: &str) -> Result<u64> {
+        match self.version {
+            CgroupVersion::V1 => {
+                let cpu = self.existing_leaf("cpuacct", id, "usage accounting")?;
+                Ok(read_u64(&cpu.join("cpuacct.usage")))
+            }
+            CgroupVersion::V2 => {
+                let dir = self.existing_leaf("memory", id, "usage accounting")?;
+                Ok(read_keyed(&dir.join("cpu.stat"), "usage_usec").saturating_mul(1000))
+            }
+        }
+    }
+
     /// Sets the limits of a live container's cgroup through cgroups-rs: memory (and memory+swap, so no swap), pids,
     /// cpu weight and the cpu quota when one is given.
     ///
@@ -1035,6 +1049,8 @@ mod tests {
             }
         );
         assert_eq!(cg.cgroups_path("e1"), "/sandboxd/e1");
+        assert_eq!(cg.cpu_time_ns("e1").unwrap(), 123_456_789);
+        assert!(cg.cpu_time_ns("gone").is_err(), "a missing leaf is no zero");
     }
 
     #[test]
@@ -1060,6 +1076,7 @@ mod tests {
                 oom_kills: 2
             }
         );
+        assert_eq!(cg.cpu_time_ns("e2").unwrap(), 2_500_000);
     }
 
     #[test]

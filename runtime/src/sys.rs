@@ -213,6 +213,11 @@ struct KernelSigaction {
 /// keeps two of them (32 and 33) for itself, and its `sigaction` refuses to touch them, so an `SIG_IGN` on them
 /// (which survives `execve`) can only be undone with the raw system call. For a process about to `execve`.
 pub fn default_all_signals() -> Result<()> {
+    reset_all_signals().map_err(|(sig, e)| Error::sys(format!("rt_sigaction({sig}, SIG_DFL)"), e))
+}
+
+/// [`default_all_signals`] without allocating (for a child that shares its parent's memory): the failed signal.
+pub fn reset_all_signals() -> std::result::Result<(), (i32, nix::Error)> {
     let default = KernelSigaction {
         handler: libc::SIG_DFL,
         flags: 0,
@@ -235,10 +240,7 @@ pub fn default_all_signals() -> Result<()> {
             )
         };
         if rc != 0 {
-            return Err(Error::sys(
-                format!("rt_sigaction({sig}, SIG_DFL)"),
-                nix::Error::last(),
-            ));
+            return Err((sig, nix::Error::last()));
         }
     }
     Ok(())

@@ -89,6 +89,10 @@ fn main() {
             "the_init_says_alone_only_when_nothing_else_is_left",
             rt.block_on(t.alone(&helper)),
         ),
+        (
+            "a_program_that_cannot_be_executed_says_why_and_exits_127",
+            rt.block_on(t.not_executable(&helper)),
+        ),
     ];
     let _ = rt.block_on(helper.shutdown());
     let _ = nix::sys::wait::waitpid(pid, None);
@@ -310,6 +314,31 @@ impl Test {
         Ok(())
     }
 
+    /// A program that does not exist: the init's child says so on its stderr and exits 127, as a shell does.
+    async fn not_executable(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-enoent";
+        let spec = build(&self.plan(id, 3_900_009)).map_err(|e| e.to_string())?;
+        let created = helper
+            .create(id, self.bundle(id, &spec), self.policy(), None)
+            .await
+            .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
+        let ran = launch_args(created, vec!["/no/such-program".into(), "x".into()]);
+        let removed = helper.remove(id).await;
+        let (out, status) = ran?;
+        let report = runtime::init::Report::decode(&status);
+        if report.exit != Some(runtime::init::ProgramExit::Code(runtime::init::EXEC_FAILED)) {
+            return Err(format!("not 127: {status:?}"));
+        }
+        if out != "sandboxd: cannot execute /no/such-program: No such file or directory\n" {
+            return Err(format!("stderr: {out:?}"));
+        }
+        match removed {
+            Ok(None) => self.nothing_left(id),
+            Ok(Some(step)) => Err(format!("remove: {step}")),
+            Err(e) => Err(format!("remove: {e}")),
+        }
+    }
+
     async fn refused(&self, helper: &HelperClient) -> Result<(), String> {
         let id = "direct-refused";
         let mut spec = build(&self.plan(id, 3_900_002)).map_err(|e| e.to_string())?;
@@ -458,12 +487,29 @@ impl Test {
 /// Launches `/bin/sh -c script` in a created container; its output and what the init wrote on its status pipe,
 /// once it exited 0.
 fn launch(created: runtime::helper::Created, script: &str) -> Result<(String, String), String> {
+    let args = vec!["/bin/sh".into(), "-c".into(), script.into()];
+    let (out, status) = launch_args(created, args)?;
+    let report = runtime::init::Report::decode(&status);
+    if report.exit != Some(runtime::init::ProgramExit::Code(0)) {
+        return Err(format!(
+            "program did not exit 0: {status:?}; output {out:?}"
+        ));
+    }
+    Ok((out, status))
+}
+
+/// Launches `args` in a created container; its output (stdout and stderr) and what the init wrote on its status
+/// pipe.
+fn launch_args(
+    created: runtime::helper::Created,
+    args: Vec<String>,
+) -> Result<(String, String), String> {
     let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
     let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
     runtime::launch::send(
         created.launch.as_fd(),
         &Launch {
-            args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            args,
             env: vec!["PATH=/usr/bin:/bin".into()],
             warm: false,
             relay: false,
@@ -481,11 +527,5 @@ fn launch(created: runtime::helper::Created, script: &str) -> Result<(String, St
     std::fs::File::from(created.status)
         .read_to_string(&mut status)
         .map_err(|e| e.to_string())?;
-    let report = runtime::init::Report::decode(&status);
-    if report.exit != Some(runtime::init::ProgramExit::Code(0)) {
-        return Err(format!(
-            "program did not exit 0: {status:?}; output {out:?}"
-        ));
-    }
     Ok((out, status))
 }

@@ -569,6 +569,24 @@ fn main() {
     // SANDBOXD_BENCH_ONLY=throughput runs the throughput table alone (for quick iterations on the hot path); =warm
     // the warm interpreters' rows and the throughput table.
     let only = std::env::var("SANDBOXD_BENCH_ONLY").unwrap_or_default();
+    // =load keeps the warm daemon at 16 in flight for SANDBOXD_BENCH_LOAD_SECS (default 30), to profile it
+    // (`perf record -a -g` meanwhile); it prints each run's figures and nothing else.
+    if only == "load" {
+        let secs = std::env::var("SANDBOXD_BENCH_LOAD_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(30);
+        let end = Instant::now() + Duration::from_secs(secs);
+        while Instant::now() < end {
+            let r = measure(&rt, &warm, 16, "p");
+            println!(
+                "load: {:.1} exec/s, {} CPU ms/exec",
+                r.per_s,
+                r.cpu_ms_per_exec()
+            );
+        }
+        return;
+    }
     if only.is_empty() {
         latency_table(&rt, &warm, &cold, &peers, tmp.path());
         plain_client(&rt, &warm, tmp.path());

@@ -5,7 +5,8 @@
 //! (`os.kill(os.getpid(), SIGKILL)` would do nothing), and nobody reaps its orphans. So the container's init stays
 //! a small reaper: it drops the last privileges (capabilities checked empty, landlock, seccomp: the program inherits
 //! them), waits for the launch message ([`crate::launch`]: the program, its environment and its stdio),
-//! forks, the child applies the last restrictions and `execve`s the program, and the parent reaps everything until
+//! starts a child (cloned sharing the init's memory until its `execve`, [`program::spawn_program`]; a plain fork
+//! when that fails), the child applies the last restrictions and `execve`s the program, and the parent reaps everything until
 //! the program itself ends, passing `SIGTERM`, `SIGINT` and `SIGHUP` from outside the container on to it. Then it writes how the program ended
 //! (exit code or signal) to a status pipe the daemon holds the other end of, and exits; the kernel then kills
 //! whatever else is left in the pid namespace (double-forked daemons included).
@@ -234,7 +235,8 @@ impl InitExecutor {
         unsafe { libc::_exit(0) }
     }
 
-    /// Forks the child that becomes the program; returns its pid.
+    /// Starts the child that becomes the program (spawned; forked when no child could be spawned that way, so a
+    /// failure is reported as before); returns its pid.
     fn fork_program(
         &self,
         status: BorrowedFd<'_>,
@@ -244,6 +246,11 @@ impl InitExecutor {
         let args = to_cstrings(&launch.args)?;
         let env = to_cstrings(&launch.env)?;
         let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
+        mark(status, "exec");
+        if let Ok(child) = program::spawn_program(status, &stdio, &program, &args, &env) {
+            drop(stdio);
+            return Ok(child);
+        }
         // SAFETY: this process is single-threaded (cloned from the single-threaded helper), so the
         // child may run arbitrary code until it execs.
         match unsafe { nix::unistd::fork() }.map_err(|source| InitError::Sys {

@@ -2,7 +2,7 @@
 //! pipe's failure and timing lines the init and the program both write.
 
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
 use nix::sys::signal::{SigSet, SigmaskHow};
 
@@ -68,6 +68,127 @@ pub(super) fn run_program(
     let _ = nix::unistd::write(std::io::stderr(), msg.as_bytes());
     // SAFETY: _exit ends the forked child without running the parent's atexit handlers or destructors.
     unsafe { libc::_exit(EXEC_FAILED) }
+}
+
+/// What the child of [`spawn_program`] uses, all of it prepared before the clone: the child shares the init's
+/// memory, so it only reads this and makes system calls.
+struct Spawn {
+    stdio: [RawFd; 3],
+    status: RawFd,
+    program: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+    /// `sandboxd: cannot execute <program>: ` (the error's description and a newline follow).
+    failed: Vec<u8>,
+}
+
+/// Stack of the child of [`spawn_program`] (it calls nothing but system calls).
+const SPAWN_STACK: usize = 32 << 10;
+
+/// Starts the program as [`run_program`] in a forked child does, without the fork's cost: the child is cloned
+/// with `CLONE_VM | CLONE_VFORK` (it shares the init's memory and runs on a stack of its own until its `execve`,
+/// while the init waits), so the init's page tables are not copied nor its pages faulted in again (0.2-0.3 ms of a
+/// shell `true`, and about 5 % of an execution's CPU). The child makes the launch's descriptors 0, 1 and 2, puts
+/// every signal back to its default disposition (glibc's own two included, which `posix_spawn(3)` would leave
+/// ignored) with an empty mask, and executes the program; when `execve` fails it says so on the program's stderr
+/// and exits with [`EXEC_FAILED`], as the forked child does. The capability sets are the init's, checked empty
+/// here. Written by hand because `posix_spawn` cannot reset glibc's signals and std's `Command` resets only
+/// `SIGPIPE`. `Err`: no child was made (the caller forks instead).
+pub(super) fn spawn_program(
+    status: BorrowedFd<'_>,
+    stdio: &[OwnedFd; 3],
+    program: &CString,
+    args: &[CString],
+    env: &[CString],
+) -> Result<nix::unistd::Pid, nix::Error> {
+    crate::caps::ensure_none().map_err(|_| nix::Error::EPERM)?;
+    let argv = null_terminated(args);
+    let envp = null_terminated(env);
+    let spawn = Spawn {
+        stdio: [0, 1, 2].map(|i| stdio[i].as_raw_fd()),
+        status: status.as_raw_fd(),
+        program: program.as_ptr(),
+        argv: argv.as_ptr(),
+        envp: envp.as_ptr(),
+        failed: format!("sandboxd: cannot execute {}: ", program.to_string_lossy()).into_bytes(),
+    };
+    // Not zeroed: the child faults in only the pages it uses.
+    let mut stack = Vec::<u8>::with_capacity(SPAWN_STACK);
+    // SAFETY: the stack grows down from the end of the allocation, aligned to 16 bytes as the ABI asks; `stack`
+    // outlives the child's use of it (CLONE_VFORK: clone returns once the child has executed or exited).
+    let top = unsafe { stack.as_mut_ptr().add(SPAWN_STACK) };
+    let top = (top as usize & !15) as *mut libc::c_void;
+    // Every signal blocked across the clone, so no handler of the init runs in the child on shared memory; the
+    // child unblocks them once their dispositions are the defaults.
+    let all = nix::sys::signal::SigSet::all();
+    let mut old = nix::sys::signal::SigSet::empty();
+    nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&all), Some(&mut old))?;
+    // SAFETY: `spawned_child` only reads `spawn` (alive until clone returns, see above) and makes system calls;
+    // with CLONE_VFORK the init is suspended until the child's execve or exit, so nothing else touches the shared
+    // memory meanwhile.
+    let pid = unsafe {
+        libc::clone(
+            spawned_child,
+            top,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            &spawn as *const Spawn as *mut libc::c_void,
+        )
+    };
+    let cloned = nix::Error::result(pid);
+    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&old), None);
+    drop((stack, argv, envp));
+    cloned.map(nix::unistd::Pid::from_raw)
+}
+
+/// The child of [`spawn_program`]: system calls only (it runs on the init's memory).
+extern "C" fn spawned_child(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `Spawn` that spawn_program keeps alive until this child has executed or exited.
+    let spawn = unsafe { &*(arg as *const Spawn) };
+    let write = |fd: RawFd, bytes: &[u8]| {
+        // SAFETY: writes `bytes`, a live slice, to a descriptor; the result is not needed.
+        unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+    };
+    let give_up = |line: &[u8], code: libc::c_int| -> ! {
+        write(spawn.status, line);
+        // SAFETY: _exit ends the child without touching the shared memory.
+        unsafe { libc::_exit(code) }
+    };
+    for (target, &fd) in spawn.stdio.iter().enumerate() {
+        // SAFETY: dup2 onto 0..=2 of this child (its descriptor table is its own: no CLONE_FILES).
+        if unsafe { libc::dup2(fd, target as libc::c_int) } < 0 {
+            give_up(b"setup dup2 of stdio failed\n", SETUP_FAILED);
+        }
+    }
+    if sys::reset_all_signals().is_err() {
+        give_up(b"setup signal dispositions not reset\n", SETUP_FAILED);
+    }
+    let empty = [0u64; 1];
+    // SAFETY: an empty kernel signal set of the kernel's size (8 bytes); the old mask is not asked for.
+    unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            empty.as_ptr(),
+            std::ptr::null_mut::<u64>(),
+            8usize,
+        )
+    };
+    // SAFETY: program, argv and envp point at null-terminated strings and arrays that outlive the call.
+    unsafe { libc::execve(spawn.program, spawn.argv, spawn.envp) };
+    let why = nix::Error::last().desc();
+    write(2, &spawn.failed);
+    write(2, why.as_bytes());
+    write(2, b"\n");
+    // SAFETY: as above.
+    unsafe { libc::_exit(EXEC_FAILED) }
+}
+
+/// `v`'s pointers, then a null one (argv and envp for `execve`).
+fn null_terminated(v: &[CString]) -> Vec<*const libc::c_char> {
+    v.iter()
+        .map(|s| s.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect()
 }
 
 /// Reports a restriction that could not be applied (`setup <what>` on the status pipe) and ends the process with

@@ -21,7 +21,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use nix::sys::signal::Signal;
 use nix::unistd::{ForkResult, Pid};
 
-use super::program::{run_program, to_cstrings};
+use super::program::{run_program, spawn_program, to_cstrings};
 use crate::error::InitError;
 use crate::launch::Launch;
 
@@ -75,6 +75,22 @@ pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm
     let args = to_cstrings(&args)?;
     let env = to_cstrings(&interpreter.env)?;
     let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
+    // Spawned as a launched program is ([`super::program::spawn_program`]), with the channel kept open across
+    // `execve`: the init's copy is closed when this returns, before anything else is started.
+    let inherited = nix::fcntl::fcntl(
+        theirs.as_raw_fd(),
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+    );
+    let stdio = [stdin, out, err];
+    if let Ok(pid) = inherited.and_then(|_| spawn_program(status, &stdio, &program, &args, &env)) {
+        return Ok(Warm {
+            pid,
+            channel,
+            placeholder: [Some(out_r), err_r],
+            relay_stdin,
+        });
+    }
+    let [stdin, out, err] = stdio;
     // SAFETY: the init is single-threaded (cloned from the single-threaded helper), so the child may run
     // arbitrary code until it execs.
     match unsafe { nix::unistd::fork() }.map_err(sys("fork"))? {

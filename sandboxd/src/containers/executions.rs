@@ -4,6 +4,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use nix::sys::signal::Signal;
@@ -73,6 +74,7 @@ impl ContainerBackend for Arc<HelperBackend> {
                     cgroups: self.cgroups.clone(),
                     scratch,
                     created,
+                    cpu_before_launch: Arc::new(AtomicU64::new(0)),
                 }) as Box<dyn ContainerHandle>),
                 Err(e) => {
                     // The helper removed whatever it created; the scratch space is ours.
@@ -126,6 +128,9 @@ struct HelperContainer {
     scratch: Scratch,
     /// The daemon's descriptors: launch channel, status pipe, pidfd.
     created: Created,
+    /// The CPU time its cgroup had used when the request's limits were written, just before the launch (the init's
+    /// set-up, and a warm interpreter's start): not the execution's, so not in its usage.
+    cpu_before_launch: Arc<AtomicU64>,
 }
 
 impl ContainerHandle for HelperContainer {
@@ -146,11 +151,13 @@ impl ContainerHandle for HelperContainer {
     ) -> BoxFuture<'static, Result<(), PrepareError>> {
         let inputs = self.scratch.inputs();
         let (cgroups, cid) = (self.cgroups.clone(), self.cid.clone());
+        let cpu_before = self.cpu_before_launch.clone();
         Box::pin(async move {
             let queued = std::time::Instant::now();
             tokio::task::spawn_blocking(move || {
                 let started = std::time::Instant::now();
                 cgroups.set_limits(&cid, &limits)?;
+                cpu_before.store(cgroups.cpu_time_ns(&cid)?, Ordering::Relaxed);
                 let limited = started.elapsed();
                 let written = inputs.write(code_name, &code, &files);
                 debug!(
@@ -194,7 +201,10 @@ impl ContainerHandle for HelperContainer {
     }
 
     fn usage(&self) -> runtime::Result<Usage> {
-        self.cgroups.usage(&self.cid)
+        let mut usage = self.cgroups.usage(&self.cid)?;
+        let before = self.cpu_before_launch.load(Ordering::Relaxed);
+        usage.cpu_time_ns = usage.cpu_time_ns.saturating_sub(before);
+        Ok(usage)
     }
 
     fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {
