@@ -229,17 +229,41 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
     info!("disconnected");
 }
 
-/// The connection's writer: priority frames (pong, refusals, close) first, then the executions' messages.
+/// Messages written at most in one go by [`write`] (a busy connection still flushes, and yields, between them).
+const MAX_BATCH: usize = 64;
+
+/// The connection's writer: priority frames (pong, refusals, close) first, then the executions' messages. The
+/// messages already queued go out in one write (an execution's terminal status and result, say), so the client
+/// wakes once for them.
 async fn write(
     mut sink: futures_util::stream::SplitSink<WebSocket, Message>,
     mut prio_rx: mpsc::Receiver<Outgoing>,
     mut exec_rx: mpsc::Receiver<ServerMessage>,
 ) {
+    let mut queued = 0usize;
     loop {
-        let out = tokio::select! {
-            biased;
-            m = prio_rx.recv() => match m { Some(m) => m, None => break },
-            m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
+        let ready = match queued < MAX_BATCH {
+            true => match prio_rx.try_recv() {
+                Ok(m) => Some(m),
+                Err(_) => exec_rx.try_recv().ok().map(Outgoing::Message),
+            },
+            false => None,
+        };
+        let out = match ready {
+            Some(m) => m,
+            None => {
+                if queued > 0 {
+                    if sink.flush().await.is_err() {
+                        break;
+                    }
+                    queued = 0;
+                }
+                tokio::select! {
+                    biased;
+                    m = prio_rx.recv() => match m { Some(m) => m, None => break },
+                    m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
+                }
+            }
         };
         let frame = match out {
             Outgoing::Message(m) => {
@@ -258,10 +282,12 @@ async fn write(
                 break;
             }
         };
-        if sink.send(frame).await.is_err() {
+        if sink.feed(frame).await.is_err() {
             break;
         }
+        queued += 1;
     }
+    let _ = sink.flush().await;
 }
 
 /// An `execute`: refused at once (`Some`: the message to reply with), or admitted and started in a task of its own.
