@@ -247,7 +247,9 @@ impl InitExecutor {
         let env = to_cstrings(&launch.env)?;
         let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
         mark(status, "exec");
-        if let Ok(child) = program::spawn_program(status, &stdio, &program, &args, &env) {
+        let started = |pid: Pid| PROGRAM.store(pid.as_raw(), Ordering::SeqCst);
+        if let Ok(child) = program::spawn_program(status, &stdio, (&program, &args, &env), started)
+        {
             drop(stdio);
             return Ok(child);
         }

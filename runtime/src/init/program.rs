@@ -56,9 +56,6 @@ pub(super) fn run_program(
     if let Err(e) = crate::caps::ensure_none() {
         setup_failed(status, Chain(&e));
     }
-    if inherit.is_none() {
-        mark(status, "exec");
-    }
     let err = nix::unistd::execve(program, args, env).err();
     let msg = format!(
         "sandboxd: cannot execute {}: {}\n",
@@ -93,13 +90,13 @@ const SPAWN_STACK: usize = 32 << 10;
 /// ignored) with an empty mask, and executes the program; when `execve` fails it says so on the program's stderr
 /// and exits with [`EXEC_FAILED`], as the forked child does. The capability sets are the init's, checked empty
 /// here. Written by hand because `posix_spawn` cannot reset glibc's signals and std's `Command` resets only
-/// `SIGPIPE`. `Err`: no child was made (the caller forks instead).
+/// `SIGPIPE`. `started` gets the child's pid while every signal is still blocked in the init (so a stop signal
+/// that arrived meanwhile finds the program to forward to). `Err`: no child was made (the caller forks instead).
 pub(super) fn spawn_program(
     status: BorrowedFd<'_>,
     stdio: &[OwnedFd; 3],
-    program: &CString,
-    args: &[CString],
-    env: &[CString],
+    (program, args, env): (&CString, &[CString], &[CString]),
+    started: impl FnOnce(nix::unistd::Pid),
 ) -> Result<nix::unistd::Pid, nix::Error> {
     crate::caps::ensure_none().map_err(|_| nix::Error::EPERM)?;
     let argv = null_terminated(args);
@@ -118,11 +115,11 @@ pub(super) fn spawn_program(
     // outlives the child's use of it (CLONE_VFORK: clone returns once the child has executed or exited).
     let top = unsafe { stack.as_mut_ptr().add(SPAWN_STACK) };
     let top = (top as usize & !15) as *mut libc::c_void;
-    // Every signal blocked across the clone, so no handler of the init runs in the child on shared memory; the
-    // child unblocks them once their dispositions are the defaults.
-    let all = nix::sys::signal::SigSet::all();
-    let mut old = nix::sys::signal::SigSet::empty();
-    nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&all), Some(&mut old))?;
+    // Every signal blocked across the clone (glibc's two included: its sigprocmask leaves them out), so no
+    // handler of the init runs in the child on shared memory; the child unblocks them once their dispositions are
+    // the defaults.
+    let mut old = 0u64;
+    set_mask(!0, Some(&mut old))?;
     // SAFETY: `spawned_child` only reads `spawn` (alive until clone returns, see above) and makes system calls;
     // with CLONE_VFORK the init is suspended until the child's execve or exit, so nothing else touches the shared
     // memory meanwhile.
@@ -134,10 +131,30 @@ pub(super) fn spawn_program(
             &spawn as *const Spawn as *mut libc::c_void,
         )
     };
-    let cloned = nix::Error::result(pid);
-    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&old), None);
+    let cloned = nix::Error::result(pid).map(nix::unistd::Pid::from_raw);
+    if let Ok(pid) = cloned {
+        started(pid);
+    }
+    let _ = set_mask(old, None);
     drop((stack, argv, envp));
-    cloned.map(nix::unistd::Pid::from_raw)
+    cloned
+}
+
+/// Sets the calling thread's signal mask with the raw system call (every signal, glibc's own included); the old
+/// one into `old`.
+fn set_mask(mask: u64, old: Option<&mut u64>) -> Result<(), nix::Error> {
+    let old = old.map_or(std::ptr::null_mut(), |o| o as *mut u64);
+    // SAFETY: `mask` and `old` are kernel signal sets of the kernel's size (8 bytes); `old` is null or writable.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &mask as *const u64,
+            old,
+            8usize,
+        )
+    };
+    nix::Error::result(rc).map(drop)
 }
 
 /// The child of [`spawn_program`]: system calls only (it runs on the init's memory).
@@ -148,31 +165,26 @@ extern "C" fn spawned_child(arg: *mut libc::c_void) -> libc::c_int {
         // SAFETY: writes `bytes`, a live slice, to a descriptor; the result is not needed.
         unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
     };
-    let give_up = |line: &[u8], code: libc::c_int| -> ! {
-        write(spawn.status, line);
+    // As `setup_failed`, without formatting: `setup <what>: <why>` on the status pipe, then exit.
+    let give_up = |what: &[u8], why: nix::Error| -> ! {
+        for part in [b"setup ", what, b": ", why.desc().as_bytes(), b"\n"] {
+            write(spawn.status, part);
+        }
         // SAFETY: _exit ends the child without touching the shared memory.
-        unsafe { libc::_exit(code) }
+        unsafe { libc::_exit(SETUP_FAILED) }
     };
     for (target, &fd) in spawn.stdio.iter().enumerate() {
         // SAFETY: dup2 onto 0..=2 of this child (its descriptor table is its own: no CLONE_FILES).
         if unsafe { libc::dup2(fd, target as libc::c_int) } < 0 {
-            give_up(b"setup dup2 of stdio failed\n", SETUP_FAILED);
+            give_up(b"dup2 of stdio", nix::Error::last());
         }
     }
-    if sys::reset_all_signals().is_err() {
-        give_up(b"setup signal dispositions not reset\n", SETUP_FAILED);
+    if let Err((_, e)) = sys::reset_all_signals() {
+        give_up(b"rt_sigaction(SIG_DFL)", e);
     }
-    let empty = [0u64; 1];
-    // SAFETY: an empty kernel signal set of the kernel's size (8 bytes); the old mask is not asked for.
-    unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigprocmask,
-            libc::SIG_SETMASK,
-            empty.as_ptr(),
-            std::ptr::null_mut::<u64>(),
-            8usize,
-        )
-    };
+    if let Err(e) = set_mask(0, None) {
+        give_up(b"rt_sigprocmask", e);
+    }
     // SAFETY: program, argv and envp point at null-terminated strings and arrays that outlive the call.
     unsafe { libc::execve(spawn.program, spawn.argv, spawn.envp) };
     let why = nix::Error::last().desc();

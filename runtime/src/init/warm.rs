@@ -2,8 +2,8 @@
 //!
 //! Interpreters spend most of a short program's time starting (python: site and its imports, about 10 ms), so a
 //! pooled container's init starts the interpreter ahead of time, with a small stub as its program
-//! (`sandboxd`'s `warm` module has them). It is forked and executed exactly as a launched program is
-//! ([`super::program::run_program`]): after the init confined itself (no capabilities, landlock, seccomp, `no_new_privs`),
+//! (`sandboxd`'s `warm` module has them). It is started and executed exactly as a launched program is
+//! ([`super::program::spawn_program`]): after the init confined itself (no capabilities, landlock, seccomp, `no_new_privs`),
 //! inside the container's namespaces, cgroup and rlimits, with default signal dispositions. It differs from a
 //! launched program only in what it runs first and in its stdio, which until the launch are placeholders of the
 //! kinds the daemon passes (stdin a memfd, stdout and stderr pipes), so the interpreter sets its streams up the same
@@ -43,7 +43,7 @@ pub(super) struct Handed {
     pub(super) relay: Option<super::relay::Relay>,
 }
 
-/// Forks and executes `interpreter` with placeholder stdio and the channel's other end, whose descriptor number
+/// Starts and executes `interpreter` with placeholder stdio and the channel's other end, whose descriptor number
 /// is appended to its arguments. The channel is a socket pair, or for a relayed interpreter a pipe it reads the
 /// launch from.
 pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm, InitError> {
@@ -82,7 +82,9 @@ pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm
         nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
     );
     let stdio = [stdin, out, err];
-    if let Ok(pid) = inherited.and_then(|_| spawn_program(status, &stdio, &program, &args, &env)) {
+    if let Ok(pid) =
+        inherited.and_then(|_| spawn_program(status, &stdio, (&program, &args, &env), |_| {}))
+    {
         return Ok(Warm {
             pid,
             channel,
