@@ -234,7 +234,8 @@ impl OutputChunk {
 pub struct ResourceUsage {
     /// Peak memory of the execution's cgroup, in MiB.
     pub peak_memory_mb: u64,
-    /// User plus system CPU time, in milliseconds.
+    /// User plus system CPU time of the execution's processes from its launch, in milliseconds (a pooled
+    /// container's set-up and its waiting interpreter's start are not counted).
     pub cpu_time_ms: u64,
 }
 

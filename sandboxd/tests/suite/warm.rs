@@ -8,8 +8,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::harness::{
-    cannot_run, cgroup_parent_dirs, exec_json, free_port, privileged, run_until_exit, wait_until,
-    with, CgroupParentGuard, Client, Collected, Daemon, DaemonOpts,
+    cannot_run, cgroup_children, cgroup_parent_dirs, exec_json, free_port, privileged,
+    run_until_exit, wait_until, with, CgroupParentGuard, Client, Collected, Daemon, DaemonOpts,
 };
 
 /// One program of the corpus: a name, the code, and what else its `execute` carries (stdin, env, files).
@@ -439,6 +439,50 @@ async fn the_warm_exit_skips_the_interpreter_tear_down() {
             r.dump()
         );
     }
+}
+
+/// `cpu_time_ms` counts from the launch: what a pooled container used before (its init's set-up and the waiting
+/// interpreter's start, done before the request arrived) is not the execution's. `pass` in a waiting interpreter
+/// reports less than any ready container had used while it waited; counted from the container's creation, it
+/// reported more.
+#[tokio::test]
+async fn cpu_time_counts_from_the_launch() {
+    let Some(_g) = privileged("cpu_time_counts_from_the_launch").await else {
+        return;
+    };
+    let d = python_daemon().await;
+    let mut c = Client::connect(&d).await;
+    wait_until("two ready containers", Duration::from_secs(30), || async {
+        match pool(&d).await {
+            (2, _) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    // The interpreters finish their start and wait.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let before: Vec<u64> = cgroup_children(&d.cgroup_parent)
+        .iter()
+        .filter_map(|dir| {
+            let v1 = std::fs::read_to_string(dir.join("cpuacct.usage")).ok();
+            let v2 = std::fs::read_to_string(dir.join("cpu.stat"))
+                .ok()
+                .and_then(|s| {
+                    let usec = s.lines().find_map(|l| l.strip_prefix("usage_usec "))?;
+                    Some((usec.trim().parse::<u64>().ok()? * 1000).to_string())
+                });
+            v1.or(v2)?.trim().parse().ok()
+        })
+        .collect();
+    assert_eq!(before.len(), 2, "the ready containers' usage: {before:?}");
+    let least = *before.iter().min().unwrap();
+    let r = run(&mut c, &d, "cpu-warm", "pass", &json!({}), true).await;
+    assert_eq!(r.result().exit_code, Some(0), "{}", r.dump());
+    let cpu_ms = r.result().resource_usage.cpu_time_ms;
+    assert!(
+        cpu_ms * 1_000_000 < least,
+        "cpu_time_ms {cpu_ms}: a ready container had used {least} ns before its launch"
+    );
 }
 
 /// An image `images/build.sh` makes (`python`, `javascript`), from `SANDBOXD_TEST_IMAGES` (`.ci/run` sets it).
