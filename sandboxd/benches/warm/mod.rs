@@ -76,15 +76,22 @@ async fn interleaved(
 ) -> [Vec<Duration>; 3] {
     let mut cols: [Vec<Duration>; 3] = Default::default();
     for i in 0..5 + SAMPLES {
-        let id = format!("{prefix}-w-{i}");
-        let w = execute_with(ws, &id, p.lang, p.code, extra).await.0;
-        let b = match &mut bs {
-            Some(bs) => {
-                let id = format!("{prefix}-b-{i}");
-                Some(execute_with(bs, &id, p.lang, p.code, extra).await.0)
+        // The two daemons take turns at going first: each one's pool refills land in the other's samples as often
+        // as the other way round (always this daemon first made the baseline pay for this one's refills).
+        let (w_id, b_id) = (format!("{prefix}-w-{i}"), format!("{prefix}-b-{i}"));
+        let baseline_first = i % 2 == 1;
+        let mut b = None;
+        if baseline_first {
+            if let Some(bs) = &mut bs {
+                b = Some(execute_with(bs, &b_id, p.lang, p.code, extra).await.0);
             }
-            None => None,
-        };
+        }
+        let w = execute_with(ws, &w_id, p.lang, p.code, extra).await.0;
+        if !baseline_first {
+            if let Some(bs) = &mut bs {
+                b = Some(execute_with(bs, &b_id, p.lang, p.code, extra).await.0);
+            }
+        }
         let bare = (p.bare)();
         if i >= 5 {
             cols[0].push(w);
@@ -131,17 +138,32 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
         ] {
             let mut cols: [Vec<Duration>; 3] = Default::default();
             let before = warm.pool();
-            for block in 0..BLOCKS {
-                for i in 0..BLOCK {
-                    let id = format!("bb-w-{lang}-{block}-{i}");
-                    cols[0].push(execute(&mut ws, &id, lang, code).await.0);
+            // Each block starts with both pools full: a block pays for its own daemon's refills and removals
+            // only (not for the other daemon's, which would otherwise run during it).
+            let settle = || {
+                warm.wait_refilled();
+                if let Some(b) = baseline {
+                    b.wait_refilled();
                 }
-                if let Some(bs) = &mut bs {
-                    for i in 0..BLOCK {
-                        let id = format!("bb-b-{lang}-{block}-{i}");
-                        cols[1].push(execute(bs, &id, lang, code).await.0);
+                std::thread::sleep(Duration::from_millis(100));
+            };
+            for block in 0..BLOCKS {
+                let baseline_first = block % 2 == 1;
+                for turn in 0..2 {
+                    settle();
+                    if (turn == 0) != baseline_first {
+                        for i in 0..BLOCK {
+                            let id = format!("bb-w-{lang}-{block}-{i}");
+                            cols[0].push(execute(&mut ws, &id, lang, code).await.0);
+                        }
+                    } else if let Some(bs) = &mut bs {
+                        for i in 0..BLOCK {
+                            let id = format!("bb-b-{lang}-{block}-{i}");
+                            cols[1].push(execute(bs, &id, lang, code).await.0);
+                        }
                     }
                 }
+                settle();
                 for _ in 0..BLOCK {
                     cols[2].push(if lang == "python" {
                         bare_python()
@@ -157,7 +179,8 @@ pub fn table(rt: &tokio::runtime::Runtime, warm: &Daemon, baseline: Option<&Daem
     println!(
         "warm interpreters: execute→result, ms (p50 / p95); bare spawn: `python3 -c 'print(1)'`, \
          `node -e 'console.log(1)'` (both with only PATH set), `sh main.sh`; \
-         back to back: blocks of {BLOCK} executions in a row per column, {BLOCKS} blocks alternating"
+         back to back: blocks of {BLOCK} executions in a row per column, each from full pools, {BLOCKS} blocks \
+         alternating (the daemons take turns at going first)"
     );
     println!(
         "{:<32} {:>15} {:>15} {:>15} | {:>10} {:>13} {:>13} {:>11}",

@@ -347,14 +347,17 @@ impl Engine {
             .clone()
             .execute(&req, &limits, &key, &out, control, tool_inbox)
             .await;
-        // The container goes first, in the background: the result does not wait for its removal. One that mounted
-        // volumes or started from a snapshot is removed before the result, so that they are free (for the next
-        // writer, or to delete) when the client learns that the execution ended.
-        match container {
-            Some(c) if c.holds_shared_storage() => self.pool.factory().remove(c).await,
-            Some(c) => self.pool.factory().remove_in_background(c),
-            None => {}
-        }
+        // The result does not wait for the container's removal, which starts in the background once the result is
+        // queued for the client (so the client's wake-up does not queue behind the removal's work). One that
+        // mounted volumes or started from a snapshot is removed before the result, so that they are free (for the
+        // next writer, or to delete) when the client learns that the execution ended.
+        let background = match container {
+            Some(c) if c.holds_shared_storage() => {
+                self.pool.factory().remove(c).await;
+                None
+            }
+            other => other,
+        };
         registration.release();
         match outcome {
             Ok(messages) => {
@@ -370,6 +373,9 @@ impl Engine {
                     .send(ServerMessage::Error(internal_error(&req.id, &e)))
                     .await;
             }
+        }
+        if let Some(c) = background {
+            self.pool.factory().remove_in_background(c);
         }
         crate::metrics::finished(&key);
         debug!(id = %req.id, "execution finished");
