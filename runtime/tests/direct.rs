@@ -204,13 +204,23 @@ impl Test {
         }
     }
 
-    async fn runs(&self, helper: &HelperClient) -> Result<(), String> {
-        let id = "direct-ok";
-        let spec = build(&self.plan(id, 3_900_001)).map_err(|e| e.to_string())?;
-        let created = helper
+    /// Creates container `id` with host uid `uid` from the plain plan.
+    async fn create(
+        &self,
+        helper: &HelperClient,
+        id: &str,
+        uid: u32,
+    ) -> Result<runtime::helper::Created, String> {
+        let spec = build(&self.plan(id, uid)).map_err(|e| e.to_string())?;
+        helper
             .create(id, self.bundle(id, &spec), self.policy(), None)
             .await
-            .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
+            .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))
+    }
+
+    async fn runs(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-ok";
+        let created = self.create(helper, id, 3_900_001).await?;
         let checked = self.run_program(id, created);
         let removed = match helper.remove(id).await {
             Ok(None) => Ok(()),
@@ -293,11 +303,7 @@ impl Test {
             ),
         ];
         for (id, uid, script, alone) in cases {
-            let spec = build(&self.plan(id, uid)).map_err(|e| e.to_string())?;
-            let created = helper
-                .create(id, self.bundle(id, &spec), self.policy(), None)
-                .await
-                .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
+            let created = self.create(helper, id, uid).await?;
             let ran = launch(created, script);
             let removed = helper.remove(id).await;
             let (_, status) = ran?;
@@ -317,11 +323,7 @@ impl Test {
     /// A program that does not exist: the init's child says so on its stderr and exits 127, as a shell does.
     async fn not_executable(&self, helper: &HelperClient) -> Result<(), String> {
         let id = "direct-enoent";
-        let spec = build(&self.plan(id, 3_900_009)).map_err(|e| e.to_string())?;
-        let created = helper
-            .create(id, self.bundle(id, &spec), self.policy(), None)
-            .await
-            .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
+        let created = self.create(helper, id, 3_900_009).await?;
         let ran = launch_args(created, vec!["/no/such-program".into(), "x".into()]);
         let removed = helper.remove(id).await;
         let (out, status) = ran?;

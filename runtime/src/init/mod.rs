@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 
 use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-use nix::unistd::{ForkResult, Pid};
+use nix::unistd::Pid;
 
 use crate::error::{Chain, InitError};
 use crate::launch::Launch;
@@ -35,7 +35,7 @@ mod program;
 mod relay;
 mod warm;
 
-use self::program::{mark, run_program, setup_failed, to_cstrings};
+use self::program::{mark, setup_failed, to_cstrings};
 pub use self::program::{monotonic_ns, EXEC_FAILED, SETUP_FAILED};
 
 /// How the program ended, as the init reports it on the status pipe.
@@ -235,8 +235,7 @@ impl InitExecutor {
         unsafe { libc::_exit(0) }
     }
 
-    /// Starts the child that becomes the program (spawned; forked when no child could be spawned that way, so a
-    /// failure is reported as before); returns its pid.
+    /// Starts the child that becomes the program ([`program::start_program`]); returns its pid.
     fn fork_program(
         &self,
         status: BorrowedFd<'_>,
@@ -247,26 +246,10 @@ impl InitExecutor {
         let env = to_cstrings(&launch.env)?;
         let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
         mark(status, "exec");
+        // The program holds the only copies of the stdio the container needs: the daemon sees end of file on the
+        // output pipes when the program (and whatever it started) is gone.
         let started = |pid: Pid| PROGRAM.store(pid.as_raw(), Ordering::SeqCst);
-        if let Ok(child) = program::spawn_program(status, &stdio, (&program, &args, &env), started)
-        {
-            drop(stdio);
-            return Ok(child);
-        }
-        // SAFETY: this process is single-threaded (cloned from the single-threaded helper), so the
-        // child may run arbitrary code until it execs.
-        match unsafe { nix::unistd::fork() }.map_err(|source| InitError::Sys {
-            call: "fork",
-            source,
-        })? {
-            ForkResult::Child => run_program(status, stdio, None, &program, &args, &env),
-            ForkResult::Parent { child } => {
-                // The program holds the only copies the container needs: the daemon sees end of file on the
-                // output pipes when the program (and whatever it started) is gone.
-                drop(stdio);
-                Ok(child)
-            }
-        }
+        program::start_program(status, stdio, (&program, &args, &env), started)
     }
 
     /// [`Self::run`] for a caller with nobody to return to (the direct start's cloned init): a failure is

@@ -5,6 +5,7 @@ use std::ffi::CString;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
 use nix::sys::signal::{SigSet, SigmaskHow};
+use nix::unistd::ForkResult;
 
 use crate::error::{Chain, InitError};
 use crate::sys;
@@ -14,16 +15,13 @@ pub const EXEC_FAILED: i32 = 127;
 /// Exit code of the child when a restriction could not be applied (the status pipe says which).
 pub const SETUP_FAILED: i32 = 125;
 
-/// The forked child: the launch's descriptors become its stdio, signal mask and dispositions go back to the
-/// defaults, the capability sets are checked empty once more, and the program is executed. Never returns.
-/// `inherit`: one more descriptor the program keeps open across `execve` (the warm interpreter's channel).
-pub(super) fn run_program(
+/// The forked child of [`start_program`]'s fallback: the launch's descriptors become its stdio, signal mask and
+/// dispositions go back to the defaults, the capability sets are checked empty once more, and the program is
+/// executed. Never returns.
+fn run_program(
     status: BorrowedFd<'_>,
     stdio: [OwnedFd; 3],
-    inherit: Option<BorrowedFd<'_>>,
-    program: &CString,
-    args: &[CString],
-    env: &[CString],
+    (program, args, env): (&CString, &[CString], &[CString]),
 ) -> ! {
     // The status pipe stays open (close-on-exec) so a failed restriction can be reported on it.
     // The launch's descriptors become 0, 1 and 2 (dup2 clears close-on-exec on the copies).
@@ -37,15 +35,6 @@ pub(super) fn run_program(
         }
     }
     drop(stdio);
-    if let Some(fd) = inherit {
-        let kept = nix::fcntl::fcntl(
-            fd.as_raw_fd(),
-            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
-        );
-        if let Err(e) = kept {
-            setup_failed(status, format_args!("keep the warm channel open: {e}"));
-        }
-    }
     // The program starts with the default signal mask and dispositions, whatever the helper had: an ignored
     // signal survives execve (the Rust runtime ignores SIGPIPE, a background shell SIGINT).
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
@@ -65,6 +54,31 @@ pub(super) fn run_program(
     let _ = nix::unistd::write(std::io::stderr(), msg.as_bytes());
     // SAFETY: _exit ends the forked child without running the parent's atexit handlers or destructors.
     unsafe { libc::_exit(EXEC_FAILED) }
+}
+
+/// Starts the program (or a warm interpreter) as a child of the init and returns its pid: spawned
+/// ([`spawn_program`]), or forked ([`run_program`]) when no child could be spawned, so that a failure is reported as
+/// a forked child reports it. The stdio is the child's alone afterwards (the init's copies are closed);
+/// descriptors the program keeps must not be close-on-exec. `started` gets the spawned child's pid while the
+/// init's signals are blocked.
+pub(super) fn start_program(
+    status: BorrowedFd<'_>,
+    stdio: [OwnedFd; 3],
+    command: (&CString, &[CString], &[CString]),
+    started: impl FnOnce(nix::unistd::Pid),
+) -> Result<nix::unistd::Pid, InitError> {
+    if let Ok(pid) = spawn_program(status, &stdio, command, started) {
+        return Ok(pid);
+    }
+    // SAFETY: the init is single-threaded (cloned from the single-threaded helper), so the child may run
+    // arbitrary code until it execs.
+    match unsafe { nix::unistd::fork() }.map_err(|source| InitError::Sys {
+        call: "fork",
+        source,
+    })? {
+        ForkResult::Child => run_program(status, stdio, command),
+        ForkResult::Parent { child } => Ok(child),
+    }
 }
 
 /// What the child of [`spawn_program`] uses, all of it prepared before the clone: the child shares the init's
@@ -92,7 +106,7 @@ const SPAWN_STACK: usize = 32 << 10;
 /// here. Written by hand because `posix_spawn` cannot reset glibc's signals and std's `Command` resets only
 /// `SIGPIPE`. `started` gets the child's pid while every signal is still blocked in the init (so a stop signal
 /// that arrived meanwhile finds the program to forward to). `Err`: no child was made (the caller forks instead).
-pub(super) fn spawn_program(
+fn spawn_program(
     status: BorrowedFd<'_>,
     stdio: &[OwnedFd; 3],
     (program, args, env): (&CString, &[CString], &[CString]),

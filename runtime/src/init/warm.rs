@@ -3,7 +3,7 @@
 //! Interpreters spend most of a short program's time starting (python: site and its imports, about 10 ms), so a
 //! pooled container's init starts the interpreter ahead of time, with a small stub as its program
 //! (`sandboxd`'s `warm` module has them). It is started and executed exactly as a launched program is
-//! ([`super::program::spawn_program`]): after the init confined itself (no capabilities, landlock, seccomp, `no_new_privs`),
+//! ([`super::program::start_program`]): after the init confined itself (no capabilities, landlock, seccomp, `no_new_privs`),
 //! inside the container's namespaces, cgroup and rlimits, with default signal dispositions. It differs from a
 //! launched program only in what it runs first and in its stdio, which until the launch are placeholders of the
 //! kinds the daemon passes (stdin a memfd, stdout and stderr pipes), so the interpreter sets its streams up the same
@@ -19,9 +19,9 @@
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use nix::sys::signal::Signal;
-use nix::unistd::{ForkResult, Pid};
+use nix::unistd::Pid;
 
-use super::program::{run_program, spawn_program, to_cstrings};
+use super::program::{start_program, to_cstrings};
 use crate::error::InitError;
 use crate::launch::Launch;
 
@@ -75,45 +75,20 @@ pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm
     let args = to_cstrings(&args)?;
     let env = to_cstrings(&interpreter.env)?;
     let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
-    // Spawned as a launched program is ([`super::program::spawn_program`]), with the channel kept open across
-    // `execve`: the init's copy is closed when this returns, before anything else is started.
-    let inherited = nix::fcntl::fcntl(
+    // Started as a launched program is, with the channel kept open across `execve`: the init's copy is closed
+    // when this returns, before anything else is started.
+    nix::fcntl::fcntl(
         theirs.as_raw_fd(),
         nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
-    );
-    let stdio = [stdin, out, err];
-    if let Ok(pid) =
-        inherited.and_then(|_| spawn_program(status, &stdio, (&program, &args, &env), |_| {}))
-    {
-        return Ok(Warm {
-            pid,
-            channel,
-            placeholder: [Some(out_r), err_r],
-            relay_stdin,
-        });
-    }
-    let [stdin, out, err] = stdio;
-    // SAFETY: the init is single-threaded (cloned from the single-threaded helper), so the child may run
-    // arbitrary code until it execs.
-    match unsafe { nix::unistd::fork() }.map_err(sys("fork"))? {
-        ForkResult::Child => {
-            drop((channel, out_r, err_r, relay_stdin));
-            run_program(
-                status,
-                [stdin, out, err],
-                Some(theirs.as_fd()),
-                &program,
-                &args,
-                &env,
-            )
-        }
-        ForkResult::Parent { child } => Ok(Warm {
-            pid: child,
-            channel,
-            placeholder: [Some(out_r), err_r],
-            relay_stdin,
-        }),
-    }
+    )
+    .map_err(sys("fcntl"))?;
+    let pid = start_program(status, [stdin, out, err], (&program, &args, &env), |_| {})?;
+    Ok(Warm {
+        pid,
+        channel,
+        placeholder: [Some(out_r), err_r],
+        relay_stdin,
+    })
 }
 
 fn sys(call: &'static str) -> impl Fn(nix::Error) -> InitError {
