@@ -37,7 +37,8 @@ pub struct Launch {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub warm: bool,
     /// Set on an interpreter to start ahead of time that cannot take descriptors (node): the init gives it the
-    /// launch alone, through a pipe, and relays its stdout and stderr to the launch's ([`crate::init`]).
+    /// launch alone, through a stream socket (until end of file), and relays its stdout and stderr to the launch's
+    /// ([`crate::init`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub relay: bool,
     /// An agent run that outlives the daemon: the launch carries [`KEPT`] more descriptors (the control socket's

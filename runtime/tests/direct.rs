@@ -93,6 +93,10 @@ fn main() {
             "a_program_that_cannot_be_executed_says_why_and_exits_127",
             rt.block_on(t.not_executable(&helper)),
         ),
+        (
+            "a_warm_interpreters_reported_end_is_taken_only_when_nothing_else_is_left",
+            rt.block_on(t.reported_end(&helper)),
+        ),
     ];
     let _ = rt.block_on(helper.shutdown());
     let _ = nix::sys::wait::waitpid(pid, None);
@@ -486,6 +490,81 @@ impl Test {
     }
 }
 
+/// A stand-in for a relayed warm interpreter (`sh -c script sh FD`): it reads the launch from its channel to end of
+/// file, prints, then reports and goes on.
+const REPORTER: &str = "cat <&\"$1\" >/dev/null; echo out; ";
+
+impl Test {
+    /// A warm interpreter that reports its end (`exit N` on its channel) and then lingers: with nothing else left,
+    /// the init takes the reported code as the end at once (its record says `alone`, its timing marks `reported`)
+    /// and ends the interpreter; with a process the interpreter started still running, it waits for the
+    /// interpreter (killed) to be reaped and says the reported code without `alone`; a report that is not one is
+    /// ignored.
+    async fn reported_end(&self, helper: &HelperClient) -> Result<(), String> {
+        let cases = [
+            // (host uid, the rest of the script, exit code, taken from the report, alone)
+            (
+                3_900_010,
+                "echo 'exit 3' >&\"$1\"; exec sleep 30",
+                3,
+                true,
+                true,
+            ),
+            (
+                3_900_011,
+                "sleep 30 </dev/null >/dev/null 2>&1 & echo 'exit 4' >&\"$1\"; exec sleep 30",
+                4,
+                false,
+                false,
+            ),
+            (
+                3_900_012,
+                "echo 'exit 300' >&\"$1\"; exit 5",
+                5,
+                false,
+                true,
+            ),
+        ];
+        for (i, (uid, rest, code, reported, alone)) in cases.into_iter().enumerate() {
+            let id = format!("direct-reported-{i}");
+            let script = format!("{REPORTER}{rest}");
+            let warm = Launch {
+                args: vec!["/bin/sh".into(), "-c".into(), script.clone(), "sh".into()],
+                env: vec!["PATH=/usr/bin:/bin".into()],
+                warm: false,
+                relay: true,
+                keep: false,
+            };
+            let spec = build(&self.plan(&id, uid)).map_err(|e| e.to_string())?;
+            let created = helper
+                .create(&id, self.bundle(&id, &spec), self.policy(), Some(warm))
+                .await
+                .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
+            let ran = launch_with(created, vec!["/unused".into()], true);
+            let removed = helper.remove(&id).await;
+            let (out, status) = ran?;
+            let report = runtime::init::Report::decode(&status);
+            let took_report = report.marks.iter().any(|(name, _)| name == "reported");
+            if report.exit != Some(runtime::init::ProgramExit::Code(code))
+                || took_report != reported
+                || runtime::init::ended_alone(status.as_bytes()) != alone
+                || out != "out\n"
+            {
+                return Err(format!(
+                    "{script:?}: want exit {code}, reported {reported}, alone {alone}, output \"out\": {status:?}, {out:?}"
+                ));
+            }
+            match removed {
+                Ok(None) => {}
+                Ok(Some(step)) => return Err(format!("remove: {step}")),
+                Err(e) => return Err(format!("remove: {e}")),
+            }
+            self.nothing_left(&id)?;
+        }
+        Ok(())
+    }
+}
+
 /// Launches `/bin/sh -c script` in a created container; its output and what the init wrote on its status pipe,
 /// once it exited 0.
 fn launch(created: runtime::helper::Created, script: &str) -> Result<(String, String), String> {
@@ -506,6 +585,15 @@ fn launch_args(
     created: runtime::helper::Created,
     args: Vec<String>,
 ) -> Result<(String, String), String> {
+    launch_with(created, args, false)
+}
+
+/// [`launch_args`], handed to the container's warm interpreter when `warm`.
+fn launch_with(
+    created: runtime::helper::Created,
+    args: Vec<String>,
+    warm: bool,
+) -> Result<(String, String), String> {
     let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
     let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
     runtime::launch::send(
@@ -513,7 +601,7 @@ fn launch_args(
         &Launch {
             args,
             env: vec!["PATH=/usr/bin:/bin".into()],
-            warm: false,
+            warm,
             relay: false,
             keep: false,
         },

@@ -12,7 +12,8 @@
 //! whatever else is left in the pid namespace (double-forked daemons included).
 //!
 //! A pooled container's init may also start an interpreter ahead of time, confined the same way, and hand it the
-//! launch instead of forking a program ([`warm`]).
+//! launch instead of forking a program ([`warm`]); such an interpreter reports its program's end before its own
+//! exit is done, and with nothing else left the init takes that as the end ([`ending`]).
 //!
 //! An agent run's init may be kept: it outlives the helper and the daemon, and holds the run's control socket and
 //! status pipe for the next daemon, which takes the run back ([`keeper`]).
@@ -30,6 +31,7 @@ use crate::error::{Chain, InitError};
 use crate::launch::Launch;
 use crate::sys;
 
+mod ending;
 pub mod keeper;
 mod program;
 mod relay;
@@ -83,7 +85,9 @@ const ALONE: &str = "alone\n";
 
 /// Whether `status` (what the status pipe gave so far) ends with the init's record after its [`ALONE`] line: the
 /// program has ended, nothing else of the container runs, and the init writes nothing more. Its reader need not
-/// wait for the init's own exit (the namespaces' tear-down) to know the execution is over.
+/// wait for the init's own exit (the namespaces' tear-down) to know the execution is over. After a warm
+/// interpreter's report ([`ending`]) the interpreter may still be exiting: it was killed before the record was
+/// written, and the kernel may still be freeing its memory.
 pub fn ended_alone(status: &[u8]) -> bool {
     let Some(text) = status.strip_suffix(b"\n") else {
         return false;
@@ -109,7 +113,7 @@ pub struct Report {
     /// How the program ended.
     pub exit: Option<ProgramExit>,
     /// Timing marks (name, `CLOCK_MONOTONIC` ns): `received` (launch read), `exec` (right before `execve`),
-    /// `reaped` (the program ended).
+    /// `reaped` (the program ended) or `reported` (a warm interpreter's report taken as its end).
     pub marks: Vec<(String, u64)>,
 }
 
@@ -206,16 +210,16 @@ impl InitExecutor {
             }
             None => Err(stdio),
         };
-        let (program, relay) = match program {
+        let (program, handed) = match program {
             Ok(handed) => {
                 mark(status, "exec");
-                (handed.pid, handed.relay)
+                (handed.pid, Some((handed.report, handed.relay)))
             }
             Err(stdio) => (self.fork_program(status, &launch, stdio)?, None),
         };
         PROGRAM.store(program.as_raw(), Ordering::SeqCst);
-        let exit = match (relay, keeper.as_mut()) {
-            (Some(relay), _) => relay.run_until(program, || reap_ended(program)),
+        let exit = match (handed, keeper.as_mut()) {
+            (Some((report, relay)), _) => Self::watch_warm(status, program, report, relay),
             (None, Some(k)) => k.run_until(program, || reap_ended(program)),
             (None, None) => reap_until(program),
         };
@@ -233,6 +237,48 @@ impl InitExecutor {
         }
         // SAFETY: end the init without unwinding into its caller, which expects no return.
         unsafe { libc::_exit(0) }
+    }
+
+    /// Watches a warm interpreter's program until it ends ([`ending`]). When the interpreter reports its end and
+    /// nothing else is left in the container, that end is written on the status pipe (with the [`ALONE`] line) and
+    /// the init exits without waiting for the interpreter's exit; otherwise returns the end, once it is reaped.
+    fn watch_warm(
+        status: BorrowedFd<'_>,
+        program: Pid,
+        report: Option<ending::Report>,
+        mut relay: Option<relay::Relay>,
+    ) -> ProgramExit {
+        let exit = match ending::watch(program, relay.as_mut(), report, || reap_ended(program)) {
+            ending::Ended::Reaped(exit) => exit,
+            ending::Ended::Reported(code) => {
+                // What follows the report is the interpreter's own tear-down; after this kill it can start nothing
+                // more, so what the check finds is final.
+                let _ = nix::sys::signal::kill(program, Signal::SIGKILL);
+                PROGRAM.store(0, Ordering::SeqCst);
+                let exit = ProgramExit::Code(code);
+                let left = ending::left_besides(program);
+                if left.alone {
+                    if let Some(relay) = relay {
+                        relay.finish_reported();
+                    }
+                    mark(status, "reported");
+                    let record = format!("{ALONE}{}", exit.encode());
+                    let _ = nix::unistd::write(status, record.as_bytes());
+                    // SAFETY: end the init without unwinding into its caller, which expects no return.
+                    unsafe { libc::_exit(0) }
+                }
+                // Others are left (which the program started): it is waited for as any program is, and its end is
+                // the one it reported.
+                if !left.reaped {
+                    let _ = ending::watch(program, relay.as_mut(), None, || reap_ended(program));
+                }
+                exit
+            }
+        };
+        if let Some(relay) = relay {
+            relay.finish();
+        }
+        exit
     }
 
     /// Starts the child that becomes the program ([`program::start_program`]); returns its pid.

@@ -3,21 +3,18 @@
 //! launch's pipes, and closes each of the launch's pipes when its own reaches end of file (the program and
 //! everything it started closed it), as the daemon would see with the program writing to it directly.
 //!
-//! The init stays single-threaded: one `poll` over the two pipes and a pidfd of the program, which is readable
-//! once the program ended. Every child that ended is reaped on each wake-up, and at least every
-//! [`REAP_INTERVAL_MS`], so orphans do not pile up as zombies. Once the program is reaped, what is still in the
-//! pipes is copied and the relay ends (a process the program left behind dies with the init, as with a forked
-//! program). A full launch pipe blocks the copy, which holds the program back as a full pipe would.
+//! The init stays single-threaded: the pipes are polled with the program's end ([`super::ending::watch`]). Once the
+//! program is reaped, what is still in the pipes is copied and the relay ends (a process the program left behind
+//! dies with the init, as with a forked program); once the interpreter reported its end and nothing else is left,
+//! what it wrote is copied and the launch's pipes are closed at once. A full launch pipe blocks the copy, which
+//! holds the program back as a full pipe would.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use nix::unistd::Pid;
 
-/// How often children are reaped while nothing else wakes the relay.
-const REAP_INTERVAL_MS: u16 = 100;
 const CHUNK: usize = 64 << 10;
 
 /// The interpreter's stdout and stderr (read ends) and the launch's (write ends).
@@ -29,7 +26,11 @@ pub(crate) struct Relay {
 }
 
 impl Relay {
+    /// The interpreter's pipes are made non-blocking: a copy takes what is there and returns.
     pub(crate) fn new(from: [OwnedFd; 2], to: [OwnedFd; 2]) -> Relay {
+        for fd in &from {
+            let _ = fcntl(fd.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK));
+        }
         let [a, b] = from;
         let [c, d] = to;
         Relay {
@@ -39,53 +40,34 @@ impl Relay {
         }
     }
 
-    /// Relays until `reaped` (called on every wake-up: it reaps the children that ended) reports the program's end,
-    /// then copies what is left of its output; returns that report.
-    pub(crate) fn run_until<T>(mut self, program: Pid, mut reaped: impl FnMut() -> Option<T>) -> T {
-        for fd in self.from.iter().flatten() {
-            let _ = fcntl(fd.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK));
+    /// The interpreter's pipes still open, by index.
+    pub(crate) fn open(&self) -> impl Iterator<Item = (usize, BorrowedFd<'_>)> {
+        self.from
+            .iter()
+            .enumerate()
+            .filter_map(|(i, fd)| fd.as_ref().map(|fd| (i, fd.as_fd())))
+    }
+
+    /// After the program was reaped: copies what is left (a pipe that some process the program left still holds
+    /// is copied up to what is in it).
+    pub(crate) fn finish(mut self) {
+        for i in 0..2 {
+            self.copy(i);
         }
-        // Without a pidfd (it cannot fail for our own unreaped child) the relay still ends: it reaps on a timer.
-        let pidfd = crate::sys::pidfd_open(program).ok();
-        loop {
-            if let Some(exit) = reaped() {
-                for i in 0..2 {
-                    self.copy(i);
-                }
-                return exit;
-            }
-            let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(3);
-            let mut which = Vec::with_capacity(3);
-            if let Some(p) = &pidfd {
-                fds.push(PollFd::new(p.as_fd(), PollFlags::POLLIN));
-                which.push(None);
-            }
-            for (i, fd) in self.from.iter().enumerate() {
-                if let Some(fd) = fd {
-                    fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
-                    which.push(Some(i));
-                }
-            }
-            match poll(&mut fds, PollTimeout::from(REAP_INTERVAL_MS)) {
-                Ok(_) | Err(Errno::EINTR) => {}
-                // Cannot happen with valid descriptors; reaping on each turn keeps the relay from hanging.
-                Err(_) => continue,
-            }
-            let ready: Vec<usize> = fds
-                .iter()
-                .zip(&which)
-                .filter(|(fd, _)| fd.revents().is_some_and(|r| !r.is_empty()))
-                .filter_map(|(_, i)| *i)
-                .collect();
-            drop(fds);
-            for i in ready {
-                self.copy(i);
-            }
+    }
+
+    /// After the interpreter reported its end with nothing else left in the container: copies what it wrote (its
+    /// writes are done) and closes the launch's pipes without waiting for its exit to close its own ends.
+    pub(crate) fn finish_reported(mut self) {
+        for i in 0..2 {
+            self.copy(i);
+            self.from[i] = None;
+            self.to[i] = None;
         }
     }
 
     /// Copies what is in pipe `i` now; at end of file, closes it and the launch's pipe.
-    fn copy(&mut self, i: usize) {
+    pub(crate) fn copy(&mut self, i: usize) {
         let (Some(from), Some(to)) = (&self.from[i], &self.to[i]) else {
             return;
         };

@@ -11,7 +11,8 @@
 //! the request's code runs.
 //!
 //! At the launch the init passes it on unchanged over the channel ([`crate::launch::send`]: stdio and the
-//! arguments and environment in a memfd), closes its end, and reaps the interpreter as the program. A launch that
+//! arguments and environment in a memfd), and watches the interpreter as the program, which reports its
+//! program's end before its own exit does ([`super::ending`]). A launch that
 //! does not ask for it (or an interpreter that is gone) gets the interpreter killed and reaped, and a forked
 //! program as usual. Nothing outlives the container: an init whose launch channel closes exits, and the kernel
 //! kills the waiting interpreter with the pid namespace.
@@ -35,21 +36,36 @@ pub(super) struct Warm {
     placeholder: [Option<OwnedFd>; 2],
     /// A relayed interpreter's stdin, which takes the launch's content ([`Launch::relay`]).
     relay_stdin: Option<OwnedFd>,
+    /// Where an interpreter that is not relayed reports its end ([`super::ending::END_SOCKET`]).
+    end: Option<super::ending::Report>,
 }
 
-/// After the hand-over: the program's pid, and for a relayed interpreter the pipes to relay.
+/// After the hand-over: the program's pid, the channel its end is reported on, and for a relayed interpreter the
+/// pipes to relay.
 pub(super) struct Handed {
     pub(super) pid: Pid,
+    pub(super) report: Option<super::ending::Report>,
     pub(super) relay: Option<super::relay::Relay>,
 }
 
 /// Starts and executes `interpreter` with placeholder stdio and the channel's other end, whose descriptor number
-/// is appended to its arguments. The channel is a socket pair, or for a relayed interpreter a pipe it reads the
-/// launch from.
+/// is appended to its arguments. The channel is a seqpacket socket pair, or for a relayed interpreter a stream
+/// socket pair it reads the launch from until end of file and then reports its end on (one that is not relayed
+/// reports to [`super::ending::END_SOCKET`]).
 pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm, InitError> {
+    // Only a shortcut: without it the interpreter is reaped as any program is.
+    let end = match interpreter.relay {
+        true => None,
+        false => super::ending::Report::bind().ok(),
+    };
     let (channel, theirs) = if interpreter.relay {
-        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe2"))?;
-        (w, r)
+        nix::sys::socket::socketpair(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::Stream,
+            None,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(sys("socketpair"))?
     } else {
         crate::ipc::pair().map_err(|e| InitError::Become(Box::new(e)))?
     };
@@ -88,6 +104,7 @@ pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm
         channel,
         placeholder: [Some(out_r), err_r],
         relay_stdin,
+        end,
     })
 }
 
@@ -121,6 +138,7 @@ impl Warm {
         ) {
             Ok(()) => Ok(Handed {
                 pid: self.pid,
+                report: self.end,
                 relay: None,
             }),
             Err(_) => {
@@ -150,10 +168,12 @@ impl Warm {
             return Err(stdio);
         };
         let [_, stdout, stderr] = stdio;
-        // Closing the write end tells the interpreter the launch is complete.
-        drop(self.channel);
+        // End of file tells the interpreter the launch is complete; the other direction carries its report.
+        let _ =
+            nix::sys::socket::shutdown(self.channel.as_raw_fd(), nix::sys::socket::Shutdown::Write);
         Ok(Handed {
             pid: self.pid,
+            report: super::ending::Report::on_channel(self.channel),
             relay: Some(super::relay::Relay::new([out, err], [stdout, stderr])),
         })
     }

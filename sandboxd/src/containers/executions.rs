@@ -231,11 +231,12 @@ impl ContainerHandle for HelperContainer {
 }
 
 /// Waits in a task of its own until the execution's container has ended, reading the init's status pipe. The end
-/// is either the init's record saying it was left alone ([`runtime::init::ended_alone`]: the program was reaped
-/// and no other process of its pid namespace exists), or else the pidfd turning readable, which the kernel signals
-/// only once the init is a zombie, that is after every other process of its pid namespace is gone too. Either way,
-/// when the result is computed (usage, artifacts), nothing of the program can still run or write; the first spares
-/// the wait for the init's own exit and its namespaces' tear-down. The receiver gets the record (empty when the
+/// is either the init's record saying it was left alone ([`runtime::init::ended_alone`]: the program was reaped, or
+/// was a warm interpreter that reported its end and was killed, and no other process of its pid namespace exists),
+/// or else the pidfd turning readable, which the kernel signals only once the init is a zombie, that is after every
+/// other process of its pid namespace is gone too. Either way, when the result is computed (usage, artifacts), the
+/// program has ended (a reported interpreter was killed before the record was written); the first spares the wait
+/// for the init's own exit and its namespaces' tear-down. The receiver gets the record (empty when the
 /// init died without writing) and the `CLOCK_MONOTONIC` time of the end.
 fn watch_end(pidfd: &OwnedFd, status: &OwnedFd) -> std::io::Result<oneshot::Receiver<EndRecord>> {
     let pidfd = pidfd.try_clone()?;

@@ -160,6 +160,19 @@ fn exit_corpus() -> Vec<Case> {
         case("exit_huge_code", "import sys\nsys.exit(2**70)"),
         case("exit_no_newline", "import sys\nsys.stdout.write('no newline')\nsys.exit()"),
         case(
+            "exit_kept_stdout_copy",
+            "import os\nfd = os.dup(1)\nprint('print', flush=True)\nos.write(fd, b'dup\\n')\nos.set_inheritable(fd, True)",
+        ),
+        case(
+            "exit_socket_audited_and_replaced",
+            "import socket, sys\ndef hook(event, args):\n    if event.startswith('socket.'):\n        \
+             raise RuntimeError('no sockets here')\nsys.addaudithook(hook)\nsocket.socket = None\nprint('x')\nsys.exit(3)",
+        ),
+        case(
+            "exit_child_still_running",
+            "import subprocess, sys\nsubprocess.Popen(['sleep', '0.3'], stdout=sys.stdout)\nprint('left running')\nsys.exit(6)",
+        ),
+        case(
             "exit_module_from_workspace",
             "import os, sys\nsys.path.insert(0, os.getcwd())\nopen('mod.py', 'w').write(\n\
              'class B:\\n    def __del__(self):\\n        print(\"module object finalized\")\\nb = B()\\n')\nimport mod\nprint('imported')",
@@ -227,10 +240,15 @@ pub(super) fn observed(r: &Collected) -> Observed {
 
 /// A daemon serving python alone, with two ready containers (so `/healthz`'s `ready` counts python's).
 async fn python_daemon() -> Daemon {
+    host_daemon("python", "/usr/bin/python3").await
+}
+
+/// A daemon serving `lang` alone with the host's `command`, with two ready containers.
+pub(super) async fn host_daemon(lang: &str, command: &str) -> Daemon {
     Daemon::start(DaemonOpts {
         pool_size: 2,
         extra_config: Some(json!({
-            "languages": {"python": {"image": "host", "command": ["/usr/bin/python3"]}}
+            "languages": {lang: {"image": "host", "command": [command]}}
         })),
         ..DaemonOpts::default()
     })
@@ -414,6 +432,29 @@ async fn a_request_that_sets_a_start_up_variable_gets_a_plain_interpreter() {
     )
     .await;
     assert_eq!(r.stdout_text(), "False 1\n", "{}", r.dump());
+}
+
+/// A warm interpreter reports its program's end before its exit (`runtime::init`'s ending), and only the
+/// interpreter's own report counts: python's goes in a datagram to the init's socket, and one that a child of the
+/// program sends is dropped (the program ends as it would). (Node's: `warm_node`.)
+#[tokio::test]
+async fn only_the_interpreters_own_report_ends_the_program() {
+    let Some(_g) = privileged("only_the_interpreters_own_report_ends_the_program").await else {
+        return;
+    };
+    let d = python_daemon().await;
+    let mut c = Client::connect(&d).await;
+    let forged = "import os, socket, time\npid = os.fork()\nif pid == 0:\n    \
+                  with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:\n        \
+                  s.sendto(b'exit 9\\n', b'\\0sandboxd-warm-end')\n    os._exit(0)\n\
+                  os.waitpid(pid, 0)\ntime.sleep(0.2)\nprint('parent')";
+    let r = run(&mut c, &d, "forged", forged, &json!({}), true).await;
+    assert_eq!(
+        (r.stdout_text().as_str(), r.result().exit_code),
+        ("parent\n", Some(0)),
+        "a child's report is not the interpreter's: {}",
+        r.dump()
+    );
 }
 
 /// The documented differences of the warm interpreter's exit, which also show it is the one taken: the objects of

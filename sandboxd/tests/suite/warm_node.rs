@@ -9,8 +9,10 @@
 
 use serde_json::json;
 
-use super::harness::{exec_json, privileged, with, Client, Daemon, DaemonOpts};
-use super::warm::{case, differential, observed, preload_test, ran_warm, Case, Observed, Preload};
+use super::harness::{exec_json, privileged, with, Client, Daemon};
+use super::warm::{
+    case, differential, observed, preload_test, ran_warm, run_exec, Case, Observed, Preload,
+};
 
 /// Names, globals, exits and errors.
 fn corpus() -> Vec<Case> {
@@ -50,6 +52,20 @@ fn corpus() -> Vec<Case> {
 /// Stdio, children, files, modules, the event loop, limits.
 fn io_corpus() -> Vec<Case> {
     vec![
+        // Within a pipe's buffer: beyond it node itself drops what it queued at process.exit, warm or not.
+        case(
+            "output_then_exit",
+            "process.stdout.write('y'.repeat(30000) + '\\n');\nconsole.error('e'.repeat(20000));\nprocess.exit(3);",
+        ),
+        case(
+            "really_exit_replaced",
+            "const really = process.reallyExit;\nprocess.reallyExit = (code) => {\n  \
+             require('fs').writeSync(1, `bye ${code}\\n`);\n  really(code);\n};\nprocess.exit(2);",
+        ),
+        case(
+            "child_still_running_at_exit",
+            "require('child_process').spawn('sleep', ['0.3'], { stdio: 'inherit' }).unref();\nconsole.log('left running');",
+        ),
         Case {
             name: "stdin_read",
             code: "const fs = require('fs');\nconsole.log(JSON.stringify(fs.readFileSync(0, 'utf8')), fs.fstatSync(0).isFile());",
@@ -138,8 +154,9 @@ fn io_corpus() -> Vec<Case> {
         },
         case(
             "cwd_and_ids",
-            "const fs = require('fs');\nconsole.log(process.cwd(), process.getuid(), process.getgid(), process.ppid,\n\
-             fs.readdirSync('/proc/self/fd').length);",
+            // The descriptors are counted in `only_the_interpreters_own_report_ends_the_program` (warm node has
+            // one more, its channel).
+            "console.log(process.cwd(), process.getuid(), process.getgid(), process.ppid);",
         ),
     ]
 }
@@ -167,14 +184,7 @@ async fn a_node_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() 
     else {
         return;
     };
-    let d = Daemon::start(DaemonOpts {
-        pool_size: 2,
-        extra_config: Some(json!({
-            "languages": {"javascript": {"image": "host", "command": ["/usr/bin/node"]}}
-        })),
-        ..DaemonOpts::default()
-    })
-    .await;
+    let d = node_daemon().await;
     let mut c = Client::connect(&d).await;
     assert!(
         ran_warm(&mut c, &d, "probe-warm-first", "javascript", true).await,
@@ -208,6 +218,65 @@ async fn a_node_program_behaves_the_same_in_a_warm_and_in_a_plain_interpreter() 
         differ.len()
     );
     assert!(differ.is_empty(), "{}", differ.join("\n"));
+}
+
+/// Node reports its program's end on its channel, a descriptor it keeps (the one documented difference: one
+/// descriptor more than a plain start), and only there: a program that closed the channel and opened a file that
+/// took its number finds the file as it left it (the file is an artifact). (Its children do not inherit the channel:
+/// libuv starts them with the standard descriptors alone.)
+#[tokio::test]
+async fn node_reports_its_end_on_its_channel_only() {
+    let Some(_g) = privileged("node_reports_its_end_on_its_channel_only").await else {
+        return;
+    };
+    let d = node_daemon().await;
+    let mut c = Client::connect(&d).await;
+    // The channel's number is the stub's last argument.
+    let reused = "const fs = require('fs');\n\
+                  const fd = Number(fs.readFileSync('/proc/self/cmdline', 'utf8').split('\\0').filter(Boolean).pop());\n\
+                  fs.closeSync(fd);\nfs.mkdirSync('out', { recursive: true });\nconst f = fs.openSync('out/f', 'w');\n\
+                  console.log('same fd', f === fd);";
+    let exec = with(
+        exec_json("reused", "javascript", reused, 20_000, 128),
+        json!({"artifacts": {"paths": ["out/*"]}}),
+    );
+    let r = run_exec(&mut c, &d, exec, true).await;
+    assert_eq!(
+        (r.stdout_text().as_str(), r.result().exit_code),
+        ("same fd true\n", Some(0)),
+        "{}",
+        r.dump()
+    );
+    let artifacts = r.result_raw()["artifacts"]["artifacts"].clone();
+    assert_eq!(
+        artifacts[0]["size_bytes"], 0,
+        "the file under the channel's number is left empty: {artifacts:#}"
+    );
+    // The program's own descriptors and a child's.
+    let count = "const fs = require('fs');\n\
+                 const child = require('child_process').execFileSync('/bin/ls', ['/proc/self/fd'], { encoding: 'utf8' });\n\
+                 console.log(fs.readdirSync('/proc/self/fd').length, child.trim().split('\\n').length);";
+    let mut counts = Vec::new();
+    for warm in [true, false] {
+        let exec = exec_json(&format!("fds-{warm}"), "javascript", count, 20_000, 128);
+        let r = run_exec(&mut c, &d, exec, warm).await;
+        let n: Vec<i64> = r
+            .stdout_text()
+            .split_whitespace()
+            .map(|n| n.parse().unwrap_or(-1))
+            .collect();
+        counts.push(n);
+    }
+    assert_eq!(
+        (counts[0][0], counts[0][1]),
+        (counts[1][0] + 1, counts[1][1]),
+        "warm, plain: {counts:?}"
+    );
+}
+
+/// A daemon serving javascript alone (host node), with two ready containers.
+async fn node_daemon() -> Daemon {
+    super::warm::host_daemon("javascript", "/usr/bin/node").await
 }
 
 /// The javascript image's `preload` modules are loaded by the waiting node before the program runs (a warm program
