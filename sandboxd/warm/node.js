@@ -55,12 +55,31 @@
   fs.realpathSync("/");
   fs.readFileSync("/proc/self/comm");
   {
+    // The main module's resolution and load (path look-ups, realpath, the extension's loader), on /dev/null: no
+    // package.json is read (it does not end in .js) and nothing enters require.cache.
+    const probe = new Module("/dev/null", null);
+    probe.filename = Module._resolveFilename("/dev/null", null, true);
+    probe.paths = [];
+    probe.load(probe.filename);
+  }
+  {
     const warm = new Module("/proc/sandboxd-warm.js", null);
     warm.filename = "/proc/sandboxd-warm.js";
     warm.paths = [];
     warm._compile("", warm.filename);
   }
   JSON.parse(Buffer.concat([Buffer.from('{"args": ["/"]}')]).toString("utf8"));
+  // The tick queue runs once now (the warm-ups' own ticks with it, which would otherwise run after the program's
+  // first line, before its own): process._tickCallback, which is node's tick processing itself unless
+  // --pending-deprecation makes it a deprecated wrapper (then skipped: it would print a warning).
+  const pendingDeprecation =
+    process.execArgv.includes("--pending-deprecation") ||
+    (process.env.NODE_OPTIONS ?? "").includes("pending-deprecation") ||
+    process.env.NODE_PENDING_DEPRECATION === "1";
+  if (!pendingDeprecation) {
+    process.nextTick(() => {});
+    process._tickCallback();
+  }
   // The channel as it is now: the report is written only while the descriptor is still this socket.
   const channel = fs.fstatSync(fd);
   const chunks = [];
