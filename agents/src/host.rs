@@ -180,8 +180,14 @@ pub trait Network: Send + Sync + 'static {
     /// `asked` is above it.
     fn egress_bytes(&self, asked: Option<u64>) -> Result<u64, u64>;
 
-    /// A proxy with `allowlist` and a limit of `egress_bytes` (serving nothing yet).
-    fn proxy(&self, allowlist: Allowlist, egress_bytes: u64) -> Proxy;
+    /// A proxy with `allowlist` and a limit of `egress_bytes` (serving nothing yet), kept in `ledger` when given
+    /// (live restore: the limit outlives the daemon).
+    fn proxy(
+        &self,
+        allowlist: Allowlist,
+        egress_bytes: u64,
+        ledger: Option<egress::Ledger>,
+    ) -> Proxy;
 
     /// Where the proxy listens inside each container.
     fn address(&self) -> SocketAddr;

@@ -7,12 +7,20 @@
 //! `POST /sandboxes/<id>/network` swaps the allowlist while runs go on ([`SandboxEgress::set_allow`]): every
 //! request after the swap (a new `CONNECT`, a new plain-HTTP request) is checked against the new list; a tunnel
 //! already open stays open until either side closes it.
+//!
+//! With live restore the egress outlives the daemon: `egress.json` in the sandbox's directory ([`EgressRecord`])
+//! holds the allowlist in force, the byte limit and the bytes reserved of it, written before they may cross (the
+//! proxy's [`egress::Ledger`], a chunk of 1/16 of the limit at a time, 4 KiB to 4 MiB). The next daemon makes the
+//! proxy again from it ([`SandboxEgress::restore`]), counting every reserved byte as spent: a crash can give back
+//! none of the limit, and takes at most a chunk of it.
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use agent_api::{SandboxNetwork, SandboxNetworkUsage};
-use egress::{AllowlistError, Proxy};
+use egress::{AllowlistError, Ledger, Proxy, Reserve};
 use protocol::MAX_NETWORK_ALLOW;
+use serde::{Deserialize, Serialize};
 use tracing::{warn, Instrument};
 
 use crate::container::{LongLivedError, RunContainer};
@@ -33,6 +41,9 @@ pub enum NetworkError {
     /// An entry is malformed or not within the operator's bound.
     #[error("Field network.allow: {0}")]
     Entry(#[from] AllowlistError),
+    /// The new list could not be kept for the next daemon (live restore): it is not in force.
+    #[error("Cannot keep the sandbox's network for live restore")]
+    Record(#[source] std::io::Error),
     /// `egress_bytes` is above the daemon's maximum.
     #[error("Field network.egress_bytes: {asked} is above the maximum {max}")]
     EgressBytes {
@@ -50,13 +61,80 @@ pub struct SandboxEgress {
     /// The entries in force, as the caller wrote them (the proxy holds them parsed). Held while the proxy's list
     /// is swapped, so the two always agree.
     allow: Mutex<Vec<String>>,
+    /// With live restore: where the list and the byte limit's use are kept for the next daemon.
+    book: Option<Arc<Book>>,
+}
+
+/// The file a sandbox's egress is kept in for the next daemon (live restore), in its directory.
+pub const EGRESS_RECORD: &str = "egress.json";
+
+/// What [`EGRESS_RECORD`] holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EgressRecord {
+    /// The allowlist in force, as the caller wrote it.
+    pub allow: Vec<String>,
+    /// The byte limit.
+    pub egress_bytes: u64,
+    /// The bytes of it reserved so far: at least the bytes that crossed.
+    pub reserved: u64,
+}
+
+/// [`EgressRecord`] on disk, written (a temporary file renamed over it) whenever the list changes or more bytes
+/// are reserved.
+struct Book {
+    dir: PathBuf,
+    record: Mutex<EgressRecord>,
+}
+
+impl Book {
+    fn new(dir: &Path, record: EgressRecord) -> Book {
+        Book {
+            dir: dir.to_owned(),
+            record: Mutex::new(record),
+        }
+    }
+
+    fn record(&self) -> std::sync::MutexGuard<'_, EgressRecord> {
+        self.record.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Changes the record with `change` and writes it; on error the record is left as it was.
+    fn update(&self, change: impl FnOnce(&mut EgressRecord)) -> std::io::Result<()> {
+        let mut record = self.record();
+        let mut next = record.clone();
+        change(&mut next);
+        let bytes = serde_json::to_vec(&next).map_err(std::io::Error::other)?;
+        crate::restore::write_private(&self.dir, EGRESS_RECORD, &bytes)?;
+        *record = next;
+        Ok(())
+    }
+
+    /// The proxy's ledger: what is reserved counts as spent; a chunk of 1/16 of the limit (4 KiB to 4 MiB).
+    fn ledger(self: &Arc<Self>) -> Ledger {
+        let r = self.record();
+        Ledger {
+            spent: r.reserved,
+            chunk: (r.egress_bytes / 16).clamp(4 << 10, 4 << 20),
+            reserve: self.clone(),
+        }
+    }
+}
+
+impl Reserve for Book {
+    fn reserve(&self, total: u64) -> std::io::Result<()> {
+        self.update(|r| r.reserved = total)
+    }
 }
 
 impl SandboxEgress {
-    /// The proxy for a creation request's `network`; `network` is the host's (`None`: the extension is off).
+    /// The proxy for a creation request's `network`; `network` is the host's (`None`: the extension is off). With
+    /// `keep` (live restore), its list and limit are kept in the directory given ([`Self::save`] writes them
+    /// first).
     pub fn create(
         network: Option<&Arc<dyn Network>>,
         req: &SandboxNetwork,
+        keep: Option<&Path>,
     ) -> Result<SandboxEgress, NetworkError> {
         let network = network.ok_or(NetworkError::Disabled)?.clone();
         let allowlist = checked(&*network, &req.allow)?;
@@ -67,11 +145,64 @@ impl SandboxEgress {
                     asked: req.egress_bytes.unwrap_or(max),
                     max,
                 })?;
-        Ok(SandboxEgress {
-            proxy: network.proxy(allowlist, egress_bytes),
+        let record = EgressRecord {
+            allow: req.allow.clone(),
+            egress_bytes,
+            reserved: 0,
+        };
+        Ok(Self::make(network, allowlist, record, keep))
+    }
+
+    fn make(
+        network: Arc<dyn Network>,
+        allowlist: egress::Allowlist,
+        record: EgressRecord,
+        keep: Option<&Path>,
+    ) -> SandboxEgress {
+        let (allow, egress_bytes) = (record.allow.clone(), record.egress_bytes);
+        let book = keep.map(|dir| Arc::new(Book::new(dir, record)));
+        let ledger = book.as_ref().map(Book::ledger);
+        SandboxEgress {
+            proxy: network.proxy(allowlist, egress_bytes, ledger),
             network,
-            allow: Mutex::new(req.allow.clone()),
-        })
+            allow: Mutex::new(allow),
+            book,
+        }
+    }
+
+    /// The egress a previous daemon kept in `dir` (live restore): its list, checked again against this daemon's
+    /// bound (`network.allow_max`), its limit (no more than this daemon's `network.egress_bytes_max`), and every
+    /// byte it reserved counted as spent. Why not, when it cannot be.
+    pub fn restore(
+        network: Option<&Arc<dyn Network>>,
+        dir: &Path,
+    ) -> Result<SandboxEgress, String> {
+        let network = network
+            .ok_or_else(|| NetworkError::Disabled.to_string())?
+            .clone();
+        let bytes = std::fs::read(dir.join(EGRESS_RECORD))
+            .map_err(|e| format!("its {EGRESS_RECORD}: {e}"))?;
+        let mut record: EgressRecord =
+            serde_json::from_slice(&bytes).map_err(|e| format!("its {EGRESS_RECORD}: {e}"))?;
+        let allowlist = checked(&*network, &record.allow).map_err(|e| e.to_string())?;
+        record.egress_bytes = network
+            .egress_bytes(Some(record.egress_bytes))
+            .unwrap_or_else(|max| max);
+        Ok(Self::make(network, allowlist, record, Some(dir)))
+    }
+
+    /// Whether the egress is kept for the next daemon (live restore).
+    pub fn kept(&self) -> bool {
+        self.book.is_some()
+    }
+
+    /// Writes the kept record ([`EGRESS_RECORD`]) as it is now (a sandbox's creation, once its directory exists);
+    /// nothing without live restore.
+    pub fn save(&self) -> std::io::Result<()> {
+        match &self.book {
+            Some(book) => book.update(|_| ()),
+            None => Ok(()),
+        }
     }
 
     fn allow_guard(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
@@ -83,6 +214,11 @@ impl SandboxEgress {
     pub fn set_allow(&self, allow: Vec<String>) -> Result<Vec<String>, NetworkError> {
         let allowlist = checked(&*self.network, &allow)?;
         let mut guard = self.allow_guard();
+        if let Some(book) = &self.book {
+            // Kept first: a next daemon never serves a list this one did not.
+            book.update(|r| r.allow = allow.clone())
+                .map_err(NetworkError::Record)?;
+        }
         self.proxy.set_allowlist(allowlist);
         *guard = allow;
         Ok(guard.clone())
@@ -177,7 +313,12 @@ mod tests {
                 n => Ok(n.unwrap_or(1000)),
             }
         }
-        fn proxy(&self, allowlist: Allowlist, egress_bytes: u64) -> Proxy {
+        fn proxy(
+            &self,
+            allowlist: Allowlist,
+            egress_bytes: u64,
+            ledger: Option<egress::Ledger>,
+        ) -> Proxy {
             let resolver = StaticResolver::new()
                 .with("a.test", [Ipv4Addr::LOCALHOST.into()])
                 .with("b.test", [Ipv4Addr::LOCALHOST.into()]);
@@ -185,7 +326,11 @@ mod tests {
                 egress_bytes: Some(egress_bytes),
                 ..ProxyLimits::default()
             };
-            Proxy::new(allowlist, AddressPolicy::new(), Arc::new(resolver), limits)
+            let (policy, resolver) = (AddressPolicy::new(), Arc::new(resolver));
+            match ledger {
+                Some(l) => Proxy::with_ledger(allowlist, policy, resolver, limits, l),
+                None => Proxy::new(allowlist, policy, resolver, limits),
+            }
         }
         fn address(&self) -> SocketAddr {
             (Ipv4Addr::LOCALHOST, 0).into()
@@ -251,14 +396,14 @@ mod tests {
     #[test]
     fn creation_is_checked_against_the_host() {
         let net = network();
-        let e = SandboxEgress::create(None, &req(&["a.test:8443"], None)).err();
+        let e = SandboxEgress::create(None, &req(&["a.test:8443"], None), None).err();
         assert!(matches!(e, Some(NetworkError::Disabled)), "{e:?}");
-        let e = SandboxEgress::create(Some(&net), &req(&["a.test:443"], None)).err();
+        let e = SandboxEgress::create(Some(&net), &req(&["a.test:443"], None), None).err();
         assert!(
             matches!(e, Some(NetworkError::Entry(AllowlistError::NotCovered(_)))),
             "{e:?}"
         );
-        let e = SandboxEgress::create(Some(&net), &req(&["a.test:8443"], Some(1001))).err();
+        let e = SandboxEgress::create(Some(&net), &req(&["a.test:8443"], Some(1001)), None).err();
         assert!(
             matches!(
                 e,
@@ -273,11 +418,82 @@ mod tests {
             .map(|i| format!("n{i}.test:8443"))
             .collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
-        let e = SandboxEgress::create(Some(&net), &req(&many, None)).err();
+        let e = SandboxEgress::create(Some(&net), &req(&many, None), None).err();
         assert!(matches!(e, Some(NetworkError::TooMany(_))), "{e:?}");
-        let sb = SandboxEgress::create(Some(&net), &req(&[], None)).unwrap();
+        let sb = SandboxEgress::create(Some(&net), &req(&[], None), None).unwrap();
         assert!(sb.usage().allow.is_empty());
         assert_eq!(sb.environment()[0].0, "HTTPS_PROXY");
+    }
+
+    /// Kept (live restore): the list and the limit are written at creation and at every change of the list; the
+    /// next daemon's proxy has the list in force and counts every reserved byte as spent; a list outside this
+    /// daemon's bound, a missing record or the extension off is refused.
+    #[tokio::test]
+    async fn a_kept_egress_is_made_again_from_its_record() {
+        let net = network();
+        let t = tempfile::tempdir().unwrap();
+        let sb = SandboxEgress::create(
+            Some(&net),
+            &req(&["a.test:8443"], Some(900)),
+            Some(t.path()),
+        )
+        .unwrap();
+        sb.save().unwrap();
+        let read = || -> EgressRecord {
+            serde_json::from_slice(&std::fs::read(t.path().join(EGRESS_RECORD)).unwrap()).unwrap()
+        };
+        assert_eq!(
+            read(),
+            EgressRecord {
+                allow: vec!["a.test:8443".into()],
+                egress_bytes: 900,
+                reserved: 0
+            }
+        );
+        sb.set_allow(vec!["b.test:8443".into()]).unwrap();
+        assert_eq!(read().allow, ["b.test:8443"]);
+        // Refused lists are not written.
+        assert!(sb.set_allow(vec!["b.test:443".into()]).is_err());
+        assert_eq!(read().allow, ["b.test:8443"]);
+        // The reservations as the proxy makes them.
+        let book = sb.book.clone().unwrap();
+        let ledger = book.ledger();
+        assert_eq!((ledger.spent, ledger.chunk), (0, 4096));
+        ledger.reserve.reserve(700).unwrap();
+        assert_eq!(read().reserved, 700);
+
+        let again = SandboxEgress::restore(Some(&net), t.path()).unwrap();
+        assert_eq!(again.usage().allow, ["b.test:8443"]);
+        assert_eq!(again.book.as_ref().unwrap().ledger().spent, 700);
+        let run = Loopback::default();
+        let _serving = again.serve_in(&run).unwrap();
+        let addr = run.0.lock().unwrap().unwrap();
+        let b = connect(addr, "b.test:8443").await;
+        assert!(b.contains("resolves only to refused addresses"), "{b}");
+        // 700 of 900 spent: a request still goes through the checks; at 900 the limit refuses it.
+        again.book.as_ref().unwrap().reserve(900).unwrap();
+        let used_up = SandboxEgress::restore(Some(&net), t.path()).unwrap();
+        let run = Loopback::default();
+        let _serving = used_up.serve_in(&run).unwrap();
+        let addr = run.0.lock().unwrap().unwrap();
+        let b = connect(addr, "b.test:8443").await;
+        assert!(b.contains("byte limit"), "{b}");
+
+        let mut wide = read();
+        wide.allow = vec!["c.example:443".into()];
+        std::fs::write(
+            t.path().join(EGRESS_RECORD),
+            serde_json::to_vec(&wide).unwrap(),
+        )
+        .unwrap();
+        let e = SandboxEgress::restore(Some(&net), t.path()).err().unwrap();
+        assert!(e.contains("network.allow"), "{e}");
+        assert!(SandboxEgress::restore(None, t.path()).is_err());
+        let empty = tempfile::tempdir().unwrap();
+        let e = SandboxEgress::restore(Some(&net), empty.path())
+            .err()
+            .unwrap();
+        assert!(e.contains(EGRESS_RECORD), "{e}");
     }
 
     /// Sends a CONNECT to the proxy on `addr` and returns the answer's status line and body.
@@ -294,7 +510,7 @@ mod tests {
     #[tokio::test]
     async fn a_new_list_applies_to_the_next_request_and_a_bad_one_changes_nothing() {
         let net = network();
-        let sb = SandboxEgress::create(Some(&net), &req(&["a.test:8443"], None)).unwrap();
+        let sb = SandboxEgress::create(Some(&net), &req(&["a.test:8443"], None), None).unwrap();
         let run = Loopback::default();
         let serving = sb.serve_in(&run).unwrap();
         let addr = run.0.lock().unwrap().unwrap();

@@ -75,6 +75,11 @@ impl Agents {
             made => made?,
         }
         let settings = &host.settings;
+        // The volume mounts of the sandboxes a previous daemon left, which `restore` takes back.
+        let held = match settings.agents.live_restore {
+            true => crate::restore::held_volumes(&dir),
+            false => Vec::new(),
+        };
         let volumes = host
             .disks
             .clone()
@@ -82,8 +87,8 @@ impl Agents {
                 Volumes::open(
                     settings.state_dir.join("volumes"),
                     disks,
-                    settings.agents.volume_max_mb,
-                    settings.agents.max_volumes,
+                    (settings.agents.volume_max_mb, settings.agents.max_volumes),
+                    &held,
                 )
             })
             .transpose()?;
@@ -247,17 +252,24 @@ impl Agents {
             self.volumes.is_some(),
             &names,
         )?;
-        let network = req
-            .network
-            .as_ref()
-            .map(|n| SandboxEgress::create(self.host.network.as_ref(), n))
-            .transpose()
-            .map_err(|e| PluginError::invalid(e.to_string()))?;
         let id = format!(
             "ags-{}-{}",
             self.nonce,
             self.seq.fetch_add(1, Ordering::Relaxed)
         );
+        // With live restore the egress is kept in the sandbox's directory for the next daemon.
+        let keep = self
+            .host
+            .settings
+            .agents
+            .live_restore
+            .then(|| self.dir.join(&id));
+        let network = req
+            .network
+            .as_ref()
+            .map(|n| SandboxEgress::create(self.host.network.as_ref(), n, keep.as_deref()))
+            .transpose()
+            .map_err(|e| PluginError::invalid(e.to_string()))?;
         tracing::Span::current().record("sandbox", id.as_str());
         let layer = match &req.from_snapshot {
             Some(snapshot) => Some(
@@ -314,6 +326,15 @@ impl Agents {
                 files,
             )
             .await?;
+        if let Some(Err(e)) = network.as_ref().map(SandboxEgress::save) {
+            hub.close();
+            workspace.remove().await;
+            return Err(PluginError::ProviderUnavailable {
+                message: format!("Cannot keep the sandbox's network for live restore: {e}"),
+                retryable: true,
+            }
+            .into());
+        }
         let mounts = match self.attach_volumes(&id, &workspace, mounts).await {
             Ok(m) => m,
             Err((e, attached)) => {
@@ -579,15 +600,34 @@ impl Agents {
     /// with why when the run could not be taken back and ended as a crash).
     async fn adopt(&self, dir: &Path) -> Result<(Arc<Sandbox>, Option<String>), String> {
         let record = crate::restore::load(dir).map_err(|e| format!("unreadable record: {e}"))?;
-        if !crate::restore::adoptable(&record) {
+        if !crate::restore::adoptable(&record) || crate::restore::lost(dir) {
             // Its run's cgroups were removed with its processes at the start, and its mounts were not carried.
             if let Some(run) = &record.run {
                 self.host.containers.end_kept_run(&run.cid, run.init).await;
             }
-            return Err(
-                "a sandbox with network or volume mounts is not taken back by this daemon".into(),
-            );
+            return Err(match crate::restore::adoptable(&record) {
+                true => "its mounts were not carried over from the previous daemon".into(),
+                false => {
+                    "an earlier daemon's record of its network or volume mounts is not taken back"
+                        .into()
+                }
+            });
         }
+        let adopted = self.adopt_held(dir, &record).await;
+        if adopted.is_err() {
+            // The volumes counted it as holding its mounts: they are given back, and the ones it wrote scanned as
+            // a lost writer's.
+            self.drop_volumes(&record).await;
+        }
+        adopted
+    }
+
+    /// [`Self::adopt`] of a sandbox whose mounts were carried over.
+    async fn adopt_held(
+        &self,
+        dir: &Path,
+        record: &crate::restore::Record,
+    ) -> Result<(Arc<Sandbox>, Option<String>), String> {
         let req = WorkspaceRequest {
             id: &record.id,
             parent: &self.dir,
@@ -643,7 +683,27 @@ impl Agents {
             self.host.settings.agents.upload_attempts,
             self.host.uploads.clone(),
         );
-        let sb = Sandbox::restore(&record, (backend, hub), workspace, self.host.clone());
+        let network = match record.network {
+            true => match SandboxEgress::restore(self.host.network.as_ref(), dir) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    hub.close();
+                    if let Ok(s) = &self.snapshots {
+                        s.release(&record.id);
+                    }
+                    return refuse(format!("its network: {e}")).await;
+                }
+            },
+            false => None,
+        };
+        let volumes = self.volumes.clone().map(|v| (v, record.volumes.clone()));
+        let sb = Sandbox::restore(
+            record,
+            (backend, hub),
+            workspace,
+            (network, volumes),
+            self.host.clone(),
+        );
         let ended = match record.run.clone() {
             Some(run) => sb.adopt_run(run).await.err(),
             None => None,
@@ -653,6 +713,26 @@ impl Agents {
         self.map().insert(record.id.clone(), sb.clone());
         info!(sandbox = %record.id, "agent sandbox taken back from a previous daemon");
         Ok((sb, ended))
+    }
+
+    /// The volume mounts of a recorded sandbox that could not be taken back: released, and each volume it wrote
+    /// scanned as a lost writer's (`restart`; nothing is uploaded again: its credentials are not used).
+    async fn drop_volumes(&self, record: &crate::restore::Record) {
+        let Some(volumes) = &self.volumes else {
+            return;
+        };
+        let none =
+            |_: String| -> crate::container::BoxFuture<'_, bool> { Box::pin(async { false }) };
+        for m in &record.volumes {
+            if !m.read_only {
+                volumes
+                    .recover(&m.volume, &record.id, "restart", &none)
+                    .await;
+            }
+            volumes
+                .release(&m.volume, &record.id, &m.path, m.read_only)
+                .await;
+        }
     }
 
     /// Daemon shutdown: removes every sandbox, or with live restore leaves them running for the next daemon (their

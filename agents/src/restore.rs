@@ -24,9 +24,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::container::InitIdentity;
+use crate::volumes::Mounted;
 
 /// The record's file in a sandbox's directory.
 pub const RECORD: &str = "sandbox.json";
+/// The mark of a sandbox whose mounts were not carried over ([`mark_lost`]).
+const LOST: &str = "mounts-lost";
 /// The record format this daemon writes; a record of another version is not adopted (the sandbox is removed).
 pub const VERSION: u32 = 1;
 
@@ -61,12 +64,19 @@ pub struct Record {
     /// The snapshot its workspace started from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_snapshot: Option<String>,
-    /// It was created with volume mounts (not adopted yet: removed at restore).
+    /// It was created with volume mounts.
     #[serde(default)]
     pub mounts: bool,
-    /// It was created with `network` (not adopted yet: removed at restore).
+    /// Those mounts (a record of an earlier daemon has `mounts` without them: not taken back).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<Mounted>,
+    /// It was created with `network`.
     #[serde(default)]
     pub network: bool,
+    /// Its egress is kept in `egress.json` ([`crate::network::EgressRecord`]; an earlier daemon's record has
+    /// `network` without it: not taken back).
+    #[serde(default)]
+    pub egress: bool,
     /// Runs started so far (the next run's container id follows it).
     pub runs: u64,
     /// The agent's status.
@@ -121,7 +131,13 @@ pub fn save(dir: &Path, record: &Record) -> std::io::Result<()> {
 
 /// [`save`] of an encoded record.
 pub fn save_bytes(dir: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = dir.join(format!("{RECORD}.tmp"));
+    write_private(dir, RECORD, bytes)
+}
+
+/// Writes `bytes` as file `name` of `dir`, readable by root only: a temporary file renamed over the old one, so a
+/// reader (the next daemon) finds the old or the new content, never a part.
+pub fn write_private(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{name}.tmp"));
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -130,7 +146,7 @@ pub fn save_bytes(dir: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .open(&tmp)?;
     f.write_all(bytes)?;
     drop(f);
-    std::fs::rename(&tmp, dir.join(RECORD))
+    std::fs::rename(&tmp, dir.join(name))
 }
 
 /// The record in `dir`.
@@ -146,19 +162,48 @@ pub fn load(dir: &Path) -> std::io::Result<Record> {
     Ok(record)
 }
 
-/// Whether this daemon takes such a sandbox back. A sandbox with volume mounts is not (yet): its volumes are
-/// mounted again at the start, and an ext4 volume must never be mounted twice at once, so its run is ended and its
-/// mounts are left behind before that; one with `network` is not either (its proxy's byte budget is not recorded).
+/// Whether this daemon takes such a sandbox back: not when its record has `network` without a kept egress, or
+/// volume mounts without naming them (both an earlier daemon's records). A sandbox with volumes is taken back with
+/// each volume's own mount carried over from the previous daemon's namespace, so that the volume is never mounted a
+/// second time while the agent's container holds it; one with `network` with its proxy made again from its
+/// `egress.json`.
 pub fn adoptable(record: &Record) -> bool {
-    !record.mounts && !record.network
+    (!record.network || record.egress) && (!record.mounts || !record.volumes.is_empty())
 }
 
-/// The sandbox directories under `agents` whose record this daemon takes back ([`adoptable`]): what a daemon with
-/// live restore carries over into its mount namespace.
+/// Each volume mount of the sandboxes under `agents` that this daemon takes back ([`carried`]), with its
+/// sandbox's id: the attachments the volumes start with (a writer among them is not a lost writer, so its volume
+/// is not scanned).
+pub fn held_volumes(agents: &Path) -> Vec<(String, Mounted)> {
+    carried(agents)
+        .iter()
+        .filter_map(|d| load(d).ok())
+        .flat_map(|r| {
+            let id = r.id;
+            r.volumes.into_iter().map(move |m| (id.clone(), m))
+        })
+        .collect()
+}
+
+/// Marks sandbox directory `dir` as not carried over: its mounts could not be moved into this daemon's namespace
+/// (or there was no previous namespace to move them from). From then on it is not [`carried`]: its run is not kept
+/// (it is ended with the leftovers, before any volume is mounted again), its volume mounts are not held, and it is
+/// removed at restore.
+pub fn mark_lost(dir: &Path) -> std::io::Result<()> {
+    std::fs::write(dir.join(LOST), b"")
+}
+
+/// Whether [`mark_lost`] marked `dir`.
+pub fn lost(dir: &Path) -> bool {
+    dir.join(LOST).exists()
+}
+
+/// The sandbox directories under `agents` whose record this daemon takes back ([`adoptable`]) and whose mounts
+/// were not lost ([`mark_lost`]): what a daemon with live restore carries over into its mount namespace.
 pub fn carried(agents: &Path) -> Vec<PathBuf> {
     recorded(agents)
         .into_iter()
-        .filter(|d| load(d).is_ok_and(|r| adoptable(&r)))
+        .filter(|d| !lost(d) && load(d).is_ok_and(|r| adoptable(&r)))
         .collect()
 }
 
@@ -176,12 +221,13 @@ pub fn recorded(agents: &Path) -> Vec<PathBuf> {
     dirs
 }
 
-/// The container ids of the recorded live runs of sandboxes taken back ([`adoptable`]) whose init is still the
-/// recorded process: their cgroups are not leftovers (the others' are removed with their processes).
+/// The container ids of the recorded live runs of sandboxes taken back ([`carried`]) whose init is still the
+/// recorded process: their cgroups are not leftovers (the others' are removed with their processes, before any
+/// volume is mounted again).
 pub fn kept_runs(agents: &Path) -> Vec<String> {
-    recorded(agents)
+    carried(agents)
         .iter()
-        .filter_map(|d| load(d).ok().filter(adoptable)?.run)
+        .filter_map(|d| load(d).ok()?.run)
         .filter(|r| runtime::sys::start_time(r.init.pid) == Some(r.init.start))
         .map(|r| r.cid)
         .collect()
@@ -228,7 +274,9 @@ mod tests {
             .unwrap(),
             from_snapshot: None,
             mounts: false,
+            volumes: Vec::new(),
             network: false,
+            egress: false,
             runs: 2,
             status: Some(AgentStatus::Running),
             before_pause: None,
@@ -277,12 +325,44 @@ mod tests {
         std::fs::create_dir(t.path().join("no-record")).unwrap();
         assert_eq!(recorded(t.path()).len(), 2);
         assert_eq!(kept_runs(t.path()), vec!["ags-1-2".to_owned()]);
-        // A sandbox with volume mounts is not taken back: its run is not kept, its mounts not carried.
+        // An earlier daemon's record of a sandbox with volume mounts does not name them: not taken back (its run
+        // is not kept, its mounts not carried).
         let mut mounted = record();
         mounted.mounts = true;
         save(&live, &mounted).unwrap();
         assert!(kept_runs(t.path()).is_empty());
         assert_eq!(carried(t.path()), vec![gone.clone()]);
+        // Named, they are taken back, and held for the volumes.
+        mounted.volumes = vec![Mounted {
+            volume: "vol-1".into(),
+            path: "/workspace/data".into(),
+            rel: "data".into(),
+            read_only: false,
+        }];
+        save(&live, &mounted).unwrap();
+        assert_eq!(kept_runs(t.path()), vec!["ags-1-2".to_owned()]);
+        assert_eq!(carried(t.path()).len(), 2);
+        let held = held_volumes(t.path());
+        assert_eq!(held.len(), 1);
+        assert_eq!(
+            (held[0].0.as_str(), held[0].1.volume.as_str()),
+            ("ags-1", "vol-1")
+        );
+        // One with network is not taken back unless its egress is kept.
+        mounted.network = true;
+        save(&live, &mounted).unwrap();
+        assert!(kept_runs(t.path()).is_empty());
+        mounted.egress = true;
+        save(&live, &mounted).unwrap();
+        assert_eq!(kept_runs(t.path()), vec!["ags-1-2".to_owned()]);
+        // Nor one whose mounts were lost: its run is not kept, its volumes not held.
+        (mounted.network, mounted.egress) = (false, false);
+        save(&live, &mounted).unwrap();
+        mark_lost(&live).unwrap();
+        assert!(kept_runs(t.path()).is_empty());
+        assert!(held_volumes(t.path()).is_empty());
+        assert_eq!(carried(t.path()), vec![gone.clone()]);
+        std::fs::remove_file(live.join(LOST)).unwrap();
         save(&live, &r).unwrap();
         // Another version is refused.
         let mut v2 = record();

@@ -389,6 +389,13 @@ async fn network(
                 handle: Some(Box::new(sb.handle())),
             },
         ),
+        Err(e @ NetworkError::Record(_)) => refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            PluginError::ProviderUnavailable {
+                message: runtime::error::Chain(&e).to_string(),
+                retryable: true,
+            },
+        ),
         Err(e) => refuse(StatusCode::BAD_REQUEST, PluginError::invalid(e.to_string())),
     }
 }

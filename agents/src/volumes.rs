@@ -184,13 +184,16 @@ pub struct Volumes {
 
 impl Volumes {
     /// The volumes under `dir`, mounted; a volume whose writer was lost with the previous daemon is scanned first
-    /// (blocking work, at start). A directory without `volume.json` (a creation that did not finish) is removed; a
+    /// (blocking work, at start). `held` are the mounts of the sandboxes a previous daemon left and this one takes
+    /// back (live restore), with their sandbox ids: they are the volumes' first attachments, and a writer among
+    /// them is not lost (its sandbox's removal scans, or [`Self::release`] and [`Self::recover`] if it cannot be
+    /// taken back after all). A directory without `volume.json` (a creation that did not finish) is removed; a
     /// volume that cannot be read or mounted is logged and left as it is (its scan waits for a start that can).
     pub fn open(
         dir: PathBuf,
         disks: Arc<dyn Disks>,
-        max_mb: u64,
-        max_count: usize,
+        (max_mb, max_count): (u64, usize),
+        held: &[(String, Mounted)],
     ) -> std::io::Result<Arc<Self>> {
         use std::os::unix::fs::DirBuilderExt as _;
         std::fs::DirBuilder::new()
@@ -200,7 +203,7 @@ impl Volumes {
         let mut entries = BTreeMap::new();
         for e in std::fs::read_dir(&dir)?.flatten() {
             if e.file_type().is_ok_and(|t| t.is_dir()) {
-                if let Some(entry) = open_one(&e.path(), &*disks) {
+                if let Some(entry) = open_one(&e.path(), &*disks, held) {
                     entries.insert(entry.meta.id.clone(), entry);
                 }
             }
@@ -683,9 +686,10 @@ impl Drop for Claim {
     }
 }
 
-/// One volume found at start (blocking): mounted, and scanned when its writer was lost; `None` when it is not a
-/// volume (an unfinished one is removed) or cannot be read.
-fn open_one(path: &Path, disks: &dyn Disks) -> Option<Entry> {
+/// One volume found at start (blocking): mounted, with the attachments of the sandboxes taken back (`held`), and
+/// scanned when its writer was lost (not among them); `None` when it is not a volume (an unfinished one is
+/// removed) or cannot be read.
+fn open_one(path: &Path, disks: &dyn Disks, held: &[(String, Mounted)]) -> Option<Entry> {
     let meta = match std::fs::read(path.join(META)) {
         Ok(bytes) => match serde_json::from_slice::<Meta>(&bytes) {
             Ok(m) => m,
@@ -709,9 +713,23 @@ fn open_one(path: &Path, disks: &dyn Disks) -> Option<Entry> {
             return None;
         }
     };
+    let attachments: Vec<VolumeAttachment> = held
+        .iter()
+        .filter(|(_, m)| m.volume == meta.id)
+        .map(|(sandbox, m)| VolumeAttachment {
+            sandbox_id: sandbox.clone(),
+            path: m.path.clone(),
+            read_only: m.read_only,
+        })
+        .collect();
+    let kept_writer = meta.writer.as_ref().is_some_and(|w| {
+        attachments
+            .iter()
+            .any(|a| &a.sandbox_id == w && !a.read_only)
+    });
     let mut entry = Entry {
         meta,
-        attachments: Vec::new(),
+        attachments,
         deleting: false,
     };
     if let Err(err) = disks.mount(path) {
@@ -719,7 +737,9 @@ fn open_one(path: &Path, disks: &dyn Disks) -> Option<Entry> {
         error!(volume = %entry.meta.id, error = %err, "cannot mount a volume");
         return Some(entry);
     }
-    if let Some(writer) = entry.meta.writer.clone() {
+    if kept_writer {
+        info!(volume = %entry.meta.id, sandbox = ?entry.meta.writer, "volume's writer taken back");
+    } else if let Some(writer) = entry.meta.writer.clone() {
         let scanned = scan(path, &writer, "restart");
         warn!(volume = %entry.meta.id, sandbox = %writer, orphans = scanned.report.orphans.len(),
             not_uploaded = scanned.report.not_uploaded.len(), "recovery scan of a volume whose writer was lost");
@@ -883,7 +903,8 @@ fn now() -> String {
 }
 
 /// A volume mounted into a sandbox.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Mounted {
     /// The volume's id.
     pub volume: String,

@@ -15,6 +15,8 @@
 //! Everything else is refused and logged at info level with a reason. Connections and bytes are counted per proxy
 //! ([`Stats`]); a byte limit closes connections once the bytes exchanged with the outside exceed it. The
 //! allowlist can be swapped while the proxy runs ([`Proxy::set_allowlist`]); each new request uses the new list.
+//! With a [`Ledger`] ([`Proxy::with_ledger`]) the bytes are reserved in it before they are moved, so the limit
+//! holds across a proxy made again after a crash.
 
 mod address;
 mod allowlist;
@@ -30,6 +32,7 @@ mod tunnel_http;
 
 pub use address::{classify, AddressPolicy, AddressRefusal};
 pub use allowlist::{Allowlist, AllowlistError, Entry, HostPattern, DEFAULT_PORTS};
+pub use counting::{Ledger, Reserve};
 pub use error::{EgressError, Refusal};
 pub use proxy::{Accept, Proxy, Stats};
 pub use resolve::{Resolve, ResolveFuture, StaticResolver, SystemResolver};

@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use crate::address::AddressPolicy;
 use crate::allowlist::Allowlist;
-use crate::counting::Counters;
+use crate::counting::{Counters, Ledger};
 use crate::error::EgressError;
 use crate::resolve::Resolve;
 use crate::shared::{text, Body, Outcome, ProxyLimits, Shared};
@@ -74,13 +74,36 @@ impl Proxy {
         resolver: Arc<dyn Resolve>,
         limits: ProxyLimits,
     ) -> Proxy {
+        Self::build(allowlist, addresses, resolver, limits, Counters::default())
+    }
+
+    /// [`Proxy::new`], whose byte limit is kept in `ledger` (it outlives the proxy: a proxy made again from it
+    /// after a crash counts what this one may have spent).
+    pub fn with_ledger(
+        allowlist: Allowlist,
+        addresses: AddressPolicy,
+        resolver: Arc<dyn Resolve>,
+        limits: ProxyLimits,
+        ledger: Ledger,
+    ) -> Proxy {
+        let counters = Counters::with_ledger(ledger);
+        Self::build(allowlist, addresses, resolver, limits, counters)
+    }
+
+    fn build(
+        allowlist: Allowlist,
+        addresses: AddressPolicy,
+        resolver: Arc<dyn Resolve>,
+        limits: ProxyLimits,
+        counters: Counters,
+    ) -> Proxy {
         let slots = tokio::sync::Semaphore::new(limits.max_connections.max(1));
         let shared = Shared {
             allowlist: RwLock::new(Arc::new(allowlist)),
             addresses,
             resolver,
             limits,
-            counters: Arc::new(Counters::default()),
+            counters: Arc::new(counters),
             tasks: std::sync::Mutex::new(Vec::new()),
             connection_slots: Arc::new(slots),
         };

@@ -321,8 +321,13 @@ impl Network for EgressNetwork {
         self.0.egress_bytes(asked)
     }
 
-    fn proxy(&self, allowlist: egress::Allowlist, egress_bytes: u64) -> egress::Proxy {
-        self.0.proxy(allowlist, egress_bytes)
+    fn proxy(
+        &self,
+        allowlist: egress::Allowlist,
+        egress_bytes: u64,
+        ledger: Option<egress::Ledger>,
+    ) -> egress::Proxy {
+        self.0.proxy(allowlist, egress_bytes, ledger)
     }
 
     fn address(&self) -> SocketAddr {

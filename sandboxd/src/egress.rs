@@ -156,19 +156,23 @@ impl Egress {
     }
 
     /// A proxy (serving nothing yet) with `allowlist`, the daemon's address policy and resolver, and a limit of
-    /// `egress_bytes`.
-    pub fn proxy(&self, allowlist: Allowlist, egress_bytes: u64) -> Proxy {
+    /// `egress_bytes`, kept in `ledger` when given.
+    pub fn proxy(
+        &self,
+        allowlist: Allowlist,
+        egress_bytes: u64,
+        ledger: Option<egress::Ledger>,
+    ) -> Proxy {
         let limits = ProxyLimits {
             egress_bytes: Some(egress_bytes),
             connect_timeout: Duration::from_millis(self.config.connect_timeout_ms),
             ..ProxyLimits::default()
         };
-        Proxy::new(
-            allowlist,
-            self.addresses.clone(),
-            self.resolver.clone(),
-            limits,
-        )
+        let (addresses, resolver) = (self.addresses.clone(), self.resolver.clone());
+        match ledger {
+            Some(ledger) => Proxy::with_ledger(allowlist, addresses, resolver, limits, ledger),
+            None => Proxy::new(allowlist, addresses, resolver, limits),
+        }
     }
 
     /// Starts the proxy for one execution on `listener` (inside its container). Dropping the returned
@@ -180,7 +184,7 @@ impl Egress {
         id: &str,
     ) -> std::io::Result<Running> {
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        let proxy = self.proxy(admitted.allowlist, admitted.egress_bytes);
+        let proxy = self.proxy(admitted.allowlist, admitted.egress_bytes, None);
         let serving = proxy.clone();
         let span = tracing::info_span!("egress", execution = %id);
         let task = tokio::spawn(

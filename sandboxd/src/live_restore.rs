@@ -112,16 +112,40 @@ pub fn enter_mount_namespace(state_dir: &Path, live_restore: bool) -> anyhow::Re
     result
 }
 
-/// Carries every recorded sandbox's mounts from `old` (if there is a previous namespace) into `new`; ends in `new`.
+/// Carries every recorded sandbox's mounts from `old` (the previous namespace) into `new`; ends in `new`. A
+/// sandbox with volumes has each volume's own mount (`<state_dir>/volumes/<id>/mnt`) carried first: the same
+/// superblock its agent's container holds, which the volumes then find mounted instead of mounting the volume's
+/// file a second time. A sandbox whose mounts cannot all be carried (or when there is no previous namespace) is
+/// marked lost ([`agents::restore::mark_lost`]): its run is ended with the leftovers, before any volume is mounted.
 fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result<()> {
-    let Some(old) = old else {
-        return Ok(());
-    };
+    let volumes = state_dir.join("volumes");
+    let mut carried_volumes = std::collections::BTreeSet::new();
     for dir in agents::restore::carried(&state_dir.join("agents")) {
-        match carry(old, new, &dir) {
+        let record = agents::restore::load(&dir).context("the sandbox's record")?;
+        let carried = match old {
+            Some(old) => record
+                .volumes
+                .iter()
+                .try_for_each(|m| {
+                    if carried_volumes.contains(&m.volume) {
+                        return Ok(());
+                    }
+                    carry(old, new, &volumes.join(&m.volume).join("mnt"))
+                        .with_context(|| format!("volume {}", m.volume))?;
+                    carried_volumes.insert(m.volume.clone());
+                    Ok(())
+                })
+                .and_then(|()| carry(old, new, &dir)),
+            None => Err(anyhow::anyhow!(
+                "no mount namespace of a previous daemon is pinned"
+            )),
+        };
+        match carried {
             Ok(()) => info!(path = %dir.display(), "agent sandbox mounts carried over"),
             Err(e) => {
-                warn!(path = %dir.display(), error = %format!("{e:#}"), "agent sandbox mounts not carried over")
+                warn!(path = %dir.display(), error = %format!("{e:#}"), "agent sandbox mounts not carried over: its run is ended");
+                agents::restore::mark_lost(&dir)
+                    .with_context(|| format!("mark {} as not carried", dir.display()))?;
             }
         }
     }

@@ -161,23 +161,17 @@ impl Sandbox {
         let adopted = self.workspace.adopt_run(&run.cid, run.init).await;
         let (c, io) = match adopted {
             Ok(a) => a,
+            Err(e) => return Err(self.not_taken_back(&run_id, Chain(&e).to_string())),
+        };
+        // Its egress proxy is served again at the same address in its network namespace (the previous daemon's
+        // listener went with it).
+        let serving = match self.network.as_ref().map(|n| n.serve_in(&*c)).transpose() {
+            Ok(s) => s,
             Err(e) => {
-                let why = format!(
-                    "the run could not be taken back after a daemon restart: {}",
-                    Chain(&e)
-                );
-                {
-                    let mut sh = self.shared();
-                    sh.kept = None;
-                    sh.status = Some(AgentStatus::Error);
-                    sh.before_pause = None;
-                }
-                self.hub.emit(
-                    &run_id,
-                    lifecycle_event(&self.agent_id, "crashed", Some(&why)),
-                );
-                self.persist();
-                return Err(why);
+                c.signal(Signal::SIGKILL);
+                c.remove().await;
+                let why = format!("its egress proxy cannot be served in it: {}", Chain(&e));
+                return Err(self.not_taken_back(&run_id, why));
             }
         };
         let listener = std::os::unix::net::UnixListener::from(io.control);
@@ -227,8 +221,26 @@ impl Sandbox {
             brief: first,
             spool,
         };
-        self.supervised(&mut ops, (c, None), listener, first, run_id);
+        self.supervised(&mut ops, (c, serving), listener, first, run_id);
         Ok(())
+    }
+
+    /// A kept run that could not be taken back (`why`): it ends as a crash with the reason, and the sandbox
+    /// stays. Returns the reason.
+    fn not_taken_back(&self, run_id: &str, why: String) -> String {
+        let why = format!("the run could not be taken back after a daemon restart: {why}");
+        {
+            let mut sh = self.shared();
+            sh.kept = None;
+            sh.status = Some(AgentStatus::Error);
+            sh.before_pause = None;
+        }
+        self.hub.emit(
+            run_id,
+            lifecycle_event(&self.agent_id, "crashed", Some(&why)),
+        );
+        self.persist();
+        why
     }
 
     /// Makes `c` the live run and starts its supervisor in the run's span: a child of the spawn (or resume, or

@@ -141,6 +141,9 @@ fn unavailable(message: impl Into<String>, retryable: bool) -> PluginError {
     }
 }
 
+/// The volumes a sandbox mounts, with the daemon's volumes (`None` when the daemon has none).
+pub type SandboxVolumes = Option<(Arc<Volumes>, Vec<Mounted>)>;
+
 impl Sandbox {
     /// Assembles a sandbox around its prepared workspace.
     #[allow(clippy::too_many_arguments)]
@@ -154,7 +157,7 @@ impl Sandbox {
         hub: Arc<Hub>,
         workspace: Arc<dyn Workspace>,
         network: Option<SandboxEgress>,
-        volumes: Option<(Arc<Volumes>, Vec<Mounted>)>,
+        volumes: SandboxVolumes,
         (from_snapshot, host): (Option<String>, Host),
     ) -> Arc<Self> {
         let (volumes, mounts) = match volumes {
@@ -193,8 +196,13 @@ impl Sandbox {
         record: &Record,
         (backend, hub): (Arc<Backend>, Arc<Hub>),
         workspace: Arc<dyn Workspace>,
+        (network, volumes): (Option<SandboxEgress>, SandboxVolumes),
         host: Host,
     ) -> Arc<Self> {
+        let (volumes, mounts) = match volumes {
+            Some((v, m)) => (Some(v), m),
+            None => (None, Vec::new()),
+        };
         let dir = workspace.dir().to_owned();
         let age = Duration::from_millis(unix_ms().saturating_sub(record.created_unix_ms));
         let created = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
@@ -224,9 +232,9 @@ impl Sandbox {
             hub,
             dir,
             workspace,
-            network: None,
-            volumes: None,
-            mounts: Mutex::new(Vec::new()),
+            network,
+            volumes,
+            mounts: Mutex::new(mounts),
             ops: tokio::sync::Mutex::new(Ops::default()),
             shared: Mutex::new(shared),
             tasks: Mutex::new(Vec::new()),
@@ -241,6 +249,11 @@ impl Sandbox {
 
     /// What a daemon after this one needs to take the sandbox back.
     pub fn record(&self) -> Record {
+        let mounts = self
+            .mounts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let sh = self.shared();
         Record {
             version: crate::restore::VERSION,
@@ -256,12 +269,10 @@ impl Sandbox {
             created_unix_ms: self.created_unix_ms,
             bootstrap: self.backend.bootstrap(),
             from_snapshot: self.from_snapshot.clone(),
-            mounts: !self
-                .mounts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty(),
+            mounts: !mounts.is_empty(),
+            volumes: mounts,
             network: self.network.is_some(),
+            egress: self.network.as_ref().is_some_and(SandboxEgress::kept),
             runs: self.runs.load(std::sync::atomic::Ordering::Relaxed),
             status: sh.status,
             before_pause: sh.before_pause,

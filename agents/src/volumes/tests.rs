@@ -37,7 +37,27 @@ impl Disks for FakeDisks {
 }
 
 fn open(dir: &Path, disks: &Arc<FakeDisks>) -> Arc<Volumes> {
-    Volumes::open(dir.join("volumes"), disks.clone(), 64, 2).unwrap()
+    open_holding(dir, disks, &[])
+}
+
+/// [`open`] with the mounts of sandboxes taken back.
+fn open_holding(dir: &Path, disks: &Arc<FakeDisks>, held: &[(String, Mounted)]) -> Arc<Volumes> {
+    Volumes::open(dir.join("volumes"), disks.clone(), (64, 2), held).unwrap()
+}
+
+fn held(sandbox: &str, volume: &str, path: &str, read_only: bool) -> (String, Mounted) {
+    (
+        sandbox.to_owned(),
+        Mounted {
+            volume: volume.to_owned(),
+            path: path.to_owned(),
+            rel: path
+                .trim_start_matches("/workspace")
+                .trim_start_matches('/')
+                .to_owned(),
+            read_only,
+        },
+    )
 }
 
 fn req(size_mb: u64, name: Option<&str>) -> CreateVolumeRequest {
@@ -197,6 +217,72 @@ async fn a_writer_lost_with_the_daemon_is_scanned_at_the_next_start() {
         vols.get(&id).unwrap().recovery.unwrap().sandbox_id,
         "sb-lost"
     );
+}
+
+/// A writer taken back by the next daemon (live restore) is not a lost writer: its volume is not scanned, it and
+/// its readers are the volume's attachments (a second writer and a deletion are refused), and its removal scans
+/// as usual. A writer the next daemon does not take back is scanned as lost, even when a reader is held.
+#[tokio::test]
+async fn a_writer_taken_back_by_the_next_daemon_keeps_its_volume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let disks = Arc::new(FakeDisks::default());
+    let vols = open(tmp.path(), &disks);
+    let id = vols.create(req(8, None)).await.unwrap().id;
+    let other = vols.create(req(8, None)).await.unwrap().id;
+    let target = tmp.path().join("t");
+    for (v, sb) in [(&id, "sb-kept"), (&other, "sb-gone")] {
+        vols.attach(v, sb, (&target, "/workspace/data"), 7, false)
+            .await
+            .unwrap();
+        write_and_record(&vols, tmp.path(), v, sb).await;
+    }
+    vols.attach(&id, "sb-reader", (&target, "/workspace/ro"), 9, true)
+        .await
+        .unwrap();
+    drop(vols);
+
+    let kept = [
+        held("sb-kept", &id, "/workspace/data", false),
+        held("sb-reader", &id, "/workspace/ro", true),
+        held("sb-reader2", &other, "/workspace/ro", true),
+    ];
+    let vols = open_holding(tmp.path(), &disks, &kept);
+    let v = vols.get(&id).unwrap();
+    assert!(v.recovery.is_none(), "no scan: {:?}", v.recovery);
+    let seen: Vec<_> = v
+        .attachments
+        .iter()
+        .map(|a| (a.sandbox_id.as_str(), a.read_only))
+        .collect();
+    assert_eq!(seen, [("sb-kept", false), ("sb-reader", true)]);
+    let e = vols
+        .attach(&id, "sb-b", (&target, "/workspace"), 8, false)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, VolumeError::Busy { writer, .. } if writer == "sb-kept"),
+        "{e}"
+    );
+    assert!(matches!(
+        vols.delete(&id).await,
+        Err(VolumeError::InUse { .. })
+    ));
+    // The other volume's writer was not taken back: scanned as lost, its held reader attached.
+    let o = vols.get(&other).unwrap();
+    assert_eq!(o.recovery.map(|r| r.sandbox_id), Some("sb-gone".to_owned()));
+    assert_eq!(o.attachments.len(), 1);
+    // The kept writer's removal scans its files, then frees the volume.
+    let none = |_: String| -> BoxFuture<'_, bool> { Box::pin(async { false }) };
+    vols.recover(&id, "sb-kept", "deleted", &none).await;
+    vols.release(&id, "sb-kept", "/workspace/data", false).await;
+    let r = vols.get(&id).unwrap().recovery.unwrap();
+    assert_eq!(
+        (r.sandbox_id.as_str(), r.reason.as_str(), r.files),
+        ("sb-kept", "deleted", 3)
+    );
+    vols.attach(&id, "sb-b", (&target, "/workspace"), 8, false)
+        .await
+        .unwrap();
 }
 
 #[tokio::test]

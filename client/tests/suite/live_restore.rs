@@ -3,8 +3,8 @@
 //! theirs is lost or repeated), the gateway's event stream reconnects and replays with no gap in the sequence
 //! numbers, a paused agent is still paused, commands reach the agents, a sandbox without a run can spawn one, and a
 //! run whose init died while the daemon was away ends as a crash with the reason. Lines the killed daemon had read
-//! but not processed are processed by the next one. A sandbox with a volume is not taken back: its run ends before
-//! the volume is mounted again, which is mounted once. The daemon runs in a mount namespace of its own, as under a
+//! but not processed are processed by the next one. A sandbox with a volume is taken back with the volume's own
+//! mount (mounted once); when its mounts cannot be carried over, its run ends before the volume is mounted again. The daemon runs in a mount namespace of its own, as under a
 //! systemd unit with `ProtectSystem=`. Deleted at the end, nothing is left: no process, cgroup, mount
 //! or pin of the mount namespace.
 
@@ -48,12 +48,13 @@ impl Ticker {
             .create(&create_request(backend.port, 3600))
             .await
             .unwrap();
+        Self::spawned(sb, json!([{"emit_many": 1_000_000, "every_ms": every_ms}])).await
+    }
+
+    /// `sb`'s agent running `script`, which ends in ticks, once its first tick was seen.
+    async fn spawned(sb: SandboxClient, script: serde_json::Value) -> Ticker {
         let mut events = sb.events(0);
-        sb.spawn(&brief(
-            json!([{"emit_many": 1_000_000, "every_ms": every_ms}]),
-        ))
-        .await
-        .unwrap();
+        sb.spawn(&brief(script)).await.unwrap();
         let seen = until(
             &mut events,
             "the first tick",
@@ -318,8 +319,25 @@ async fn lines_read_and_not_processed_when_the_daemon_dies_are_processed_by_the_
     assert!(!pinned(&d.state_dir()));
 }
 
+/// A sandbox whose agent writes a volume and then ticks every 20 ms, once its first tick was seen.
+async fn volume_ticker(gw: &Gateway, backend: &Backend, volume: &str, file: &str) -> Ticker {
+    let mounts = json!([{"volume": volume, "path": "/workspace/data"}]);
+    let sb = super::volumes::sandbox(gw, backend, mounts).await.unwrap();
+    let script = json!([
+        {"write": {"path": format!("data/{file}"), "content": "written"}},
+        {"emit_many": 1_000_000, "every_ms": 20}
+    ]);
+    Ticker::spawned(sb, script).await
+}
+
+/// A sandbox writing a volume is taken back like any other: the volume's own mount is carried over with it (one
+/// loop device, never a second mount of the file), the agent writes on and ticks on with no gap, the volume lists
+/// it as its writer and scans nothing at the restart (a second writer and a deletion are refused); deleting the
+/// sandbox scans what it wrote. When its mounts cannot be carried over (the previous daemon's namespace is no
+/// longer pinned), its run is ended before the volume is mounted again, once, and the volume gets the lost
+/// writer's scan.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sandbox_with_a_volume_is_ended_at_the_restart_and_the_volume_mounted_once() {
+async fn a_sandbox_with_a_volume_is_taken_back_and_its_volume_mounted_once() {
     let Some((mut d, gw)) = live_daemon("live restore (a volume)", false).await else {
         return;
     };
@@ -334,28 +352,68 @@ async fn a_sandbox_with_a_volume_is_ended_at_the_restart_and_the_volume_mounted_
         return;
     };
     let backend = Backend::start().await;
-    let mounts = json!([{"volume": v.id, "path": "/workspace/data"}]);
-    let a = super::volumes::sandbox(&gw, &backend, mounts)
-        .await
-        .unwrap();
-    let mut events = a.events(0);
-    let script = json!([
-        {"write": {"path": "data/x.txt", "content": "written"}},
-        {"emit_many": 1_000_000, "every_ms": 20}
-    ]);
-    a.spawn(&brief(script)).await.unwrap();
-    until(
-        &mut events,
-        "the first tick",
-        Duration::from_secs(30),
-        |e| tick(e) == Some(0),
-    )
-    .await;
-    let cid = format!("{}-1", a.id());
-    assert!(!container_pids(&d.cgroup_parent, &cid).is_empty());
+    let mut a = volume_ticker(&gw, &backend, &v.id, "x.txt").await;
+    let cid = format!("{}-1", a.sb.id());
+    let pids = container_pids(&d.cgroup_parent, &cid);
+    assert!(!pids.is_empty());
     d.kill_hard();
     d.restart().await;
-    // Not taken back: its run ended before the volume was mounted again, once; the volume had its writer's scan.
+    assert_eq!(
+        container_pids(&d.cgroup_parent, &cid),
+        pids,
+        "the agent runs on"
+    );
+    let loops = super::volumes::loop_devices_on(&d.state_dir());
+    assert_eq!(loops.len(), 1, "the volume is mounted once: {loops:?}");
+    assert!(
+        a.go_on(Duration::from_millis(1000)).await >= 10,
+        "it ticks on"
+    );
+    let log = d.log();
+    assert!(log.contains("taken back (running)"), "{log}");
+    let after = gw.volume(&v.id).await.unwrap();
+    assert!(
+        after.recovery.is_none(),
+        "no scan at the restart: {after:?}"
+    );
+    let writers: Vec<_> = after
+        .attachments
+        .iter()
+        .map(|m| (m.sandbox_id.as_str(), m.read_only))
+        .collect();
+    assert_eq!(writers, [(a.sb.id(), false)]);
+    let second = super::volumes::sandbox(
+        &gw,
+        &backend,
+        json!([{"volume": v.id, "path": "/workspace/data"}]),
+    )
+    .await;
+    assert_eq!(super::agents::plugin_err(second).0, 409, "one writer");
+    assert!(gw.delete_volume(&v.id).await.is_err(), "in use");
+    // Its deletion scans the volume as written by it: the file it wrote before the restart is there.
+    gw.delete(a.sb.id()).await.unwrap();
+    let after = gw.volume(&v.id).await.unwrap();
+    let recovery = after.recovery.clone().expect("the writer's scan");
+    assert_eq!(
+        (recovery.sandbox_id.as_str(), recovery.reason.as_str()),
+        (a.sb.id(), "deleted")
+    );
+    assert_eq!(recovery.orphans, ["x.txt"], "{recovery:?}");
+    assert!(after.attachments.is_empty(), "{after:?}");
+
+    // Mounts that cannot be carried over: the previous namespace is unpinned while no daemon runs.
+    let b = volume_ticker(&gw, &backend, &v.id, "y.txt").await;
+    let cid = format!("{}-1", b.sb.id());
+    assert!(!container_pids(&d.cgroup_parent, &cid).is_empty());
+    d.kill_hard();
+    let pin = d.state_dir().join("mntns/ns");
+    let unpinned = std::process::Command::new("umount")
+        .arg("-l")
+        .arg(&pin)
+        .status()
+        .unwrap();
+    assert!(unpinned.success() && !pinned(&d.state_dir()));
+    d.restart().await;
     assert!(
         container_pids(&d.cgroup_parent, &cid).is_empty(),
         "the run is ended"
@@ -363,13 +421,17 @@ async fn a_sandbox_with_a_volume_is_ended_at_the_restart_and_the_volume_mounted_
     let loops = super::volumes::loop_devices_on(&d.state_dir());
     assert_eq!(loops.len(), 1, "the volume is mounted once: {loops:?}");
     let log = d.log();
-    assert!(log.contains("not taken back"), "{log}");
-    assert_eq!(super::agents::plugin_err(a.health().await).0, 404);
+    assert!(log.contains("its mounts were not carried over"), "{log}");
+    assert_eq!(super::agents::plugin_err(b.sb.health().await).0, 404);
     let after = gw.volume(&v.id).await.unwrap();
     let recovery = after.recovery.clone().expect("the lost writer's scan");
     assert_eq!(
         (recovery.sandbox_id.as_str(), recovery.reason.as_str()),
-        (a.id(), "restart")
+        (b.sb.id(), "restart")
+    );
+    assert!(
+        recovery.orphans.contains(&"y.txt".to_owned()),
+        "{recovery:?}"
     );
     assert!(after.attachments.is_empty(), "{after:?}");
     gw.delete_volume(&v.id).await.unwrap();

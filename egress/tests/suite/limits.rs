@@ -171,3 +171,85 @@ async fn connections_beyond_max_connections_wait_until_one_ends() {
         .unwrap();
     assert_eq!(status, 200);
 }
+
+/// Reservations as a ledger records them.
+#[derive(Default)]
+struct Recorded(std::sync::Mutex<Vec<u64>>);
+
+impl egress::Reserve for Recorded {
+    fn reserve(&self, total: u64) -> std::io::Result<()> {
+        self.0.lock().unwrap().push(total);
+        Ok(())
+    }
+}
+
+/// A plain proxy like [`origin_behind_proxy`]'s (allowing `host`, permitting `origin`), with a ledger.
+async fn ledgered(
+    origin: &Origin,
+    host: &str,
+    limits: ProxyLimits,
+    ledger: egress::Ledger,
+) -> TestProxy {
+    let listener = tokio::net::TcpListener::bind((LOCALHOST, 0)).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let proxy = egress::Proxy::with_ledger(
+        Allowlist::parse(&[host]).unwrap(),
+        AddressPolicy::new().exempt_for_tests(origin.addr),
+        std::sync::Arc::new(StaticResolver::new().with("origin.test", [LOCALHOST])),
+        limits,
+        ledger,
+    );
+    let serving = proxy.clone();
+    tokio::spawn(async move { serving.serve(listener).await });
+    TestProxy { proxy, addr }
+}
+
+/// With a ledger, bytes are reserved (recorded) a chunk at a time before they cross, never fewer than crossed, and
+/// a proxy made again from what was reserved (a daemon's restart) counts it as spent: its limit is what is left.
+#[tokio::test]
+async fn a_ledger_reserves_before_bytes_cross_and_carries_the_limit_over() {
+    let (origin, _plain, host) = origin_behind_proxy(ProxyLimits::default()).await;
+    let limits = ProxyLimits {
+        egress_bytes: Some(50_000),
+        ..ProxyLimits::default()
+    };
+    let book = std::sync::Arc::new(Recorded::default());
+    let ledger = |spent| egress::Ledger {
+        spent,
+        chunk: 4096,
+        reserve: book.clone(),
+    };
+    let get = |path: &str| {
+        format!("GET http://{host}{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+    };
+    let first = ledgered(&origin, &host, limits.clone(), ledger(0)).await;
+    let small = raw(first.addr, &get("/")).await.unwrap();
+    assert_eq!(status_of(&small).unwrap(), 200);
+    let stats = first.proxy.stats();
+    let moved = stats.bytes_sent + stats.bytes_received;
+    let reserved = *book.0.lock().unwrap().last().expect("a reservation");
+    assert!(
+        moved > 0 && moved <= reserved && reserved <= moved + 4096,
+        "moved {moved}, reserved {reserved}"
+    );
+    // Cut off there (the daemon killed), the next proxy starts from the reservation: of 50 000 bytes, what is left.
+    let second = ledgered(&origin, &host, limits.clone(), ledger(reserved)).await;
+    let big = raw(second.addr, &get("/big")).await.unwrap();
+    let left = 50_000 - reserved as usize;
+    assert!(
+        big.len() <= left,
+        "{} bytes through what was left, {left}",
+        big.len()
+    );
+    let reservations = book.0.lock().unwrap().clone();
+    assert!(
+        reservations.windows(2).all(|w| w[0] < w[1]) && reservations.iter().all(|&r| r <= 50_000),
+        "{reservations:?}"
+    );
+    // Used up: a third proxy from the last reservation refuses at once.
+    let last = *reservations.last().unwrap();
+    assert_eq!(last, 50_000, "the reservations end at the limit");
+    let third = ledgered(&origin, &host, limits, ledger(last)).await;
+    let refused = raw(third.addr, &get("/")).await.unwrap();
+    assert_eq!(status_of(&refused).unwrap(), 403, "{refused:?}");
+}

@@ -50,6 +50,22 @@ except Exception as e:
     print("keep new-connection refused", type(e).__name__, str(e)[:120], flush=True)
 "#;
 
+/// The agent that fetches the origin every 100 ms until `/workspace/stop` exists, one line a fetch: `loop reached`,
+/// or `loop refused` with the error (a 403 once the byte limit is used up; refused connections while no daemon
+/// runs).
+const LOOP: &str = r#"
+import os, ssl, sys, time, urllib.request
+ctx = ssl.create_default_context(cafile="/workspace/ca.pem")
+while not os.path.exists("/workspace/stop"):
+    try:
+        with urllib.request.urlopen(sys.argv[1], context=ctx, timeout=5) as r:
+            r.read()
+            print("loop reached", r.status, flush=True)
+    except Exception as e:
+        print("loop refused", type(e).__name__, str(e)[:120], flush=True)
+    time.sleep(0.1)
+"#;
+
 fn url(host: &str) -> String {
     format!("https://{host}:{HTTPS_PORT}/hello")
 }
@@ -69,6 +85,7 @@ async fn create(d: &Daemon, origin: &Origin, network: Option<Value>) -> (u16, Va
             {"path": "ca.pem", "content": origin.ca_pem},
             {"path": "fetch.py", "content": FETCH},
             {"path": "keep.py", "content": KEEP},
+            {"path": "loop.py", "content": LOOP},
         ]},
     });
     if let Some(n) = network {
@@ -386,4 +403,101 @@ async fn a_tunnel_open_before_the_list_changes_stays_open() {
     assert_eq!(net["refused"], 1, "{net}");
     let (status, _) = agent_http(&d, "DELETE", &format!("/sandboxes/{id}"), &json!({})).await;
     assert_eq!(status, 204);
+}
+
+/// Counts the looping agent's lines: (fetches that reached the origin, refused with a 403, any line at all).
+fn loop_counts(d: &Daemon, id: &str) -> (usize, usize, usize) {
+    let lines = log_lines(d, id, "loop");
+    let reached = lines
+        .iter()
+        .filter(|l| l.starts_with("loop reached"))
+        .count();
+    let forbidden = lines.iter().filter(|l| l.contains("403")).count();
+    (reached, forbidden, lines.len())
+}
+
+/// Starts the looping agent in sandbox `id`.
+async fn start_loop(d: &Daemon, id: &str) {
+    let command = json!(["/usr/bin/python3", "/workspace/loop.py", url("origin.test")]);
+    spawn(d, id, command).await;
+}
+
+/// Waits until the looping agent in `id` has used up its byte limit (a 403 after its last reach), and returns how
+/// many fetches reached the origin.
+async fn loop_until_used_up(d: &Daemon, id: &str) -> usize {
+    wait_until(
+        "the byte limit to be used up",
+        Duration::from_secs(60),
+        || async {
+            match loop_counts(d, id) {
+                (reached, forbidden, _) if forbidden > 0 => Ok(reached),
+                c => Err(format!("{c:?}: {:?}", log_lines(d, id, "loop"))),
+            }
+        },
+    )
+    .await
+}
+
+/// Live restore of a sandbox created with `network`: SIGKILLed under a working agent, the daemon's next start takes
+/// it back with its egress proxy served again in the agent's network namespace, the allowlist in force, and the
+/// byte limit counting what the killed daemon had reserved. The agent, whose fetches reach the origin again after
+/// the restart, then reaches it no more often in all than an agent of the same limit that never saw a restart
+/// (without the kept reservation, the restart would have given it a whole limit again).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_with_network_is_taken_back_with_its_list_and_what_is_left_of_its_limit() {
+    let Some(_g) = privileged(
+        "a_sandbox_with_network_is_taken_back_with_its_list_and_what_is_left_of_its_limit",
+    )
+    .await
+    else {
+        return;
+    };
+    let origin = Origin::start().await;
+    let mut d = origin
+        .daemon(
+            64 << 20,
+            json!({"agents": {"max_sandboxes": 2, "live_restore": true}}),
+        )
+        .await;
+    let network = json!({"allow": [entry("origin.test")], "egress_bytes": 48 << 10});
+    let (status, a) = create(&d, &origin, Some(network.clone())).await;
+    assert_eq!(status, 201, "{a}");
+    let a = a["id"].as_str().unwrap().to_owned();
+    start_loop(&d, &a).await;
+    let before = wait_until("three fetches", Duration::from_secs(60), || async {
+        match loop_counts(&d, &a) {
+            (reached, 0, _) if reached >= 3 => Ok(reached),
+            c => Err(format!("{c:?}: {:?}", log_lines(&d, &a, "loop"))),
+        }
+    })
+    .await;
+    d.kill_hard();
+    // The agent runs on while no daemon serves its proxy (its fetches are refused).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    d.restart().await;
+    let log = d.log();
+    assert!(log.contains("taken back (running)"), "{log}");
+    let reached = loop_until_used_up(&d, &a).await;
+    assert!(
+        reached > before,
+        "the proxy serves again after the restart: {:?}",
+        log_lines(&d, &a, "loop")
+    );
+    let health = health_network(&d, &a).await;
+    assert_eq!(health["allow"], json!([entry("origin.test")]), "{health}");
+    // The same limit, no restart.
+    let (status, b) = create(&d, &origin, Some(network)).await;
+    assert_eq!(status, 201, "{b}");
+    let b = b["id"].as_str().unwrap().to_owned();
+    start_loop(&d, &b).await;
+    let whole = loop_until_used_up(&d, &b).await;
+    eprintln!("fetches: {before} before the restart, {reached} in all; {whole} with no restart");
+    assert!(
+        reached <= whole + 1,
+        "{reached} fetches across the restart, {whole} within one limit ({before} before the restart)"
+    );
+    for id in [&a, &b] {
+        let (status, _) = agent_http(&d, "DELETE", &format!("/sandboxes/{id}"), &json!({})).await;
+        assert_eq!(status, 204);
+    }
 }

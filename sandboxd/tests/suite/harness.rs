@@ -247,6 +247,8 @@ pub async fn run_until_exit(
 /// test is failing, its log is printed.
 pub struct Daemon {
     child: Child,
+    /// Its command-line arguments (for [`Daemon::restart`]).
+    args: Vec<String>,
     /// The daemon's listen port on 127.0.0.1.
     pub port: u16,
     token: String,
@@ -372,6 +374,7 @@ impl Daemon {
         let child = daemon::spawn(Path::new(SANDBOXD), &launch.args, launch.dir.path());
         Daemon {
             child,
+            args: launch.args,
             port: launch.port,
             token: launch.token,
             dir: launch.dir,
@@ -557,6 +560,16 @@ impl Daemon {
         self.clean_cgroups = false;
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts the daemon again after [`Self::kill_hard`], with the same configuration and state, and waits until
+    /// it is healthy; it owns the cgroup parent again.
+    pub async fn restart(&mut self) {
+        self.child = daemon::spawn(Path::new(SANDBOXD), &self.args, self.dir.path());
+        self.clean_cgroups = true;
+        if let Err(e) = self.wait_ready().await {
+            panic!("{e}");
+        }
     }
 
     /// A summary for assertion messages.
