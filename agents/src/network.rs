@@ -191,9 +191,10 @@ impl SandboxEgress {
         Ok(Self::make(network, allowlist, record, Some(dir)))
     }
 
-    /// Whether the egress is kept for the next daemon (live restore).
+    /// Whether the egress is kept for the next daemon (live restore): its record is written and its proxy reserves
+    /// its bytes in it.
     pub fn kept(&self) -> bool {
-        self.book.is_some()
+        self.book.is_some() && self.proxy.has_ledger()
     }
 
     /// Writes the kept record ([`EGRESS_RECORD`]) as it is now (a sandbox's creation, once its directory exists);

@@ -613,6 +613,17 @@ impl Agents {
                 }
             });
         }
+        if !record.volumes.is_empty() && self.volumes.is_none() {
+            // Its volume binds go with its workspace, removed with the leftover: nothing of a volume is left
+            // mounted for a daemon that does not know the volumes.
+            if let Some(run) = &record.run {
+                self.host.containers.end_kept_run(&run.cid, run.init).await;
+            }
+            return Err(match &self.host.disks {
+                Some(_) => "its volumes cannot be opened by this daemon".into(),
+                None => "this daemon has no volumes (agents volumes are off on this host)".into(),
+            });
+        }
         let adopted = self.adopt_held(dir, &record).await;
         if adopted.is_err() {
             // The volumes counted it as holding its mounts: they are given back, and the ones it wrote scanned as
@@ -715,23 +726,13 @@ impl Agents {
         Ok((sb, ended))
     }
 
-    /// The volume mounts of a recorded sandbox that could not be taken back: released, and each volume it wrote
-    /// scanned as a lost writer's (`restart`; nothing is uploaded again: its credentials are not used).
+    /// The volume mounts of a recorded sandbox that could not be taken back ([`Volumes::drop_held`]).
     async fn drop_volumes(&self, record: &crate::restore::Record) {
         let Some(volumes) = &self.volumes else {
             return;
         };
-        let none =
-            |_: String| -> crate::container::BoxFuture<'_, bool> { Box::pin(async { false }) };
         for m in &record.volumes {
-            if !m.read_only {
-                volumes
-                    .recover(&m.volume, &record.id, "restart", &none)
-                    .await;
-            }
-            volumes
-                .release(&m.volume, &record.id, &m.path, m.read_only)
-                .await;
+            volumes.drop_held(&record.id, m).await;
         }
     }
 

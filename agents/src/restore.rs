@@ -193,6 +193,11 @@ pub fn mark_lost(dir: &Path) -> std::io::Result<()> {
     std::fs::write(dir.join(LOST), b"")
 }
 
+/// Takes [`mark_lost`]'s mark back (a start that failed after marking).
+pub fn unmark_lost(dir: &Path) -> std::io::Result<()> {
+    std::fs::remove_file(dir.join(LOST))
+}
+
 /// Whether [`mark_lost`] marked `dir`.
 pub fn lost(dir: &Path) -> bool {
     dir.join(LOST).exists()

@@ -163,6 +163,8 @@ struct Entry {
     meta: Meta,
     attachments: Vec<VolumeAttachment>,
     deleting: bool,
+    /// Its filesystem could not be mounted at the start: a lost writer's scan waits for a start that can.
+    unmounted: bool,
 }
 
 /// Re-uploads a file of the volume (its path in the volume): true when it is uploaded now.
@@ -339,6 +341,7 @@ impl Volumes {
                 meta,
                 attachments: Vec::new(),
                 deleting: false,
+                unmounted: false,
             },
         );
         self.get(&id)
@@ -530,6 +533,28 @@ impl Volumes {
         if !matches!(saved, Ok(Ok(()))) {
             error!(volume = %id, "cannot save a volume's metadata");
         }
+    }
+
+    /// A mount held by a sandbox a previous daemon left ([`Self::open`]'s `held`) that is not taken back after all:
+    /// given back, and when the sandbox was the volume's writer, the volume is scanned as a lost writer's
+    /// (`restart`; nothing is uploaded again) first. A volume that could not be mounted at the start keeps its
+    /// writer, for the scan of a start that can mount it.
+    pub async fn drop_held(self: &Arc<Self>, sandbox: &str, m: &Mounted) {
+        let (writer, unmounted) = match self.entries().get(&m.volume) {
+            Some(e) => (e.meta.writer.as_deref() == Some(sandbox), e.unmounted),
+            None => return,
+        };
+        if writer && unmounted {
+            if let Some(e) = self.entries().get_mut(&m.volume) {
+                e.attachments.retain(|a| a.sandbox_id != sandbox);
+            }
+            return;
+        }
+        if writer && !m.read_only {
+            let none = |_: String| -> BoxFuture<'_, bool> { Box::pin(async { false }) };
+            self.recover(&m.volume, sandbox, "restart", &none).await;
+        }
+        self.release(&m.volume, sandbox, &m.path, m.read_only).await;
     }
 
     /// Notes what writer `sandbox`'s `ArtifactEvent` for `path` (in the volume) came to.
@@ -731,10 +756,12 @@ fn open_one(path: &Path, disks: &dyn Disks, held: &[(String, Mounted)]) -> Optio
         meta,
         attachments,
         deleting: false,
+        unmounted: false,
     };
     if let Err(err) = disks.mount(path) {
         // Its scan, if one is due, waits for a start that can mount it.
         error!(volume = %entry.meta.id, error = %err, "cannot mount a volume");
+        entry.unmounted = true;
         return Some(entry);
     }
     if kept_writer {

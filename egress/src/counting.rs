@@ -81,6 +81,11 @@ impl Counters {
         }
     }
 
+    /// Whether the bytes are reserved in a ledger.
+    pub(crate) fn has_ledger(&self) -> bool {
+        self.reservations.is_some()
+    }
+
     /// Claims up to `want` bytes for one read or write (`want` itself without a ledger), reserving more first when
     /// the reservation is used up; at most `limit` in all.
     fn claim(&self, want: usize, limit: Option<u64>) -> io::Result<usize> {
@@ -88,6 +93,7 @@ impl Counters {
             return Ok(want);
         };
         let want = want as u64;
+        let mut waits = 0;
         loop {
             let claimed = r.claimed.load(Ordering::Acquire);
             let reserved = r.reserved.load(Ordering::Acquire);
@@ -114,9 +120,25 @@ impl Counters {
             let next = reserved.saturating_add(r.ledger.chunk.max(1));
             let next = limit.map_or(next, |l| next.min(l));
             if next <= reserved {
+                // At the limit. What other reads and writes claimed and have not moved yet comes back when their
+                // poll returns (a claim lasts one poll): wait for that a little before calling the limit reached.
+                if self.bytes_total.load(Ordering::Acquire) < reserved && waits < MAX_WAITS {
+                    waits += 1;
+                    drop(_one);
+                    std::thread::yield_now();
+                    continue;
+                }
                 return Err(limit_error());
             }
-            r.ledger.reserve.reserve(next)?;
+            // A small synchronous write, at most once a chunk: a worker thread of a multi-threaded runtime hands
+            // its other tasks over while it waits.
+            let reserve = || r.ledger.reserve.reserve(next);
+            match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                    tokio::task::block_in_place(reserve)
+                }
+                _ => reserve(),
+            }?;
             r.reserved.store(next, Ordering::Release);
         }
     }
@@ -141,6 +163,9 @@ impl Counters {
         limit.is_none_or(|l| total <= l)
     }
 }
+
+/// How often a claim at the limit waits for the claims of other reads and writes under way to come back.
+const MAX_WAITS: u32 = 64;
 
 fn limit_error() -> io::Error {
     io::Error::new(

@@ -137,6 +137,11 @@ impl Proxy {
             .clone()
     }
 
+    /// Whether its byte limit is kept in a [`Ledger`] ([`Proxy::with_ledger`]).
+    pub fn has_ledger(&self) -> bool {
+        self.shared.counters.has_ledger()
+    }
+
     /// The counters so far.
     pub fn stats(&self) -> Stats {
         let c = &self.shared.counters;

@@ -6,7 +6,9 @@
 //! `<state_dir>/mntns/ns` in the host's mount namespace (pid 1's, else the parent's), where `<state_dir>/mntns` is a
 //! private bind of itself, root's only, so the pin never propagates. The next daemon, before anything else, clones
 //! each recorded sandbox's directory with what is mounted under it out of the pinned namespace (`open_tree`) and
-//! attaches it at the same place in its own new one (`move_mount`); then it pins its own namespace instead. What the old namespace held for anything else (the
+//! attaches it at the same place in its own new one (`move_mount`), each of its volumes' own mount
+//! (`<state_dir>/volumes/<id>/mnt`) first; then it pins its own namespace instead. A sandbox whose mounts cannot all
+//! be carried is marked lost ([`agents::restore::mark_lost`]): its run is ended with the leftovers. What the old namespace held for anything else (the
 //! executions' mounts) goes with it.
 //!
 //! Hand-written, because no crate moves mount trees between namespaces; it uses the same two syscalls the runtime's
@@ -120,10 +122,15 @@ pub fn enter_mount_namespace(state_dir: &Path, live_restore: bool) -> anyhow::Re
 fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result<()> {
     let volumes = state_dir.join("volumes");
     let mut carried_volumes = std::collections::BTreeSet::new();
+    let mut lost = Vec::new();
     for dir in agents::restore::carried(&state_dir.join("agents")) {
-        let record = agents::restore::load(&dir).context("the sandbox's record")?;
-        let carried = match old {
-            Some(old) => record
+        let record = agents::restore::load(&dir).context("the sandbox's record");
+        let carried = match (old, record) {
+            (_, Err(e)) => Err(e),
+            (None, _) => Err(anyhow::anyhow!(
+                "no mount namespace of a previous daemon is pinned"
+            )),
+            (Some(old), Ok(record)) => record
                 .volumes
                 .iter()
                 .try_for_each(|m| {
@@ -136,17 +143,23 @@ fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result
                     Ok(())
                 })
                 .and_then(|()| carry(old, new, &dir)),
-            None => Err(anyhow::anyhow!(
-                "no mount namespace of a previous daemon is pinned"
-            )),
         };
         match carried {
             Ok(()) => info!(path = %dir.display(), "agent sandbox mounts carried over"),
             Err(e) => {
                 warn!(path = %dir.display(), error = %format!("{e:#}"), "agent sandbox mounts not carried over: its run is ended");
-                agents::restore::mark_lost(&dir)
-                    .with_context(|| format!("mark {} as not carried", dir.display()))?;
+                lost.push(dir);
             }
+        }
+    }
+    // Marked once every carry was tried; a start that cannot mark them all fails with none marked (the previous
+    // namespace stays pinned for the next try).
+    for (i, dir) in lost.iter().enumerate() {
+        if let Err(e) = agents::restore::mark_lost(dir) {
+            for marked in &lost[..i] {
+                let _ = agents::restore::unmark_lost(marked);
+            }
+            return Err(e).with_context(|| format!("mark {} as not carried", dir.display()));
         }
     }
     Ok(())

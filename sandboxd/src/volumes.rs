@@ -104,7 +104,9 @@ impl Disks for Ext4Disks {
         run(Command::new("mount")
             .args(["-t", "ext4", "-o", "loop,nosuid,nodev"])
             .arg(image(dir))
-            .arg(&target))
+            .arg(&target))?;
+        tracing::info!(volume = %dir.display(), "volume filesystem mounted");
+        Ok(())
     }
 
     fn unmount(&self, dir: &Path) -> Result<(), BoxError> {

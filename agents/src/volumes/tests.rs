@@ -12,6 +12,8 @@ use super::*;
 #[derive(Default)]
 struct FakeDisks {
     attached: Mutex<Vec<(PathBuf, u32, bool)>>,
+    /// Mounts fail (a host that lost its loop devices).
+    broken: std::sync::atomic::AtomicBool,
 }
 
 impl Disks for FakeDisks {
@@ -19,7 +21,10 @@ impl Disks for FakeDisks {
         Ok(std::fs::create_dir(dir.join("mnt"))?)
     }
     fn mount(&self, _dir: &Path) -> Result<(), BoxError> {
-        Ok(())
+        match self.broken.load(std::sync::atomic::Ordering::SeqCst) {
+            true => Err("no loop devices".into()),
+            false => Ok(()),
+        }
     }
     fn unmount(&self, _dir: &Path) -> Result<(), BoxError> {
         Ok(())
@@ -283,6 +288,73 @@ async fn a_writer_taken_back_by_the_next_daemon_keeps_its_volume() {
     vols.attach(&id, "sb-b", (&target, "/workspace"), 8, false)
         .await
         .unwrap();
+}
+
+/// A held mount whose sandbox is not taken back after all: the writer's volume is scanned as a lost writer's and
+/// freed; a reader's mount is only given back; a writer's volume that could not be mounted keeps its writer for
+/// the scan of a start that can mount it.
+#[tokio::test]
+async fn a_held_mount_not_taken_back_is_scanned_and_given_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let disks = Arc::new(FakeDisks::default());
+    let vols = open(tmp.path(), &disks);
+    let id = vols.create(req(8, None)).await.unwrap().id;
+    let target = tmp.path().join("t");
+    vols.attach(&id, "sb-w", (&target, "/workspace/data"), 7, false)
+        .await
+        .unwrap();
+    write_and_record(&vols, tmp.path(), &id, "sb-w").await;
+    drop(vols);
+    let kept = [
+        held("sb-w", &id, "/workspace/data", false),
+        held("sb-r", &id, "/workspace/ro", true),
+    ];
+    let vols = open_holding(tmp.path(), &disks, &kept);
+    vols.drop_held("sb-r", &kept[1].1).await;
+    let v = vols.get(&id).unwrap();
+    assert_eq!(v.attachments.len(), 1);
+    assert!(v.recovery.is_none());
+    vols.drop_held("sb-w", &kept[0].1).await;
+    let v = vols.get(&id).unwrap();
+    assert!(v.attachments.is_empty());
+    let r = v.recovery.unwrap();
+    assert_eq!(
+        (r.sandbox_id.as_str(), r.reason.as_str()),
+        ("sb-w", "restart")
+    );
+    vols.attach(&id, "sb-next", (&target, "/workspace"), 8, false)
+        .await
+        .unwrap();
+    vols.release(&id, "sb-next", "/workspace", false).await;
+
+    // Unmountable at the start: the writer stays for a later scan.
+    vols.attach(&id, "sb-w2", (&target, "/workspace/data"), 7, false)
+        .await
+        .unwrap();
+    drop(vols);
+    disks
+        .broken
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let kept = [held("sb-w2", &id, "/workspace/data", false)];
+    let vols = open_holding(tmp.path(), &disks, &kept);
+    vols.drop_held("sb-w2", &kept[0].1).await;
+    let v = vols.get(&id).unwrap();
+    assert!(v.attachments.is_empty());
+    assert_eq!(
+        v.recovery.unwrap().sandbox_id,
+        "sb-w",
+        "no scan of an unmounted volume"
+    );
+    drop(vols);
+    disks
+        .broken
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let vols = open(tmp.path(), &disks);
+    let r = vols.get(&id).unwrap().recovery.unwrap();
+    assert_eq!(
+        (r.sandbox_id.as_str(), r.reason.as_str()),
+        ("sb-w2", "restart")
+    );
 }
 
 #[tokio::test]

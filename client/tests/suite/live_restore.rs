@@ -356,6 +356,14 @@ async fn a_sandbox_with_a_volume_is_taken_back_and_its_volume_mounted_once() {
     let cid = format!("{}-1", a.sb.id());
     let pids = container_pids(&d.cgroup_parent, &cid);
     assert!(!pids.is_empty());
+    // The daemon logs each mount(8) of a volume's file: one so far, at its creation.
+    let mounted = |d: &Daemon| {
+        d.log()
+            .lines()
+            .filter(|l| l.contains("volume filesystem mounted") && l.contains(v.id.as_str()))
+            .count()
+    };
+    assert_eq!(mounted(&d), 1);
     d.kill_hard();
     d.restart().await;
     assert_eq!(
@@ -365,6 +373,7 @@ async fn a_sandbox_with_a_volume_is_taken_back_and_its_volume_mounted_once() {
     );
     let loops = super::volumes::loop_devices_on(&d.state_dir());
     assert_eq!(loops.len(), 1, "the volume is mounted once: {loops:?}");
+    assert_eq!(mounted(&d), 1, "the mount was carried over, not made again");
     assert!(
         a.go_on(Duration::from_millis(1000)).await >= 10,
         "it ticks on"
