@@ -23,6 +23,10 @@
 //!    a new connection per round, timed from sending the request to the last body byte (connection setup is what
 //!    part 2 measures); median, min and max MB/s and the ratio of the medians, proxied over direct.
 //!
+//! 4. the byte limit kept in a ledger (live restore): `/big` through a CONNECT tunnel of a second proxy whose limit
+//!    (1 TB) is reserved 4 MiB at a time in a file on disk (8 bytes written in place, as `egress.reserved` is),
+//!    against a third proxy with the same limit and no ledger; the same figures, and the reservations written.
+//!
 //! `EGRESS_BENCH_QUICK=1` shrinks the counts (200 pairs, 10 MB) for a smoke run. Figures, not assertions: nothing
 //! here fails on a slow machine; a request that fails, answers an unexpected status or body length, or takes
 //! longer than its timeout stops the bench with the error.
@@ -371,6 +375,52 @@ async fn throughput(plan: &Plan, origin: &Origin, proxy: SocketAddr) -> anyhow::
     Ok(())
 }
 
+/// Part 4: a tunnel through a proxy whose byte limit is kept in a ledger, against one whose limit is not.
+async fn ledger(plan: &Plan, origin: &Origin) -> anyhow::Result<()> {
+    let limits = egress::ProxyLimits {
+        egress_bytes: Some(1_000_000_000_000),
+        ..egress::ProxyLimits::default()
+    };
+    let book = std::sync::Arc::new(support::FileLedger::new()?);
+    let ledger = egress::Ledger {
+        spent: 0,
+        chunk: 4 << 20,
+        reserve: book.clone(),
+    };
+    let (_kept, kept_addr) = support::proxy_with(origin, limits.clone(), Some(ledger)).await?;
+    let (_plain, plain_addr) = support::proxy_with(origin, limits, None).await?;
+    let config = tls_config(&origin.cert)?;
+    let size = plan.download;
+    let tls_host = format!("{HOST}:{}", origin.tls.port());
+    let download = async |proxy: SocketAddr| -> anyhow::Result<Duration> {
+        let mut sender = http1(tls(tunnel(proxy, &tls_host).await?, &config).await?).await?;
+        let start = Instant::now();
+        get(&mut sender, "/big", &tls_host, size).await?;
+        Ok(start.elapsed())
+    };
+    let pairs = interleave(
+        plan.rounds,
+        1,
+        DOWNLOAD_TIMEOUT,
+        async || download(kept_addr).await,
+        async || download(plain_addr).await,
+    )
+    .await
+    .context("download with a ledger")?;
+    println!(
+        "\n4. the byte limit kept in a ledger: GET /big ({} MB) through a CONNECT tunnel, {} rounds each; \
+         \"proxied\" is the proxy with the ledger, \"direct\" the proxy without",
+        size as f64 / MB,
+        plan.rounds
+    );
+    throughput_report("HTTPS, limit in a ledger", size, &pairs);
+    println!(
+        "  reservations written: {}",
+        book.written.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    Ok(())
+}
+
 async fn run(plan: Plan) -> anyhow::Result<()> {
     let origin = support::origin(plan.download).await?;
     let (proxy, proxy_addr) = support::proxy(&origin).await?;
@@ -384,6 +434,7 @@ async fn run(plan: Plan) -> anyhow::Result<()> {
     http_latency(&plan, &origin, proxy_addr).await?;
     connect_latency(&plan, &origin, proxy_addr).await?;
     throughput(&plan, &origin, proxy_addr).await?;
+    ledger(&plan, &origin).await?;
     let stats = proxy.stats();
     println!(
         "\nproxy counters: {} client connections, {} upstream, {} refused, {:.1} MB sent, {:.1} MB received",

@@ -10,8 +10,10 @@
 //! and a line) is written to a new spool that replaces it by a rename: the spool never holds much more than that, an
 //! agent that writes without newlines included (the decoder says when it skips such bytes).
 //!
-//! What this cannot cover: a chunk the kernel handed over in the instant between the read and its append (a few
-//! microseconds, against the processing of a line, which may include an upload).
+//! A chunk is appended before the socket gives it up: it is looked at first (`MSG_PEEK`), appended, and only then
+//! taken (a read of exactly those bytes, there already). A daemon that dies between the append and the take leaves
+//! the chunk both in the spool and in the socket: the next daemon processes its lines twice, never none (a thread
+//! preempted between a plain read and its append, on a loaded host, lost a line in CI).
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -172,7 +174,87 @@ fn new_spool(dir: &Path, base: u64, bytes: &[u8]) -> std::io::Result<File> {
     Ok(f)
 }
 
-/// A reader whose every chunk goes to the spool first.
+/// A byte stream whose next bytes can be looked at before they are taken.
+pub(super) trait Peek: Unpin {
+    /// Copies what can be read now into `buf` without taking it; pending until something can be read; nothing
+    /// copied at the end of the stream.
+    fn poll_peek(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>>;
+
+    /// Takes the `n` bytes the last peek copied (they are there already: nothing else reads the stream).
+    fn take(&mut self, n: usize) -> std::io::Result<()>;
+}
+
+impl Peek for tokio::net::unix::OwnedReadHalf {
+    fn poll_peek(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        use std::os::fd::AsRawFd;
+        let stream: &tokio::net::UnixStream = self.as_ref();
+        loop {
+            std::task::ready!(stream.poll_read_ready(cx))?;
+            let unfilled = buf.initialize_unfilled();
+            let peeked = stream.try_io(tokio::io::Interest::READABLE, || {
+                // SAFETY: recv writes at most `unfilled.len()` bytes into `unfilled`, which outlives the call.
+                let n = unsafe {
+                    libc::recv(
+                        stream.as_raw_fd(),
+                        unfilled.as_mut_ptr().cast(),
+                        unfilled.len(),
+                        libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                    )
+                };
+                usize::try_from(n).map_err(|_| std::io::Error::last_os_error())
+            });
+            match peeked {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn take(&mut self, mut n: usize) -> std::io::Result<()> {
+        let stream: &tokio::net::UnixStream = self.as_ref();
+        let mut scratch = [0u8; 8192];
+        while n > 0 {
+            let k = n.min(scratch.len());
+            match stream.try_read(&mut scratch[..k])? {
+                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                got => n -= got,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A slice (for tests): peeking copies, taking advances.
+impl Peek for &[u8] {
+    fn poll_peek(
+        &mut self,
+        _: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let n = self.len().min(buf.remaining());
+        buf.put_slice(&self[..n]);
+        Poll::Ready(Ok(()))
+    }
+
+    fn take(&mut self, n: usize) -> std::io::Result<()> {
+        *self = &self[n.min(self.len())..];
+        Ok(())
+    }
+}
+
+/// A reader whose every chunk goes to the spool before the stream gives it up ([`Peek`]).
 pub(super) struct Spooled<R> {
     inner: R,
     spool: Arc<Spool>,
@@ -184,21 +266,24 @@ impl<R> Spooled<R> {
     }
 }
 
-impl<R: AsyncRead + Unpin> AsyncRead for Spooled<R> {
+impl<R: Peek> AsyncRead for Spooled<R> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = &r {
-            let new = &buf.filled()[before..];
-            if !new.is_empty() {
-                self.spool.append(new);
+        std::task::ready!(self.inner.poll_peek(cx, buf))?;
+        let n = buf.filled().len() - before;
+        if n > 0 {
+            let this = &mut *self;
+            this.spool.append(&buf.filled()[before..]);
+            if let Err(e) = this.inner.take(n) {
+                buf.set_filled(before);
+                return Poll::Ready(Err(e));
             }
         }
-        r
+        Poll::Ready(Ok(()))
     }
 }
 

@@ -153,6 +153,15 @@ pub async fn origin(big: u64) -> anyhow::Result<Origin> {
 /// Starts a proxy on its own 127.0.0.1 port allowing [`HOST`] on both of the origin's ports, resolving it to
 /// 127.0.0.1 and permitting exactly the origin's two addresses.
 pub async fn proxy(origin: &Origin) -> anyhow::Result<(Proxy, SocketAddr)> {
+    proxy_with(origin, ProxyLimits::default(), None).await
+}
+
+/// [`proxy`] with these limits, its byte limit kept in `ledger` when given.
+pub async fn proxy_with(
+    origin: &Origin,
+    limits: ProxyLimits,
+    ledger: Option<egress::Ledger>,
+) -> anyhow::Result<(Proxy, SocketAddr)> {
     let allow = [
         format!("{HOST}:{}", origin.plain.port()),
         format!("{HOST}:{}", origin.tls.port()),
@@ -161,12 +170,11 @@ pub async fn proxy(origin: &Origin) -> anyhow::Result<(Proxy, SocketAddr)> {
         .exempt_for_tests(origin.plain)
         .exempt_for_tests(origin.tls);
     let resolver = StaticResolver::new().with(HOST, [LOCALHOST]);
-    let proxy = Proxy::new(
-        Allowlist::parse(&allow).context("allowlist")?,
-        policy,
-        Arc::new(resolver),
-        ProxyLimits::default(),
-    );
+    let allowlist = Allowlist::parse(&allow).context("allowlist")?;
+    let proxy = match ledger {
+        Some(l) => Proxy::with_ledger(allowlist, policy, Arc::new(resolver), limits, l),
+        None => Proxy::new(allowlist, policy, Arc::new(resolver), limits),
+    };
     let listener = TcpListener::bind((LOCALHOST, 0)).await?;
     let addr = listener.local_addr()?;
     let serving = proxy.clone();
@@ -176,6 +184,37 @@ pub async fn proxy(origin: &Origin) -> anyhow::Result<(Proxy, SocketAddr)> {
         }
     });
     Ok((proxy, addr))
+}
+
+/// A ledger's reservations written as live restore writes them (`egress.reserved`): 8 bytes in place in a file
+/// on a disk, one `pwrite` each.
+pub struct FileLedger {
+    _dir: tempfile::TempDir,
+    file: std::fs::File,
+    /// Reservations written.
+    pub written: std::sync::atomic::AtomicU64,
+}
+
+impl FileLedger {
+    /// A ledger in a new directory under `/var/tmp` (a disk, as the state directory is).
+    pub fn new() -> anyhow::Result<FileLedger> {
+        let dir = tempfile::tempdir_in("/var/tmp").context("ledger directory")?;
+        let file = std::fs::File::create(dir.path().join("egress.reserved"))?;
+        Ok(FileLedger {
+            _dir: dir,
+            file,
+            written: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+}
+
+impl egress::Reserve for FileLedger {
+    fn reserve(&self, total: u64) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.file, &total.to_le_bytes(), 0)?;
+        self.written
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 /// A client TCP connection, with `TCP_NODELAY` as HTTP clients set it.
