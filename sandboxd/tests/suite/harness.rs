@@ -591,6 +591,12 @@ impl Drop for Daemon {
         if self.clean_cgroups {
             remove_cgroup_parent(&self.cgroup_parent);
         }
+        // With live restore, a test that failed before deleting its sandboxes leaves the daemon's mount namespace
+        // pinned in ours (the daemon keeps it for a next one): released here, as a daemon with no sandbox would.
+        let pin_dir = self.state_dir.join("mntns");
+        for pin in [pin_dir.join("ns"), pin_dir.join("ns.next"), pin_dir] {
+            while nix::mount::umount2(&pin, nix::mount::MntFlags::MNT_DETACH).is_ok() {}
+        }
         // The tempdir removes itself (best effort).
     }
 }
