@@ -600,29 +600,24 @@ impl Agents {
     /// with why when the run could not be taken back and ended as a crash).
     async fn adopt(&self, dir: &Path) -> Result<(Arc<Sandbox>, Option<String>), String> {
         let record = crate::restore::load(dir).map_err(|e| format!("unreadable record: {e}"))?;
-        if !crate::restore::adoptable(&record) || crate::restore::lost(dir) {
-            // Its run's cgroups were removed with its processes at the start, and its mounts were not carried.
+        // Not taken back: its run is ended (its mounts, volume binds included, go with the leftover directory).
+        let refused = if !crate::restore::adoptable(&record) {
+            Some("an earlier daemon's record of its network or volume mounts is not taken back")
+        } else if crate::restore::lost(dir) {
+            Some("its mounts were not carried over from the previous daemon")
+        } else if !record.volumes.is_empty() && self.volumes.is_none() {
+            Some(match &self.host.disks {
+                Some(_) => "its volumes cannot be opened by this daemon",
+                None => "this daemon has no volumes (agents volumes are off on this host)",
+            })
+        } else {
+            None
+        };
+        if let Some(why) = refused {
             if let Some(run) = &record.run {
                 self.host.containers.end_kept_run(&run.cid, run.init).await;
             }
-            return Err(match crate::restore::adoptable(&record) {
-                true => "its mounts were not carried over from the previous daemon".into(),
-                false => {
-                    "an earlier daemon's record of its network or volume mounts is not taken back"
-                        .into()
-                }
-            });
-        }
-        if !record.volumes.is_empty() && self.volumes.is_none() {
-            // Its volume binds go with its workspace, removed with the leftover: nothing of a volume is left
-            // mounted for a daemon that does not know the volumes.
-            if let Some(run) = &record.run {
-                self.host.containers.end_kept_run(&run.cid, run.init).await;
-            }
-            return Err(match &self.host.disks {
-                Some(_) => "its volumes cannot be opened by this daemon".into(),
-                None => "this daemon has no volumes (agents volumes are off on this host)".into(),
-            });
+            return Err(why.into());
         }
         let adopted = self.adopt_held(dir, &record).await;
         if adopted.is_err() {
@@ -669,6 +664,10 @@ impl Agents {
                 }
             }
             workspace.remove().await;
+            // Its snapshot, if it was acquired (given back once its workspace is unmounted).
+            if let Ok(s) = &self.snapshots {
+                s.release(&record.id);
+            }
             Err(why)
         };
         if let Some(snapshot) = &record.from_snapshot {
@@ -683,9 +682,6 @@ impl Agents {
         let hub = match Hub::reopen(dir.join("events"), &record.agent_id, budgets) {
             Ok(h) => h,
             Err(e) => {
-                if let Ok(s) = &self.snapshots {
-                    s.release(&record.id);
-                }
                 return refuse(format!("its event log: {e}")).await;
             }
         };
@@ -699,9 +695,6 @@ impl Agents {
                 Ok(n) => Some(n),
                 Err(e) => {
                     hub.close();
-                    if let Ok(s) = &self.snapshots {
-                        s.release(&record.id);
-                    }
                     return refuse(format!("its network: {e}")).await;
                 }
             },

@@ -73,8 +73,8 @@ pub struct Record {
     /// It was created with `network`.
     #[serde(default)]
     pub network: bool,
-    /// Its egress is kept in `egress.json` ([`crate::network::EgressRecord`]; an earlier daemon's record has
-    /// `network` without it: not taken back).
+    /// Its egress is kept in `egress.json` and `egress.reserved` ([`crate::network::EgressRecord`]; an earlier
+    /// daemon's record has `network` without it: not taken back).
     #[serde(default)]
     pub egress: bool,
     /// Runs started so far (the next run's container id follows it).
@@ -175,10 +175,9 @@ pub fn adoptable(record: &Record) -> bool {
 /// sandbox's id: the attachments the volumes start with (a writer among them is not a lost writer, so its volume
 /// is not scanned).
 pub fn held_volumes(agents: &Path) -> Vec<(String, Mounted)> {
-    carried(agents)
-        .iter()
-        .filter_map(|d| load(d).ok())
-        .flat_map(|r| {
+    carried_records(agents)
+        .into_iter()
+        .flat_map(|(_, r)| {
             let id = r.id;
             r.volumes.into_iter().map(move |m| (id.clone(), m))
         })
@@ -206,9 +205,21 @@ pub fn lost(dir: &Path) -> bool {
 /// The sandbox directories under `agents` whose record this daemon takes back ([`adoptable`]) and whose mounts
 /// were not lost ([`mark_lost`]): what a daemon with live restore carries over into its mount namespace.
 pub fn carried(agents: &Path) -> Vec<PathBuf> {
+    carried_records(agents)
+        .into_iter()
+        .map(|(d, _)| d)
+        .collect()
+}
+
+/// [`carried`], each directory with its record (read once).
+pub fn carried_records(agents: &Path) -> Vec<(PathBuf, Record)> {
     recorded(agents)
         .into_iter()
-        .filter(|d| !lost(d) && load(d).is_ok_and(|r| adoptable(&r)))
+        .filter(|d| !lost(d))
+        .filter_map(|d| {
+            let r = load(&d).ok().filter(adoptable)?;
+            Some((d, r))
+        })
         .collect()
 }
 
@@ -230,9 +241,9 @@ pub fn recorded(agents: &Path) -> Vec<PathBuf> {
 /// recorded process: their cgroups are not leftovers (the others' are removed with their processes, before any
 /// volume is mounted again).
 pub fn kept_runs(agents: &Path) -> Vec<String> {
-    carried(agents)
-        .iter()
-        .filter_map(|d| load(d).ok()?.run)
+    carried_records(agents)
+        .into_iter()
+        .filter_map(|(_, r)| r.run)
         .filter(|r| runtime::sys::start_time(r.init.pid) == Some(r.init.start))
         .map(|r| r.cid)
         .collect()

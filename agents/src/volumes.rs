@@ -188,9 +188,9 @@ impl Volumes {
     /// The volumes under `dir`, mounted; a volume whose writer was lost with the previous daemon is scanned first
     /// (blocking work, at start). `held` are the mounts of the sandboxes a previous daemon left and this one takes
     /// back (live restore), with their sandbox ids: they are the volumes' first attachments, and a writer among
-    /// them is not lost (its sandbox's removal scans, or [`Self::release`] and [`Self::recover`] if it cannot be
-    /// taken back after all). A directory without `volume.json` (a creation that did not finish) is removed; a
-    /// volume that cannot be read or mounted is logged and left as it is (its scan waits for a start that can).
+    /// them is not lost (its sandbox's removal scans, or [`Self::drop_held`] if it cannot be taken back after all).
+    /// A directory without `volume.json` (a creation that did not finish) is removed; a volume that cannot be read
+    /// or mounted is logged and left as it is (its scan waits for a start that can).
     pub fn open(
         dir: PathBuf,
         disks: Arc<dyn Disks>,

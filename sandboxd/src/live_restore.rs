@@ -8,8 +8,8 @@
 //! each recorded sandbox's directory with what is mounted under it out of the pinned namespace (`open_tree`) and
 //! attaches it at the same place in its own new one (`move_mount`), each of its volumes' own mount
 //! (`<state_dir>/volumes/<id>/mnt`) first; then it pins its own namespace instead. A sandbox whose mounts cannot all
-//! be carried is marked lost ([`agents::restore::mark_lost`]): its run is ended with the leftovers. What the old namespace held for anything else (the
-//! executions' mounts) goes with it.
+//! be carried is marked lost ([`agents::restore::mark_lost`]): its run is ended with the leftovers. What the old
+//! namespace held for anything else (the executions' mounts) goes with it.
 //!
 //! Hand-written, because no crate moves mount trees between namespaces; it uses the same two syscalls the runtime's
 //! binds do ([`runtime::sys::open_tree`], [`runtime::sys::move_mount_onto`]).
@@ -123,14 +123,12 @@ fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result
     let volumes = state_dir.join("volumes");
     let mut carried_volumes = std::collections::BTreeSet::new();
     let mut lost = Vec::new();
-    for dir in agents::restore::carried(&state_dir.join("agents")) {
-        let record = agents::restore::load(&dir).context("the sandbox's record");
-        let carried = match (old, record) {
-            (_, Err(e)) => Err(e),
-            (None, _) => Err(anyhow::anyhow!(
+    for (dir, record) in agents::restore::carried_records(&state_dir.join("agents")) {
+        let carried = match old {
+            None => Err(anyhow::anyhow!(
                 "no mount namespace of a previous daemon is pinned"
             )),
-            (Some(old), Ok(record)) => record
+            Some(old) => record
                 .volumes
                 .iter()
                 .try_for_each(|m| {
@@ -231,10 +229,7 @@ fn pin_new(pin_dir: &Path, pin_file: &Path, new: &File) -> anyhow::Result<()> {
 /// keeps its uid (its files and processes are that uid's), which this daemon would not take, or would give to an
 /// execution. Checked before any container is created.
 pub fn check_recorded_uids(agents: &Path, range: std::ops::Range<u32>) -> anyhow::Result<()> {
-    for dir in agents::restore::carried(agents) {
-        let Ok(record) = agents::restore::load(&dir) else {
-            continue;
-        };
+    for (_, record) in agents::restore::carried_records(agents) {
         if !range.contains(&record.host_id) {
             anyhow::bail!(
                 "agents.live_restore: sandbox {} of a previous daemon runs as host uid {}, outside this \

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-# What a copy-on-write workspace would make of a snapshot (issue 28's goal: a fork of a 1 000-file, 100 MB workspace
-# in at most 100 ms, no copy of the data). A snapshot now copies the workspace (it lives on a tmpfs) to the state
+# What a copy-on-write workspace would make of a snapshot (the goal: a fork of a 1 000-file, 100 MB workspace in at
+# most 100 ms, no copy of the data). A snapshot now copies the workspace (it lives on a tmpfs) to the state
 # disk. This measures, on 2 GiB loop-mounted filesystems in /var/tmp, for 1 000 files of 100 KiB, five times each:
 #   - cp -a of the tree and a sync (what a snapshot costs now, the digest aside), on XFS and btrfs;
 #   - FICLONE (reflink) of each file into a new tree and a sync, on XFS;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CRIU evaluation of issue 28 ("process memory is not captured unless CRIU proves workable"), as a script that
+# Whether CRIU can capture an agent sandbox's process memory while keeping it confined, as a script that
 # can be run again on another kernel or CRIU: not part of CI (it downloads a Debian root, about 30 s).
 #
 # 1. `criu check` with the host's Debian package (bookworm's CRIU 3.17.1, if installed).
