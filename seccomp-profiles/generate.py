@@ -179,6 +179,11 @@ NETLINK_ROUTE = 0
 SOCK_RAW, SOCK_PACKET, SOCK_TYPE_MASK = 3, 10, 0xF
 TIOCSTI, TIOCLINUX, TIOCSETD = 0x5412, 0x541C, 0x5423
 PERSONALITY_QUERY, PER_LINUX, PER_LINUX32 = 0xFFFFFFFF, 0x0000, 0x0008
+# btrfs subvolume and snapshot creation (_IOW(0x94, n, 4096 bytes)): a subvolume made inside a workspace of the
+# btrfs workspace store would have no quota of its own (agents.workspace_store: btrfs); needs no capability.
+BTRFS_CREATE = [(name, cmd, "make a btrfs subvolume, which no quota limits (the btrfs workspace store)")
+                for name, cmd in (("BTRFS_IOC_SNAP_CREATE", 0x50009401), ("BTRFS_IOC_SUBVOL_CREATE", 0x5000940E),
+                                  ("BTRFS_IOC_SNAP_CREATE_V2", 0x50009417), ("BTRFS_IOC_SUBVOL_CREATE_V2", 0x50009418))]
 RLIMIT_CORE = 4
 
 def cond(index, typ, op, val, comment):
@@ -214,7 +219,8 @@ def build(names, arch):
     deny.extend(socket_rules())
     for name, cmd, why in (("TIOCSTI", TIOCSTI, "inject input into a terminal"),
                            ("TIOCLINUX", TIOCLINUX, "inject input into a terminal"),
-                           ("TIOCSETD", TIOCSETD, "attach another line discipline (n_gsm, n_hdlc, ...: kernel code with a history of bugs)")):
+                           ("TIOCSETD", TIOCSETD, "attach another line discipline (n_gsm, n_hdlc, ...: kernel code with a history of bugs)"),
+                           *BTRFS_CREATE):
         deny.append({"syscall": "ioctl", "comment": f"{name}: {why}; compared as a 32-bit value so the high-bits variants match too",
                      "args": [cond(1, "dword", "eq", cmd, f"request == {name}")]})
     deny.append({"syscall": "personality", "comment": "personality flags (ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC, UNAME26, ...): only querying, PER_LINUX and PER_LINUX32 (uname's machine only); the kernel reads an unsigned int",

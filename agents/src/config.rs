@@ -58,6 +58,23 @@ pub struct AgentsConfig {
     /// leaves their agents running, and the next daemon on the same `state_dir` takes them back (their runs,
     /// cgroups, control connections, event logs and sequence numbers). Off: they end with the daemon.
     pub live_restore: bool,
+    /// Where `/workspace` lives: `tmpfs` (in memory, with `/tmp`; a snapshot copies it) or `btrfs` (a directory
+    /// of its own with a quota in a btrfs filesystem in `<state_dir>/workspaces`: a snapshot or a fork copies
+    /// nothing).
+    pub workspace_store: WorkspaceStore,
+    /// Size of the btrfs store's file (sparse), MiB: every workspace and snapshot together.
+    pub workspace_store_mb: u64,
+}
+
+/// `agents.workspace_store`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkspaceStore {
+    /// A tmpfs per sandbox.
+    #[default]
+    Tmpfs,
+    /// A btrfs subvolume per sandbox.
+    Btrfs,
 }
 
 impl Default for AgentsConfig {
@@ -78,6 +95,8 @@ impl Default for AgentsConfig {
             max_volumes: 32,
             max_snapshots: 32,
             live_restore: false,
+            workspace_store: WorkspaceStore::Tmpfs,
+            workspace_store_mb: 65536,
         }
     }
 }

@@ -123,6 +123,13 @@ pub trait Workspace: Send + Sync + 'static {
     /// The host uid that is root in its containers (the control socket's owner).
     fn host_id(&self) -> u32;
 
+    /// Where the daemon writes into `/workspace` (mount points, files) and the owner it gives what it makes there:
+    /// [`Self::workspace`] and [`Self::host_id`], except for a workspace of the copy-on-write store, which is
+    /// written directly (owner 0 on disk, shown as the sandbox's root).
+    fn host_workspace(&self) -> (PathBuf, u32) {
+        (self.workspace(), self.host_id())
+    }
+
     /// Writes `code/<name>` (read-only to the agent) and the input files into `/workspace` (blocking work). A file
     /// the request got wrong is [`runtime::Error::InputFile`].
     fn write_inputs(&self, name: &str, content: &[u8], files: &[InputFile]) -> runtime::Result<()>;

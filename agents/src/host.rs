@@ -34,6 +34,9 @@ pub struct WorkspaceRequest<'a> {
     /// A snapshot's layer (files owned by 0) that `/workspace` starts from, as an overlay's lower layer: nothing
     /// copied, shown as owned by the sandbox's root.
     pub snapshot: Option<&'a Path>,
+    /// A workspace of the copy-on-write store ([`crate::cow::CowStore::create`]) that is `/workspace` (not with
+    /// `snapshot`).
+    pub subvolume: Option<&'a Path>,
 }
 
 /// A workspace could not be created.
@@ -229,4 +232,6 @@ pub struct Host {
     /// Whether workspaces can start from snapshots on this host (idmapped overlay layers under
     /// `<state_dir>/snapshots`); the reason when not (the snapshot routes and `fromSnapshot` are refused).
     pub snapshots: Result<(), String>,
+    /// The copy-on-write store of workspaces (`None`: workspaces are tmpfs, snapshots copies).
+    pub cow: Option<Arc<dyn crate::cow::CowStore>>,
 }

@@ -16,6 +16,8 @@
 //!   recovery scan once their writer is gone.
 //! - [`snapshots`]: a sandbox's `/workspace` kept (`POST /sandboxes/<id>/snapshot`) and started from by other
 //!   sandboxes without a copy (`fromSnapshot`, fork).
+//! - [`cow`]: the copy-on-write store of workspaces (`agents.workspace_store: btrfs`): snapshots and forks in
+//!   constant time.
 //! - [`restore`]: live restore (`agents.live_restore`): each sandbox's record, and the runs a later daemon takes
 //!   back.
 //! - [`config`]: the `agents:` configuration block.
@@ -25,6 +27,7 @@
 pub mod backend;
 pub mod config;
 pub mod container;
+pub mod cow;
 pub mod events;
 pub mod host;
 pub mod network;

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use crate::backend::Backend;
 use crate::container::Workspace;
+use crate::cow::CowStore;
 use crate::events::{Budgets, Hub};
 use crate::host::{Host, WorkspaceError, WorkspaceRequest};
 use crate::network::SandboxEgress;
@@ -58,6 +59,8 @@ pub struct Agents {
     volumes: Option<Arc<Volumes>>,
     /// `Err`: why this host has none.
     snapshots: Result<Arc<Snapshots>, String>,
+    /// The copy-on-write store of workspaces, when workspaces are in one.
+    cow: Option<Arc<dyn CowStore>>,
     nonce: String,
     seq: AtomicU64,
 }
@@ -96,10 +99,12 @@ impl Agents {
             Ok(()) => Ok(Snapshots::open(
                 settings.state_dir.join("snapshots"),
                 settings.agents.max_snapshots,
+                host.cow.clone(),
             )?),
             Err(why) => Err(why.clone()),
         };
         Ok(Arc::new(Self {
+            cow: host.cow.clone(),
             host,
             dir,
             sandboxes: Mutex::new(HashMap::new()),
@@ -141,13 +146,23 @@ impl Agents {
         &self,
         id: &str,
     ) -> Option<Result<agent_api::Snapshot, crate::snapshots::SnapshotError>> {
+        self.snapshot_as(id, false).await
+    }
+
+    /// [`Self::snapshot`]; with `later`, the digest of a snapshot in the copy-on-write store is computed after
+    /// the return ([`Snapshots::finish`]).
+    async fn snapshot_as(
+        &self,
+        id: &str,
+        later: bool,
+    ) -> Option<Result<agent_api::Snapshot, crate::snapshots::SnapshotError>> {
         let sb = self.get(id)?;
         let store = match self.snapshots() {
             Ok(s) => s,
             Err(e) => return Some(Err(e)),
         };
         Some(
-            sb.snapshot(store, self.host.settings.agents.disk_mb << 20)
+            sb.snapshot(store, self.host.settings.agents.disk_mb << 20, later)
                 .await,
         )
     }
@@ -165,7 +180,7 @@ impl Agents {
             )
             .into());
         }
-        let snapshot = match self.snapshot(id).await {
+        let snapshot = match self.snapshot_as(id, true).await {
             None => {
                 return Err(Refusal {
                     status: 404,
@@ -271,15 +286,39 @@ impl Agents {
             .transpose()
             .map_err(|e| PluginError::invalid(e.to_string()))?;
         tracing::Span::current().record("sandbox", id.as_str());
-        let layer = match &req.from_snapshot {
-            Some(snapshot) => Some(
+        let refusal = |e: SnapshotError| {
+            let (status, error) = e.plugin();
+            Refusal { status, error }
+        };
+        // With the copy-on-write store, a workspace of its own (a writable copy of a snapshot there); else a tmpfs,
+        // with a snapshot's layer under it.
+        let cow_from = match (&req.from_snapshot, &self.cow) {
+            (Some(snapshot), Some(_)) => self
+                .snapshots()
+                .and_then(|s| s.cow_source(snapshot, limits.disk_mb << 20))
+                .map_err(refusal)?
+                .map(Some),
+            (None, Some(_)) => Some(None),
+            (_, None) => None,
+        };
+        let layer = match (&req.from_snapshot, &cow_from) {
+            (Some(snapshot), None) => Some(
                 self.snapshots()
                     .and_then(|s| s.acquire(snapshot, &id))
-                    .map_err(|e| {
-                        let (status, error) = e.plugin();
-                        Refusal { status, error }
-                    })?,
+                    .map_err(refusal)?,
             ),
+            _ => None,
+        };
+        let subvolume = match cow_from {
+            Some(from) => match self.make_subvolume(&id, limits.disk_mb, from).await {
+                Ok(path) => Some(path),
+                Err(e) => {
+                    if let Ok(s) = &self.snapshots {
+                        s.release(&id);
+                    }
+                    return Err(e.into());
+                }
+            },
             None => None,
         };
         let made = self
@@ -287,27 +326,85 @@ impl Agents {
                 &id,
                 req,
                 (limits, image, template, files),
-                mounts,
-                network,
-                layer,
+                (mounts, network),
+                (layer, subvolume.clone()),
             )
             .await;
-        if let (Err(_), Ok(s)) = (&made, &self.snapshots) {
-            s.release(&id);
+        if made.is_err() {
+            if let Ok(s) = &self.snapshots {
+                s.release(&id);
+            }
+            if let Some(path) = subvolume {
+                self.destroy_subvolume(&id, path).await;
+            }
         }
         made
     }
 
-    /// [`Self::create`] once its id is chosen and its snapshot (if any) acquired.
-    #[allow(clippy::too_many_arguments)]
+    /// Makes sandbox `id`'s workspace in the copy-on-write store: empty, or a copy of the snapshot at `from`.
+    async fn make_subvolume(
+        &self,
+        id: &str,
+        disk_mb: u64,
+        from: Option<PathBuf>,
+    ) -> Result<PathBuf, PluginError> {
+        let Some(cow) = self.cow.clone() else {
+            return Err(PluginError::invalid("no workspace store"));
+        };
+        let id = id.to_owned();
+        tokio::task::spawn_blocking(move || cow.create(&id, disk_mb << 20, from.as_deref()))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string().into()))
+            .map_err(|e| PluginError::ProviderUnavailable {
+                message: format!("Cannot make the workspace in the workspace store: {e}"),
+                retryable: false,
+            })
+    }
+
+    /// Removes sandbox `id`'s workspace from the copy-on-write store (once its container no longer holds it);
+    /// errors are logged.
+    async fn destroy_subvolume(&self, id: &str, path: PathBuf) {
+        let Some(cow) = self.cow.clone() else {
+            return;
+        };
+        let destroyed = tokio::task::spawn_blocking(move || cow.destroy(&path))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string().into()));
+        if let Err(e) = destroyed {
+            warn!(sandbox = %id, error = %e, "cannot remove the sandbox's workspace from the workspace store");
+        }
+    }
+
+    /// Removes the copy-on-write store's workspaces that no sandbox of this daemon has (what an earlier daemon
+    /// left).
+    async fn sweep_subvolumes(&self) {
+        let Some(cow) = self.cow.clone() else {
+            return;
+        };
+        let live: std::collections::BTreeSet<String> = self.map().keys().cloned().collect();
+        let _ = tokio::task::spawn_blocking(move || {
+            for id in cow.list().0 {
+                if live.contains(&id) {
+                    continue;
+                }
+                warn!(sandbox = %id, "removing a workspace no sandbox has from the workspace store");
+                if let Err(e) = cow.destroy(&cow.workspace(&id)) {
+                    warn!(sandbox = %id, error = %e, "cannot remove a leftover workspace");
+                }
+            }
+        })
+        .await;
+    }
+
+    /// [`Self::create`] once its id is chosen and its snapshot (if any) acquired, or its workspace made in the
+    /// copy-on-write store.
     async fn create_as(
         &self,
         id: &str,
         req: CreateSandboxRequest,
         (limits, image, template, files): (Limits, String, AgentTemplate, Vec<InputFile>),
-        mounts: Vec<Mounted>,
-        network: Option<SandboxEgress>,
-        layer: Option<(PathBuf, String)>,
+        (mounts, network): (Vec<Mounted>, Option<SandboxEgress>),
+        (layer, subvolume): (Option<(PathBuf, String)>, Option<PathBuf>),
     ) -> Result<Arc<Sandbox>, Refusal> {
         let id = id.to_owned();
         let from_snapshot = req.from_snapshot.clone();
@@ -320,7 +417,11 @@ impl Agents {
         let (workspace, hub) = self
             .prepare(
                 (&id, &req.bootstrap.agent_id),
-                (&image, layer.as_ref().map(|(l, _)| l.as_path())),
+                (
+                    &image,
+                    layer.as_ref().map(|(l, _)| l.as_path()),
+                    subvolume.as_deref(),
+                ),
                 limits.disk_mb,
                 manifest,
                 files,
@@ -367,7 +468,7 @@ impl Agents {
             workspace,
             network,
             self.volumes.clone().map(|v| (v, mounts)),
-            (from_snapshot, self.host.clone()),
+            (from_snapshot, subvolume.is_some(), self.host.clone()),
         );
         sb.start_tasks();
         sb.persist();
@@ -436,7 +537,7 @@ impl Agents {
     async fn prepare(
         &self,
         (id, agent_id): (&str, &str),
-        (image, snapshot): (&str, Option<&Path>),
+        (image, snapshot, subvolume): (&str, Option<&Path>, Option<&Path>),
         disk_mb: u64,
         manifest: String,
         files: Vec<InputFile>,
@@ -447,6 +548,7 @@ impl Agents {
             image,
             disk_mb,
             snapshot,
+            subvolume,
         };
         let workspace = self
             .host
@@ -502,10 +604,12 @@ impl Agents {
             return Ok(mounts);
         };
         let host_id = workspace.host_id();
+        let (written, owner) = workspace.host_workspace();
         for i in 0..mounts.len() {
+            // The mount point is made where the daemon writes, the volume bound where the sandbox sees it.
             let target = workspace.workspace().join(&mounts[i].rel);
-            let t = target.clone();
-            let made = tokio::task::spawn_blocking(move || mount_point(&t, host_id)).await;
+            let t = written.join(&mounts[i].rel);
+            let made = tokio::task::spawn_blocking(move || mount_point(&t, owner)).await;
             let attached = match made {
                 Ok(Ok(())) => {
                     let m = &mounts[i];
@@ -550,6 +654,9 @@ impl Agents {
         if let Ok(s) = &self.snapshots {
             s.release(id);
         }
+        if let (true, Some(cow)) = (sb.cow(), &self.cow) {
+            self.destroy_subvolume(id, cow.workspace(id)).await;
+        }
         info!(sandbox = %id, "agent sandbox removed");
         true
     }
@@ -558,6 +665,13 @@ impl Agents {
     /// run, or, when that cannot be, removed. Anything else under `<state_dir>/agents` is a leftover and removed.
     /// Returns what was done, one line per sandbox, for the log.
     pub async fn restore(&self) -> Vec<String> {
+        let report = self.restore_recorded().await;
+        self.sweep_subvolumes().await;
+        report
+    }
+
+    /// [`Self::restore`] of every recorded sandbox.
+    async fn restore_recorded(&self) -> Vec<String> {
         if !self.host.settings.agents.live_restore {
             return Vec::new();
         }
@@ -610,6 +724,8 @@ impl Agents {
                 Some(_) => "its volumes cannot be opened by this daemon",
                 None => "this daemon has no volumes (agents volumes are off on this host)",
             })
+        } else if record.cow && self.cow.is_none() {
+            Some("its workspace is in the btrfs workspace store, which is off on this daemon (agents.workspace_store)")
         } else {
             None
         };
@@ -634,12 +750,17 @@ impl Agents {
         dir: &Path,
         record: &crate::restore::Record,
     ) -> Result<(Arc<Sandbox>, Option<String>), String> {
+        let subvolume = match (record.cow, &self.cow) {
+            (true, Some(cow)) => Some(cow.workspace(&record.id)),
+            _ => None,
+        };
         let req = WorkspaceRequest {
             id: &record.id,
             parent: &self.dir,
             image: &record.image,
             disk_mb: record.disk_mb,
             snapshot: None,
+            subvolume: subvolume.as_deref(),
         };
         let workspace = match self
             .host
@@ -670,7 +791,18 @@ impl Agents {
             }
             Err(why)
         };
-        if let Some(snapshot) = &record.from_snapshot {
+        // Its quota as its record says, whatever happened to the store meanwhile.
+        if let (Some(subvolume), Some(cow)) = (&subvolume, &self.cow) {
+            let (cow, id, bytes) = (cow.clone(), record.id.clone(), record.disk_mb << 20);
+            let set = tokio::task::spawn_blocking(move || cow.set_limit(&id, bytes))
+                .await
+                .unwrap_or_else(|e| Err(e.to_string().into()));
+            if let Err(e) = set {
+                return refuse(format!("its quota in {}: {e}", subvolume.display())).await;
+            }
+        }
+        // A workspace in the copy-on-write store holds nothing of its snapshot.
+        if let (Some(snapshot), false) = (&record.from_snapshot, record.cow) {
             let acquired = self
                 .snapshots()
                 .and_then(|s| s.acquire(snapshot, &record.id));

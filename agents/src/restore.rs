@@ -64,6 +64,9 @@ pub struct Record {
     /// The snapshot its workspace started from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_snapshot: Option<String>,
+    /// Its `/workspace` is in the copy-on-write store (`ws/<id>`), bound into its tmpfs.
+    #[serde(default)]
+    pub cow: bool,
     /// It was created with volume mounts.
     #[serde(default)]
     pub mounts: bool,
@@ -289,6 +292,7 @@ mod tests {
             }))
             .unwrap(),
             from_snapshot: None,
+            cow: false,
             mounts: false,
             volumes: Vec::new(),
             network: false,

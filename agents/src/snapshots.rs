@@ -21,6 +21,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use agent_api::{PluginError, Snapshot};
+
+use crate::cow::CowStore;
 use sha2::{Digest, Sha256};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
@@ -56,6 +58,18 @@ pub enum SnapshotError {
     /// The workspace holds more than a snapshot may.
     #[error("The workspace holds more than {0} bytes, the most a snapshot holds (agents.disk_mb)")]
     TooLarge(u64),
+    /// A workspace of the copy-on-write store would start from a snapshot holding more than its quota.
+    #[error(
+        "Snapshot {id} holds {bytes} bytes, more than the sandbox's diskMb ({max_bytes} bytes)"
+    )]
+    Larger {
+        /// The snapshot.
+        id: String,
+        /// What it holds.
+        bytes: u64,
+        /// The sandbox's quota.
+        max_bytes: u64,
+    },
     /// The sandbox's agent could not be frozen for the copy.
     #[error("Cannot freeze the agent for the snapshot: {0}")]
     Freeze(String),
@@ -87,7 +101,7 @@ impl SnapshotError {
                     capability: "snapshots".into(),
                 },
             ),
-            Self::InUse { .. } | Self::Deleting(_) | Self::TooLarge(_) => {
+            Self::InUse { .. } | Self::Deleting(_) | Self::TooLarge(_) | Self::Larger { .. } => {
                 (409, PluginError::invalid(message))
             }
             Self::Full(_) => (
@@ -121,6 +135,9 @@ struct Meta {
     created_at: String,
     #[serde(default)]
     skipped: Vec<String>,
+    /// Its files are a read-only snapshot in the copy-on-write store (not `layer/`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    cow: bool,
 }
 
 struct Entry {
@@ -137,11 +154,29 @@ pub struct Snapshots {
     entries: Mutex<BTreeMap<String, Entry>>,
     /// Snapshots being taken (they count against `max`).
     taking: Mutex<usize>,
+    /// The copy-on-write store, when workspaces are in one.
+    cow: Option<Arc<dyn CowStore>>,
+}
+
+/// A snapshot made in the copy-on-write store ([`Snapshots::capture`]) whose files are not yet walked: finished by
+/// [`Snapshots::finish`] (dropped unfinished, it is removed).
+pub struct Captured {
+    snapshots: Arc<Snapshots>,
+    meta: Option<Meta>,
+    files: PathBuf,
+    /// The most it may hold (as [`copy_tree`] counts).
+    max_bytes: u64,
 }
 
 impl Snapshots {
-    /// Opens `dir` (created if missing): every finished snapshot in it is there again; unfinished ones are removed.
-    pub fn open(dir: PathBuf, max: usize) -> std::io::Result<Arc<Self>> {
+    /// Opens `dir` (created if missing): every finished snapshot in it is there again; unfinished ones are removed,
+    /// and so are the files in the copy-on-write store `cow` of a snapshot that is not there (or a snapshot there
+    /// whose files are gone).
+    pub fn open(
+        dir: PathBuf,
+        max: usize,
+        cow: Option<Arc<dyn CowStore>>,
+    ) -> std::io::Result<Arc<Self>> {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -152,7 +187,17 @@ impl Snapshots {
             let meta = std::fs::read(path.join(META))
                 .ok()
                 .and_then(|b| serde_json::from_slice::<Meta>(&b).ok())
-                .filter(|m| path.file_name() == Some(m.id.as_ref()));
+                .filter(|m| path.file_name() == Some(m.id.as_ref()))
+                .filter(|m| match (&cow, m.cow) {
+                    (Some(cow), true) => {
+                        let there = cow.snapshot_path(&m.id).is_dir();
+                        if !there {
+                            warn!(snapshot = %m.id, "its files in the workspace store are gone");
+                        }
+                        there
+                    }
+                    _ => true,
+                });
             match meta {
                 Some(meta) => {
                     entries.insert(
@@ -172,6 +217,16 @@ impl Snapshots {
                 }
             }
         }
+        if let Some(cow) = &cow {
+            for id in cow.list().1 {
+                if !entries.get(&id).is_some_and(|e| e.meta.cow) {
+                    warn!(snapshot = %id, "removing a snapshot's files the store has no record of");
+                    if let Err(e) = cow.destroy(&cow.snapshot_path(&id)) {
+                        warn!(snapshot = %id, error = %e, "cannot remove a snapshot's files");
+                    }
+                }
+            }
+        }
         if !entries.is_empty() {
             info!(snapshots = entries.len(), "snapshots found");
         }
@@ -180,6 +235,7 @@ impl Snapshots {
             max,
             entries: Mutex::new(entries),
             taking: Mutex::new(0),
+            cow,
         }))
     }
 
@@ -213,28 +269,10 @@ impl Snapshots {
         source: &str,
         max_bytes: u64,
     ) -> Result<Snapshot, SnapshotError> {
-        {
-            let mut taking = self.taking();
-            let n = self.entries().len() + *taking;
-            if n >= self.max {
-                return Err(SnapshotError::Full(n));
-            }
-            *taking += 1;
-        }
-        let id = format!("snap-{}", &uuid::Uuid::now_v7().simple().to_string()[16..]);
+        self.reserve()?;
+        let mut meta = new_meta(image, source, false);
+        let id = meta.id.clone();
         let (final_dir, partial) = (self.dir.join(&id), self.dir.join(format!("{id}.partial")));
-        let mut meta = Meta {
-            id: id.clone(),
-            digest: String::new(),
-            bytes: 0,
-            files: 0,
-            image: image.to_owned(),
-            source: source.to_owned(),
-            created_at: OffsetDateTime::now_utc()
-                .format(&Rfc3339)
-                .unwrap_or_default(),
-            skipped: Vec::new(),
-        };
         let m = meta.clone();
         let made = tokio::task::spawn_blocking(move || -> std::io::Result<Meta> {
             let made = store(&workspace, (&partial, &final_dir), m, max_bytes);
@@ -245,26 +283,177 @@ impl Snapshots {
         })
         .await
         .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
-        *self.taking() -= 1;
-        meta = made.map_err(|source| match source.kind() {
-            std::io::ErrorKind::FileTooLarge => SnapshotError::TooLarge(max_bytes),
-            _ => SnapshotError::Store {
-                what: "take",
-                id: id.clone(),
-                source,
-            },
-        })?;
+        meta = match made {
+            Ok(meta) => meta,
+            Err(source) => {
+                *self.taking() -= 1;
+                return Err(match source.kind() {
+                    std::io::ErrorKind::FileTooLarge => SnapshotError::TooLarge(max_bytes),
+                    _ => SnapshotError::Store {
+                        what: "take",
+                        id: id.clone(),
+                        source,
+                    },
+                });
+            }
+        };
         info!(snapshot = %id, sandbox = source, bytes = meta.bytes, files = meta.files, "snapshot taken");
+        // Listed before it stops counting as being taken: `max` holds at every moment.
+        let snapshot = self.insert(meta);
+        *self.taking() -= 1;
+        Ok(snapshot)
+    }
+
+    /// Counts a snapshot being taken, unless `max` exist or are being taken.
+    fn reserve(&self) -> Result<(), SnapshotError> {
+        let mut taking = self.taking();
+        let n = self.entries().len() + *taking;
+        if n >= self.max {
+            return Err(SnapshotError::Full(n));
+        }
+        *taking += 1;
+        Ok(())
+    }
+
+    fn insert(&self, meta: Meta) -> Snapshot {
         let snapshot = view_meta(&meta, &BTreeSet::new());
         self.entries().insert(
-            id,
+            meta.id.clone(),
             Entry {
                 meta,
                 users: BTreeSet::new(),
                 deleting: false,
             },
         );
+        snapshot
+    }
+
+    /// Makes a snapshot of the copy-on-write store's workspace `workspace` (of sandbox `source`, on image
+    /// `image`), in constant time: the moment it shows, so its sandbox is frozen meanwhile. [`Self::finish`] walks
+    /// it once the sandbox is thawed, and refuses it when it holds more than `max_bytes` (as a copy counts them:
+    /// the size of each file, not the blocks it takes, so a sparse, linked or compressed file counts in full).
+    pub async fn capture(
+        self: &Arc<Self>,
+        workspace: PathBuf,
+        (image, source): (&str, &str),
+        max_bytes: u64,
+    ) -> Result<Captured, SnapshotError> {
+        let Some(cow) = self.cow.clone() else {
+            return Err(SnapshotError::Unsupported(
+                "the workspace store is off (agents.workspace_store)".into(),
+            ));
+        };
+        self.reserve()?;
+        let meta = new_meta(image, source, true);
+        let id = meta.id.clone();
+        let made = tokio::task::spawn_blocking(move || cow.snapshot(&workspace, &id))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string().into()));
+        match made {
+            Ok(files) => Ok(Captured {
+                snapshots: self.clone(),
+                meta: Some(meta),
+                files,
+                max_bytes,
+            }),
+            Err(e) => {
+                *self.taking() -= 1;
+                Err(SnapshotError::Store {
+                    what: "take",
+                    id: meta.id,
+                    source: std::io::Error::other(e),
+                })
+            }
+        }
+    }
+
+    /// Walks a captured snapshot's files for its bytes, entries and digest ([`walk_tree`], the digest a copy of
+    /// the same tree gets) and records it. With `later` (a fork, which must not wait for the hash of every byte)
+    /// the digest is computed after the return: the snapshot shows `digest: ""` until then, and is recorded on
+    /// disk only then (a daemon that ends before it does not find it again).
+    pub async fn finish(
+        self: &Arc<Self>,
+        mut captured: Captured,
+        later: bool,
+    ) -> Result<Snapshot, SnapshotError> {
+        let Some(meta) = captured.meta.take() else {
+            return Err(SnapshotError::NotFound(String::new()));
+        };
+        let id = meta.id.clone();
+        let (files, max_bytes) = (captured.files.clone(), captured.max_bytes);
+        let (this, f) = (self.clone(), files.clone());
+        let walked =
+            tokio::task::spawn_blocking(move || this.record(&f, meta, (!later, false), max_bytes))
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        let meta = match walked {
+            Ok(meta) => meta,
+            Err(source) => {
+                *self.taking() -= 1;
+                let files = files.clone();
+                if let Some(cow) = self.cow.clone() {
+                    let destroyed = tokio::task::spawn_blocking(move || cow.destroy(&files)).await;
+                    if !matches!(destroyed, Ok(Ok(()))) {
+                        warn!(snapshot = %id, "cannot remove an unfinished snapshot's files");
+                    }
+                }
+                return Err(match source.kind() {
+                    std::io::ErrorKind::FileTooLarge => SnapshotError::TooLarge(max_bytes),
+                    _ => SnapshotError::Store {
+                        what: "take",
+                        id,
+                        source,
+                    },
+                });
+            }
+        };
+        info!(snapshot = %id, sandbox = %meta.source, bytes = meta.bytes, files = meta.files, "snapshot taken (copy-on-write)");
+        // Listed before it stops counting as being taken: `max` holds at every moment.
+        let snapshot = self.insert(meta.clone());
+        *self.taking() -= 1;
+        if later {
+            let this = self.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = this.record(&files, meta, (true, true), max_bytes) {
+                    warn!(snapshot = %id, error = %e, "cannot hash a snapshot; it is not kept after the daemon");
+                }
+            });
+        }
         Ok(snapshot)
+    }
+
+    /// Walks `files` into `meta`'s sizes, and with `hash` its digest, then (with `hash`) writes its record
+    /// (blocking); more than `max_bytes` is an error of kind `FileTooLarge`. With `listed` (it was listed before its digest) a snapshot deleted meanwhile is not recorded.
+    fn record(
+        &self,
+        files: &Path,
+        mut meta: Meta,
+        (hash, listed): (bool, bool),
+        max_bytes: u64,
+    ) -> std::io::Result<Meta> {
+        let walked = walk_tree(files, None, max_bytes, hash)?;
+        meta.bytes = walked.bytes;
+        meta.files = walked.files;
+        meta.skipped = walked.skipped;
+        if !hash {
+            return Ok(meta);
+        }
+        meta.digest = walked.digest;
+        let id = meta.id.clone();
+        if listed && self.entries().get(&id).is_none_or(|e| e.deleting) {
+            return Ok(meta);
+        }
+        let (done, partial) = (self.dir.join(&id), self.dir.join(format!("{id}.partial")));
+        std::fs::DirBuilder::new().mode(0o700).create(&partial)?;
+        let written = write_meta(&partial, &done, &meta);
+        if written.is_err() {
+            let _ = remove_all(&partial);
+        }
+        written?;
+        if let Some(e) = self.entries().get_mut(&id) {
+            e.meta.digest = meta.digest.clone();
+        }
+        Ok(meta)
     }
 
     /// Notes that sandbox `sandbox` starts from snapshot `id`: its layer (to mount) and its image. Given back by
@@ -272,8 +461,37 @@ impl Snapshots {
     pub fn acquire(&self, id: &str, sandbox: &str) -> Result<(PathBuf, String), SnapshotError> {
         let mut entries = self.entries();
         let e = usable(&mut entries, id)?;
+        let layer = match (e.meta.cow, &self.cow) {
+            (false, _) => self.dir.join(id).join(LAYER),
+            (true, Some(cow)) => cow.snapshot_path(id),
+            (true, None) => {
+                return Err(SnapshotError::Unsupported(format!(
+                    "snapshot {id}'s files are in the btrfs workspace store, which is off (agents.workspace_store)"
+                )))
+            }
+        };
         e.users.insert(sandbox.to_owned());
-        Ok((self.dir.join(id).join(LAYER), e.meta.image.clone()))
+        Ok((layer, e.meta.image.clone()))
+    }
+
+    /// Snapshot `id`'s files in the copy-on-write store, to make a workspace of at most `max_bytes` from (a
+    /// writable copy: nothing of the snapshot is used after, so it is not held; its files count against the
+    /// workspace's quota, so a snapshot of more is refused); `None` when it is a copy (started from through
+    /// [`Self::acquire`]).
+    pub fn cow_source(&self, id: &str, max_bytes: u64) -> Result<Option<PathBuf>, SnapshotError> {
+        let mut entries = self.entries();
+        let e = usable(&mut entries, id)?;
+        if !e.meta.cow || self.cow.is_none() {
+            return Ok(None);
+        }
+        if e.meta.bytes > max_bytes {
+            return Err(SnapshotError::Larger {
+                id: id.into(),
+                bytes: e.meta.bytes,
+                max_bytes,
+            });
+        }
+        Ok(self.cow.as_ref().map(|cow| cow.snapshot_path(id)))
     }
 
     /// Whether snapshot `id` exists.
@@ -307,7 +525,7 @@ impl Snapshots {
 
     /// `DELETE /snapshots/<id>`: refused while a sandbox uses it.
     pub async fn delete(self: &Arc<Self>, id: &str) -> Result<(), SnapshotError> {
-        {
+        let cow = {
             let mut entries = self.entries();
             let e = usable(&mut entries, id)?;
             if !e.users.is_empty() {
@@ -317,11 +535,23 @@ impl Snapshots {
                 });
             }
             e.deleting = true;
-        }
+            e.meta.cow
+        };
         let dir = self.dir.join(id);
-        let removed = tokio::task::spawn_blocking(move || remove_all(&dir))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        let files = match cow {
+            true => self.cow.clone().map(|c| (c.snapshot_path(id), c)),
+            false => None,
+        };
+        let removed = tokio::task::spawn_blocking(move || {
+            // The files first: a record whose files are gone is removed at the next start, so a deletion that
+            // fails half-way leaves the snapshot listed only while it is still whole.
+            if let Some((path, cow)) = files {
+                cow.destroy(&path).map_err(std::io::Error::other)?;
+            }
+            remove_all(&dir)
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
         match removed {
             Ok(()) => {
                 self.entries().remove(id);
@@ -394,6 +624,37 @@ fn view_meta(m: &Meta, users: &BTreeSet<String>) -> Snapshot {
     }
 }
 
+impl Drop for Captured {
+    fn drop(&mut self) {
+        let Some(meta) = self.meta.take() else {
+            return;
+        };
+        *self.snapshots.taking() -= 1;
+        if let Some(cow) = &self.snapshots.cow {
+            if let Err(e) = cow.destroy(&self.files) {
+                warn!(snapshot = %meta.id, error = %e, "cannot remove an unfinished snapshot's files");
+            }
+        }
+    }
+}
+
+/// A new snapshot's record, before its files are walked.
+fn new_meta(image: &str, source: &str, cow: bool) -> Meta {
+    Meta {
+        id: format!("snap-{}", &uuid::Uuid::now_v7().simple().to_string()[16..]),
+        digest: String::new(),
+        bytes: 0,
+        files: 0,
+        image: image.to_owned(),
+        source: source.to_owned(),
+        created_at: OffsetDateTime::now_utc()
+            .format(&Rfc3339)
+            .unwrap_or_default(),
+        skipped: Vec::new(),
+        cow,
+    }
+}
+
 fn remove_all(path: &Path) -> std::io::Result<()> {
     match std::fs::remove_dir_all(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
@@ -415,12 +676,18 @@ fn store(
     meta.bytes = copied.bytes;
     meta.files = copied.files;
     meta.skipped = copied.skipped;
+    write_meta(partial, done, &meta)?;
+    Ok(meta)
+}
+
+/// Writes `partial/snapshot.json`, makes the directory durable and renames it to `done` (blocking).
+fn write_meta(partial: &Path, done: &Path, meta: &Meta) -> std::io::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(partial.join(META))?;
-    f.write_all(&serde_json::to_vec_pretty(&meta).map_err(std::io::Error::other)?)?;
+    f.write_all(&serde_json::to_vec_pretty(meta).map_err(std::io::Error::other)?)?;
     // One syncfs for every file of the copy: the snapshot is complete on disk before it is named.
     nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)).map_err(std::io::Error::from)?;
     drop(f);
@@ -428,7 +695,7 @@ fn store(
     if let Some(parent) = done.parent() {
         std::fs::File::open(parent)?.sync_all()?;
     }
-    Ok(meta)
+    Ok(())
 }
 
 /// What [`copy_tree`] copied.
@@ -457,6 +724,17 @@ const MAX_PATH_BYTES: usize = 64 << 20;
 /// [`MAX_PATH_BYTES`] to walk, is an error of kind `FileTooLarge`. The digest covers each entry in the walk's order
 /// (a directory's entries sorted by name, depth first), each field length-prefixed.
 pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copied> {
+    walk_tree(src, Some(dst), max_bytes, true)
+}
+
+/// [`copy_tree`]'s walk, which copies into `dst` when there is one and hashes the content when `hash` (without, the
+/// digest is of the sizes and names only): the same digest for the same tree, copied or not.
+pub fn walk_tree(
+    src: &Path,
+    dst: Option<&Path>,
+    max_bytes: u64,
+    hash: bool,
+) -> std::io::Result<Copied> {
     let top = std::fs::symlink_metadata(src)?;
     if !top.is_dir() {
         return Err(std::io::Error::other(format!(
@@ -466,12 +744,17 @@ pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copi
     }
     let dev = top.dev();
     let max_entries = runtime::spec::inodes_for(max_bytes);
-    std::fs::DirBuilder::new().mode(0o700).create(dst)?;
+    if let Some(dst) = dst {
+        std::fs::DirBuilder::new().mode(0o700).create(dst)?;
+    }
     let too_large = || std::io::Error::from(std::io::ErrorKind::FileTooLarge);
     let (mut out, mut charged, mut path_bytes) = (Copied::default(), 0u64, 0usize);
     let mut h = Sha256::new();
     // Directories get their modes and times last (after their entries were written).
-    let mut dirs: Vec<(PathBuf, std::fs::Metadata)> = vec![(dst.to_owned(), top)];
+    let mut dirs: Vec<(PathBuf, std::fs::Metadata)> = Vec::new();
+    if let Some(dst) = dst {
+        dirs.push((dst.to_owned(), top));
+    }
     let mut todo: Vec<PathBuf> = vec![PathBuf::new()];
     let mut buf = vec![0u8; 1 << 20];
     while let Some(rel) = todo.pop() {
@@ -483,7 +766,7 @@ pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copi
         let mut subdirs = Vec::new();
         for name in names {
             let rel = rel.join(&name);
-            let (from, to) = (src.join(&rel), dst.join(&rel));
+            let (from, to) = (src.join(&rel), dst.map(|d| d.join(&rel)));
             let md = std::fs::symlink_metadata(&from)?;
             let ft = md.file_type();
             let size = if ft.is_file() { md.len() } else { ENTRY_BYTES };
@@ -491,28 +774,43 @@ pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copi
             if charged > max_bytes || out.files >= max_entries {
                 return Err(too_large());
             }
+            let mkdir = |mode: u32| match &to {
+                Some(to) => std::fs::DirBuilder::new().mode(mode).create(to),
+                None => Ok(()),
+            };
             let (kind, mode, detail) = if ft.is_dir() && md.dev() != dev {
                 skip(&mut out, &rel, "a mount");
-                std::fs::DirBuilder::new().mode(0o755).create(&to)?;
+                mkdir(0o755)?;
                 (b'd', 0o755, Vec::new())
             } else if ft.is_dir() {
-                std::fs::DirBuilder::new().mode(0o700).create(&to)?;
+                mkdir(0o700)?;
                 path_bytes += 2 * rel.as_os_str().len();
                 if path_bytes > MAX_PATH_BYTES {
                     return Err(too_large());
                 }
-                dirs.push((to, md.clone()));
+                if let Some(to) = to {
+                    dirs.push((to, md.clone()));
+                }
                 subdirs.push(rel.clone());
                 (b'd', md.mode() & 0o1777, Vec::new())
             } else if ft.is_file() {
                 let mode = md.mode() & 0o777;
-                let hash = copy_file(&from, &to, mode, &mut buf)?;
-                set_mtime(&to, &md)?;
+                let hash = match (&to, hash) {
+                    (Some(to), _) => {
+                        let hash = copy_file(&from, Some((to, mode)), &mut buf)?;
+                        set_mtime(to, &md)?;
+                        hash
+                    }
+                    (None, true) => copy_file(&from, None, &mut buf)?,
+                    (None, false) => Vec::new(),
+                };
                 out.bytes += md.len();
                 (b'f', mode, hash)
             } else if ft.is_symlink() {
                 let target = std::fs::read_link(&from)?;
-                std::os::unix::fs::symlink(&target, &to)?;
+                if let Some(to) = &to {
+                    std::os::unix::fs::symlink(&target, to)?;
+                }
                 (b'l', 0o777, target.as_os_str().as_bytes().to_vec())
             } else {
                 skip(&mut out, &rel, "not a file, directory or link");
@@ -544,18 +842,24 @@ fn skip(out: &mut Copied, rel: &Path, why: &str) {
     }
 }
 
-/// Copies one regular file (opened without following a link) to the new file `to` with `mode`; its content's
-/// sha256, lowercase hex.
-fn copy_file(from: &Path, to: &Path, mode: u32, buf: &mut [u8]) -> std::io::Result<Vec<u8>> {
+/// Copies one regular file (opened without following a link) to the new file `to` with its mode, if there is one;
+/// its content's sha256, lowercase hex.
+fn copy_file(from: &Path, to: Option<(&Path, u32)>, buf: &mut [u8]) -> std::io::Result<Vec<u8>> {
     let mut src = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(from)?;
-    let mut dst = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(to)?;
+    let mut dst = match to {
+        Some((to, mode)) => Some((
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(mode)
+                .open(to)?,
+            mode,
+        )),
+        None => None,
+    };
     let mut h = Sha256::new();
     loop {
         let n = src.read(buf)?;
@@ -563,10 +867,14 @@ fn copy_file(from: &Path, to: &Path, mode: u32, buf: &mut [u8]) -> std::io::Resu
             break;
         }
         h.update(&buf[..n]);
-        dst.write_all(&buf[..n])?;
+        if let Some((dst, _)) = &mut dst {
+            dst.write_all(&buf[..n])?;
+        }
     }
-    // The creation mode went through the umask.
-    dst.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    if let Some((dst, mode)) = dst {
+        // The creation mode went through the umask.
+        dst.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    }
     Ok(hex(&h.finalize()).into_bytes())
 }
 

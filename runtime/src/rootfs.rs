@@ -231,6 +231,9 @@ pub struct Scratch {
     host_id: u32,
     /// Size of the tmpfs.
     disk_bytes: u64,
+    /// The copy-on-write store's workspace bound on `/workspace` ([`Self::workspace_on`]), which the daemon
+    /// writes into directly (files owned by 0 there).
+    store: Option<PathBuf>,
 }
 
 /// Where an execution's root comes from.
@@ -265,6 +268,7 @@ impl Scratch {
             carried: false,
             host_id,
             disk_bytes,
+            store: None,
         };
         let made = scratch
             .mount(disk_bytes, host_id)
@@ -307,6 +311,7 @@ impl Scratch {
             carried,
             host_id,
             disk_bytes,
+            store: None,
         })
     }
 
@@ -343,9 +348,11 @@ impl Scratch {
 
     /// Where the inputs go ([`Inputs::write`]), as an owned value for a blocking task.
     pub fn inputs(&self) -> Inputs {
+        let (workspace, owner) = self.host_workspace();
         Inputs {
             dir: self.dir.clone(),
-            host_id: self.host_id,
+            workspace,
+            owner,
             disk_bytes: self.disk_bytes,
         }
     }
@@ -409,6 +416,33 @@ impl Scratch {
             Some(data.as_str()),
         )
         .map_err(|e| Error::sys(format!("mount overlay on {}", target.display()), e))
+    }
+
+    /// Makes `/workspace` the directory `subvolume` (a workspace of a copy-on-write store: files owned by 0 on
+    /// disk, shown as this space's host id through an idmapped read-write bind, `nosuid` and `nodev`): what the
+    /// program writes lands there, owned by 0 on disk whatever host id wrote it, so another space can start from a
+    /// snapshot of it. Before any input is written. The bind is inside the tmpfs, so [`Self::remove`]'s one lazy
+    /// unmount takes it along; the subvolume itself is its store's to remove.
+    pub fn workspace_on(&mut self, subvolume: &Path) -> Result<()> {
+        crate::idmap::bind(subvolume, &self.workspace(), self.host_id, false)?;
+        self.store = Some(subvolume.to_owned());
+        Ok(())
+    }
+
+    /// A workspace taken back ([`Self::adopt`]) whose `/workspace` is the copy-on-write store's `subvolume`
+    /// (bound there by the daemon that made it).
+    pub fn adopt_store(&mut self, subvolume: &Path) {
+        self.store = Some(subvolume.to_owned());
+    }
+
+    /// Where the daemon writes into `/workspace`, and the owner it gives what it makes there: the copy-on-write
+    /// store's workspace and 0 (an idmapped mount takes no file from an unmapped owner), else the tmpfs's
+    /// directory and the host id.
+    pub fn host_workspace(&self) -> (PathBuf, u32) {
+        match &self.store {
+            Some(store) => (store.clone(), 0),
+            None => (self.workspace(), self.host_id),
+        }
     }
 
     /// The overlay root (meaningful for [`RootSource::Overlay`]). It is mounted inside the scratch tmpfs, so the
@@ -535,7 +569,9 @@ fn unescape_mountinfo(p: &str) -> String {
 #[derive(Debug, Clone)]
 pub struct Inputs {
     dir: PathBuf,
-    host_id: u32,
+    /// `/workspace` as the daemon writes into it ([`Scratch::host_workspace`]), and the owner of what it makes.
+    workspace: PathBuf,
+    owner: u32,
     disk_bytes: u64,
 }
 
@@ -544,7 +580,7 @@ impl Inputs {
     /// (`code/<code_name>`, read-only). Runs once, before the program starts.
     pub fn write(&self, code_name: &str, code: &[u8], files: &[InputFile]) -> Result<()> {
         let disk_bytes = self.disk_bytes;
-        let workspace = self.dir.join("scratch/workspace");
+        let workspace = self.workspace.clone();
         for f in files {
             let target = workspace.join(&f.path);
             let refuse = |reason: String| Error::InputFile {
@@ -572,7 +608,7 @@ impl Inputs {
                                 .mode(0o755)
                                 .create(&dir)
                                 .map_err(|e| refuse(e.to_string()))?;
-                            chown(self.host_id, &dir)?;
+                            chown(self.owner, &dir)?;
                         }
                     }
                 }
@@ -602,7 +638,7 @@ impl Inputs {
                 return Err(refuse("not a regular file".into()));
             }
             file.write_all(&f.content).map_err(|e| {
-                if e.raw_os_error() == Some(libc::ENOSPC) {
+                if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
                     refuse(format!(
                         "the files do not fit in disk_mb ({disk_bytes} bytes)"
                     ))
@@ -610,7 +646,7 @@ impl Inputs {
                     refuse(e.to_string())
                 }
             })?;
-            std::os::unix::fs::fchown(&file, Some(self.host_id), Some(self.host_id))
+            std::os::unix::fs::fchown(&file, Some(self.owner), Some(self.owner))
                 .map_err(|e| Error::io(&target, e))?;
         }
         let code_path = self.dir.join("code").join(code_name);

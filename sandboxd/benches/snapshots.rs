@@ -7,6 +7,10 @@
 //! - the time from `POST /spawn` to the agent's first event, in a sandbox from the snapshot against a fresh one;
 //! - what a sandbox from the snapshot holds in its own tmpfs (nothing copied), against the snapshot's bytes.
 //!
+//! Each with `/workspace` on a tmpfs (the default) and in the btrfs workspace store (`agents.workspace_store:
+//! btrfs`, where a snapshot and a fork copy nothing), then the fork of the one against the other's.
+//! `SNAPSHOT_BENCH_STORES=tmpfs` (or `btrfs`) measures one.
+//!
 //! Needs root. Figures, not assertions.
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
@@ -35,7 +39,7 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn start(binary: &Path) -> Self {
+    fn start(binary: &Path, store: &str) -> Self {
         // The state disk, as a daemon has it (not /tmp, which may be a tmpfs).
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
         let port = common::free_port();
@@ -46,7 +50,8 @@ impl Daemon {
             &config,
             format!(
                 "listen: 127.0.0.1:{port}\nstate_dir: {}\nauth: {{tokens: [\"{TOKEN}\"]}}\n\
-                 sandbox: {{cgroup_parent: {parent}, uid_base: 560000}}\n",
+                 sandbox: {{cgroup_parent: {parent}, uid_base: 560000}}\n\
+                 agents: {{workspace_store: {store}, workspace_store_mb: 65536}}\n",
                 state.display(),
             ),
         )
@@ -121,10 +126,26 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-fn tmpfs_used(d: &Daemon, id: &str) -> u64 {
-    let p = d.inside(&d.state.join("agents").join(id).join("scratch"));
-    let st = nix::sys::statvfs::statvfs(&p).unwrap();
+fn used(path: &Path) -> u64 {
+    let st = nix::sys::statvfs::statvfs(path).unwrap();
     (st.blocks() - st.blocks_free()) * st.fragment_size()
+}
+
+/// Bytes sandbox `id` holds of its own: its tmpfs, or with the btrfs store what the store's filesystem holds
+/// (committed) beyond `before`.
+fn held_by(d: &Daemon, id: &str, store: &str, before: u64) -> u64 {
+    match store {
+        "btrfs" => store_used(d).saturating_sub(before),
+        _ => used(&d.inside(&d.state.join("agents").join(id).join("scratch"))),
+    }
+}
+
+/// The btrfs store's filesystem in use, after a commit.
+fn store_used(d: &Daemon) -> u64 {
+    let mnt = d.inside(&d.state.join("workspaces/mnt"));
+    let f = std::fs::File::open(&mnt).unwrap();
+    nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)).unwrap();
+    used(&mnt)
 }
 
 fn row(what: &str, v: f64, base_what: &str, base: f64) {
@@ -143,7 +164,24 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(5);
-    let d = Daemon::start(Path::new(env!("CARGO_BIN_EXE_sandboxd")));
+    let stores = std::env::var("SNAPSHOT_BENCH_STORES").unwrap_or_else(|_| "tmpfs,btrfs".into());
+    let mut forks = Vec::new();
+    for store in stores.split(',') {
+        forks.push((store.to_owned(), pass(store, rounds)));
+    }
+    if let [(a, fa), (b, fb)] = &forks[..] {
+        row(
+            &format!("POST /fork, {b} store"),
+            *fb,
+            &format!("{a} store"),
+            *fa,
+        );
+    }
+}
+
+/// One daemon with `/workspace` in `store`: its rows; the fork's median.
+fn pass(store: &str, rounds: usize) -> f64 {
+    let d = Daemon::start(Path::new(env!("CARGO_BIN_EXE_sandboxd")), store);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let gw = Gateway::new(&format!("http://127.0.0.1:{}", d.port), TOKEN);
     rt.block_on(async {
@@ -181,6 +219,7 @@ fn main() {
             std::fs::remove_dir_all(&to).unwrap();
 
             // A fork, then a creation from the snapshot against a fresh creation.
+            let before = if store == "btrfs" { store_used(&d) } else { 0 };
             let t = Instant::now();
             let (fs, f) = gw.fork(a.id(), &request()).await.unwrap();
             fork.push(ms(t.elapsed()));
@@ -189,10 +228,10 @@ fn main() {
             let t = Instant::now();
             let b = gw.create(&req).await.unwrap();
             from.push(ms(t.elapsed()));
+            held = held.max(held_by(&d, b.id(), store, before));
             let t = Instant::now();
             let c = gw.create(&request()).await.unwrap();
             fresh.push(ms(t.elapsed()));
-            held = held.max(tmpfs_used(&d, b.id()));
 
             // The first event (the daemon's `started`, once the run's container is up), from the snapshot and
             // fresh, in turns first.
@@ -212,19 +251,26 @@ fn main() {
             }
         }
         println!(
-            "snapshots bench: a workspace of {FILES} files, {:.1} MB, its agent alive; medians of {rounds} rounds",
+            "snapshots bench, /workspace on {store}: a workspace of {FILES} files, {:.1} MB, its agent alive; medians of {rounds} rounds",
             bytes as f64 / 1e6
         );
         let snap = median(snap);
-        row("POST /snapshot (freeze, copy, hash, thaw)", snap, "cp -a + sync -f", median(cp));
-        row("POST /fork (snapshot + create)", median(fork), "POST /snapshot", snap);
+        let what = match store {
+            "btrfs" => "POST /snapshot (freeze, snapshot, thaw, hash)",
+            _ => "POST /snapshot (freeze, copy, hash, thaw)",
+        };
+        row(what, snap, "cp -a + sync -f", median(cp));
+        let fork = median(fork);
+        row("POST /fork (snapshot + create)", fork, "POST /snapshot", snap);
         row("POST /sandboxes {fromSnapshot}", median(from), "POST /sandboxes (fresh)", median(fresh));
         row("first event, sandbox from the snapshot", median(first_from), "fresh sandbox", median(first_fresh));
         println!(
-            "a sandbox from the snapshot holds {:.2} MB in its own tmpfs, the snapshot {:.1} MB: nothing copied",
+            "a sandbox from the snapshot and a fork hold {:.2} MB of their own ({}), the snapshot {:.1} MB",
             held as f64 / 1e6,
+            if store == "btrfs" { "the store's growth" } else { "the sandbox's tmpfs" },
             bytes as f64 / 1e6
         );
         gw.delete(a.id()).await.unwrap();
-    });
+        fork
+    })
 }

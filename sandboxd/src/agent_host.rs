@@ -30,9 +30,24 @@ use crate::pool::{Factory, Uids};
 use crate::store::Store;
 use crate::upload::{UploadConfig, UploadError};
 
-/// The host of the daemon's agent sandboxes.
-pub fn host(engine: &Arc<Engine>) -> Host {
+/// The host of the daemon's agent sandboxes. A workspace store that is configured and cannot be opened is the
+/// error (fail closed: its quotas are the sandboxes' disk limits).
+pub fn host(engine: &Arc<Engine>) -> anyhow::Result<Host> {
     let cfg = engine.daemon().config();
+    let cow = match cfg.agents.workspace_store {
+        agents::config::WorkspaceStore::Tmpfs => None,
+        agents::config::WorkspaceStore::Btrfs => {
+            let dir = cfg.state_dir.join("workspaces");
+            let store =
+                crate::cow::BtrfsStore::open(&dir, cfg.agents.workspace_store_mb).map_err(|e| {
+                    anyhow::anyhow!(
+                        "agents.workspace_store: btrfs: cannot open the store in {}: {e}",
+                        dir.display()
+                    )
+                })?;
+            Some(Arc::new(store) as Arc<dyn agents::cow::CowStore>)
+        }
+    };
     let images = engine
         .languages()
         .values()
@@ -40,7 +55,7 @@ pub fn host(engine: &Arc<Engine>) -> Host {
         .collect();
     let range = cfg.agent_uids();
     let uids = Uids::new(range.start, range.end - range.start);
-    Host {
+    Ok(Host {
         settings: Arc::new(Settings {
             agents: cfg.agents.clone(),
             state_dir: cfg.state_dir.clone(),
@@ -74,7 +89,8 @@ pub fn host(engine: &Arc<Engine>) -> Host {
             tracing::warn!(reason = %why, "no snapshots on this host (POST /sandboxes/<id>/snapshot: 422 capability_unsupported)");
             why
         }),
-    }
+        cow,
+    })
 }
 
 /// Workspaces through the factory, on the daemon's images, with host uids of their own.
@@ -159,6 +175,7 @@ impl AgentContainers {
             image,
             disk_mb: req.disk_mb,
             snapshot: req.snapshot,
+            subvolume: req.subvolume,
         };
         let made = match adopted {
             true => self.factory.adopt_workspace(plan).await,
@@ -197,6 +214,10 @@ impl Workspace for UidWorkspace {
 
     fn host_id(&self) -> u32 {
         self.inner.host_id()
+    }
+
+    fn host_workspace(&self) -> (PathBuf, u32) {
+        self.inner.host_workspace()
     }
 
     fn write_inputs(&self, name: &str, content: &[u8], files: &[InputFile]) -> runtime::Result<()> {

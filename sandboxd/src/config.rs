@@ -461,6 +461,19 @@ impl Config {
                     .into(),
             });
         }
+        // Every sandbox's and snapshot's quota must fit in the store at once, with a quarter over for btrfs's own
+        // metadata: one tenant filling the store would otherwise end the others' writes (ENOSPC) within their quota.
+        let quotas = (a.max_sandboxes as u64 + a.max_snapshots as u64).saturating_mul(a.disk_mb);
+        let need = quotas.saturating_add(quotas / 4);
+        if a.workspace_store == agents::config::WorkspaceStore::Btrfs && a.workspace_store_mb < need
+        {
+            return Err(ConfigError::Value {
+                key: "agents.workspace_store_mb",
+                reason: format!(
+                    "must hold every sandbox's and snapshot's disk_mb at once, and a quarter more for btrfs's metadata: at least (agents.max_sandboxes + agents.max_snapshots) x agents.disk_mb x 1.25 = {need} (MiB)"
+                ),
+            });
+        }
         if a.volume_max_mb < agents::volumes::MIN_VOLUME_MB {
             return Err(ConfigError::Value {
                 key: "agents.volume_max_mb",
@@ -888,6 +901,29 @@ mod tests {
             Some(0.5)
         );
         assert_eq!(c.sandbox.cgroup_parent, "sbx-test");
+    }
+
+    #[test]
+    fn a_btrfs_workspace_store_must_hold_every_quota_at_once() {
+        let c = Config::parse("agents: {workspace_store: btrfs}\n").unwrap();
+        assert_eq!(c.agents.workspace_store_mb, 65536);
+        // (16 + 32) x 1024 x 1.25 = 61440.
+        assert!(
+            Config::parse("agents: {workspace_store: btrfs, workspace_store_mb: 61440}\n").is_ok()
+        );
+        let e = Config::parse("agents: {workspace_store: btrfs, workspace_store_mb: 61439}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("agents.workspace_store_mb") && e.contains("61440"),
+            "{e}"
+        );
+        // The tmpfs store has no file to size.
+        assert!(Config::parse("agents: {workspace_store_mb: 1}\n").is_ok());
+        let e = Config::parse("agents: {workspace_store: zfs}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("workspace_store"), "{e}");
     }
 
     #[test]

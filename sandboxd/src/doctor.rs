@@ -284,6 +284,16 @@ fn filesystem_checks() -> Vec<Check> {
         "install e2fsprogs and mount, and give the daemon loop devices (needed for POST /volumes only)",
         false,
     ));
+    let store = crate::cow::probe();
+    out.push(check(
+        "workspace store",
+        has("btrfs") && store.is_ok(),
+        store
+            .err()
+            .unwrap_or_else(|| "btrfs in a file on a loop device".into()),
+        "modprobe btrfs, install btrfs-progs (needed for agents.workspace_store: btrfs only)",
+        false,
+    ));
     out
 }
 

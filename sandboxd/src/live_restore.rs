@@ -117,28 +117,29 @@ pub fn enter_mount_namespace(state_dir: &Path, live_restore: bool) -> anyhow::Re
 /// Carries every recorded sandbox's mounts from `old` (the previous namespace) into `new`; ends in `new`. A
 /// sandbox with volumes has each volume's own mount (`<state_dir>/volumes/<id>/mnt`) carried first: the same
 /// superblock its agent's container holds, which the volumes then find mounted instead of mounting the volume's
-/// file a second time. A sandbox whose mounts cannot all be carried (or when there is no previous namespace) is
+/// file a second time; so is the workspace store's for a sandbox whose workspace is there. A sandbox whose mounts cannot all be carried (or when there is no previous namespace) is
 /// marked lost ([`agents::restore::mark_lost`]): its run is ended with the leftovers, before any volume is mounted.
 fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result<()> {
     let volumes = state_dir.join("volumes");
     let mut carried_volumes = std::collections::BTreeSet::new();
+    let mut store_carried = false;
     let mut lost = Vec::new();
     for (dir, record) in agents::restore::carried_records(&state_dir.join("agents")) {
         let carried = match old {
             None => Err(anyhow::anyhow!(
                 "no mount namespace of a previous daemon is pinned"
             )),
-            Some(old) => record
-                .volumes
-                .iter()
-                .try_for_each(|m| {
-                    if carried_volumes.contains(&m.volume) {
-                        return Ok(());
-                    }
-                    carry(old, new, &volumes.join(&m.volume).join("mnt"))
-                        .with_context(|| format!("volume {}", m.volume))?;
-                    carried_volumes.insert(m.volume.clone());
-                    Ok(())
+            Some(old) => carry_store(old, new, (state_dir, &mut store_carried), record.cow)
+                .and_then(|()| {
+                    record.volumes.iter().try_for_each(|m| {
+                        if carried_volumes.contains(&m.volume) {
+                            return Ok(());
+                        }
+                        carry(old, new, &volumes.join(&m.volume).join("mnt"))
+                            .with_context(|| format!("volume {}", m.volume))?;
+                        carried_volumes.insert(m.volume.clone());
+                        Ok(())
+                    })
                 })
                 .and_then(|()| carry(old, new, &dir)),
         };
@@ -160,6 +161,22 @@ fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result
             return Err(e).with_context(|| format!("mark {} as not carried", dir.display()));
         }
     }
+    Ok(())
+}
+
+/// For a sandbox whose workspace is in the copy-on-write store (`cow`): the store's mount
+/// (`<state_dir>/workspaces/mnt`), carried once, before the first such sandbox's tree, as a volume's is.
+fn carry_store(
+    old: &File,
+    new: &File,
+    (state_dir, carried): (&Path, &mut bool),
+    cow: bool,
+) -> anyhow::Result<()> {
+    if !cow || *carried {
+        return Ok(());
+    }
+    carry(old, new, &state_dir.join("workspaces").join("mnt")).context("the workspace store")?;
+    *carried = true;
     Ok(())
 }
 

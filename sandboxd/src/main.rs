@@ -9,6 +9,7 @@ mod auth;
 mod capacity;
 mod config;
 mod containers;
+mod cow;
 mod daemon;
 mod doctor;
 mod egress;
@@ -530,7 +531,7 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
     info!(%addr, "listening");
-    let agents = agents::Agents::new(agent_host::host(&engine)).context("agent sandboxes")?;
+    let agents = agents::Agents::new(agent_host::host(&engine)?).context("agent sandboxes")?;
     for line in agents.restore().await {
         info!(sandbox = %line, "live restore");
     }

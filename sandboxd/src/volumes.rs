@@ -24,20 +24,26 @@ impl Ext4Disks {
     /// `/dev/loop-control` open for writing (a container without loop devices, such as a Docker one that is not
     /// privileged, has none). Otherwise why not: the daemon then has no volumes (`capability_unsupported`).
     pub fn probe() -> Result<Self, String> {
-        for tool in ["mkfs.ext4", "mount"] {
-            let found = TOOL_PATH
-                .split(':')
-                .any(|dir| Path::new(dir).join(tool).is_file());
-            if !found {
-                return Err(format!("no {tool} in {TOOL_PATH}"));
-            }
-        }
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open("/dev/loop-control")
-            .map_err(|e| format!("cannot open /dev/loop-control: {e}"))?;
-        Ok(Self)
+        probe_tools(&["mkfs.ext4", "mount"]).map(|()| Self)
     }
+}
+
+/// Whether `tools` are on the `PATH` the tools run with and `/dev/loop-control` opens for writing; why not
+/// otherwise.
+pub(crate) fn probe_tools(tools: &[&str]) -> Result<(), String> {
+    for tool in tools {
+        let found = TOOL_PATH
+            .split(':')
+            .any(|dir| Path::new(dir).join(tool).is_file());
+        if !found {
+            return Err(format!("no {tool} in {TOOL_PATH}"));
+        }
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/loop-control")
+        .map_err(|e| format!("cannot open /dev/loop-control: {e}"))?;
+    Ok(())
 }
 
 /// Where the tools are looked for.
@@ -52,7 +58,7 @@ fn mnt(dir: &Path) -> PathBuf {
 }
 
 /// Runs a tool, its stderr in the error.
-fn run(cmd: &mut Command) -> Result<(), BoxError> {
+pub(crate) fn run(cmd: &mut Command) -> Result<(), BoxError> {
     let out = cmd
         .env_clear()
         .env("PATH", TOOL_PATH)
@@ -72,7 +78,7 @@ fn run(cmd: &mut Command) -> Result<(), BoxError> {
 }
 
 /// Whether `path` is a mount point (its device differs from its parent's).
-fn mounted(path: &Path) -> bool {
+pub(crate) fn mounted(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     match (
         std::fs::metadata(path),

@@ -106,12 +106,14 @@ impl Sandbox {
 
     /// `POST /snapshot`: copies the workspace into `store`, with a running agent frozen meanwhile (and thawed
     /// after) so that the copy is of one moment; a paused agent stays paused. Refused (409) when the workspace
-    /// holds more than `max_bytes`.
+    /// holds more than `max_bytes`. A workspace in the copy-on-write store is snapshot there while the agent is
+    /// frozen, and walked for its digest after the thaw (with `later`, after the return).
     #[tracing::instrument(name = "agent_snapshot", skip_all, fields(sandbox = %self.id))]
     pub async fn snapshot(
         &self,
         store: &Arc<Snapshots>,
         max_bytes: u64,
+        later: bool,
     ) -> Result<agent_api::Snapshot, SnapshotError> {
         let ops = self.ops.lock().await;
         let frozen = match Self::live(&ops) {
@@ -125,9 +127,16 @@ impl Sandbox {
             }
             _ => None,
         };
-        let taken = store
-            .take(self.workspace.workspace(), &self.image, &self.id, max_bytes)
-            .await;
+        let taken = match (self.cow, &self.host.cow) {
+            (true, Some(cow)) => store
+                .capture(cow.workspace(&self.id), (&self.image, &self.id), max_bytes)
+                .await
+                .map(Err),
+            _ => store
+                .take(self.workspace.workspace(), &self.image, &self.id, max_bytes)
+                .await
+                .map(Ok),
+        };
         if let Some(run) = frozen {
             if let Err(e) = run.container.thaw().await {
                 // Still frozen: it says so, and `resume` thaws it again.
@@ -149,6 +158,12 @@ impl Sandbox {
                 );
             }
         }
-        taken
+        // The walk of a copy-on-write snapshot reads its files, not the sandbox: the sandbox's other operations
+        // (a kill, its expiry) need not wait for it.
+        drop(ops);
+        match taken? {
+            Ok(copied) => Ok(copied),
+            Err(captured) => store.finish(captured, later).await,
+        }
     }
 }

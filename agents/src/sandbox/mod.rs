@@ -129,6 +129,8 @@ pub struct Sandbox {
     created_unix_ms: u64,
     /// The snapshot its workspace started from.
     from_snapshot: Option<String>,
+    /// Its workspace is in the copy-on-write store.
+    cow: bool,
     /// The record last written (live restore), so an unchanged one is not written again.
     written: Mutex<Vec<u8>>,
     host: Host,
@@ -158,7 +160,7 @@ impl Sandbox {
         workspace: Arc<dyn Workspace>,
         network: Option<SandboxEgress>,
         volumes: SandboxVolumes,
-        (from_snapshot, host): (Option<String>, Host),
+        (from_snapshot, cow, host): (Option<String>, bool, Host),
     ) -> Arc<Self> {
         let (volumes, mounts) = match volumes {
             Some((v, m)) => (Some(v), m),
@@ -185,6 +187,7 @@ impl Sandbox {
             created: Instant::now(),
             created_unix_ms: unix_ms(),
             from_snapshot,
+            cow,
             written: Mutex::new(Vec::new()),
             host,
         })
@@ -242,9 +245,15 @@ impl Sandbox {
             created,
             created_unix_ms: record.created_unix_ms,
             from_snapshot: record.from_snapshot.clone(),
+            cow: record.cow,
             written: Mutex::new(Vec::new()),
             host,
         })
+    }
+
+    /// Whether its workspace is in the copy-on-write store (removed from there after the sandbox).
+    pub fn cow(&self) -> bool {
+        self.cow
     }
 
     /// What a daemon after this one needs to take the sandbox back.
@@ -269,6 +278,7 @@ impl Sandbox {
             created_unix_ms: self.created_unix_ms,
             bootstrap: self.backend.bootstrap(),
             from_snapshot: self.from_snapshot.clone(),
+            cow: self.cow,
             mounts: !mounts.is_empty(),
             volumes: mounts,
             network: self.network.is_some(),
@@ -490,12 +500,16 @@ impl Sandbox {
                 Err(_) => degraded = true,
             }
         }
-        let disk_mb = nix::sys::statvfs::statvfs(&self.workspace.workspace())
-            .map(|s| {
-                (s.blocks().saturating_sub(s.blocks_free()) as f64 * s.fragment_size() as f64)
-                    / (1u64 << 20) as f64
-            })
-            .unwrap_or(0.0);
+        // A workspace of the copy-on-write store is a quota group of a filesystem every sandbox shares.
+        let used = match (self.cow, &self.host.cow) {
+            (true, Some(cow)) => cow.used_bytes(&self.id).map(|b| b as f64),
+            _ => nix::sys::statvfs::statvfs(&self.workspace.workspace())
+                .ok()
+                .map(|s| {
+                    s.blocks().saturating_sub(s.blocks_free()) as f64 * s.fragment_size() as f64
+                }),
+        };
+        let disk_mb = used.unwrap_or(0.0) / (1u64 << 20) as f64;
         let agent_status = status.unwrap_or(AgentStatus::Completed);
         SandboxHealthResponse {
             status: if agent_status == AgentStatus::Error {

@@ -98,7 +98,7 @@ async fn snapshots_are_kept_across_opens_and_not_deleted_while_used() {
     let t = tempfile::tempdir().unwrap();
     let ws = workspace(t.path());
     let dir = t.path().join("snapshots");
-    let store = Snapshots::open(dir.clone(), 2).unwrap();
+    let store = Snapshots::open(dir.clone(), 2, None).unwrap();
     let s = store
         .take(ws.clone(), "host", "ags-1", u64::MAX)
         .await
@@ -130,7 +130,7 @@ async fn snapshots_are_kept_across_opens_and_not_deleted_while_used() {
     // An unfinished one (no snapshot.json) is removed at the next open; finished ones are there again.
     std::fs::create_dir_all(dir.join("snap-unfinished.partial/layer")).unwrap();
     drop(store);
-    let store = Snapshots::open(dir.clone(), 2).unwrap();
+    let store = Snapshots::open(dir.clone(), 2, None).unwrap();
     assert!(!dir.join("snap-unfinished.partial").exists());
     let ids: Vec<String> = store.list().into_iter().map(|s| s.id).collect();
     assert_eq!(ids.len(), 2, "{ids:?}");
@@ -155,7 +155,7 @@ async fn snapshots_are_kept_across_opens_and_not_deleted_while_used() {
 async fn a_failed_copy_leaves_nothing() {
     let t = tempfile::tempdir().unwrap();
     let dir = t.path().join("snapshots");
-    let store = Snapshots::open(dir.clone(), 4).unwrap();
+    let store = Snapshots::open(dir.clone(), 4, None).unwrap();
     let e = store
         .take(t.path().join("missing"), "host", "ags-1", u64::MAX)
         .await
@@ -179,4 +179,32 @@ async fn a_failed_copy_leaves_nothing() {
             .await
             .unwrap();
     }
+}
+
+#[test]
+fn a_walk_without_a_copy_gives_the_copys_digest_and_sizes() {
+    let t = tempfile::tempdir().unwrap();
+    let ws = workspace(t.path());
+    let copied = copy_tree(&ws, &t.path().join("copy"), u64::MAX).unwrap();
+    let walked = walk_tree(&ws, None, u64::MAX, true).unwrap();
+    assert_eq!(walked.digest, copied.digest);
+    assert_eq!(
+        (walked.bytes, walked.files, &walked.skipped),
+        (copied.bytes, copied.files, &copied.skipped)
+    );
+    // Nothing was written beside the tree.
+    assert_eq!(std::fs::read_dir(t.path()).unwrap().count(), 2);
+    // Without the content's hash: the same sizes, another digest; a changed byte changes only the hashed one.
+    let sized = walk_tree(&ws, None, u64::MAX, false).unwrap();
+    assert_eq!((sized.bytes, sized.files), (copied.bytes, copied.files));
+    assert_ne!(sized.digest, copied.digest);
+    std::fs::write(ws.join("a.txt"), b"alphb").unwrap();
+    assert_ne!(
+        walk_tree(&ws, None, u64::MAX, true).unwrap().digest,
+        copied.digest
+    );
+    assert_eq!(
+        walk_tree(&ws, None, u64::MAX, false).unwrap().digest,
+        sized.digest
+    );
 }

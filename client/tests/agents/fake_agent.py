@@ -13,6 +13,10 @@ brief.providerConfig.script: a list of steps, each one of
   {"fill": {"path": P, "bytes": N}}  write N bytes to /workspace/P in 1 MiB chunks; status "fill P: wrote W: R",
                                    R "ok" or the errno's name (ENOSPC, EROFS, ...)
   {"read": P}                      status "read P: CONTENT uid U" (or "read P: ERRNO")
+  {"sparse": {"path": P, "bytes": N}}  make /workspace/P a sparse file of N bytes (no block written); status
+                                   "sparse P: ok" or the errno's name
+  {"subvolume": P}                 make a btrfs subvolume /workspace/P (BTRFS_IOC_SUBVOL_CREATE_V2, then the v1
+                                   call); status "subvolume P: R R1", each "ok" or the errno's name
   {"wait": "resolve"|"inject_context"|"update_brief"|"shutdown"}  wait for that command, echo it as a status event
   {"busy": true}                   spin forever (CPU)
   {"sleep_ms": N}
@@ -111,6 +115,30 @@ for position, step in enumerate(script):
         except OSError as e:
             result = errno.errorcode.get(e.errno, str(e.errno))
         status("fill %s: wrote %d: %s" % (step["fill"]["path"], wrote, result))
+    elif "sparse" in step:
+        result = "ok"
+        try:
+            with open(os.path.join("/workspace", step["sparse"]["path"]), "wb") as f:
+                f.truncate(step["sparse"]["bytes"])
+        except OSError as e:
+            result = errno.errorcode.get(e.errno, str(e.errno))
+        status("sparse %s: %s" % (step["sparse"]["path"], result))
+    elif "subvolume" in step:
+        import fcntl, struct
+        results = []
+        for request, name_at, size in ((0x50009418, 56, 4096), (0x5000940E, 8, 4096)):
+            args = bytearray(size)
+            name = step["subvolume"].encode()
+            args[name_at:name_at + len(name)] = name
+            fd = os.open("/workspace", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.ioctl(fd, request, args)
+                results.append("ok")
+            except OSError as e:
+                results.append(errno.errorcode.get(e.errno, str(e.errno)))
+            finally:
+                os.close(fd)
+        status("subvolume %s: %s" % (step["subvolume"], " ".join(results)))
     elif "read" in step:
         path = os.path.join("/workspace", step["read"])
         try:

@@ -7,6 +7,7 @@ pub mod netns;
 
 mod agents;
 mod auth;
+mod cow;
 mod daemon_failures;
 mod daemon_pool;
 mod fleet_hosts;

@@ -29,6 +29,25 @@ fn tmpfs_used(d: &super::daemon::Daemon, id: &str) -> u64 {
     (st.blocks() - st.blocks_free()) * st.fragment_size()
 }
 
+/// Sandbox `sb` reads `data/a.txt` ("one") as its own root's, writes "two" there and reads that back.
+pub(super) async fn rewrites_a_txt(sb: &SandboxClient) {
+    let read = run(
+        sb,
+        json!([
+            {"read": "data/a.txt"},
+            {"write": {"path": "data/a.txt", "content": "two"}},
+            {"read": "data/a.txt"}
+        ]),
+    )
+    .await;
+    assert_eq!(
+        read.iter()
+            .filter(|m| m.starts_with("read"))
+            .collect::<Vec<_>>(),
+        ["read data/a.txt: one uid 0", "read data/a.txt: two uid 0"]
+    );
+}
+
 /// Ticks the fake agent emitted among `events`.
 fn ticks(events: &[AdapterEvent]) -> usize {
     events
@@ -105,21 +124,7 @@ async fn a_snapshot_starts_sandboxes_without_a_copy_and_outlives_the_daemon() {
         used < 1 << 20,
         "the new sandbox's tmpfs holds {used} bytes: a copy"
     );
-    let read = run(
-        &b,
-        json!([
-            {"read": "data/a.txt"},
-            {"write": {"path": "data/a.txt", "content": "two"}},
-            {"read": "data/a.txt"}
-        ]),
-    )
-    .await;
-    assert_eq!(
-        read.iter()
-            .filter(|m| m.starts_with("read"))
-            .collect::<Vec<_>>(),
-        ["read data/a.txt: one uid 0", "read data/a.txt: two uid 0"]
-    );
+    rewrites_a_txt(&b).await;
     // What it changed stays in its own tmpfs: the snapshot and its source still say "one".
     let layer = d.state_dir().join("snapshots").join(&s.id).join("layer");
     assert_eq!(

@@ -28,14 +28,25 @@ pub(super) async fn sandbox(
 
 /// Runs the fake agent's `script` in `sb` (its first run) and returns the status messages it produced.
 pub(super) async fn run(sb: &SandboxClient, script: Value) -> Vec<String> {
+    // Markers of this run's own: the events are read from the first, so a second run on the same sandbox does not
+    // take the first one's for its own.
+    static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let (start, done) = (format!("script {n} start"), format!("script {n} done"));
     let mut events = sb.events(0);
-    let mut steps = script.as_array().unwrap().clone();
-    steps.push(json!({"emit": {"type": "status", "message": "script done"}}));
+    let mut steps = vec![json!({"emit": {"type": "status", "message": start}})];
+    steps.extend(script.as_array().unwrap().iter().cloned());
+    steps.push(json!({"emit": {"type": "status", "message": done}}));
     sb.spawn(&brief(Value::Array(steps))).await.unwrap();
-    let seen = until(&mut events, "script done", Duration::from_secs(30), |e| {
-        status_contains(e, "script done")
+    let seen = until(&mut events, &done, Duration::from_secs(30), |e| {
+        status_contains(e, &done)
     })
     .await;
+    let first = seen
+        .iter()
+        .position(|e| status_contains(e, &start))
+        .unwrap_or(0);
+    let seen = &seen[first..];
     sb.kill(&agent_api::KillRequest {
         grace: false,
         grace_timeout_ms: None,

@@ -3,7 +3,8 @@
 //! `seccomp-profiles/default.<arch>.json` (seccompiler's JSON format, a comment on every rule) holds two filters:
 //! `allowlist` (listed syscalls allowed, everything else `ENOSYS`, so `clone3` falls back to `clone` in glibc) and
 //! `denylist` (known-dangerous syscalls and argument patterns: `EPERM`; among them the socket families but
-//! `AF_UNIX`, `AF_INET`, `AF_INET6` and `NETLINK_ROUTE`, `TIOCSETD`, personality flags, and setting `RLIMIT_CORE`).
+//! `AF_UNIX`, `AF_INET`, `AF_INET6` and `NETLINK_ROUTE`, `TIOCSETD`, btrfs subvolume creation, personality flags, and
+//! setting `RLIMIT_CORE`).
 //! Both are installed, the allowlist first: for the same action class the kernel returns the most recently
 //! installed filter's value, so a dangerous call answers `EPERM` whether or not the allowlist lists it. The profiles are compiled at daemon start-up (the
 //! allowlist then laid out as a search tree, [`search`]) and installed by the container's init on itself before it
@@ -315,6 +316,36 @@ mod tests {
         ("ioctl(TIOCSETD)", IOCTL, &[0, 0x5423], "EPERM"),
         ("ioctl(TIOCSETD | 1<<32)", IOCTL, &[0, HI | 0x5423], "EPERM"),
         ("ioctl(TIOCGETD)", IOCTL, &[0, 0x5424], "allow"),
+        (
+            "ioctl(BTRFS_IOC_SUBVOL_CREATE)",
+            IOCTL,
+            &[0, 0x5000_940e],
+            "EPERM",
+        ),
+        (
+            "ioctl(BTRFS_IOC_SUBVOL_CREATE_V2)",
+            IOCTL,
+            &[0, 0x5000_9418],
+            "EPERM",
+        ),
+        (
+            "ioctl(BTRFS_IOC_SNAP_CREATE)",
+            IOCTL,
+            &[0, 0x5000_9401],
+            "EPERM",
+        ),
+        (
+            "ioctl(BTRFS_IOC_SNAP_CREATE_V2 | 1<<32)",
+            IOCTL,
+            &[0, HI | 0x5000_9417],
+            "EPERM",
+        ),
+        (
+            "ioctl(BTRFS_IOC_SNAP_DESTROY)",
+            IOCTL,
+            &[0, 0x5000_940f],
+            "allow",
+        ),
         ("ioctl(FIONREAD)", IOCTL, &[0, 0x541B], "allow"),
         ("personality(query)", PERSONALITY, &[0xffff_ffff], "allow"),
         ("personality(PER_LINUX)", PERSONALITY, &[0], "allow"),
@@ -450,7 +481,11 @@ mod tests {
                 .iter()
                 .filter(|r| r["syscall"] == "ioctl")
                 .collect();
-            assert_eq!(ioctl.len(), 3, "{name}: TIOCSTI, TIOCLINUX and TIOCSETD");
+            assert_eq!(
+                ioctl.len(),
+                7,
+                "{name}: TIOCSTI, TIOCLINUX, TIOCSETD and the four btrfs subvolume creations"
+            );
             for r in ioctl {
                 assert_eq!(
                     r["args"][0]["type"], "dword",

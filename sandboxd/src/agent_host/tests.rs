@@ -78,6 +78,7 @@ impl Rig {
             network: None,
             disks: None,
             snapshots: Err("the fake backend mounts nothing".into()),
+            cow: None,
         };
         std::fs::create_dir_all(dir.path().join("state")).unwrap();
         Self {

@@ -39,9 +39,14 @@ impl FakeWorkspace {
         }
         let workspace = dir.join("scratch/workspace");
         // The real backend mounts a snapshot as an overlay's lower layer; the fake copies it.
-        match plan.snapshot {
-            Some(layer) => agents::snapshots::copy_tree(layer, &workspace, u64::MAX).map(|_| ()),
-            None => std::fs::create_dir(&workspace),
+        match (plan.snapshot, plan.subvolume) {
+            (_, Some(_)) => Err(std::io::Error::other(
+                "the fake backend has no copy-on-write workspaces",
+            )),
+            (Some(layer), None) => {
+                agents::snapshots::copy_tree(layer, &workspace, u64::MAX).map(|_| ())
+            }
+            (None, None) => std::fs::create_dir(&workspace),
         }
         .map_err(|e| runtime::Error::io(&workspace, e))?;
         recorder.record(Call::CreateWorkspace(plan.id.to_owned()));

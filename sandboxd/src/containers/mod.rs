@@ -95,6 +95,9 @@ pub struct WorkspacePlan<'a> {
     /// A snapshot's layer `/workspace` starts from (an overlay's lower layer; see
     /// [`runtime::rootfs::Scratch::workspace_from`]).
     pub snapshot: Option<&'a Path>,
+    /// A workspace of the copy-on-write store that is `/workspace` (see
+    /// [`runtime::rootfs::Scratch::workspace_on`]; not with `snapshot`).
+    pub subvolume: Option<&'a Path>,
 }
 
 /// How the init reported the end: its status record (empty when it died without writing) and the

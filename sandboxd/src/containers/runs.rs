@@ -41,12 +41,18 @@ pub(super) async fn create_workspace(
     );
     let (host_id, disk_bytes) = (plan.host_id, plan.disk_mb << 20);
     let (image2, snapshot) = (image.clone(), plan.snapshot.map(Path::to_owned));
+    let subvolume = plan.subvolume.map(Path::to_owned);
     let scratch = tokio::task::spawn_blocking(move || {
         let mut scratch = create_scratch(&parent, &id, disk_bytes, host_id, &image2)?;
+        // On error the scratch space is removed as it is dropped.
         if let Some(layer) = snapshot {
-            // On error the scratch space is removed as it is dropped.
             scratch
                 .workspace_from(&layer)
+                .map_err(CreateError::Prepare)?;
+        }
+        if let Some(subvolume) = subvolume {
+            scratch
+                .workspace_on(&subvolume)
                 .map_err(CreateError::Prepare)?;
         }
         Ok::<_, CreateError>(scratch)
@@ -69,8 +75,11 @@ pub(super) fn adopt_workspace(
     plan: WorkspacePlan<'_>,
 ) -> Result<Arc<dyn Workspace>, CreateError> {
     let disk_bytes = plan.disk_mb << 20;
-    let scratch = Scratch::adopt(plan.parent, plan.id, disk_bytes, plan.host_id)
+    let mut scratch = Scratch::adopt(plan.parent, plan.id, disk_bytes, plan.host_id)
         .map_err(CreateError::Prepare)?;
+    if let Some(subvolume) = plan.subvolume {
+        scratch.adopt_store(subvolume);
+    }
     Ok(Arc::new(HelperWorkspace {
         dir: scratch.dir().to_owned(),
         backend,
@@ -134,6 +143,13 @@ impl Workspace for HelperWorkspace {
 
     fn host_id(&self) -> u32 {
         self.host_id
+    }
+
+    fn host_workspace(&self) -> (PathBuf, u32) {
+        match self.scratch().as_ref() {
+            Some(s) => s.host_workspace(),
+            None => (self.workspace(), self.host_id),
+        }
     }
 
     fn write_inputs(&self, name: &str, content: &[u8], files: &[InputFile]) -> runtime::Result<()> {
