@@ -15,7 +15,6 @@ use tracing::{info, warn};
 
 use crate::backend::Backend;
 use crate::container::Workspace;
-use crate::cow::CowStore;
 use crate::events::{Budgets, Hub};
 use crate::host::{Host, WorkspaceError, WorkspaceRequest};
 use crate::network::SandboxEgress;
@@ -59,8 +58,6 @@ pub struct Agents {
     volumes: Option<Arc<Volumes>>,
     /// `Err`: why this host has none.
     snapshots: Result<Arc<Snapshots>, String>,
-    /// The copy-on-write store of workspaces, when workspaces are in one.
-    cow: Option<Arc<dyn CowStore>>,
     nonce: String,
     seq: AtomicU64,
 }
@@ -104,7 +101,6 @@ impl Agents {
             Err(why) => Err(why.clone()),
         };
         Ok(Arc::new(Self {
-            cow: host.cow.clone(),
             host,
             dir,
             sandboxes: Mutex::new(HashMap::new()),
@@ -292,7 +288,7 @@ impl Agents {
         };
         // With the copy-on-write store, a workspace of its own (a writable copy of a snapshot there); else a tmpfs,
         // with a snapshot's layer under it.
-        let cow_from = match (&req.from_snapshot, &self.cow) {
+        let cow_from = match (&req.from_snapshot, &self.host.cow) {
             (Some(snapshot), Some(_)) => self
                 .snapshots()
                 .and_then(|s| s.cow_source(snapshot, limits.disk_mb << 20))
@@ -348,7 +344,7 @@ impl Agents {
         disk_mb: u64,
         from: Option<PathBuf>,
     ) -> Result<PathBuf, PluginError> {
-        let Some(cow) = self.cow.clone() else {
+        let Some(cow) = self.host.cow.clone() else {
             return Err(PluginError::invalid("no workspace store"));
         };
         let id = id.to_owned();
@@ -364,7 +360,7 @@ impl Agents {
     /// Removes sandbox `id`'s workspace from the copy-on-write store (once its container no longer holds it);
     /// errors are logged.
     async fn destroy_subvolume(&self, id: &str, path: PathBuf) {
-        let Some(cow) = self.cow.clone() else {
+        let Some(cow) = self.host.cow.clone() else {
             return;
         };
         let destroyed = tokio::task::spawn_blocking(move || cow.destroy(&path))
@@ -378,7 +374,7 @@ impl Agents {
     /// Removes the copy-on-write store's workspaces that no sandbox of this daemon has (what an earlier daemon
     /// left).
     async fn sweep_subvolumes(&self) {
-        let Some(cow) = self.cow.clone() else {
+        let Some(cow) = self.host.cow.clone() else {
             return;
         };
         let live: std::collections::BTreeSet<String> = self.map().keys().cloned().collect();
@@ -654,7 +650,7 @@ impl Agents {
         if let Ok(s) = &self.snapshots {
             s.release(id);
         }
-        if let (true, Some(cow)) = (sb.cow(), &self.cow) {
+        if let (true, Some(cow)) = (sb.cow(), &self.host.cow) {
             self.destroy_subvolume(id, cow.workspace(id)).await;
         }
         info!(sandbox = %id, "agent sandbox removed");
@@ -724,7 +720,7 @@ impl Agents {
                 Some(_) => "its volumes cannot be opened by this daemon",
                 None => "this daemon has no volumes (agents volumes are off on this host)",
             })
-        } else if record.cow && self.cow.is_none() {
+        } else if record.cow && self.host.cow.is_none() {
             Some("its workspace is in the btrfs workspace store, which is off on this daemon (agents.workspace_store)")
         } else {
             None
@@ -750,7 +746,7 @@ impl Agents {
         dir: &Path,
         record: &crate::restore::Record,
     ) -> Result<(Arc<Sandbox>, Option<String>), String> {
-        let subvolume = match (record.cow, &self.cow) {
+        let subvolume = match (record.cow, &self.host.cow) {
             (true, Some(cow)) => Some(cow.workspace(&record.id)),
             _ => None,
         };
@@ -792,7 +788,7 @@ impl Agents {
             Err(why)
         };
         // Its quota as its record says, whatever happened to the store meanwhile.
-        if let (Some(subvolume), Some(cow)) = (&subvolume, &self.cow) {
+        if let (Some(subvolume), Some(cow)) = (&subvolume, &self.host.cow) {
             let (cow, id, bytes) = (cow.clone(), record.id.clone(), record.disk_mb << 20);
             let set = tokio::task::spawn_blocking(move || cow.set_limit(&id, bytes))
                 .await

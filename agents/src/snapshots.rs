@@ -376,7 +376,7 @@ impl Snapshots {
         mut captured: Captured,
         later: bool,
     ) -> Result<Snapshot, SnapshotError> {
-        let Some(meta) = captured.meta.take() else {
+        let Some(meta) = captured.meta.clone() else {
             return Err(SnapshotError::NotFound(String::new()));
         };
         let id = meta.id.clone();
@@ -388,15 +388,8 @@ impl Snapshots {
                 .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
         let meta = match walked {
             Ok(meta) => meta,
+            // `captured` goes unfinished: its files are removed and it stops counting.
             Err(source) => {
-                *self.taking() -= 1;
-                let files = files.clone();
-                if let Some(cow) = self.cow.clone() {
-                    let destroyed = tokio::task::spawn_blocking(move || cow.destroy(&files)).await;
-                    if !matches!(destroyed, Ok(Ok(()))) {
-                        warn!(snapshot = %id, "cannot remove an unfinished snapshot's files");
-                    }
-                }
                 return Err(match source.kind() {
                     std::io::ErrorKind::FileTooLarge => SnapshotError::TooLarge(max_bytes),
                     _ => SnapshotError::Store {
@@ -408,7 +401,8 @@ impl Snapshots {
             }
         };
         info!(snapshot = %id, sandbox = %meta.source, bytes = meta.bytes, files = meta.files, "snapshot taken (copy-on-write)");
-        // Listed before it stops counting as being taken: `max` holds at every moment.
+        // Finished; listed before it stops counting as being taken: `max` holds at every moment.
+        captured.meta = None;
         let snapshot = self.insert(meta.clone());
         *self.taking() -= 1;
         if later {
@@ -630,10 +624,19 @@ impl Drop for Captured {
             return;
         };
         *self.snapshots.taking() -= 1;
-        if let Some(cow) = &self.snapshots.cow {
-            if let Err(e) = cow.destroy(&self.files) {
+        let Some(cow) = self.snapshots.cow.clone() else {
+            return;
+        };
+        let files = std::mem::take(&mut self.files);
+        let destroy = move || {
+            if let Err(e) = cow.destroy(&files) {
                 warn!(snapshot = %meta.id, error = %e, "cannot remove an unfinished snapshot's files");
             }
+        };
+        // Off the async threads when there are some: a removal waits for a btrfs transaction.
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(destroy)),
+            Err(_) => destroy(),
         }
     }
 }
