@@ -140,6 +140,27 @@ pub struct Snapshot {
     /// volumes mounted in the workspace (their own data is kept by the volume).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<String>,
+    /// What the sandbox's runs had written into its root outside `/workspace` and `/tmp` (the upper layer of an
+    /// image's overlay root), when there was anything: a sandbox started from the snapshot starts with it, on the
+    /// same image. Absent for a sandbox on the host image, whose root is read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<RootLayer>,
+}
+
+/// A snapshot's copy of its sandbox's root layer: the files, directories, links and whiteouts (deletions) its runs
+/// made over the image, each owned by the sandbox's root or by nobody.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RootLayer {
+    /// `sha256:<hex>` over its entries (as the workspace's `digest`, with each entry's owner and opaque mark).
+    pub digest: String,
+    /// Bytes of file content it holds.
+    pub bytes: u64,
+    /// Its entries.
+    pub files: u64,
+    /// What it left out (sockets, FIFOs, a renamed image directory's image content).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<String>,
 }
 
 /// `POST /sandboxes/<id>/fork` → 201: the snapshot taken and the sandbox started from it.

@@ -130,6 +130,10 @@ pub trait Workspace: Send + Sync + 'static {
         (self.workspace(), self.host_id())
     }
 
+    /// The upper layer of its root (an image's overlay) as the host sees it: what its runs wrote outside
+    /// `/workspace` and `/tmp`. `None` when its root is the shared read-only host image.
+    fn root_upper(&self) -> Option<PathBuf>;
+
     /// Writes `code/<name>` (read-only to the agent) and the input files into `/workspace` (blocking work). A file
     /// the request got wrong is [`runtime::Error::InputFile`].
     fn write_inputs(&self, name: &str, content: &[u8], files: &[InputFile]) -> runtime::Result<()>;

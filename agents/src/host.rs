@@ -37,6 +37,9 @@ pub struct WorkspaceRequest<'a> {
     /// A workspace of the copy-on-write store ([`crate::cow::CowStore::create`]) that is `/workspace` (not with
     /// `snapshot`).
     pub subvolume: Option<&'a Path>,
+    /// A snapshot's root layer (files owned by 0 or by nobody) that the root's upper layer starts as a copy of,
+    /// the files it owns shown as owned by the sandbox's root. Only on the image the snapshot was taken on.
+    pub root_layer: Option<&'a Path>,
 }
 
 /// A workspace could not be created.

@@ -286,6 +286,14 @@ impl Agents {
             let (status, error) = e.plugin();
             Refusal { status, error }
         };
+        // A snapshot's root layer is copied into the new root's upper layer, on the snapshot's image only.
+        let root_layer = match &req.from_snapshot {
+            Some(snapshot) => self
+                .snapshots()
+                .and_then(|s| s.root_layer(snapshot, &image, limits.disk_mb << 20))
+                .map_err(refusal)?,
+            None => None,
+        };
         // With the copy-on-write store, a workspace of its own (a writable copy of a snapshot there); else a tmpfs,
         // with a snapshot's layer under it.
         let cow_from = match (&req.from_snapshot, &self.host.cow) {
@@ -323,7 +331,7 @@ impl Agents {
                 req,
                 (limits, image, template, files),
                 (mounts, network),
-                (layer, subvolume.clone()),
+                (layer, subvolume.clone(), root_layer),
             )
             .await;
         if made.is_err() {
@@ -400,7 +408,11 @@ impl Agents {
         req: CreateSandboxRequest,
         (limits, image, template, files): (Limits, String, AgentTemplate, Vec<InputFile>),
         (mounts, network): (Vec<Mounted>, Option<SandboxEgress>),
-        (layer, subvolume): (Option<(PathBuf, String)>, Option<PathBuf>),
+        (layer, subvolume, root_layer): (
+            Option<(PathBuf, String)>,
+            Option<PathBuf>,
+            Option<PathBuf>,
+        ),
     ) -> Result<Arc<Sandbox>, Refusal> {
         let id = id.to_owned();
         let from_snapshot = req.from_snapshot.clone();
@@ -417,6 +429,7 @@ impl Agents {
                     &image,
                     layer.as_ref().map(|(l, _)| l.as_path()),
                     subvolume.as_deref(),
+                    root_layer.as_deref(),
                 ),
                 limits.disk_mb,
                 manifest,
@@ -533,7 +546,12 @@ impl Agents {
     async fn prepare(
         &self,
         (id, agent_id): (&str, &str),
-        (image, snapshot, subvolume): (&str, Option<&Path>, Option<&Path>),
+        (image, snapshot, subvolume, root_layer): (
+            &str,
+            Option<&Path>,
+            Option<&Path>,
+            Option<&Path>,
+        ),
         disk_mb: u64,
         manifest: String,
         files: Vec<InputFile>,
@@ -545,6 +563,7 @@ impl Agents {
             disk_mb,
             snapshot,
             subvolume,
+            root_layer,
         };
         let workspace = self
             .host
@@ -757,6 +776,7 @@ impl Agents {
             disk_mb: record.disk_mb,
             snapshot: None,
             subvolume: subvolume.as_deref(),
+            root_layer: None,
         };
         let workspace = match self
             .host

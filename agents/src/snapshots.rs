@@ -13,17 +13,16 @@
 //! they are gone. A directory without `snapshot.json` is one whose copy never finished: removed at start.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::OsString;
-use std::io::{Read, Write};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use agent_api::{PluginError, Snapshot};
+use agent_api::{PluginError, RootLayer, Snapshot};
 
 use crate::cow::CowStore;
-use sha2::{Digest, Sha256};
+use runtime::tree::{copy_layer, LayerOwners};
+pub use runtime::tree::{copy_tree, walk_tree, Copied};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 use tracing::{info, warn};
@@ -32,8 +31,18 @@ use tracing::{info, warn};
 const META: &str = "snapshot.json";
 /// The directory holding its files.
 const LAYER: &str = "layer";
-/// Entries a snapshot's `skipped` lists at most.
-const MAX_SKIPPED: usize = 100;
+/// The directory holding its copy of the sandbox's root layer, when it has one.
+const ROOT: &str = "root";
+
+/// A sandbox's root layer to take with its workspace: the upper directory of its overlay root as the host sees it,
+/// and the host id that is root in its containers (the layer's files it owns are stored as owned by 0).
+#[derive(Debug, Clone)]
+pub struct RootUpper {
+    /// The upper directory.
+    pub upper: PathBuf,
+    /// The sandbox's host id.
+    pub host_id: u32,
+}
 
 /// A snapshot operation was refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +67,16 @@ pub enum SnapshotError {
     /// The workspace holds more than a snapshot may.
     #[error("The workspace holds more than {0} bytes, the most a snapshot holds (agents.disk_mb)")]
     TooLarge(u64),
+    /// A sandbox would start from a snapshot with a root layer on another image than the snapshot's.
+    #[error("Snapshot {id} holds a root layer of image {image:?}; a sandbox from it runs on that image, not {asked:?}")]
+    OtherImage {
+        /// The snapshot.
+        id: String,
+        /// Its image.
+        image: String,
+        /// The image asked for.
+        asked: String,
+    },
     /// A workspace of the copy-on-write store would start from a snapshot holding more than its quota.
     #[error(
         "Snapshot {id} holds {bytes} bytes, more than the sandbox's diskMb ({max_bytes} bytes)"
@@ -101,9 +120,11 @@ impl SnapshotError {
                     capability: "snapshots".into(),
                 },
             ),
-            Self::InUse { .. } | Self::Deleting(_) | Self::TooLarge(_) | Self::Larger { .. } => {
-                (409, PluginError::invalid(message))
-            }
+            Self::InUse { .. }
+            | Self::Deleting(_)
+            | Self::TooLarge(_)
+            | Self::Larger { .. }
+            | Self::OtherImage { .. } => (409, PluginError::invalid(message)),
             Self::Full(_) => (
                 503,
                 PluginError::ProviderUnavailable {
@@ -138,6 +159,9 @@ struct Meta {
     /// Its files are a read-only snapshot in the copy-on-write store (not `layer/`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     cow: bool,
+    /// Its copy of the sandbox's root layer (in `root/`), when there was anything in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    root: Option<RootLayer>,
 }
 
 struct Entry {
@@ -261,10 +285,11 @@ impl Snapshots {
     }
 
     /// Copies the directory `workspace` (the sandbox `source`'s `/workspace` as the host sees it, which must not
-    /// change meanwhile: its sandbox is frozen) into a new snapshot of image `image`, of at most `max_bytes`.
+    /// change meanwhile: its sandbox is frozen) and its root layer `root`, if it has one, into a new snapshot of
+    /// image `image`, each of at most `max_bytes`.
     pub async fn take(
         self: &Arc<Self>,
-        workspace: PathBuf,
+        (workspace, root): (PathBuf, Option<RootUpper>),
         image: &str,
         source: &str,
         max_bytes: u64,
@@ -275,7 +300,12 @@ impl Snapshots {
         let (final_dir, partial) = (self.dir.join(&id), self.dir.join(format!("{id}.partial")));
         let m = meta.clone();
         let made = tokio::task::spawn_blocking(move || -> std::io::Result<Meta> {
-            let made = store(&workspace, (&partial, &final_dir), m, max_bytes);
+            let made = store(
+                (&workspace, root.as_ref()),
+                (&partial, &final_dir),
+                m,
+                max_bytes,
+            );
             if made.is_err() {
                 let _ = remove_all(&partial);
             }
@@ -334,7 +364,7 @@ impl Snapshots {
     /// the size of each file, not the blocks it takes, so a sparse, linked or compressed file counts in full).
     pub async fn capture(
         self: &Arc<Self>,
-        workspace: PathBuf,
+        (workspace, root): (PathBuf, Option<RootUpper>),
         (image, source): (&str, &str),
         max_bytes: u64,
     ) -> Result<Captured, SnapshotError> {
@@ -344,24 +374,49 @@ impl Snapshots {
             ));
         };
         self.reserve()?;
-        let meta = new_meta(image, source, true);
-        let id = meta.id.clone();
-        let made = tokio::task::spawn_blocking(move || cow.snapshot(&workspace, &id))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string().into()));
+        let mut meta = new_meta(image, source, true);
+        let (id, dir) = (meta.id.clone(), self.dir.join(&meta.id));
+        // Its directory is made now (its record is written into it once its files are walked; a directory without
+        // one is removed at the next start), with the root layer, which is on the sandbox's tmpfs: copied while
+        // the sandbox is frozen. A sandbox started from it may copy that layer before the record is written.
+        let made = tokio::task::spawn_blocking(move || {
+            let files = cow.snapshot(&workspace, &id).map_err(std::io::Error::other)?;
+            let root = std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .and_then(|()| copy_root(root.as_ref(), &dir, max_bytes));
+            match root {
+                Ok(root) => Ok((files, root)),
+                Err(e) => {
+                    let _ = remove_all(&dir);
+                    if let Err(e) = cow.destroy(&files) {
+                        warn!(snapshot = %id, error = %e, "cannot remove an unfinished snapshot's files");
+                    }
+                    Err(e)
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
         match made {
-            Ok(files) => Ok(Captured {
-                snapshots: self.clone(),
-                meta: Some(meta),
-                files,
-                max_bytes,
-            }),
-            Err(e) => {
+            Ok((files, root)) => {
+                meta.root = root;
+                Ok(Captured {
+                    snapshots: self.clone(),
+                    meta: Some(meta),
+                    files,
+                    max_bytes,
+                })
+            }
+            Err(source) => {
                 *self.taking() -= 1;
-                Err(SnapshotError::Store {
-                    what: "take",
-                    id: meta.id,
-                    source: std::io::Error::other(e),
+                Err(match source.kind() {
+                    std::io::ErrorKind::FileTooLarge => SnapshotError::TooLarge(max_bytes),
+                    _ => SnapshotError::Store {
+                        what: "take",
+                        id: meta.id,
+                        source,
+                    },
                 })
             }
         }
@@ -434,16 +489,15 @@ impl Snapshots {
         }
         meta.digest = walked.digest;
         let id = meta.id.clone();
+        let dir = self.dir.join(&id);
         if listed && self.entries().get(&id).is_none_or(|e| e.deleting) {
             return Ok(meta);
         }
-        let (done, partial) = (self.dir.join(&id), self.dir.join(format!("{id}.partial")));
-        std::fs::DirBuilder::new().mode(0o700).create(&partial)?;
-        let written = write_meta(&partial, &done, &meta);
-        if written.is_err() {
-            let _ = remove_all(&partial);
-        }
-        written?;
+        // Written beside and renamed: a directory holds a whole record or none.
+        let new = format!("{META}.new");
+        write_meta_file(&dir, &new, &meta)?;
+        std::fs::rename(dir.join(&new), dir.join(META))?;
+        std::fs::File::open(&dir)?.sync_all()?;
         if let Some(e) = self.entries().get_mut(&id) {
             e.meta.digest = meta.digest.clone();
         }
@@ -486,6 +540,37 @@ impl Snapshots {
             });
         }
         Ok(self.cow.as_ref().map(|cow| cow.snapshot_path(id)))
+    }
+
+    /// Snapshot `id`'s root layer, if it has one, for a sandbox on image `image` whose tmpfs holds `max_bytes`
+    /// (it is copied there, so a snapshot holds nothing of it): refused for another image than the snapshot's, or
+    /// for a layer of more.
+    pub fn root_layer(
+        &self,
+        id: &str,
+        image: &str,
+        max_bytes: u64,
+    ) -> Result<Option<PathBuf>, SnapshotError> {
+        let mut entries = self.entries();
+        let e = usable(&mut entries, id)?;
+        let Some(root) = &e.meta.root else {
+            return Ok(None);
+        };
+        if e.meta.image != image {
+            return Err(SnapshotError::OtherImage {
+                id: id.into(),
+                image: e.meta.image.clone(),
+                asked: image.into(),
+            });
+        }
+        if root.bytes > max_bytes {
+            return Err(SnapshotError::Larger {
+                id: id.into(),
+                bytes: root.bytes,
+                max_bytes,
+            });
+        }
+        Ok(Some(self.dir.join(id).join(ROOT)))
     }
 
     /// Whether snapshot `id` exists.
@@ -615,6 +700,7 @@ fn view_meta(m: &Meta, users: &BTreeSet<String>) -> Snapshot {
         created_at: m.created_at.clone(),
         used_by: users.iter().cloned().collect(),
         skipped: m.skipped.clone(),
+        root: m.root.clone(),
     }
 }
 
@@ -628,9 +714,13 @@ impl Drop for Captured {
             return;
         };
         let files = std::mem::take(&mut self.files);
+        let dir = self.snapshots.dir.join(&meta.id);
         let destroy = move || {
             if let Err(e) = cow.destroy(&files) {
                 warn!(snapshot = %meta.id, error = %e, "cannot remove an unfinished snapshot's files");
+            }
+            if let Err(e) = remove_all(&dir) {
+                warn!(snapshot = %meta.id, error = %e, "cannot remove an unfinished snapshot's directory");
             }
         };
         // Off the async threads when there are some: a removal waits for a btrfs transaction.
@@ -655,6 +745,7 @@ fn new_meta(image: &str, source: &str, cow: bool) -> Meta {
             .unwrap_or_default(),
         skipped: Vec::new(),
         cow,
+        root: None,
     }
 }
 
@@ -668,13 +759,14 @@ fn remove_all(path: &Path) -> std::io::Result<()> {
 /// Copies `workspace` into `partial/layer`, writes `partial/snapshot.json`, makes both durable and renames
 /// `partial` to `done` (blocking).
 fn store(
-    workspace: &Path,
+    (workspace, root): (&Path, Option<&RootUpper>),
     (partial, done): (&Path, &Path),
     mut meta: Meta,
     max_bytes: u64,
 ) -> std::io::Result<Meta> {
     std::fs::DirBuilder::new().mode(0o700).create(partial)?;
     let copied = copy_tree(workspace, &partial.join(LAYER), max_bytes)?;
+    meta.root = copy_root(root, partial, max_bytes)?;
     meta.digest = copied.digest;
     meta.bytes = copied.bytes;
     meta.files = copied.files;
@@ -683,218 +775,60 @@ fn store(
     Ok(meta)
 }
 
-/// Writes `partial/snapshot.json`, makes the directory durable and renames it to `done` (blocking).
-fn write_meta(partial: &Path, done: &Path, meta: &Meta) -> std::io::Result<()> {
+/// Writes `meta` into the new file `dir/name` and makes the state disk durable (one syncfs for every file of the
+/// snapshot's copy: it is complete on disk before its record is named).
+fn write_meta_file(dir: &Path, name: &str, meta: &Meta) -> std::io::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
-        .open(partial.join(META))?;
+        .open(dir.join(name))?;
     f.write_all(&serde_json::to_vec_pretty(meta).map_err(std::io::Error::other)?)?;
-    // One syncfs for every file of the copy: the snapshot is complete on disk before it is named.
-    nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)).map_err(std::io::Error::from)?;
-    drop(f);
+    nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)).map_err(std::io::Error::from)
+}
+
+/// Copies the root layer `root` (if any) into `into/root` with the owners a snapshot stores (the sandbox's root as
+/// 0, any other as nobody), leaving out the runtime's mount points; `None` (and nothing left) when it holds nothing
+/// else. More than `max_bytes` is an error of kind `FileTooLarge`.
+fn copy_root(
+    root: Option<&RootUpper>,
+    into: &Path,
+    max_bytes: u64,
+) -> std::io::Result<Option<RootLayer>> {
+    let Some(root) = root else {
+        return Ok(None);
+    };
+    let dst = into.join(ROOT);
+    let owners = LayerOwners {
+        from: root.host_id,
+        to: 0,
+    };
+    let copied = copy_layer(
+        &root.upper,
+        &dst,
+        (owners, runtime::rootfs::IMAGE_MOUNT_POINTS),
+        max_bytes,
+    )?;
+    if copied.files == 0 {
+        remove_all(&dst)?;
+        return Ok(None);
+    }
+    Ok(Some(RootLayer {
+        digest: copied.digest,
+        bytes: copied.bytes,
+        files: copied.files,
+        skipped: copied.skipped,
+    }))
+}
+
+/// Writes `partial/snapshot.json`, makes the directory durable and renames it to `done` (blocking).
+fn write_meta(partial: &Path, done: &Path, meta: &Meta) -> std::io::Result<()> {
+    write_meta_file(partial, META, meta)?;
     std::fs::rename(partial, done)?;
     if let Some(parent) = done.parent() {
         std::fs::File::open(parent)?.sync_all()?;
     }
     Ok(())
-}
-
-/// What [`copy_tree`] copied.
-#[derive(Debug, Default)]
-pub struct Copied {
-    /// `sha256:<hex>` over every entry (kind, stored mode, size, path, content hash or link target) in walk order.
-    pub digest: String,
-    /// Bytes of file content.
-    pub bytes: u64,
-    /// Files, directories and links (the top directory not counted).
-    pub files: u64,
-    /// Paths left out (at most [`MAX_SKIPPED`]), with why.
-    pub skipped: Vec<String>,
-}
-
-/// Bytes a directory or a link is charged against a snapshot's size (a block of the state disk).
-const ENTRY_BYTES: u64 = 4096;
-/// Bytes of paths a copy keeps at once (the directories still to walk, and those whose modes are set last).
-const MAX_PATH_BYTES: usize = 64 << 20;
-
-/// Copies the tree at `src` into the new directory `dst` (blocking): regular files, directories and symbolic links
-/// (as links: never followed), each owned by the caller (0), with its permission bits (set-id bits dropped) and
-/// modification time; anything else, and any directory on another filesystem (a mount), is left out and listed.
-/// `src` must not change meanwhile. More than `max_bytes` (file content, and [`ENTRY_BYTES`] per directory and
-/// link), more entries than a tmpfs of `max_bytes` holds, or a tree whose paths would take more than
-/// [`MAX_PATH_BYTES`] to walk, is an error of kind `FileTooLarge`. The digest covers each entry in the walk's order
-/// (a directory's entries sorted by name, depth first), each field length-prefixed.
-pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copied> {
-    walk_tree(src, Some(dst), max_bytes, true)
-}
-
-/// [`copy_tree`]'s walk, which copies into `dst` when there is one and hashes the content when `hash` (without, the
-/// digest is of the sizes and names only): the same digest for the same tree, copied or not.
-pub fn walk_tree(
-    src: &Path,
-    dst: Option<&Path>,
-    max_bytes: u64,
-    hash: bool,
-) -> std::io::Result<Copied> {
-    let top = std::fs::symlink_metadata(src)?;
-    if !top.is_dir() {
-        return Err(std::io::Error::other(format!(
-            "{} is not a directory",
-            src.display()
-        )));
-    }
-    let dev = top.dev();
-    let max_entries = runtime::spec::inodes_for(max_bytes);
-    if let Some(dst) = dst {
-        std::fs::DirBuilder::new().mode(0o700).create(dst)?;
-    }
-    let too_large = || std::io::Error::from(std::io::ErrorKind::FileTooLarge);
-    let (mut out, mut charged, mut path_bytes) = (Copied::default(), 0u64, 0usize);
-    let mut h = Sha256::new();
-    // Directories get their modes and times last (after their entries were written).
-    let mut dirs: Vec<(PathBuf, std::fs::Metadata)> = Vec::new();
-    if let Some(dst) = dst {
-        dirs.push((dst.to_owned(), top));
-    }
-    let mut todo: Vec<PathBuf> = vec![PathBuf::new()];
-    let mut buf = vec![0u8; 1 << 20];
-    while let Some(rel) = todo.pop() {
-        let mut names: Vec<OsString> = std::fs::read_dir(src.join(&rel))?
-            .map(|e| e.map(|e| e.file_name()))
-            .collect::<std::io::Result<_>>()?;
-        names.sort();
-        // Pushed in reverse, so that they are walked in name order.
-        let mut subdirs = Vec::new();
-        for name in names {
-            let rel = rel.join(&name);
-            let (from, to) = (src.join(&rel), dst.map(|d| d.join(&rel)));
-            let md = std::fs::symlink_metadata(&from)?;
-            let ft = md.file_type();
-            let size = if ft.is_file() { md.len() } else { ENTRY_BYTES };
-            charged = charged.saturating_add(size);
-            if charged > max_bytes || out.files >= max_entries {
-                return Err(too_large());
-            }
-            let mkdir = |mode: u32| match &to {
-                Some(to) => std::fs::DirBuilder::new().mode(mode).create(to),
-                None => Ok(()),
-            };
-            let (kind, mode, detail) = if ft.is_dir() && md.dev() != dev {
-                skip(&mut out, &rel, "a mount");
-                mkdir(0o755)?;
-                (b'd', 0o755, Vec::new())
-            } else if ft.is_dir() {
-                mkdir(0o700)?;
-                path_bytes += 2 * rel.as_os_str().len();
-                if path_bytes > MAX_PATH_BYTES {
-                    return Err(too_large());
-                }
-                if let Some(to) = to {
-                    dirs.push((to, md.clone()));
-                }
-                subdirs.push(rel.clone());
-                (b'd', md.mode() & 0o1777, Vec::new())
-            } else if ft.is_file() {
-                let mode = md.mode() & 0o777;
-                let hash = match (&to, hash) {
-                    (Some(to), _) => {
-                        let hash = copy_file(&from, Some((to, mode)), &mut buf)?;
-                        set_mtime(to, &md)?;
-                        hash
-                    }
-                    (None, true) => copy_file(&from, None, &mut buf)?,
-                    (None, false) => Vec::new(),
-                };
-                out.bytes += md.len();
-                (b'f', mode, hash)
-            } else if ft.is_symlink() {
-                let target = std::fs::read_link(&from)?;
-                if let Some(to) = &to {
-                    std::os::unix::fs::symlink(&target, to)?;
-                }
-                (b'l', 0o777, target.as_os_str().as_bytes().to_vec())
-            } else {
-                skip(&mut out, &rel, "not a file, directory or link");
-                continue;
-            };
-            out.files += 1;
-            h.update([kind]);
-            h.update(mode.to_le_bytes());
-            h.update((if kind == b'f' { md.len() } else { 0 }).to_le_bytes());
-            for field in [rel.as_os_str().as_bytes(), &detail] {
-                h.update((field.len() as u64).to_le_bytes());
-                h.update(field);
-            }
-        }
-        todo.extend(subdirs.into_iter().rev());
-    }
-    for (dir, md) in dirs.iter().rev() {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(md.mode() & 0o1777))?;
-        set_mtime(dir, md)?;
-    }
-    out.digest = format!("sha256:{}", hex(&h.finalize()));
-    Ok(out)
-}
-
-fn skip(out: &mut Copied, rel: &Path, why: &str) {
-    if out.skipped.len() < MAX_SKIPPED {
-        out.skipped
-            .push(format!("{} ({why})", rel.to_string_lossy()));
-    }
-}
-
-/// Copies one regular file (opened without following a link) to the new file `to` with its mode, if there is one;
-/// its content's sha256, lowercase hex.
-fn copy_file(from: &Path, to: Option<(&Path, u32)>, buf: &mut [u8]) -> std::io::Result<Vec<u8>> {
-    let mut src = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(from)?;
-    let mut dst = match to {
-        Some((to, mode)) => Some((
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(mode)
-                .open(to)?,
-            mode,
-        )),
-        None => None,
-    };
-    let mut h = Sha256::new();
-    loop {
-        let n = src.read(buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-        if let Some((dst, _)) = &mut dst {
-            dst.write_all(&buf[..n])?;
-        }
-    }
-    if let Some((dst, mode)) = dst {
-        // The creation mode went through the umask.
-        dst.set_permissions(std::fs::Permissions::from_mode(mode))?;
-    }
-    Ok(hex(&h.finalize()).into_bytes())
-}
-
-fn set_mtime(path: &Path, md: &std::fs::Metadata) -> std::io::Result<()> {
-    let t = nix::sys::time::TimeSpec::new(md.mtime(), md.mtime_nsec());
-    nix::sys::stat::utimensat(
-        None,
-        path,
-        &nix::sys::time::TimeSpec::UTIME_OMIT,
-        &t,
-        nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-    )
-    .map_err(std::io::Error::from)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -28,5 +28,6 @@ pub mod rootfs;
 pub mod seccomp;
 pub mod spec;
 pub mod sys;
+pub mod tree;
 
 pub use error::{Error, Result};

@@ -43,6 +43,8 @@ const MOUNT_POINTS: &[&str] = &[
     "sandbox",
 ];
 
+/// The upper layer of an overlay root, relative to its space's directory.
+pub const UPPER: &str = "scratch/upper";
 /// Top-level directories mounted over in a container whose root is an image's overlay: the overlay root must hold
 /// them as directories (created when missing), never as a symlink or a file. The image store refuses layers that
 /// hold them otherwise (`image_store::MOUNT_POINTS`, the same list; sandboxd's tests check the two agree).
@@ -243,6 +245,10 @@ pub enum RootSource<'a> {
     Shared,
     /// An overlay of these unpacked layer directories, top first.
     Overlay(&'a [PathBuf]),
+    /// [`Self::Overlay`] whose upper layer starts as a copy of the layer at the path (a snapshot's copy of a root
+    /// layer: its whiteouts and opaque directories kept, what 0 owns there owned by the space's host id, the rest
+    /// by nobody), within the tmpfs's size.
+    OverlayWith(&'a [PathBuf], &'a Path),
 }
 
 impl Scratch {
@@ -274,7 +280,10 @@ impl Scratch {
             .mount(disk_bytes, host_id)
             .and_then(|()| match root {
                 RootSource::Shared => Ok(()),
-                RootSource::Overlay(lowers) => scratch.mount_overlay(lowers),
+                RootSource::Overlay(lowers) => scratch.mount_overlay(lowers, None),
+                RootSource::OverlayWith(lowers, layer) => {
+                    scratch.mount_overlay(lowers, Some(layer))
+                }
             });
         match made {
             Ok(()) => Ok(scratch),
@@ -360,10 +369,21 @@ impl Scratch {
     /// Mounts `rootfs/`: `lowers` read-only (top first), upper and work directories in the scratch tmpfs, `nosuid`
     /// and `nodev`. The runtime's mount points must be directories in the image (created in the upper layer when
     /// the image lacks them): a symlink there would make a mount follow a path the image controls.
-    fn mount_overlay(&mut self, lowers: &[PathBuf]) -> Result<()> {
+    fn mount_overlay(&mut self, lowers: &[PathBuf], layer: Option<&Path>) -> Result<()> {
         let tmpfs = self.dir.join("scratch");
-        let (upper, work, root) = (tmpfs.join("upper"), tmpfs.join("work"), self.rootfs());
-        mkdir(&upper, 0o755)?;
+        let (upper, work, root) = (self.dir.join(UPPER), tmpfs.join("work"), self.rootfs());
+        match layer {
+            // Before the mount: an overlay's layers must not change under it.
+            Some(layer) => {
+                let owners = crate::tree::LayerOwners {
+                    from: 0,
+                    to: self.host_id,
+                };
+                crate::tree::copy_layer(layer, &upper, (owners, &[]), self.disk_bytes)
+                    .map_err(|e| Error::io(&upper, e))?;
+            }
+            None => mkdir(&upper, 0o755)?,
+        }
         mkdir(&work, 0o700)?;
         mkdir(&root, 0o755)?;
         let data = overlay_options(lowers, &upper, &work)?;

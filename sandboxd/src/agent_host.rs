@@ -176,6 +176,7 @@ impl AgentContainers {
             disk_mb: req.disk_mb,
             snapshot: req.snapshot,
             subvolume: req.subvolume,
+            root_layer: req.root_layer,
         };
         let made = match adopted {
             true => self.factory.adopt_workspace(plan).await,
@@ -218,6 +219,10 @@ impl Workspace for UidWorkspace {
 
     fn host_workspace(&self) -> (PathBuf, u32) {
         self.inner.host_workspace()
+    }
+
+    fn root_upper(&self) -> Option<PathBuf> {
+        self.inner.root_upper()
     }
 
     fn write_inputs(&self, name: &str, content: &[u8], files: &[InputFile]) -> runtime::Result<()> {

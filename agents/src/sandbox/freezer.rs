@@ -13,7 +13,7 @@ use runtime::error::Chain;
 use serde_json::Value;
 
 use super::{unavailable, Sandbox};
-use crate::snapshots::{SnapshotError, Snapshots};
+use crate::snapshots::{RootUpper, SnapshotError, Snapshots};
 
 impl Sandbox {
     /// `POST /pause`: freezes the agent's cgroup.
@@ -104,8 +104,9 @@ impl Sandbox {
         Ok(self.handle())
     }
 
-    /// `POST /snapshot`: copies the workspace into `store`, with a running agent frozen meanwhile (and thawed
-    /// after) so that the copy is of one moment; a paused agent stays paused. Refused (409) when the workspace
+    /// `POST /snapshot`: copies the workspace (and the root's upper layer, when its root is an image's overlay)
+    /// into `store`, with a running agent frozen meanwhile (and thawed after) so that the copy is of one moment; a
+    /// paused agent stays paused. Refused (409) when the workspace
     /// holds more than `max_bytes`. A workspace in the copy-on-write store is snapshot there while the agent is
     /// frozen, and walked for its digest after the thaw (with `later`, after the return).
     #[tracing::instrument(name = "agent_snapshot", skip_all, fields(sandbox = %self.id))]
@@ -116,8 +117,14 @@ impl Sandbox {
         later: bool,
     ) -> Result<agent_api::Snapshot, SnapshotError> {
         let ops = self.ops.lock().await;
+        // A run whose agent has ended (its end being handled: `session_end` may be out before its container is
+        // removed) has nothing left to freeze.
+        let ended = matches!(
+            self.status(),
+            Some(AgentStatus::Paused | AgentStatus::Completed | AgentStatus::Error)
+        );
         let frozen = match Self::live(&ops) {
-            Some(run) if self.status() != Some(AgentStatus::Paused) => {
+            Some(run) if !ended => {
                 if let Err(e) = run.container.freeze().await {
                     // A freeze may have been half done: nothing stays frozen behind a refusal.
                     let _ = run.container.thaw().await;
@@ -127,13 +134,26 @@ impl Sandbox {
             }
             _ => None,
         };
+        let root = self.workspace.root_upper().map(|upper| RootUpper {
+            upper,
+            host_id: self.workspace.host_id(),
+        });
         let taken = match (self.cow, &self.host.cow) {
             (true, Some(cow)) => store
-                .capture(cow.workspace(&self.id), (&self.image, &self.id), max_bytes)
+                .capture(
+                    (cow.workspace(&self.id), root),
+                    (&self.image, &self.id),
+                    max_bytes,
+                )
                 .await
                 .map(Err),
             _ => store
-                .take(self.workspace.workspace(), &self.image, &self.id, max_bytes)
+                .take(
+                    (self.workspace.workspace(), root),
+                    &self.image,
+                    &self.id,
+                    max_bytes,
+                )
                 .await
                 .map(Ok),
         };

@@ -100,7 +100,7 @@ async fn snapshots_are_kept_across_opens_and_not_deleted_while_used() {
     let dir = t.path().join("snapshots");
     let store = Snapshots::open(dir.clone(), 2, None).unwrap();
     let s = store
-        .take(ws.clone(), "host", "ags-1", u64::MAX)
+        .take((ws.clone(), None), "host", "ags-1", u64::MAX)
         .await
         .unwrap();
     assert!(s.id.starts_with("snap-"), "{}", s.id);
@@ -117,11 +117,11 @@ async fn snapshots_are_kept_across_opens_and_not_deleted_while_used() {
     assert_eq!(e.plugin().0, 409);
     // The maximum counts every snapshot.
     let s2 = store
-        .take(ws.clone(), "host", "ags-1", u64::MAX)
+        .take((ws.clone(), None), "host", "ags-1", u64::MAX)
         .await
         .unwrap();
     let e = store
-        .take(ws.clone(), "host", "ags-1", u64::MAX)
+        .take((ws.clone(), None), "host", "ags-1", u64::MAX)
         .await
         .unwrap_err();
     assert!(matches!(e, SnapshotError::Full(2)), "{e}");
@@ -157,7 +157,7 @@ async fn a_failed_copy_leaves_nothing() {
     let dir = t.path().join("snapshots");
     let store = Snapshots::open(dir.clone(), 4, None).unwrap();
     let e = store
-        .take(t.path().join("missing"), "host", "ags-1", u64::MAX)
+        .take((t.path().join("missing"), None), "host", "ags-1", u64::MAX)
         .await
         .unwrap_err();
     assert_eq!(e.plugin().0, 503, "{e}");
@@ -166,7 +166,7 @@ async fn a_failed_copy_leaves_nothing() {
     // Over the size limit: refused, nothing left either.
     let ws = workspace(t.path());
     let e = store
-        .take(ws.clone(), "host", "ags-1", 1 << 20)
+        .take((ws.clone(), None), "host", "ags-1", 1 << 20)
         .await
         .unwrap_err();
     assert!(matches!(e, SnapshotError::TooLarge(_)), "{e}");
@@ -175,7 +175,7 @@ async fn a_failed_copy_leaves_nothing() {
     // The failed ones no longer count against the maximum.
     for _ in 0..4 {
         store
-            .take(ws.clone(), "host", "ags-1", u64::MAX)
+            .take((ws.clone(), None), "host", "ags-1", u64::MAX)
             .await
             .unwrap();
     }

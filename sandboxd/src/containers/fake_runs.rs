@@ -87,6 +87,11 @@ impl Workspace for FakeWorkspace {
         nix::unistd::getuid().as_raw()
     }
 
+    fn root_upper(&self) -> Option<PathBuf> {
+        // The fake's runs have no root of their own.
+        None
+    }
+
     fn write_inputs(&self, name: &str, content: &[u8], files: &[InputFile]) -> runtime::Result<()> {
         let code = self.dir.join("code").join(name);
         std::fs::write(&code, content).map_err(|e| runtime::Error::io(code, e))?;

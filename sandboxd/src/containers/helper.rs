@@ -148,7 +148,8 @@ impl HelperBackend {
             snapshot,
         } = *plan;
         let disk_bytes = disk_mb << 20;
-        let mut scratch = create_scratch(&self.run_dir, cid, disk_bytes, host_id, &lang.image)?;
+        let mut scratch =
+            create_scratch(&self.run_dir, cid, disk_bytes, host_id, (&lang.image, None))?;
         if let Some(layer) = snapshot {
             // On error the scratch space is removed as it is dropped.
             scratch
@@ -197,17 +198,25 @@ fn bind_volumes(
     Ok(binds)
 }
 
-/// `<parent>/<id>/` with its tmpfs of `disk_bytes`, and the overlay root for an OCI image.
+/// `<parent>/<id>/` with its tmpfs of `disk_bytes`, and the overlay root for an OCI image (its upper layer a copy
+/// of `root_layer`, when there is one).
 pub(super) fn create_scratch(
     parent: &Path,
     id: &str,
     disk_bytes: u64,
     host_id: u32,
-    image: &RootImage,
+    (image, root_layer): (&RootImage, Option<&Path>),
 ) -> Result<Scratch, CreateError> {
-    let root = match &image.kind {
-        RootKind::Host(_) => RootSource::Shared,
-        RootKind::Oci { lowers } => RootSource::Overlay(lowers),
+    let root = match (&image.kind, root_layer) {
+        (RootKind::Host(_), None) => RootSource::Shared,
+        (RootKind::Host(_), Some(_)) => {
+            return Err(CreateError::Prepare(runtime::Error::io(
+                parent,
+                std::io::Error::other("a root layer on the host image, whose root is read-only"),
+            )))
+        }
+        (RootKind::Oci { lowers }, None) => RootSource::Overlay(lowers),
+        (RootKind::Oci { lowers }, Some(layer)) => RootSource::OverlayWith(lowers, layer),
     };
     Scratch::create(parent, id, disk_bytes, host_id, root).map_err(CreateError::Prepare)
 }

@@ -98,6 +98,9 @@ pub struct WorkspacePlan<'a> {
     /// A workspace of the copy-on-write store that is `/workspace` (see
     /// [`runtime::rootfs::Scratch::workspace_on`]; not with `snapshot`).
     pub subvolume: Option<&'a Path>,
+    /// A snapshot's root layer the overlay root's upper layer starts as a copy of (see
+    /// [`runtime::rootfs::RootSource::Overlay`]); only with an image's root.
+    pub root_layer: Option<&'a Path>,
 }
 
 /// How the init reported the end: its status record (empty when it died without writing) and the

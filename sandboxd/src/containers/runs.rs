@@ -20,7 +20,7 @@ use tracing::{debug, error, warn};
 
 use super::helper::{create_scratch, remove_scratch, report_so_far, Bundle, HelperBackend};
 use super::{CreateError, WorkspacePlan};
-use crate::images::RootImage;
+use crate::images::{RootImage, RootKind};
 use agents::container::{
     Adopted, AdoptedRun, BoxFuture, Ended, InitIdentity, LongLivedError, RunContainer, RunPlan,
     RunUsage, Workspace,
@@ -42,8 +42,15 @@ pub(super) async fn create_workspace(
     let (host_id, disk_bytes) = (plan.host_id, plan.disk_mb << 20);
     let (image2, snapshot) = (image.clone(), plan.snapshot.map(Path::to_owned));
     let subvolume = plan.subvolume.map(Path::to_owned);
+    let root_layer = plan.root_layer.map(Path::to_owned);
     let scratch = tokio::task::spawn_blocking(move || {
-        let mut scratch = create_scratch(&parent, &id, disk_bytes, host_id, &image2)?;
+        let mut scratch = create_scratch(
+            &parent,
+            &id,
+            disk_bytes,
+            host_id,
+            (&image2, root_layer.as_deref()),
+        )?;
         // On error the scratch space is removed as it is dropped.
         if let Some(layer) = snapshot {
             scratch
@@ -143,6 +150,13 @@ impl Workspace for HelperWorkspace {
 
     fn host_id(&self) -> u32 {
         self.host_id
+    }
+
+    fn root_upper(&self) -> Option<PathBuf> {
+        match self.image.kind {
+            RootKind::Oci { .. } => Some(self.dir.join(runtime::rootfs::UPPER)),
+            RootKind::Host(_) => None,
+        }
     }
 
     fn host_workspace(&self) -> (PathBuf, u32) {

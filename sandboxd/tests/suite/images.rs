@@ -173,7 +173,9 @@ fn open_tempdir() -> tempfile::TempDir {
 
 /// For a privileged test: the busybox image packed and imported as `bb` into a fresh state directory. Returns the
 /// guard, the scratch directory (keep it alive), the state directory and the manifest digest.
-async fn imported_busybox(test: &str) -> Option<(Guard, tempfile::TempDir, PathBuf, String)> {
+pub(super) async fn imported_busybox(
+    test: &str,
+) -> Option<(Guard, tempfile::TempDir, PathBuf, String)> {
     let guard = privileged(test).await?;
     let busybox = match static_busybox() {
         Ok(b) => b,
@@ -611,6 +613,22 @@ async fn recipe_images_run_fsp_executions() {
     c.assert_usable().await;
 }
 
+/// Sandbox `id`'s event stream (`/sandboxes/<id>/events`), with the daemon's token.
+pub(super) async fn agent_events(
+    d: &Daemon,
+    id: &str,
+) -> tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut req = format!("ws://127.0.0.1:{}/sandboxes/{id}/events", d.port)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut().insert(
+        "authorization",
+        format!("Bearer {}", d.token()).parse().unwrap(),
+    );
+    tokio_tungstenite::connect_async(req).await.unwrap().0
+}
+
 /// One HTTP/1.1 request with the daemon's token (`Connection: close`): status and JSON body.
 pub(super) async fn agent_http(d: &Daemon, method: &str, path: &str, body: &Value) -> (u16, Value) {
     agent_http_with(d, method, path, body, "").await
@@ -648,7 +666,6 @@ pub(super) async fn agent_http_with(
 #[tokio::test]
 async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
     use futures_util::StreamExt;
-    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
     let Some((_g, _dir, state_dir, digest)) =
         imported_busybox("agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs").await
     else {
@@ -678,14 +695,7 @@ async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
     .await;
     assert_eq!(status, 201, "{created}");
     let id = created["id"].as_str().unwrap().to_owned();
-    let mut req = format!("ws://127.0.0.1:{}/sandboxes/{id}/events", d.port)
-        .into_client_request()
-        .unwrap();
-    req.headers_mut().insert(
-        "authorization",
-        format!("Bearer {}", d.token()).parse().unwrap(),
-    );
-    let (mut ws, _) = tokio_tungstenite::connect_async(req).await.unwrap();
+    let mut ws = agent_events(&d, &id).await;
     let mut next_action = async || loop {
         let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
             .await

@@ -27,6 +27,7 @@ mod ops;
 mod output;
 mod pool;
 mod requests;
+mod root_layers;
 mod telemetry;
 mod tools;
 mod warm;
