@@ -286,13 +286,15 @@ impl Agents {
             let (status, error) = e.plugin();
             Refusal { status, error }
         };
-        // A snapshot's root layer is copied into the new root's upper layer, on the snapshot's image only.
-        let root_layer = match &req.from_snapshot {
+        // A snapshot's root layer is copied into the new root's upper layer, on the snapshot's image only; the
+        // snapshot is held until then.
+        let (root_layer, _copying) = match &req.from_snapshot {
             Some(snapshot) => self
                 .snapshots()
-                .and_then(|s| s.root_layer(snapshot, &image, limits.disk_mb << 20))
-                .map_err(refusal)?,
-            None => None,
+                .and_then(|s| s.root_layer(snapshot, (&id, &image), limits.disk_mb << 20))
+                .map_err(refusal)?
+                .unzip(),
+            None => (None, None),
         };
         // With the copy-on-write store, a workspace of its own (a writable copy of a snapshot there); else a tmpfs,
         // with a snapshot's layer under it.

@@ -64,8 +64,8 @@ pub enum SnapshotError {
     /// `agents.max_snapshots` snapshots exist (or are being taken).
     #[error("{0} snapshots exist, the maximum (agents.max_snapshots)")]
     Full(usize),
-    /// The workspace holds more than a snapshot may.
-    #[error("The workspace holds more than {0} bytes, the most a snapshot holds (agents.disk_mb)")]
+    /// The workspace (with the root's layer) holds more than a snapshot may.
+    #[error("The workspace and the root's layer hold more than {0} bytes, the most a snapshot holds (agents.disk_mb)")]
     TooLarge(u64),
     /// A sandbox would start from a snapshot with a root layer on another image than the snapshot's.
     #[error("Snapshot {id} holds a root layer of image {image:?}; a sandbox from it runs on that image, not {asked:?}")]
@@ -162,6 +162,13 @@ struct Meta {
     /// Its copy of the sandbox's root layer (in `root/`), when there was anything in it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     root: Option<RootLayer>,
+    /// What that copy was charged (as [`Copied::charged`]): what a copy of it takes of a tmpfs.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    root_charged: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 struct Entry {
@@ -386,7 +393,7 @@ impl Snapshots {
                 .create(&dir)
                 .and_then(|()| copy_root(root.as_ref(), &dir, max_bytes));
             match root {
-                Ok(root) => Ok((files, root)),
+                Ok((root, charged)) => Ok((files, root, charged)),
                 Err(e) => {
                     let _ = remove_all(&dir);
                     if let Err(e) = cow.destroy(&files) {
@@ -399,8 +406,8 @@ impl Snapshots {
         .await
         .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
         match made {
-            Ok((files, root)) => {
-                meta.root = root;
+            Ok((files, root, charged)) => {
+                (meta.root, meta.root_charged) = (root, charged);
                 Ok(Captured {
                     snapshots: self.clone(),
                     meta: Some(meta),
@@ -542,15 +549,17 @@ impl Snapshots {
         Ok(self.cow.as_ref().map(|cow| cow.snapshot_path(id)))
     }
 
-    /// Snapshot `id`'s root layer, if it has one, for a sandbox on image `image` whose tmpfs holds `max_bytes`
-    /// (it is copied there, so a snapshot holds nothing of it): refused for another image than the snapshot's, or
-    /// for a layer of more.
+    /// Snapshot `id`'s root layer, if it has one, for sandbox `sandbox` on image `image` whose tmpfs holds
+    /// `max_bytes`: refused for another image than the snapshot's, or for a layer whose copy would take more. It is
+    /// copied into the sandbox's tmpfs, so the snapshot is held only until the returned guard is dropped, once the
+    /// copy is made (listed in `usedBy` as `<sandbox>:creating` meanwhile).
     pub fn root_layer(
-        &self,
+        self: &Arc<Self>,
         id: &str,
-        image: &str,
+        (sandbox, image): (&str, &str),
         max_bytes: u64,
-    ) -> Result<Option<PathBuf>, SnapshotError> {
+    ) -> Result<Option<(PathBuf, Hold)>, SnapshotError> {
+        let holder = format!("{sandbox}:creating");
         let mut entries = self.entries();
         let e = usable(&mut entries, id)?;
         let Some(root) = &e.meta.root else {
@@ -563,14 +572,22 @@ impl Snapshots {
                 asked: image.into(),
             });
         }
-        if root.bytes > max_bytes {
+        // As the copy charges it: its content and a block per other entry, and no more entries than fit.
+        if e.meta.root_charged.max(root.bytes) > max_bytes
+            || root.files >= runtime::spec::inodes_for(max_bytes)
+        {
             return Err(SnapshotError::Larger {
                 id: id.into(),
-                bytes: root.bytes,
+                bytes: e.meta.root_charged.max(root.bytes),
                 max_bytes,
             });
         }
-        Ok(Some(self.dir.join(id).join(ROOT)))
+        e.users.insert(holder.clone());
+        let hold = Hold {
+            snapshots: self.clone(),
+            holder,
+        };
+        Ok(Some((self.dir.join(id).join(ROOT), hold)))
     }
 
     /// Whether snapshot `id` exists.
@@ -746,6 +763,7 @@ fn new_meta(image: &str, source: &str, cow: bool) -> Meta {
         skipped: Vec::new(),
         cow,
         root: None,
+        root_charged: 0,
     }
 }
 
@@ -766,7 +784,9 @@ fn store(
 ) -> std::io::Result<Meta> {
     std::fs::DirBuilder::new().mode(0o700).create(partial)?;
     let copied = copy_tree(workspace, &partial.join(LAYER), max_bytes)?;
-    meta.root = copy_root(root, partial, max_bytes)?;
+    // Both on the state disk: at most `max_bytes` together.
+    (meta.root, meta.root_charged) =
+        copy_root(root, partial, max_bytes.saturating_sub(copied.charged))?;
     meta.digest = copied.digest;
     meta.bytes = copied.bytes;
     meta.files = copied.files;
@@ -794,9 +814,9 @@ fn copy_root(
     root: Option<&RootUpper>,
     into: &Path,
     max_bytes: u64,
-) -> std::io::Result<Option<RootLayer>> {
+) -> std::io::Result<(Option<RootLayer>, u64)> {
     let Some(root) = root else {
-        return Ok(None);
+        return Ok((None, 0));
     };
     let dst = into.join(ROOT);
     let owners = LayerOwners {
@@ -811,14 +831,16 @@ fn copy_root(
     )?;
     if copied.files == 0 {
         remove_all(&dst)?;
-        return Ok(None);
+        return Ok((None, 0));
     }
-    Ok(Some(RootLayer {
+    let charged = copied.charged;
+    let layer = RootLayer {
         digest: copied.digest,
         bytes: copied.bytes,
         files: copied.files,
         skipped: copied.skipped,
-    }))
+    };
+    Ok((Some(layer), charged))
 }
 
 /// Writes `partial/snapshot.json`, makes the directory durable and renames it to `done` (blocking).

@@ -72,6 +72,8 @@ pub struct Copied {
     pub files: u64,
     /// Paths left out (at most [`MAX_SKIPPED`]), with why.
     pub skipped: Vec<String>,
+    /// What it was charged against its bound: file content, and [`ENTRY_BYTES`] per other entry.
+    pub charged: u64,
 }
 
 /// Bytes a directory or a link is charged against a snapshot's size (a block of the state disk).
@@ -233,11 +235,13 @@ fn walk(
         set_mtime(dir, md)?;
     }
     out.digest = format!("sha256:{}", hex(&h.finalize()));
+    out.charged = charged;
     Ok(out)
 }
 
-/// Adds one entry to a walk's digest: its kind, stored mode and size, then each field length-prefixed (an empty
-/// last field, a plain copy's owner part, adds only its length).
+/// Adds one entry to a walk's digest: its kind, stored mode and size, then each field length-prefixed; an empty
+/// last field (a plain copy's owner part) adds nothing at all, so that a plain copy's digest is what it was before
+/// layers had one.
 fn hash_entry(h: &mut Sha256, (kind, mode, size): (u8, u32, u64), fields: [&[u8]; 3]) {
     h.update([kind]);
     h.update(mode.to_le_bytes());
@@ -319,6 +323,8 @@ fn xattr(path: &Path, name: &str) -> std::io::Result<Option<Vec<u8>>> {
         let e = std::io::Error::last_os_error();
         return match e.raw_os_error() {
             Some(libc::ENODATA) | Some(libc::ENOTSUP) => Ok(None),
+            // A longer value than either attribute's meaningful one ("y", a short path): there, but not read.
+            Some(libc::ERANGE) => Ok(Some(Vec::new())),
             _ => Err(e),
         };
     }

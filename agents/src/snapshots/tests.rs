@@ -208,3 +208,79 @@ fn a_walk_without_a_copy_gives_the_copys_digest_and_sizes() {
         sized.digest
     );
 }
+
+/// A snapshot with a root layer: taken with the workspace within one bound, kept with its owners mapped, handed to
+/// a sandbox on its image only and of a size that fits, and held (not deletable) until the sandbox's copy is made.
+#[tokio::test]
+async fn a_root_layer_is_bounded_with_the_workspace_and_held_while_it_is_copied() {
+    let test = "a_root_layer_is_bounded_with_the_workspace_and_held_while_it_is_copied";
+    if !test_support::require_root(test, "a layer's owners are set with chown") {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let ws = t.path().join("ws");
+    std::fs::create_dir(&ws).unwrap();
+    std::fs::write(ws.join("w"), vec![1u8; 6000]).unwrap();
+    let upper = t.path().join("upper");
+    std::fs::create_dir_all(upper.join("var/tmp")).unwrap();
+    std::fs::create_dir(upper.join("tmp")).unwrap();
+    std::fs::write(upper.join("var/tmp/r"), vec![2u8; 6000]).unwrap();
+    std::os::unix::fs::lchown(upper.join("var/tmp/r"), Some(4242), Some(4242)).unwrap();
+    let root = || {
+        Some(RootUpper {
+            upper: upper.clone(),
+            host_id: 4242,
+        })
+    };
+    let store = Snapshots::open(t.path().join("snapshots"), 4, None).unwrap();
+    let s = store
+        .take((ws.clone(), root()), "bb", "ags-1", 1 << 20)
+        .await
+        .unwrap();
+    let layer = s.root.clone().expect("a root layer");
+    assert_eq!(
+        (layer.files, layer.bytes),
+        (3, 6000),
+        "var, var/tmp, r; tmp left out"
+    );
+    let kept = t.path().join("snapshots").join(&s.id).join("root");
+    let owner = |p: &str| std::fs::metadata(kept.join(p)).unwrap().uid();
+    assert_eq!(
+        (owner("var/tmp/r"), owner("var")),
+        (0, runtime::tree::NOBODY)
+    );
+    // The workspace (6000 + 4096 for nothing else) and the layer (6000 + 2 x 4096) in one bound.
+    let e = store
+        .take((ws.clone(), root()), "bb", "ags-1", 20_000)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, SnapshotError::TooLarge(20_000)), "{e}");
+    assert_eq!(e.plugin().0, 409);
+    assert_eq!(store.list().len(), 1, "a refused snapshot is not kept");
+
+    let e = store
+        .root_layer(&s.id, ("ags-2", "host"), 1 << 20)
+        .unwrap_err();
+    assert!(matches!(e, SnapshotError::OtherImage { .. }), "{e}");
+    let e = store
+        .root_layer(&s.id, ("ags-2", "bb"), 10_000)
+        .unwrap_err();
+    assert!(
+        matches!(e, SnapshotError::Larger { bytes: 14192, .. }),
+        "{e}"
+    );
+    assert_eq!(e.plugin().0, 409);
+    let (path, hold) = store
+        .root_layer(&s.id, ("ags-2", "bb"), 1 << 20)
+        .unwrap()
+        .unwrap();
+    assert_eq!(path, kept);
+    assert_eq!(
+        store.get(&s.id).unwrap().used_by,
+        vec!["ags-2:creating".to_owned()]
+    );
+    assert_eq!(store.delete(&s.id).await.unwrap_err().plugin().0, 409);
+    drop(hold);
+    store.delete(&s.id).await.unwrap();
+    assert!(!kept.exists());
+}
