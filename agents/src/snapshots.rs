@@ -5,9 +5,10 @@
 //! files show as owned by the sandbox's root (an idmapped bind), and what it changes never reaches the snapshot.
 //!
 //! Taking one copies the workspace once (it lives on a tmpfs that goes with its sandbox), with the sandbox frozen so
-//! that the copy is of one moment, and hashes it on the way into its digest. The copy is written here by hand: it
-//! must never follow a link the agent made, must leave out what is mounted into the workspace (volumes) and must not
-//! keep set-id bits, and no crate does that with a digest of the result in one pass.
+//! that the copy is of one moment, and hashes it on the way into its digest ([`copy_tree`], in `runtime::tree`).
+//! On an OCI image it also copies the root's upper layer into `root/` ([`runtime::tree::copy_layer`]: whiteouts and
+//! opaque directories kept, the sandbox's root stored as 0), which a sandbox started from the snapshot gets as the
+//! first content of its own upper layer, on the same image only.
 //!
 //! A snapshot that sandboxes were started from is kept while any of them exists: `DELETE` is refused (409) until
 //! they are gone. A directory without `snapshot.json` is one whose copy never finished: removed at start.
