@@ -613,11 +613,28 @@ async fn recipe_images_run_fsp_executions() {
     c.assert_usable().await;
 }
 
+/// An agent sandbox's event stream.
+pub(super) type AgentEvents =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// The next lifecycle event on `ws` (others skipped): its action and the whole event.
+pub(super) async fn next_action(ws: &mut AgentEvents) -> (String, Value) {
+    use futures_util::StreamExt;
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
+            .await
+            .expect("an event within 30 s")
+            .unwrap()
+            .unwrap();
+        let v: Value = serde_json::from_str(m.to_text().unwrap()).unwrap();
+        if let Some(a) = v["event"]["action"].as_str() {
+            return (a.to_owned(), v);
+        }
+    }
+}
+
 /// Sandbox `id`'s event stream (`/sandboxes/<id>/events`), with the daemon's token.
-pub(super) async fn agent_events(
-    d: &Daemon,
-    id: &str,
-) -> tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>> {
+pub(super) async fn agent_events(d: &Daemon, id: &str) -> AgentEvents {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
     let mut req = format!("ws://127.0.0.1:{}/sandboxes/{id}/events", d.port)
         .into_client_request()
@@ -665,7 +682,6 @@ pub(super) async fn agent_http_with(
 /// root, and `/workspace` outlives the container: the second run sees the first run's file. Removal leaves nothing.
 #[tokio::test]
 async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
-    use futures_util::StreamExt;
     let Some((_g, _dir, state_dir, digest)) =
         imported_busybox("agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs").await
     else {
@@ -696,17 +712,7 @@ async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
     assert_eq!(status, 201, "{created}");
     let id = created["id"].as_str().unwrap().to_owned();
     let mut ws = agent_events(&d, &id).await;
-    let mut next_action = async || loop {
-        let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
-            .await
-            .expect("an event within 30 s")
-            .unwrap()
-            .unwrap();
-        let v: Value = serde_json::from_str(m.to_text().unwrap()).unwrap();
-        if let Some(a) = v["event"]["action"].as_str() {
-            return (a.to_owned(), v);
-        }
-    };
+    let mut next_action = async || next_action(&mut ws).await;
     for script in [
         "busybox test -e /bin/layer2 && echo run1 > /workspace/f && exit 0; exit 5",
         "test \"$(cat /workspace/f)\" = run1 && exit 0; exit 7",

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::harness::{wait_until, Daemon, DaemonOpts};
-use super::images::{agent_events, agent_http, imported_busybox};
+use super::images::{agent_events, agent_http, imported_busybox, next_action};
 
 /// `POST /sandboxes` on image `bb` (or from `snapshot`, on its image): the new sandbox's id.
 async fn create(d: &Daemon, snapshot: Option<&str>) -> String {
@@ -36,7 +36,6 @@ fn create_body() -> Value {
 
 /// Runs `script` as the agent of sandbox `id` (its one run) and asserts it exits 0.
 async fn run(d: &Daemon, id: &str, script: &str) {
-    use futures_util::StreamExt;
     let mut ws = agent_events(d, id).await;
     let (status, h) = agent_http(
         d,
@@ -46,18 +45,7 @@ async fn run(d: &Daemon, id: &str, script: &str) {
     )
     .await;
     assert_eq!(status, 200, "{h}");
-    let mut actions = Vec::new();
-    while actions.len() < 2 {
-        let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
-            .await
-            .expect("an event within 30 s")
-            .unwrap()
-            .unwrap();
-        let v: Value = serde_json::from_str(m.to_text().unwrap()).unwrap();
-        if let Some(a) = v["event"]["action"].as_str() {
-            actions.push((a.to_owned(), v.clone()));
-        }
-    }
+    let actions = [next_action(&mut ws).await, next_action(&mut ws).await];
     assert_eq!(actions[0].0, "started", "{actions:?}");
     assert_eq!(
         actions[1].0, "session_end",
