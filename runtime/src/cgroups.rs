@@ -6,8 +6,8 @@
 //!
 //! # What goes through cgroups-rs, and what does not
 //!
-//! The controller files of a container's leaf are written by [`cgroups_rs`] (kata-containers): the limits
-//! ([`MemController`], [`PidController`], [`CpuController`]), the cpu quota, freeze and thaw
+//! The controller files of a container's leaf are written by [`cgroups_rs`] (kata-containers): a cpu quota set on
+//! its own ([`Cgroups::set_cpu_quota`], [`CpuController`]), freeze and thaw
 //! ([`FreezerController`], and on v1 the freezer state read back) and moving a process in
 //! ([`cgroups_rs::fs::Cgroup::add_task_by_tgid`]). It is handed the directories through a [`Hierarchy`] of our
 //! own (`Controllers`), not through its `hierarchies::auto()`: that one reads `/proc/self/mountinfo` (v1) and
@@ -23,6 +23,9 @@
 //!   cgroupfs root down, a cgroup sandboxd does not own, and ignores a refused write (fail open).
 //! - **The parent** ([`Cgroups::ensure_parent`]): the same v2 ancestor writes; on v1 cgroups-rs's cpuset
 //!   `post_create` logs a failure to copy `cpuset.cpus`/`cpuset.mems` and carries on, here it is an error.
+//! - **The limits** ([`Cgroups::set_limits`], [`LimitFiles`]): written before every launch, through files opened
+//!   when the container was made (one write each, see [`LimitFiles`]), where cgroups-rs's controllers open each
+//!   file on each call and check each directory first.
 //! - **Usage** ([`Cgroups::usage`], [`Cgroups::memory_current`]): read on every execution's way out. cgroups-rs
 //!   reads whole groups of files for one number (`memory_stat()` opens eleven files on v1 including
 //!   `memory.stat` and `memory.numa_stat`, `cpuacct()` eight), has no reader for v2's `memory.events`
@@ -45,12 +48,15 @@ use cgroups_rs::fs::cpuacct::CpuAcctController;
 use cgroups_rs::fs::freezer::FreezerController;
 use cgroups_rs::fs::memory::MemController;
 use cgroups_rs::fs::pid::PidController;
-use cgroups_rs::fs::{Cgroup, ControllIdentifier, Controller, Hierarchy, MaxValue, Subsystem};
+use cgroups_rs::fs::{Cgroup, ControllIdentifier, Controller, Hierarchy, Subsystem};
 use cgroups_rs::{CgroupPid, FreezerState};
 
 use crate::error::{Error, Result};
 
 pub use crate::error::CgroupError;
+pub use limits::LimitFiles;
+
+mod limits;
 
 /// The default cgroupfs mount point.
 pub const DEFAULT_ROOT: &str = "/sys/fs/cgroup";
@@ -491,60 +497,16 @@ impl Cgroups {
         }
     }
 
-    /// Sets the limits of a live container's cgroup through cgroups-rs: memory (and memory+swap, so no swap), pids,
-    /// cpu weight and the cpu quota when one is given.
+    /// Sets the limits of a live container's cgroup: memory (and memory+swap, so no swap), pids, cpu weight and
+    /// the cpu quota when one is given.
     ///
-    /// A container created ahead of time gets the request's limits here, before its program is launched. Each
-    /// file is written on its own rather than through libcgroups' or cgroups-rs's `apply`, which walk every
-    /// controller and resource kind and cost more than the execution they prepare. On v1 the memory and
-    /// memory+swap limits are written in the order that keeps `limit <= memsw` at every step. Fails (closed) when
-    /// a leaf is missing or a file refuses the value, e.g. a memory limit below what the cgroup already uses.
+    /// Each file is written on its own rather than through libcgroups' or cgroups-rs's `apply`, which walk every
+    /// controller and resource kind and cost more than the execution they prepare; a container made ahead of time
+    /// keeps its files open ([`LimitFiles`]) and gets the request's limits through them. Fails (closed) when a leaf
+    /// or a file is missing or a file refuses the value, e.g. a memory limit below what the cgroup already uses.
     pub fn set_limits(&self, id: &str, limits: &CgroupLimits) -> Result<()> {
-        const FOR: &str = "a container's limits";
-        let memory_bytes = to_i64("memory limit", limits.memory_bytes)?;
-        let pids_max = to_i64("pids limit", limits.pids_max)?;
-        let cg = self.cgroup(id);
-        let memory: &MemController = existing(&cg, "memory", FOR)?;
-        let pids: &PidController = existing(&cg, "pids", FOR)?;
-        let cpu: &CpuController = existing(&cg, "cpu", FOR)?;
-        match self.version {
-            CgroupVersion::V1 => {
-                let current = memory.path().join("memory.limit_in_bytes");
-                if !memory.path().join("memory.memsw.limit_in_bytes").exists() {
-                    memory.set_limit(memory_bytes)
-                } else if limits.memory_bytes < read_u64(&current) {
-                    // Lowering: the memory limit first; raising: memory+swap first.
-                    memory
-                        .set_limit(memory_bytes)
-                        .and_then(|()| memory.set_memswap_limit(memory_bytes))
-                } else {
-                    memory
-                        .set_memswap_limit(memory_bytes)
-                        .and_then(|()| memory.set_limit(memory_bytes))
-                }
-            }
-            CgroupVersion::V2 => memory.set_limit(memory_bytes).and_then(|()| {
-                if memory.path().join("memory.swap.max").exists() {
-                    memory.set_memswap_limit(0)
-                } else {
-                    Ok(())
-                }
-            }),
-        }
-        .map_err(refused("the memory limits", memory.path()))?;
-        pids.set_pid_max(MaxValue::Value(pids_max))
-            .map_err(refused("the pids limit", pids.path()))?;
-        // cgroups-rs writes `cpu.weight` on v2 and leaves the conversion to its caller.
-        let shares = match self.version {
-            CgroupVersion::V1 => limits.cpu_shares,
-            CgroupVersion::V2 => shares_to_weight(limits.cpu_shares),
-        };
-        cpu.set_shares(shares)
-            .map_err(refused("the cpu weight", cpu.path()))?;
-        if let Some(quota) = limits.cpu_quota {
-            write_quota(cpu, quota)?;
-        }
-        Ok(())
+        limits::checked(limits)?;
+        LimitFiles::open_with(self, id, false)?.set(limits)
     }
 
     /// Every directory under the parent, in every hierarchy: what a crashed instance may have left.
@@ -933,13 +895,15 @@ fn read_u64(path: &Path) -> u64 {
 
 /// Reads `key value` lines (memory.oom_control, memory.events, cpu.stat).
 fn read_keyed(path: &Path, key: &str) -> u64 {
-    fs::read_to_string(path)
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                let mut it = l.split_whitespace();
-                (it.next() == Some(key)).then(|| it.next().and_then(|v| v.parse().ok()))?
-            })
+    fs::read_to_string(path).map_or(0, |s| keyed(&s, key))
+}
+
+/// The value of `key` in `key value` lines, 0 when it is absent.
+fn keyed(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            let mut it = l.split_whitespace();
+            (it.next() == Some(key)).then(|| it.next().and_then(|v| v.parse().ok()))?
         })
         .unwrap_or(0)
 }
@@ -1105,6 +1069,12 @@ mod tests {
         write(&mem.join("memory.memsw.limit_in_bytes"), "1073741824");
         write(&t.path().join("pids/sbx/c1/pids.max"), "1024");
         write(&t.path().join("cpu,cpuacct/sbx/c1/cpu.shares"), "1024");
+        // The kernel's defaults in a new leaf: no quota, a 100 ms period.
+        write(&t.path().join("cpu,cpuacct/sbx/c1/cpu.cfs_quota_us"), "-1");
+        write(
+            &t.path().join("cpu,cpuacct/sbx/c1/cpu.cfs_period_us"),
+            "100000",
+        );
         let limits = CgroupLimits {
             memory_bytes: 128 << 20,
             pids_max: 64,
@@ -1442,6 +1412,36 @@ mod tests {
             // The busy loop charges cpu time to the leaf (its memory was charged before the move).
             let usage = cg.usage("c1").unwrap();
             assert!(usage.cpu_time_ns > 0, "{usage:?}");
+            // Through files opened once (a pooled container's): lowered, raised past where it began and lowered
+            // again, which the kernel refuses when the v1 memory and memory+swap writes come in the wrong order;
+            // the usage read again through the same descriptor moves on.
+            let files = LimitFiles::open(&cg, "c1").unwrap();
+            let memory = cg.leaf("memory", "c1").unwrap();
+            let limit = if cg.version == CgroupVersion::V1 {
+                "memory.limit_in_bytes"
+            } else {
+                "memory.max"
+            };
+            for (mb, max) in [(32u64, 16u64), (256, 64), (48, 8)] {
+                files
+                    .set(&CgroupLimits {
+                        memory_bytes: mb << 20,
+                        pids_max: max,
+                        cpu_quota: Some(CpuQuota::from_cores(1.5).unwrap()),
+                        ..LIMITS
+                    })
+                    .unwrap();
+                let read = |p: PathBuf| fs::read_to_string(p).unwrap().trim().to_owned();
+                assert_eq!(read(memory.join(limit)), (mb << 20).to_string());
+                assert_eq!(read(pids.join("pids.max")), max.to_string());
+            }
+            let first = files.cpu_time_ns().unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(
+                files.cpu_time_ns().unwrap() > first,
+                "the usage did not move"
+            );
+            assert!(files.cpu_time_ns().unwrap() <= cg.cpu_time_ns("c1").unwrap());
             // A frozen leaf with a live task in it is removed too (the task is killed).
             cg.freeze("c1").unwrap();
             cg.remove_leaf("c1").unwrap();

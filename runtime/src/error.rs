@@ -264,6 +264,17 @@ pub enum CgroupError {
         #[source]
         source: cgroups_rs::fs::error::Error,
     },
+    /// A cgroup file could not be opened, or refused a value written to it.
+    #[error("Cannot write {what} to {}", .path.display())]
+    File {
+        /// What was written.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
     /// A limit that does not fit a cgroup file (`i64`).
     #[error("Invalid {what} {value}")]
     InvalidLimit {

@@ -250,6 +250,23 @@ fn ensure_token(config: &mut Config, explicit_config: bool) -> anyhow::Result<()
     Ok(())
 }
 
+/// The daemon keeps several descriptors per container (launch channel, status pipe, pidfd, its cgroup's limit
+/// files) and two per connection: its soft `RLIMIT_NOFILE` is raised to the hard one, as the unit's
+/// `LimitNOFILE` would, for a daemon started by hand under a 1024 soft limit. Executions get their own
+/// (`limits.nofile`).
+fn raise_nofile() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                warn!(soft, hard, error = %e, "cannot raise the soft RLIMIT_NOFILE");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "cannot read RLIMIT_NOFILE"),
+    }
+}
+
 fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     // A start this build lacks is refused, never replaced by another one.
     config
@@ -260,6 +277,7 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     if !nix::unistd::geteuid().is_root() {
         bail!("sandboxd must run as root (it creates namespaces, cgroups and mounts)");
     }
+    raise_nofile();
     std::fs::create_dir_all(&config.state_dir)
         .with_context(|| format!("cannot create state_dir {}", config.state_dir.display()))?;
     // Mounts under it are matched against /proc/self/mountinfo, which names them by their real path.

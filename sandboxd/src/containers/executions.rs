@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use nix::sys::signal::Signal;
-use runtime::cgroups::{CgroupLimits, Cgroups, Usage};
+use runtime::cgroups::{CgroupLimits, LimitFiles, Usage};
 use runtime::helper::{Created, HelperClient};
 use runtime::launch::Launch;
 use runtime::rootfs::{InputFile, Scratch};
@@ -68,14 +68,29 @@ impl ContainerBackend for Arc<HelperBackend> {
                 )
                 .await
             {
-                Ok(created) => Ok(Box::new(HelperContainer {
-                    cid: plan.cid.to_owned(),
-                    client,
-                    cgroups: self.cgroups.clone(),
-                    scratch,
-                    created,
-                    cpu_before_launch: Arc::new(AtomicU64::new(0)),
-                }) as Box<dyn ContainerHandle>),
+                Ok(created) => {
+                    // The limit files are opened here, off the launch's path (see `LimitFiles`).
+                    let (cgroups, cid) = (self.cgroups.clone(), plan.cid.to_owned());
+                    let files =
+                        tokio::task::spawn_blocking(move || LimitFiles::open(&cgroups, &cid))
+                            .await
+                            .map_err(CreateError::Panicked)
+                            .and_then(|r| r.map_err(CreateError::Prepare));
+                    match files {
+                        Ok(files) => Ok(Box::new(HelperContainer {
+                            cid: plan.cid.to_owned(),
+                            client,
+                            limits: Arc::new(files),
+                            scratch,
+                            created,
+                            cpu_before_launch: Arc::new(AtomicU64::new(0)),
+                        }) as Box<dyn ContainerHandle>),
+                        Err(e) => {
+                            remove((plan.cid.to_owned(), client, scratch, created)).await;
+                            Err(e)
+                        }
+                    }
+                }
                 Err(e) => {
                     // The helper removed whatever it created; the scratch space is ours.
                     remove_scratch(scratch).await;
@@ -118,12 +133,20 @@ impl ContainerBackend for Arc<HelperBackend> {
     }
 }
 
+/// The most code written on the execution's own task rather than on a blocking thread, when there are no input
+/// files: the limits (a write per open cgroup file, see `LimitFiles`) and a small code file take 100-150 µs on a
+/// 2-core machine, about what handing them to a blocking thread costs. Lowering the memory limit does not wait
+/// for long either: a pooled container holds a few MiB (a waiting interpreter gets no request under
+/// `crate::warm::MIN_MEMORY_MB`), and a limit below that is refused after the kernel's few reclaim passes over them.
+const INLINE_INPUTS: usize = 64 << 10;
+
 /// A container created by a helper.
 struct HelperContainer {
     cid: String,
     /// The helper that created it, which removes it (its init is that helper's child).
     client: HelperClient,
-    cgroups: Cgroups,
+    /// Its cgroup's limit and usage files, open.
+    limits: Arc<LimitFiles>,
     /// The scratch space (working directory, `/tmp`, code directory, overlay root).
     scratch: Scratch,
     /// The daemon's descriptors: launch channel, status pipe, pidfd.
@@ -150,27 +173,33 @@ impl ContainerHandle for HelperContainer {
         files: Vec<InputFile>,
     ) -> BoxFuture<'static, Result<(), PrepareError>> {
         let inputs = self.scratch.inputs();
-        let (cgroups, cid) = (self.cgroups.clone(), self.cid.clone());
+        let limit_files = self.limits.clone();
         let cpu_before = self.cpu_before_launch.clone();
+        let inline = files.is_empty() && code.len() <= INLINE_INPUTS;
+        let queued = std::time::Instant::now();
+        let work = move || {
+            let started = std::time::Instant::now();
+            limit_files.set(&limits)?;
+            cpu_before.store(limit_files.cpu_time_ns()?, Ordering::Relaxed);
+            let limited = started.elapsed();
+            let written = inputs.write(code_name, &code, &files);
+            debug!(
+                queued_us = (started - queued).as_micros() as u64,
+                limits_us = limited.as_micros() as u64,
+                files_us = (started.elapsed() - limited).as_micros() as u64,
+                inline,
+                "prepare timings"
+            );
+            written
+        };
         Box::pin(async move {
-            let queued = std::time::Instant::now();
-            tokio::task::spawn_blocking(move || {
-                let started = std::time::Instant::now();
-                cgroups.set_limits(&cid, &limits)?;
-                cpu_before.store(cgroups.cpu_time_ns(&cid)?, Ordering::Relaxed);
-                let limited = started.elapsed();
-                let written = inputs.write(code_name, &code, &files);
-                debug!(
-                    queued_us = (started - queued).as_micros() as u64,
-                    limits_us = limited.as_micros() as u64,
-                    files_us = (started.elapsed() - limited).as_micros() as u64,
-                    "prepare timings"
-                );
-                written
-            })
-            .await
-            .map_err(PrepareError::Panicked)?
-            .map_err(PrepareError::Failed)
+            if inline {
+                return work().map_err(PrepareError::Failed);
+            }
+            tokio::task::spawn_blocking(work)
+                .await
+                .map_err(PrepareError::Panicked)?
+                .map_err(PrepareError::Failed)
         })
     }
 
@@ -201,33 +230,36 @@ impl ContainerHandle for HelperContainer {
     }
 
     fn usage(&self) -> runtime::Result<Usage> {
-        let mut usage = self.cgroups.usage(&self.cid)?;
+        let mut usage = self.limits.usage()?;
         let before = self.cpu_before_launch.load(Ordering::Relaxed);
         usage.cpu_time_ns = usage.cpu_time_ns.saturating_sub(before);
         Ok(usage)
     }
 
     fn remove(self: Box<Self>) -> BoxFuture<'static, ()> {
-        Box::pin(async move {
-            let HelperContainer {
-                cid,
-                client,
-                scratch,
-                created,
-                ..
-            } = *self;
-            // Closing the launch channel ends an init that never got a program.
-            drop(created);
-            match client.remove(&cid).await {
-                Ok(None) => {}
-                Ok(Some(step)) => {
-                    error!(container = %cid, error = %step, "container removal reported an error")
-                }
-                Err(e) => error!(container = %cid, error = %Chain(&e), "container not removed"),
-            }
-            remove_scratch(scratch).await;
-        })
+        let HelperContainer {
+            cid,
+            client,
+            scratch,
+            created,
+            ..
+        } = *self;
+        Box::pin(remove((cid, client, scratch, created)))
     }
+}
+
+/// Removes a container the helper created, and its scratch space.
+async fn remove((cid, client, scratch, created): (String, HelperClient, Scratch, Created)) {
+    // Closing the launch channel ends an init that never got a program.
+    drop(created);
+    match client.remove(&cid).await {
+        Ok(None) => {}
+        Ok(Some(step)) => {
+            error!(container = %cid, error = %step, "container removal reported an error")
+        }
+        Err(e) => error!(container = %cid, error = %Chain(&e), "container not removed"),
+    }
+    remove_scratch(scratch).await;
 }
 
 /// Waits in a task of its own until the execution's container has ended, reading the init's status pipe. The end
