@@ -54,7 +54,8 @@ use cgroups_rs::{CgroupPid, FreezerState};
 use crate::error::{Error, Result};
 
 pub use crate::error::CgroupError;
-pub use limits::LimitFiles;
+use limits::{keyed, to_i64, LeafDirs};
+pub use limits::{shares_to_weight, CgroupLimits, CpuQuota, LimitFiles, Usage, CPU_PERIOD_US};
 
 mod limits;
 
@@ -88,17 +89,6 @@ impl CgroupVersion {
     }
 }
 
-/// Resource usage of one execution, read from its cgroup after the program ended and before the cgroup is removed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Usage {
-    /// High-water mark of memory charged to the cgroup, bytes.
-    pub peak_memory_bytes: u64,
-    /// CPU time of every process of the cgroup, nanoseconds.
-    pub cpu_time_ns: u64,
-    /// How many processes the kernel OOM killer killed in this cgroup.
-    pub oom_kills: u64,
-}
-
 /// A cgroup directory removed during leftover cleanup, and how many processes had to be killed in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Removed {
@@ -106,54 +96,6 @@ pub struct Removed {
     pub path: PathBuf,
     /// Processes found in it and killed.
     pub killed: usize,
-}
-
-/// The limits [`Cgroups::set_limits`] writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CgroupLimits {
-    /// Memory limit, and memory+swap limit (no swap), bytes.
-    pub memory_bytes: u64,
-    /// Maximum number of processes and threads.
-    pub pids_max: u64,
-    /// v1 `cpu.shares` (converted to `cpu.weight` on v2 as runc and libcgroups do).
-    pub cpu_shares: u64,
-    /// Hard CPU limit; `None` leaves the leaf's quota as it is (none in a new leaf).
-    pub cpu_quota: Option<CpuQuota>,
-}
-
-/// The CFS period every quota is written with: 100 ms, the kernel's default.
-pub const CPU_PERIOD_US: u64 = 100_000;
-
-/// A hard CPU limit: `quota_us` of CPU time in every [`CPU_PERIOD_US`] (v1 `cpu.cfs_quota_us` and
-/// `cpu.cfs_period_us`, v2 `cpu.max`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CpuQuota {
-    quota_us: u64,
-}
-
-impl CpuQuota {
-    /// The quota of `cores` (e.g. 0.5: 50 ms per 100 ms), rounded to the microsecond. Refuses anything under the
-    /// kernel's smallest quota, 1 ms per period (0.01 cores), rather than raising it.
-    pub fn from_cores(cores: f64) -> Result<Self, CgroupError> {
-        let quota = (cores * CPU_PERIOD_US as f64).round();
-        if !(quota.is_finite() && (1000.0..=i64::MAX as f64).contains(&quota)) {
-            return Err(CgroupError::InvalidQuota(cores));
-        }
-        Ok(Self {
-            quota_us: quota as u64,
-        })
-    }
-
-    /// Microseconds of CPU time per [`CPU_PERIOD_US`].
-    pub fn quota_us(self) -> u64 {
-        self.quota_us
-    }
-}
-
-/// The cgroup v2 `cpu.weight` for v1 `cpu.shares` (`[2, 262144]` onto `[1, 10000]`, runc's formula).
-pub fn shares_to_weight(shares: u64) -> u64 {
-    let shares = shares.clamp(2, 262_144);
-    1 + ((shares - 2) * 9999) / 262_142
 }
 
 /// The hierarchy directory of each controller sandboxd uses (v2: the root for all), found once. It is the
@@ -506,7 +448,29 @@ impl Cgroups {
     /// or a file is missing or a file refuses the value, e.g. a memory limit below what the cgroup already uses.
     pub fn set_limits(&self, id: &str, limits: &CgroupLimits) -> Result<()> {
         limits::checked(limits)?;
-        LimitFiles::open_with(self, id, false)?.set(limits)
+        LimitFiles::open(self.leaf_dirs(id, false)?)?.set(limits)
+    }
+
+    /// Container `id`'s limit and usage files, opened once (see [`LimitFiles`]); its leaves must exist.
+    pub fn limit_files(&self, id: &str) -> Result<LimitFiles> {
+        LimitFiles::open(self.leaf_dirs(id, true)?)
+    }
+
+    /// The leaves [`LimitFiles`] opens files in; the usage's (v1 `cpuacct`) only when `usage`.
+    fn leaf_dirs(&self, id: &str, usage: bool) -> Result<LeafDirs, CgroupError> {
+        const FOR: &str = "a container's limits";
+        let v2 = self.version == CgroupVersion::V2;
+        Ok(LeafDirs {
+            v2,
+            memory: self.existing_leaf("memory", id, FOR)?,
+            pids: self.existing_leaf("pids", id, FOR)?,
+            cpu: self.existing_leaf("cpu", id, FOR)?,
+            usage: match (usage, v2) {
+                (false, _) => None,
+                (true, true) => Some(self.existing_leaf("cpu", id, "usage accounting")?),
+                (true, false) => Some(self.existing_leaf("cpuacct", id, "usage accounting")?),
+            },
+        })
     }
 
     /// Every directory under the parent, in every hierarchy: what a crashed instance may have left.
@@ -750,14 +714,9 @@ fn refused<'a>(
 /// Writes `quota` over [`CPU_PERIOD_US`] into the leaf of `cpu`; an error when the controller refuses it (a v1
 /// kernel without CFS bandwidth control has no `cpu.cfs_quota_us`).
 fn write_quota(cpu: &CpuController, quota: CpuQuota) -> Result<(), CgroupError> {
-    let quota_us = to_i64("cpu quota", quota.quota_us)?;
+    let quota_us = to_i64("cpu quota", quota.quota_us())?;
     cpu.set_cfs_quota_and_period(Some(quota_us), Some(CPU_PERIOD_US))
         .map_err(refused("a cpu quota", cpu.path()))
-}
-
-/// A limit as cgroups-rs takes it (`i64`).
-fn to_i64(what: &'static str, value: u64) -> Result<i64, CgroupError> {
-    i64::try_from(value).map_err(|_| CgroupError::InvalidLimit { what, value })
 }
 
 /// The v1 hierarchy among `hierarchies` that carries a controller (`cpu,cpuacct` counts for both).
@@ -896,16 +855,6 @@ fn read_u64(path: &Path) -> u64 {
 /// Reads `key value` lines (memory.oom_control, memory.events, cpu.stat).
 fn read_keyed(path: &Path, key: &str) -> u64 {
     fs::read_to_string(path).map_or(0, |s| keyed(&s, key))
-}
-
-/// The value of `key` in `key value` lines, 0 when it is absent.
-fn keyed(text: &str, key: &str) -> u64 {
-    text.lines()
-        .find_map(|l| {
-            let mut it = l.split_whitespace();
-            (it.next() == Some(key)).then(|| it.next().and_then(|v| v.parse().ok()))?
-        })
-        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -1069,11 +1018,11 @@ mod tests {
         write(&mem.join("memory.memsw.limit_in_bytes"), "1073741824");
         write(&t.path().join("pids/sbx/c1/pids.max"), "1024");
         write(&t.path().join("cpu,cpuacct/sbx/c1/cpu.shares"), "1024");
-        // The kernel's defaults in a new leaf: no quota, a 100 ms period.
+        // No quota, and a period other than the one written (the kernel's default is 100 ms).
         write(&t.path().join("cpu,cpuacct/sbx/c1/cpu.cfs_quota_us"), "-1");
         write(
             &t.path().join("cpu,cpuacct/sbx/c1/cpu.cfs_period_us"),
-            "100000",
+            "50000",
         );
         let limits = CgroupLimits {
             memory_bytes: 128 << 20,
@@ -1352,6 +1301,64 @@ mod tests {
         assert!(cg.attach("c1", -1).is_err());
     }
 
+    /// [`LimitFiles`] on a real leaf `c1` with a busy task in it: see the test above.
+    fn limit_files_write_and_read(cg: &Cgroups, pids: &Path) {
+        // Through files opened once (a pooled container's): lowered, raised past where it began and lowered
+        // again, which the kernel refuses when the v1 memory and memory+swap writes come in the wrong order;
+        // the usage read again through the same descriptor moves on.
+        let files = cg.limit_files("c1").unwrap();
+        let memory = cg.leaf("memory", "c1").unwrap();
+        let limit = if cg.version == CgroupVersion::V1 {
+            "memory.limit_in_bytes"
+        } else {
+            "memory.max"
+        };
+        for (mb, max) in [(32u64, 16u64), (256, 64), (48, 8)] {
+            files
+                .set(&CgroupLimits {
+                    memory_bytes: mb << 20,
+                    pids_max: max,
+                    cpu_quota: Some(CpuQuota::from_cores(1.5).unwrap()),
+                    ..LIMITS
+                })
+                .unwrap();
+            let read = |p: PathBuf| fs::read_to_string(p).unwrap().trim().to_owned();
+            assert_eq!(read(memory.join(limit)), (mb << 20).to_string());
+            assert_eq!(read(pids.join("pids.max")), max.to_string());
+        }
+        let cpu = cg.leaf("cpu", "c1").unwrap();
+        let read = |p: PathBuf| fs::read_to_string(p).unwrap().trim().to_owned();
+        match cg.version {
+            CgroupVersion::V1 => {
+                assert_eq!(read(cpu.join("cpu.cfs_quota_us")), "150000");
+                assert_eq!(read(cpu.join("cpu.cfs_period_us")), "100000");
+                assert_eq!(read(cpu.join("cpu.shares")), "1024");
+            }
+            CgroupVersion::V2 => {
+                assert_eq!(read(cpu.join("cpu.max")), "150000 100000");
+                assert_eq!(read(cpu.join("cpu.weight")), "39");
+            }
+        }
+        let first = files.cpu_time_ns().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            files.cpu_time_ns().unwrap() > first,
+            "the usage did not move"
+        );
+        let through_files = files.usage().unwrap();
+        let through_paths = cg.usage("c1").unwrap();
+        assert!(through_files.cpu_time_ns <= through_paths.cpu_time_ns);
+        assert_eq!(
+            through_files.peak_memory_bytes,
+            through_paths.peak_memory_bytes
+        );
+        assert_eq!(through_files.oom_kills, through_paths.oom_kills);
+        assert_eq!(
+            files.memory_current().unwrap(),
+            cg.memory_current("c1").unwrap()
+        );
+    }
+
     /// A real leaf on the host's own hierarchy (v1 or v2, as detected): the parent and the leaf are created with
     /// their limits, a busy child moved in, frozen (its cpu time stops) and thawed, its usage read, and the leaf
     /// and the parent removed with the child still in it. On v2 this is the unified tree `sandboxd` runs on in
@@ -1412,36 +1419,7 @@ mod tests {
             // The busy loop charges cpu time to the leaf (its memory was charged before the move).
             let usage = cg.usage("c1").unwrap();
             assert!(usage.cpu_time_ns > 0, "{usage:?}");
-            // Through files opened once (a pooled container's): lowered, raised past where it began and lowered
-            // again, which the kernel refuses when the v1 memory and memory+swap writes come in the wrong order;
-            // the usage read again through the same descriptor moves on.
-            let files = LimitFiles::open(&cg, "c1").unwrap();
-            let memory = cg.leaf("memory", "c1").unwrap();
-            let limit = if cg.version == CgroupVersion::V1 {
-                "memory.limit_in_bytes"
-            } else {
-                "memory.max"
-            };
-            for (mb, max) in [(32u64, 16u64), (256, 64), (48, 8)] {
-                files
-                    .set(&CgroupLimits {
-                        memory_bytes: mb << 20,
-                        pids_max: max,
-                        cpu_quota: Some(CpuQuota::from_cores(1.5).unwrap()),
-                        ..LIMITS
-                    })
-                    .unwrap();
-                let read = |p: PathBuf| fs::read_to_string(p).unwrap().trim().to_owned();
-                assert_eq!(read(memory.join(limit)), (mb << 20).to_string());
-                assert_eq!(read(pids.join("pids.max")), max.to_string());
-            }
-            let first = files.cpu_time_ns().unwrap();
-            std::thread::sleep(Duration::from_millis(50));
-            assert!(
-                files.cpu_time_ns().unwrap() > first,
-                "the usage did not move"
-            );
-            assert!(files.cpu_time_ns().unwrap() <= cg.cpu_time_ns("c1").unwrap());
+            limit_files_write_and_read(&cg, &pids);
             // A frozen leaf with a live task in it is removed too (the task is killed).
             cg.freeze("c1").unwrap();
             cg.remove_leaf("c1").unwrap();

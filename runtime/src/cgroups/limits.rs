@@ -8,21 +8,107 @@
 //! the usage read at the end three.
 //!
 //! Written by hand: cgroups-rs's controllers open their file on each call, and libcgroups writes whole resource
-//! sets. The values written, their order and the files' absence are handled as [`super::Cgroups::set_limits`]
-//! always did, which is now [`LimitFiles::open`] followed by [`LimitFiles::set`].
+//! sets. The values are the ones cgroups-rs wrote, and the v1 memory and memory+swap limits keep their order; what
+//! does not depend on the request (v2 no swap, the v1 quota's period) is written once, when the files are opened.
+//! [`super::Cgroups::set_limits`] is the same code: the files opened, the limits written once.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{shares_to_weight, to_i64, CgroupLimits, CgroupVersion, Cgroups, Usage, CPU_PERIOD_US};
 use crate::error::{CgroupError, Error, Result};
+
+/// Resource usage of one execution, read from its cgroup after the program ended and before the cgroup is removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Usage {
+    /// High-water mark of memory charged to the cgroup, bytes.
+    pub peak_memory_bytes: u64,
+    /// CPU time of every process of the cgroup, nanoseconds.
+    pub cpu_time_ns: u64,
+    /// How many processes the kernel OOM killer killed in this cgroup.
+    pub oom_kills: u64,
+}
+
+/// The limits [`super::Cgroups::set_limits`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CgroupLimits {
+    /// Memory limit, and memory+swap limit (no swap), bytes.
+    pub memory_bytes: u64,
+    /// Maximum number of processes and threads.
+    pub pids_max: u64,
+    /// v1 `cpu.shares` (converted to `cpu.weight` on v2 as runc and libcgroups do).
+    pub cpu_shares: u64,
+    /// Hard CPU limit; `None` leaves the leaf's quota as it is (none in a new leaf).
+    pub cpu_quota: Option<CpuQuota>,
+}
+
+/// The CFS period every quota is written with: 100 ms, the kernel's default.
+pub const CPU_PERIOD_US: u64 = 100_000;
+
+/// A hard CPU limit: `quota_us` of CPU time in every [`CPU_PERIOD_US`] (v1 `cpu.cfs_quota_us` and
+/// `cpu.cfs_period_us`, v2 `cpu.max`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuQuota {
+    quota_us: u64,
+}
+
+impl CpuQuota {
+    /// The quota of `cores` (e.g. 0.5: 50 ms per 100 ms), rounded to the microsecond. Refuses anything under the
+    /// kernel's smallest quota, 1 ms per period (0.01 cores), rather than raising it.
+    pub fn from_cores(cores: f64) -> Result<Self, CgroupError> {
+        let quota = (cores * CPU_PERIOD_US as f64).round();
+        if !(quota.is_finite() && (1000.0..=i64::MAX as f64).contains(&quota)) {
+            return Err(CgroupError::InvalidQuota(cores));
+        }
+        Ok(Self {
+            quota_us: quota as u64,
+        })
+    }
+
+    /// Microseconds of CPU time per [`CPU_PERIOD_US`].
+    pub fn quota_us(self) -> u64 {
+        self.quota_us
+    }
+}
+
+/// The cgroup v2 `cpu.weight` for v1 `cpu.shares` (`[2, 262144]` onto `[1, 10000]`, runc's formula).
+pub fn shares_to_weight(shares: u64) -> u64 {
+    let shares = shares.clamp(2, 262_144);
+    1 + ((shares - 2) * 9999) / 262_142
+}
+
+/// A limit as cgroups-rs takes it (`i64`).
+pub(super) fn to_i64(what: &'static str, value: u64) -> Result<i64, CgroupError> {
+    i64::try_from(value).map_err(|_| CgroupError::InvalidLimit { what, value })
+}
+
+/// The value of `key` in `key value` lines, 0 when it is absent.
+pub(super) fn keyed(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            let mut it = l.split_whitespace();
+            (it.next() == Some(key)).then(|| it.next().and_then(|v| v.parse().ok()))?
+        })
+        .unwrap_or(0)
+}
+
+/// The leaf directories of a container that [`LimitFiles`] opens files in (v2: one directory for all).
+#[derive(Debug)]
+pub(super) struct LeafDirs {
+    /// The unified hierarchy.
+    pub v2: bool,
+    pub memory: PathBuf,
+    pub pids: PathBuf,
+    pub cpu: PathBuf,
+    /// Where the cpu usage is read (v1 `cpuacct`, v2 the leaf); `None`: the usage files are not opened.
+    pub usage: Option<PathBuf>,
+}
 
 /// The open limit and usage files of one container's cgroup.
 #[derive(Debug)]
 pub struct LimitFiles {
-    version: CgroupVersion,
+    v2: bool,
     /// v1 `memory.limit_in_bytes`, v2 `memory.max`.
     memory: Limit,
     /// v1 `memory.memsw.limit_in_bytes`, when the kernel accounts swap.
@@ -44,6 +130,8 @@ pub struct LimitFiles {
 struct UsageFiles {
     /// v1 `cpuacct.usage`, v2 `cpu.stat`.
     cpu: Reader,
+    /// v1 `memory.usage_in_bytes`, v2 `memory.current`.
+    current: Reader,
     /// v1 `memory.max_usage_in_bytes`, v2 `memory.peak` (absent before Linux 5.19: read as 0).
     peak: Option<Reader>,
     /// v1 `memory.oom_control`, v2 `memory.events`.
@@ -73,13 +161,18 @@ impl Reader {
         }
     }
 
-    /// The whole content (these files are short); an error once the cgroup is gone.
+    /// The whole content (these files are a few lines: `cpu.stat`, the longest, under 400 bytes); an error once
+    /// the cgroup is gone, or when the file fills the buffer (a kernel that writes more would be misread).
     fn read<T>(&self, parse: impl FnOnce(&str) -> T) -> Result<T> {
-        let mut buf = [0u8; 1024];
+        let mut buf = [0u8; 4096];
         let n = self
             .file
             .read_at(&mut buf, 0)
             .map_err(|e| Error::io(&self.path, e))?;
+        if n == buf.len() {
+            let long = std::io::Error::other("longer than 4096 bytes");
+            return Err(Error::io(&self.path, long));
+        }
         Ok(parse(std::str::from_utf8(&buf[..n]).unwrap_or("")))
     }
 }
@@ -99,6 +192,8 @@ struct Limit {
 }
 
 impl Limit {
+    /// Opens a file to write. `create` is for a test's fake tree of plain files, where the kernel's files are
+    /// not all made up front; on a cgroup filesystem a missing file cannot be created, and the open fails.
     fn open(path: PathBuf, create: bool) -> Result<Self, CgroupError> {
         let file = OpenOptions::new()
             .write(true)
@@ -111,6 +206,14 @@ impl Limit {
             })?;
         let plain = !is_cgroupfs(&file);
         Ok(Self { file, path, plain })
+    }
+
+    /// Opens `path` when it exists.
+    fn optional(path: PathBuf) -> Result<Option<Self>, CgroupError> {
+        match path.exists() {
+            true => Self::open(path, false).map(Some),
+            false => Ok(None),
+        }
     }
 
     fn write(&self, what: &'static str, value: &str) -> Result<(), CgroupError> {
@@ -139,57 +242,53 @@ fn is_cgroupfs(file: &File) -> bool {
 }
 
 impl LimitFiles {
-    /// Opens the limit and usage files of container `id`'s leaves, which must exist. What does not depend on a
-    /// request is written here: no swap (v2 `memory.swap.max` 0, when the kernel has it) and, on v1, the cpu
-    /// quota's period.
-    pub fn open(cgroups: &Cgroups, id: &str) -> Result<Self> {
-        Self::open_with(cgroups, id, true)
-    }
-
-    /// [`Self::open`]; the usage files only when `usage`.
-    pub(super) fn open_with(cgroups: &Cgroups, id: &str, usage: bool) -> Result<Self> {
-        const FOR: &str = "a container's limits";
-        let memory = cgroups.existing_leaf("memory", id, FOR)?;
-        let pids = cgroups.existing_leaf("pids", id, FOR)?;
-        let cpu = cgroups.existing_leaf("cpu", id, FOR)?;
-        let v1 = cgroups.version == CgroupVersion::V1;
-        let (memory_file, memsw_file) = if v1 {
-            ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
-        } else {
-            ("memory.max", "memory.swap.max")
+    /// Opens the limit files of a container's leaves, and its usage files when `dirs.usage` is given. What does not
+    /// depend on a request is written here: no swap (v2 `memory.swap.max` 0, when the kernel has it) and, on v1,
+    /// the cpu quota's period.
+    pub(super) fn open(dirs: LeafDirs) -> Result<Self> {
+        let LeafDirs {
+            v2,
+            memory,
+            pids,
+            cpu,
+            usage,
+        } = dirs;
+        let (memory_file, memsw_file) = match v2 {
+            false => ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"),
+            true => ("memory.max", "memory.swap.max"),
         };
         let memory_now = read_limit(&memory.join(memory_file));
-        let second = memory.join(memsw_file);
-        let second = match second.exists() {
-            false => None,
-            true => Some(Limit::open(second, false)?),
+        let second = Limit::optional(memory.join(memsw_file))?;
+        let (memsw, swap) = if v2 { (None, second) } else { (second, None) };
+        let (weight, quota) = match v2 {
+            false => ("cpu.shares", "cpu.cfs_quota_us"),
+            true => ("cpu.weight", "cpu.max"),
         };
-        let (memsw, swap) = if v1 { (second, None) } else { (None, second) };
-        let memory_limit = Limit::open(memory.join(memory_file), true)?;
-        let (weight, quota) = match v1 {
-            true => ("cpu.shares", "cpu.cfs_quota_us"),
-            false => ("cpu.weight", "cpu.max"),
-        };
-        let usage = match (usage, v1) {
-            (false, _) => None,
-            (true, true) => {
-                let acct = cgroups.existing_leaf("cpuacct", id, "usage accounting")?;
-                Some(UsageFiles {
-                    cpu: Reader::open(acct.join("cpuacct.usage"))?,
-                    peak: Reader::optional(memory.join("memory.max_usage_in_bytes"))?,
-                    oom: Reader::optional(memory.join("memory.oom_control"))?,
-                })
-            }
-            (true, false) => Some(UsageFiles {
-                cpu: Reader::open(cpu.join("cpu.stat"))?,
-                peak: Reader::optional(memory.join("memory.peak"))?,
-                oom: Reader::optional(memory.join("memory.events"))?,
+        let usage = match usage {
+            None => None,
+            Some(dir) => Some(UsageFiles {
+                cpu: Reader::open(dir.join(if v2 { "cpu.stat" } else { "cpuacct.usage" }))?,
+                current: Reader::open(memory.join(if v2 {
+                    "memory.current"
+                } else {
+                    "memory.usage_in_bytes"
+                }))?,
+                peak: Reader::optional(memory.join(if v2 {
+                    "memory.peak"
+                } else {
+                    "memory.max_usage_in_bytes"
+                }))?,
+                oom: Reader::optional(memory.join(if v2 {
+                    "memory.events"
+                } else {
+                    "memory.oom_control"
+                }))?,
             }),
         };
         let quota = cpu.join(quota);
         let files = Self {
-            version: cgroups.version,
-            memory: memory_limit,
+            v2,
+            memory: Limit::open(memory.join(memory_file), true)?,
             memsw,
             memory_now: AtomicU64::new(memory_now),
             pids: Limit::open(pids.join("pids.max"), true)?,
@@ -203,7 +302,7 @@ impl LimitFiles {
         if let Some(swap) = swap {
             swap.write("the memory limits", "0")?;
         }
-        if v1 && files.cpu_quota.is_ok() {
+        if !v2 && files.cpu_quota.is_ok() {
             Limit::open(cpu.join("cpu.cfs_period_us"), true)?
                 .write("a cpu quota", &CPU_PERIOD_US.to_string())?;
         }
@@ -233,9 +332,9 @@ impl LimitFiles {
         self.memory_now
             .store(limits.memory_bytes, Ordering::Relaxed);
         self.pids.write("the pids limit", &pids.to_string())?;
-        let weight = match self.version {
-            CgroupVersion::V1 => limits.cpu_shares,
-            CgroupVersion::V2 => shares_to_weight(limits.cpu_shares),
+        let weight = match self.v2 {
+            false => limits.cpu_shares,
+            true => shares_to_weight(limits.cpu_shares),
         };
         self.cpu_weight
             .write("the cpu weight", &weight.to_string())?;
@@ -246,34 +345,39 @@ impl LimitFiles {
                 path: path.clone(),
                 source: std::io::ErrorKind::NotFound.into(),
             })?;
-            let value = match self.version {
-                CgroupVersion::V1 => quota_us.to_string(),
-                CgroupVersion::V2 => format!("{quota_us} {CPU_PERIOD_US}"),
+            let value = match self.v2 {
+                false => quota_us.to_string(),
+                true => format!("{quota_us} {CPU_PERIOD_US}"),
             };
             file.write("a cpu quota", &value)?;
         }
         Ok(())
     }
 
-    /// The CPU time the cgroup has used so far, ns (as [`Cgroups::cpu_time_ns`] reads it).
+    /// The CPU time the cgroup has used so far, ns (as [`super::Cgroups::cpu_time_ns`] reads it).
     pub fn cpu_time_ns(&self) -> Result<u64> {
         let cpu = &self.usage_files()?.cpu;
-        match self.version {
-            CgroupVersion::V1 => cpu.read(number),
-            CgroupVersion::V2 => cpu.read(|t| super::keyed(t, "usage_usec").saturating_mul(1000)),
+        match self.v2 {
+            false => cpu.read(number),
+            true => cpu.read(|t| keyed(t, "usage_usec").saturating_mul(1000)),
         }
     }
 
-    /// The cgroup's usage, as [`Cgroups::usage`] reads it: a file the kernel lacks reads as 0, a cgroup removed
+    /// The cgroup's usage, as [`super::Cgroups::usage`] reads it: a file the kernel lacks reads as 0, a cgroup removed
     /// since the files were opened is an error.
     pub fn usage(&self) -> Result<Usage> {
         let files = self.usage_files()?;
-        let oom = |t: &str| super::keyed(t, "oom_kill");
+        let oom = |t: &str| keyed(t, "oom_kill");
         Ok(Usage {
             peak_memory_bytes: files.peak.as_ref().map_or(Ok(0), |r| r.read(number))?,
             cpu_time_ns: self.cpu_time_ns()?,
             oom_kills: files.oom.as_ref().map_or(Ok(0), |r| r.read(oom))?,
         })
+    }
+
+    /// Memory charged to the cgroup now, bytes.
+    pub fn memory_current(&self) -> Result<u64> {
+        self.usage_files()?.current.read(number)
     }
 
     fn usage_files(&self) -> Result<&UsageFiles, CgroupError> {

@@ -69,14 +69,9 @@ impl ContainerBackend for Arc<HelperBackend> {
                 .await
             {
                 Ok(created) => {
-                    // The limit files are opened here, off the launch's path (see `LimitFiles`).
-                    let (cgroups, cid) = (self.cgroups.clone(), plan.cid.to_owned());
-                    let files =
-                        tokio::task::spawn_blocking(move || LimitFiles::open(&cgroups, &cid))
-                            .await
-                            .map_err(CreateError::Panicked)
-                            .and_then(|r| r.map_err(CreateError::Prepare));
-                    match files {
+                    // The limit files are opened here, off the launch's path (see `LimitFiles`), with no await
+                    // between the helper's creation and the handle that removes the container: a few opens.
+                    match self.cgroups.limit_files(plan.cid) {
                         Ok(files) => Ok(Box::new(HelperContainer {
                             cid: plan.cid.to_owned(),
                             client,
@@ -87,7 +82,7 @@ impl ContainerBackend for Arc<HelperBackend> {
                         }) as Box<dyn ContainerHandle>),
                         Err(e) => {
                             remove((plan.cid.to_owned(), client, scratch, created)).await;
-                            Err(e)
+                            Err(CreateError::Prepare(e))
                         }
                     }
                 }
@@ -134,10 +129,11 @@ impl ContainerBackend for Arc<HelperBackend> {
 }
 
 /// The most code written on the execution's own task rather than on a blocking thread, when there are no input
-/// files: the limits (a write per open cgroup file, see `LimitFiles`) and a small code file take 100-150 µs on a
-/// 2-core machine, about what handing them to a blocking thread costs. Lowering the memory limit does not wait
-/// for long either: a pooled container holds a few MiB (a waiting interpreter gets no request under
-/// `crate::warm::MIN_MEMORY_MB`), and a limit below that is refused after the kernel's few reclaim passes over them.
+/// files and the request's memory limit is at least twice what the container holds: the limits (a write per open
+/// cgroup file, see `LimitFiles`) and a small code file take 100-150 µs on a 2-core machine, about what handing
+/// them to a blocking thread costs, and without a wait for a core when the pool's refills keep both busy. A limit
+/// closer to (or under) what the container holds could make the kernel reclaim, or on v2 run the OOM killer, in
+/// the write: that goes to a blocking thread.
 const INLINE_INPUTS: usize = 64 << 10;
 
 /// A container created by a helper.
@@ -175,7 +171,12 @@ impl ContainerHandle for HelperContainer {
         let inputs = self.scratch.inputs();
         let limit_files = self.limits.clone();
         let cpu_before = self.cpu_before_launch.clone();
-        let inline = files.is_empty() && code.len() <= INLINE_INPUTS;
+        // Inline only when the limit cannot make the kernel reclaim (or, on v2, kill) what the container holds.
+        let roomy = self
+            .limits
+            .memory_current()
+            .is_ok_and(|now| limits.memory_bytes >= now.saturating_mul(2));
+        let inline = roomy && files.is_empty() && code.len() <= INLINE_INPUTS;
         let queued = std::time::Instant::now();
         let work = move || {
             let started = std::time::Instant::now();
