@@ -54,7 +54,7 @@ use cgroups_rs::{CgroupPid, FreezerState};
 use crate::error::{Error, Result};
 
 pub use crate::error::CgroupError;
-use limits::{keyed, to_i64, LeafDirs};
+use limits::{keyed, to_i64, usage_names, LeafDirs};
 pub use limits::{shares_to_weight, CgroupLimits, CpuQuota, LimitFiles, Usage, CPU_PERIOD_US};
 
 mod limits;
@@ -404,39 +404,23 @@ impl Cgroups {
     /// does not exist is an error: the usage would be made up.
     pub fn usage(&self, id: &str) -> Result<Usage> {
         let memory = self.existing_leaf("memory", id, "usage accounting")?;
-        match self.version {
-            CgroupVersion::V1 => {
-                let cpu = self.leaf("cpuacct", id).ok_or(CgroupError::NoHierarchy {
-                    controller: "cpuacct",
-                    needed_for: "usage accounting",
-                })?;
-                Ok(Usage {
-                    peak_memory_bytes: read_u64(&memory.join("memory.max_usage_in_bytes")),
-                    cpu_time_ns: read_u64(&cpu.join("cpuacct.usage")),
-                    oom_kills: read_keyed(&memory.join("memory.oom_control"), "oom_kill"),
-                })
-            }
-            CgroupVersion::V2 => Ok(Usage {
-                peak_memory_bytes: read_u64(&memory.join("memory.peak")),
-                cpu_time_ns: read_keyed(&memory.join("cpu.stat"), "usage_usec")
-                    .saturating_mul(1000),
-                oom_kills: read_keyed(&memory.join("memory.events"), "oom_kill"),
-            }),
-        }
+        let names = usage_names(self.version == CgroupVersion::V2);
+        Ok(Usage {
+            peak_memory_bytes: read_u64(&memory.join(names.peak)),
+            cpu_time_ns: self.cpu_time_ns(id)?,
+            oom_kills: read_keyed(&memory.join(names.oom), "oom_kill"),
+        })
     }
 
     /// The CPU time an execution's cgroup has used so far, ns (what [`Self::usage`] reads as `cpu_time_ns`).
     pub fn cpu_time_ns(&self, id: &str) -> Result<u64> {
-        match self.version {
-            CgroupVersion::V1 => {
-                let cpu = self.existing_leaf("cpuacct", id, "usage accounting")?;
-                Ok(read_u64(&cpu.join("cpuacct.usage")))
-            }
-            CgroupVersion::V2 => {
-                let dir = self.existing_leaf("memory", id, "usage accounting")?;
-                Ok(read_keyed(&dir.join("cpu.stat"), "usage_usec").saturating_mul(1000))
-            }
-        }
+        let v2 = self.version == CgroupVersion::V2;
+        let dir = match v2 {
+            false => self.existing_leaf("cpuacct", id, "usage accounting")?,
+            true => self.existing_leaf("memory", id, "usage accounting")?,
+        };
+        let text = fs::read_to_string(dir.join(usage_names(v2).cpu)).unwrap_or_default();
+        Ok(limits::cpu_time_ns(v2, &text))
     }
 
     /// Sets the limits of a live container's cgroup: memory (and memory+swap, so no swap), pids, cpu weight and
@@ -587,10 +571,8 @@ impl Cgroups {
     /// Memory charged to a container's cgroup now, bytes (v1 `memory.usage_in_bytes`, v2 `memory.current`).
     pub fn memory_current(&self, id: &str) -> Result<u64> {
         let leaf = self.existing_leaf("memory", id, "memory accounting")?;
-        Ok(match self.version {
-            CgroupVersion::V1 => read_u64(&leaf.join("memory.usage_in_bytes")),
-            CgroupVersion::V2 => read_u64(&leaf.join("memory.current")),
-        })
+        let names = usage_names(self.version == CgroupVersion::V2);
+        Ok(read_u64(&leaf.join(names.current)))
     }
 
     /// The leaf directories of an execution that the direct start ([`crate::direct`]) creates: on v1 one per
@@ -831,12 +813,7 @@ fn remove_tree(dir: &Path) -> Result<Removed> {
 }
 
 fn is_cgroupfs(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path)
-        .map(|s| {
-            s.filesystem_type() == nix::sys::statfs::CGROUP_SUPER_MAGIC
-                || s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC
-        })
-        .unwrap_or(false)
+    nix::sys::statfs::statfs(path).is_ok_and(|s| limits::is_cgroup_fs(&s))
 }
 
 fn host_has_swap() -> bool {

@@ -93,6 +93,51 @@ pub(super) fn keyed(text: &str, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// The files a leaf's usage is read from, one set per hierarchy kind (shared by [`LimitFiles`] and the path-based
+/// reads of [`super::Cgroups`]).
+pub(super) struct UsageNames {
+    /// The cpu time (v1 in the `cpuacct` hierarchy, read with [`cpu_time_ns`]).
+    pub cpu: &'static str,
+    /// The memory charged now.
+    pub current: &'static str,
+    /// The memory's high-water mark (absent on v2 before Linux 5.19).
+    pub peak: &'static str,
+    /// The OOM kills (its `oom_kill` line).
+    pub oom: &'static str,
+}
+
+/// The usage files of a v1 (`false`) or v2 (`true`) leaf.
+pub(super) const fn usage_names(v2: bool) -> UsageNames {
+    match v2 {
+        false => UsageNames {
+            cpu: "cpuacct.usage",
+            current: "memory.usage_in_bytes",
+            peak: "memory.max_usage_in_bytes",
+            oom: "memory.oom_control",
+        },
+        true => UsageNames {
+            cpu: "cpu.stat",
+            current: "memory.current",
+            peak: "memory.peak",
+            oom: "memory.events",
+        },
+    }
+}
+
+/// The cpu time, ns, in the text of [`UsageNames::cpu`] (v1 a number of ns, v2 `usage_usec` among other lines).
+pub(super) fn cpu_time_ns(v2: bool, text: &str) -> u64 {
+    match v2 {
+        false => number(text),
+        true => keyed(text, "usage_usec").saturating_mul(1000),
+    }
+}
+
+/// Whether `statfs` says a cgroup filesystem (v1 or v2).
+pub(super) fn is_cgroup_fs(s: &nix::sys::statfs::Statfs) -> bool {
+    use nix::sys::statfs::{CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
+    s.filesystem_type() == CGROUP_SUPER_MAGIC || s.filesystem_type() == CGROUP2_SUPER_MAGIC
+}
+
 /// The leaf directories of a container that [`LimitFiles`] opens files in (v2: one directory for all).
 #[derive(Debug)]
 pub(super) struct LeafDirs {
@@ -178,7 +223,7 @@ impl Reader {
 }
 
 /// A number alone in a file, 0 when it does not parse.
-fn number(text: &str) -> u64 {
+pub(super) fn number(text: &str) -> u64 {
     text.trim().parse().unwrap_or(0)
 }
 
@@ -235,10 +280,7 @@ impl Limit {
 }
 
 fn is_cgroupfs(file: &File) -> bool {
-    use nix::sys::statfs::{fstatfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
-    fstatfs(file).is_ok_and(|s| {
-        s.filesystem_type() == CGROUP_SUPER_MAGIC || s.filesystem_type() == CGROUP2_SUPER_MAGIC
-    })
+    nix::sys::statfs::fstatfs(file).is_ok_and(|s| is_cgroup_fs(&s))
 }
 
 impl LimitFiles {
@@ -264,25 +306,14 @@ impl LimitFiles {
             false => ("cpu.shares", "cpu.cfs_quota_us"),
             true => ("cpu.weight", "cpu.max"),
         };
+        let names = usage_names(v2);
         let usage = match usage {
             None => None,
             Some(dir) => Some(UsageFiles {
-                cpu: Reader::open(dir.join(if v2 { "cpu.stat" } else { "cpuacct.usage" }))?,
-                current: Reader::open(memory.join(if v2 {
-                    "memory.current"
-                } else {
-                    "memory.usage_in_bytes"
-                }))?,
-                peak: Reader::optional(memory.join(if v2 {
-                    "memory.peak"
-                } else {
-                    "memory.max_usage_in_bytes"
-                }))?,
-                oom: Reader::optional(memory.join(if v2 {
-                    "memory.events"
-                } else {
-                    "memory.oom_control"
-                }))?,
+                cpu: Reader::open(dir.join(names.cpu))?,
+                current: Reader::open(memory.join(names.current))?,
+                peak: Reader::optional(memory.join(names.peak))?,
+                oom: Reader::optional(memory.join(names.oom))?,
             }),
         };
         let quota = cpu.join(quota);
@@ -356,11 +387,8 @@ impl LimitFiles {
 
     /// The CPU time the cgroup has used so far, ns (as [`super::Cgroups::cpu_time_ns`] reads it).
     pub fn cpu_time_ns(&self) -> Result<u64> {
-        let cpu = &self.usage_files()?.cpu;
-        match self.v2 {
-            false => cpu.read(number),
-            true => cpu.read(|t| keyed(t, "usage_usec").saturating_mul(1000)),
-        }
+        let v2 = self.v2;
+        self.usage_files()?.cpu.read(|t| cpu_time_ns(v2, t))
     }
 
     /// The cgroup's usage, as [`super::Cgroups::usage`] reads it: a file the kernel lacks reads as 0, a cgroup removed
