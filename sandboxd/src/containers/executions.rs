@@ -171,12 +171,14 @@ impl ContainerHandle for HelperContainer {
         let inputs = self.scratch.inputs();
         let limit_files = self.limits.clone();
         let cpu_before = self.cpu_before_launch.clone();
-        // Inline only when the limit cannot make the kernel reclaim (or, on v2, kill) what the container holds.
-        let roomy = self
-            .limits
-            .memory_current()
-            .is_ok_and(|now| limits.memory_bytes >= now.saturating_mul(2));
-        let inline = roomy && files.is_empty() && code.len() <= INLINE_INPUTS;
+        // Inline only when the limit cannot make the kernel reclaim (or, on v2, kill) what the container holds; the
+        // memory is read only when the inputs are small enough.
+        let inline = files.is_empty()
+            && code.len() <= INLINE_INPUTS
+            && self
+                .limits
+                .memory_current()
+                .is_ok_and(|now| limits.memory_bytes >= now.saturating_mul(2));
         let queued = std::time::Instant::now();
         let work = move || {
             let started = std::time::Instant::now();
