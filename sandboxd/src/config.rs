@@ -18,6 +18,9 @@ pub const DEFAULT_MAX_CONCURRENT: usize = 8;
 pub const DEFAULT_MAX_QUEUE: usize = 32;
 /// Default grace period for running executions at SIGTERM.
 pub const DEFAULT_SHUTDOWN_GRACE_MS: u64 = 10_000;
+/// How long, after the drain, the FSP connections have to write their last messages and close (a client that
+/// stopped reading would otherwise hold the shutdown). Not configurable.
+pub const CONNECTIONS_CLOSE: std::time::Duration = std::time::Duration::from_secs(5);
 /// Default largest accepted WebSocket message.
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 16 << 20;
 /// Default cgroup parent (relative to each hierarchy root).
@@ -738,10 +741,14 @@ mod tests {
                     .unwrap()
             )
         );
+        // The drain, then the connections' last messages, then 10 s for the rest of the exit (the helpers'
+        // removals are bounded by that).
         let grace_s = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+        let close_ms = CONNECTIONS_CLOSE.as_millis() as u64;
         assert!(
-            config.shutdown_grace_ms + 5_000 <= grace_s * 1000,
-            "shutdown_grace_ms {} leaves less than 5 s of the {grace_s} s grace period",
+            config.shutdown_grace_ms + close_ms + 10_000 <= grace_s * 1000,
+            "shutdown_grace_ms {} and {close_ms} ms for the connections leave less than 10 s of the {grace_s} s \
+             grace period",
             config.shutdown_grace_ms
         );
     }

@@ -34,7 +34,6 @@ use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -559,10 +558,11 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
     if let Ok(snapshots) = agents.snapshots() {
         engine.set_snapshots(snapshots.clone());
     }
+    let connections = server::Connections::default();
     let state = server::AppState {
         engine: engine.clone(),
         tokens: Arc::new(config.auth.tokens.clone()),
-        connections: Arc::new(AtomicU64::new(0)),
+        connections: connections.clone(),
         agents: agents.clone(),
     };
     let app = server::router(state).merge(metrics::router(engine.clone()));
@@ -616,6 +616,14 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
             left = engine.daemon().executions(),
             "executions did not clean up within 30 s of being killed"
         ),
+    }
+    // The executions' last messages are written, then each connection is closed with 1001.
+    info!("drained; closing the connections");
+    if !connections.close().await {
+        warn!(
+            "connections still open {:?} after the drain; dropping them",
+            crate::config::CONNECTIONS_CLOSE
+        );
     }
     server.abort();
     agents.shutdown().await;

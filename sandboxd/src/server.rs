@@ -4,6 +4,10 @@
 //! bounded, ordered queue, so a client that does not read slows its executions down instead of growing the
 //! daemon's memory; `pong` and refusals go through a separate queue the writer prefers, so a `ping` is answered
 //! while executions flood output.
+//!
+//! At shutdown, once the drain has ended the executions, [`Connections::close`] asks every connection to end: its
+//! writer sends what is still queued (the last results), then a close frame with 1001 (going away), and the daemon
+//! waits for that, bounded, before it exits.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,10 +23,13 @@ use protocol::{
     ClientMessage, ErrorCode, ErrorMessage, RequestError, ServerMessage, SUPPORTED_VERSIONS,
 };
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::auth::authorized;
 use crate::capacity::Admission;
+use crate::config::CONNECTIONS_CLOSE;
 use crate::engine::Engine;
 use crate::registry::Registry;
 
@@ -32,6 +39,28 @@ const EXEC_QUEUE: usize = 64;
 const PRIORITY_QUEUE: usize = 1024;
 /// WebSocket close code for a message over the size limit.
 const CLOSE_TOO_BIG: u16 = 1009;
+/// WebSocket close code when the daemon shuts down (going away).
+const CLOSE_GOING_AWAY: u16 = 1001;
+
+/// The open FSP connections: numbered for their log spans, and closed at shutdown once their messages are written.
+#[derive(Clone, Default)]
+pub struct Connections {
+    count: Arc<AtomicU64>,
+    open: TaskTracker,
+    going_away: CancellationToken,
+}
+
+impl Connections {
+    /// Asks every connection, open now or opened later, to end once its queued messages are written, and waits for
+    /// them at most [`CONNECTIONS_CLOSE`]. False when some were still open then.
+    pub async fn close(&self) -> bool {
+        self.open.close();
+        self.going_away.cancel();
+        tokio::time::timeout(CONNECTIONS_CLOSE, self.open.wait())
+            .await
+            .is_ok()
+    }
+}
 
 /// Shared state of the HTTP server.
 #[derive(Clone)]
@@ -40,8 +69,8 @@ pub struct AppState {
     pub engine: Arc<Engine>,
     /// Accepted tokens.
     pub tokens: Arc<Vec<String>>,
-    /// Connection counter (for log spans).
-    pub connections: Arc<AtomicU64>,
+    /// The open FSP connections.
+    pub connections: Connections,
     /// Agent sandboxes.
     pub agents: Arc<agents::Agents>,
 }
@@ -144,13 +173,19 @@ async fn ws(
         Err(rejection) => return rejection.into_response(),
     };
     let max = state.engine.daemon().config().max_frame_bytes;
-    let n = state.connections.fetch_add(1, Ordering::Relaxed);
+    let connections = state.connections.clone();
+    let n = connections.count.fetch_add(1, Ordering::Relaxed);
+    let open = connections.open.token();
     upgrade
         .max_message_size(max)
         .max_frame_size(max)
         .on_upgrade(move |socket| {
             let span = tracing::info_span!("connection", conn = n);
-            connection(state.engine, socket).instrument(span)
+            async move {
+                connection(state.engine, socket, connections.going_away).await;
+                drop(open);
+            }
+            .instrument(span)
         })
 }
 
@@ -160,12 +195,12 @@ enum Outgoing {
     Close(u16, &'static str),
 }
 
-async fn connection(engine: Arc<Engine>, socket: WebSocket) {
+async fn connection(engine: Arc<Engine>, socket: WebSocket, going_away: CancellationToken) {
     info!("connected");
     let (sink, mut stream) = socket.split();
     let (exec_tx, exec_rx) = mpsc::channel::<ServerMessage>(EXEC_QUEUE);
     let (prio_tx, prio_rx) = mpsc::channel::<Outgoing>(PRIORITY_QUEUE);
-    let writer = tokio::spawn(write(sink, prio_rx, exec_rx).in_current_span());
+    let writer = tokio::spawn(write(sink, prio_rx, exec_rx, going_away.clone()).in_current_span());
 
     let registry = Registry::default();
     let reply = |m: ServerMessage| {
@@ -175,16 +210,22 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
         }
         true
     };
-    while let Some(frame) = stream.next().await {
+    let shutdown = loop {
+        let frame = tokio::select! {
+            biased;
+            _ = going_away.cancelled() => break true,
+            frame = stream.next() => frame,
+        };
+        let Some(frame) = frame else { break false };
         let text = match frame {
             Ok(Message::Text(t)) => t,
             Ok(Message::Binary(_)) => {
                 if !reply(RequestError::binary_frame().into()) {
-                    break;
+                    break false;
                 }
                 continue;
             }
-            Ok(Message::Close(_)) => break,
+            Ok(Message::Close(_)) => break false,
             Ok(_) => continue,
             Err(e) => {
                 let too_big = std::error::Error::source(&e)
@@ -198,7 +239,7 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
                 } else {
                     debug!(error = %e, "connection error");
                 }
-                break;
+                break false;
             }
         };
         let keep = match protocol::parse_client_message(&text) {
@@ -218,14 +259,34 @@ async fn connection(engine: Arc<Engine>, socket: WebSocket) {
             },
         };
         if !keep {
-            break;
+            break false;
         }
-    }
+    };
     // Executions of this connection never outlive it.
     registry.disconnect();
     drop(exec_tx);
     drop(prio_tx);
-    let _ = writer.await;
+    // At shutdown the writer ends once it has written everything queued, and the close frame comes after that.
+    if let Ok(Some(mut sink)) = writer.await {
+        if shutdown {
+            let close = CloseFrame {
+                code: CLOSE_GOING_AWAY,
+                reason: "sandboxd is shutting down".into(),
+            };
+            if sink.send(Message::Close(Some(close))).await.is_ok() {
+                // Read on until the client's close (or its end): a socket closed with unread data resets the
+                // connection, and the last messages still in its send buffer would be lost.
+                let answered = async {
+                    while let Some(Ok(m)) = stream.next().await {
+                        if let Message::Close(_) = m {
+                            break;
+                        }
+                    }
+                };
+                let _ = tokio::time::timeout(CONNECTIONS_CLOSE, answered).await;
+            }
+        }
+    }
     info!("disconnected");
 }
 
@@ -235,11 +296,17 @@ const MAX_BATCH: usize = 64;
 /// The connection's writer: priority frames (pong, refusals, close) first, then the executions' messages. The
 /// messages already queued go out in one write (an execution's terminal status and result, say), so the client
 /// wakes once for them.
+///
+/// Once the connection ended (the priority queue closed), the executions' messages still queued are written only at
+/// shutdown (`going_away`: the drain has ended the executions, these are their last messages); after a client's
+/// disconnect they are dropped with the executions. Returns the sink unless a write failed, to close the
+/// connection after the last message at shutdown.
 async fn write(
     mut sink: futures_util::stream::SplitSink<WebSocket, Message>,
     mut prio_rx: mpsc::Receiver<Outgoing>,
     mut exec_rx: mpsc::Receiver<ServerMessage>,
-) {
+    going_away: CancellationToken,
+) -> Option<futures_util::stream::SplitSink<WebSocket, Message>> {
     let mut queued = 0usize;
     loop {
         let ready = match queued < MAX_BATCH {
@@ -254,13 +321,20 @@ async fn write(
             None => {
                 if queued > 0 {
                     if sink.flush().await.is_err() {
-                        break;
+                        return None;
                     }
                     queued = 0;
                 }
                 tokio::select! {
                     biased;
-                    m = prio_rx.recv() => match m { Some(m) => m, None => break },
+                    m = prio_rx.recv() => match m {
+                        Some(m) => m,
+                        None if going_away.is_cancelled() => match exec_rx.recv().await {
+                            Some(m) => Outgoing::Message(m),
+                            None => break,
+                        },
+                        None => break,
+                    },
                     m = exec_rx.recv() => match m { Some(m) => Outgoing::Message(m), None => break },
                 }
             }
@@ -283,11 +357,11 @@ async fn write(
             }
         };
         if sink.feed(frame).await.is_err() {
-            break;
+            return None;
         }
         queued += 1;
     }
-    let _ = sink.flush().await;
+    sink.flush().await.ok().map(|()| sink)
 }
 
 /// An `execute`: refused at once (`Some`: the message to reply with), or admitted and started in a task of its own.

@@ -9,10 +9,13 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use protocol::{ErrorCode, ExecStatus, Reason, ServerMessage};
+use serde_json::json;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::Message;
 
 use super::harness::{
     cannot_run, cgroup_children, cgroup_parent_dirs, children_of, exec_json, free_port, is,
-    privileged, proc_info, processes_with_arg, run_until_exit, unique_marker, wait_until,
+    privileged, proc_info, processes_with_arg, run_until_exit, unique_marker, wait_until, with,
     CgroupParentGuard, Client, Daemon, DaemonOpts, Launch, ProcInfo,
 };
 
@@ -49,7 +52,19 @@ async fn sigterm_lets_running_executions_finish_then_exits_0() {
     );
     assert_eq!(r.stdout_text(), "done\n");
     assert_eq!(r.result().exit_code, Some(0));
+    // After the result, the daemon closes the connection itself: 1001, going away.
+    assert_going_away(&mut c).await;
 
+    exits_0_after_sigterm(&mut d);
+    assert!(
+        cgroup_parent_dirs(&parent).is_empty(),
+        "the cgroup parent is removed at exit: {:?}",
+        cgroup_parent_dirs(&parent)
+    );
+}
+
+/// `d`, sent SIGTERM, exits with status 0 within 15 s.
+fn exits_0_after_sigterm(d: &mut Daemon) {
     let status = d
         .wait_exit(Duration::from_secs(15))
         .unwrap_or_else(|| panic!("sandboxd still runs 15 s after SIGTERM"));
@@ -58,11 +73,74 @@ async fn sigterm_lets_running_executions_finish_then_exits_0() {
         "exit status after SIGTERM: {status}\n{}",
         d.log()
     );
-    assert!(
-        cgroup_parent_dirs(&parent).is_empty(),
-        "the cgroup parent is removed at exit: {:?}",
-        cgroup_parent_dirs(&parent)
+}
+
+/// The next frame of `c` is a close frame with code 1001 (going away).
+async fn assert_going_away(c: &mut Client) {
+    match c.next_frame(Duration::from_secs(15)).await {
+        Some(Ok(Message::Close(Some(frame)))) => {
+            assert_eq!(frame.code, CloseCode::Away, "close code 1001: {frame:?}")
+        }
+        other => {
+            panic!("expected a close frame with code 1001 after the last message, got {other:?}")
+        }
+    }
+}
+
+#[tokio::test]
+async fn sigterm_writes_every_queued_message_before_the_daemon_exits() {
+    let Some(_g) = privileged("sigterm_writes_every_queued_message_before_the_daemon_exits").await
+    else {
+        return;
+    };
+    let mut d = Daemon::start(DaemonOpts {
+        shutdown_grace_ms: 10_000,
+        ..DaemonOpts::default()
+    })
+    .await;
+    // 6 MB of output: more than the socket buffers hold (about 4 MB on loopback) while the client does not read,
+    // and less than they and the connection's queue (64 messages of up to 64 KiB) hold together, so the execution
+    // ends, and the drain with it, while its last messages still wait in the daemon to be written.
+    const BYTES: usize = 6_000_000;
+    let mut c = Client::connect(&d).await;
+    c.send_json(&with(
+        exec_json(
+            "behind",
+            "shell",
+            &format!("sleep 0.5; head -c {BYTES} /dev/zero | tr '\\0' a"),
+            30_000,
+            64,
+        ),
+        json!({"limits": {"max_output_bytes": BYTES + 1}}),
+    ))
+    .await;
+    c.observe("running", is("behind", "status:running")).await;
+    d.signal(Signal::SIGTERM);
+    // The client reads nothing until the drain has ended: the program wrote its output and ended meanwhile, and
+    // its last messages wait in the daemon. (The daemon then gives the connections 5 s.)
+    wait_until("the drain to end", Duration::from_secs(20), || {
+        let log = d.log();
+        async move {
+            match log.contains("drained; closing the connections") {
+                true => Ok(()),
+                false => Err("not yet".to_owned()),
+            }
+        }
+    })
+    .await;
+
+    let r = c.collect("behind").await;
+    r.check_sequence();
+    assert_eq!(
+        r.terminal_status(),
+        Some(ExecStatus::Completed),
+        "{}",
+        r.dump()
     );
+    assert_eq!(r.stdout_text().len(), BYTES, "every stdout byte arrives");
+    assert_eq!(r.result().exit_code, Some(0));
+    assert_going_away(&mut c).await;
+    exits_0_after_sigterm(&mut d);
 }
 
 #[tokio::test]
@@ -94,7 +172,7 @@ async fn sigterm_kills_what_outlives_the_grace_period() {
     let terminal = loop {
         match c.next_frame(Duration::from_secs(20)).await {
             None => panic!("no terminal message within 20 s of SIGTERM; got {seen:?}"),
-            Some(Ok(tokio_tungstenite::tungstenite::Message::Text(t))) => {
+            Some(Ok(Message::Text(t))) => {
                 let (m, raw) = Client::parse(t.as_str());
                 if m.id() == Some("long") && m.is_terminal() {
                     break (m, raw);
@@ -111,14 +189,8 @@ async fn sigterm_kills_what_outlives_the_grace_period() {
         ServerMessage::Result(r) => assert_ne!(r.reason, Reason::Exited, "{}", terminal.1),
         _ => unreachable!(),
     }
-    let status = d
-        .wait_exit(Duration::from_secs(15))
-        .unwrap_or_else(|| panic!("sandboxd still runs 15 s after SIGTERM"));
-    assert!(
-        status.success(),
-        "exit status after SIGTERM: {status}\n{}",
-        d.log()
-    );
+    assert_going_away(&mut c).await;
+    exits_0_after_sigterm(&mut d);
     assert!(
         processes_with_arg(&marker).is_empty(),
         "the execution was killed"
