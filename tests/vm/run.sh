@@ -140,8 +140,10 @@ if [ "$qemu_rc" = 2 ]; then
   boot -accel tcg,thread=multi -cpu max
   qemu_rc=$?
   # An emulated guest's kernel has been seen to oops, and once to stall in early boot, under TCG on a busy host (not
-  # reproducible): one more boot.
-  if [ "$qemu_rc" = 3 ] || { [ "$qemu_rc" -ne 0 ] && grep -qE "Kernel panic|Oops" "$job/console.log" 2>/dev/null; }; then
+  # reproducible): one more boot. A guest whose kernel panicked does not finish (no `done`), but qemu exits 0 then
+  # (panic=-1 reboots, and -no-reboot turns the reboot into qemu's exit).
+  if [ "$qemu_rc" = 3 ] ||
+    { [ ! -f "$job/results/done" ] && grep -qE "Kernel panic|Oops" "$job/console.log" 2>/dev/null; }; then
     echo "vm $mode: the guest kernel failed under TCG ($(grep -m1 -E "Kernel panic|Oops" "$job/console.log" ||
       echo "stalled before its init")); booting once more"
     boot -accel tcg,thread=multi -cpu max
