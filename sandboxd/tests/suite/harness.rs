@@ -782,6 +782,18 @@ impl Collected {
         s
     }
 
+    /// Checks the order of the messages ([`check_sequence`](Self::check_sequence)) and that the program ran to
+    /// completion, with the whole exchange on failure.
+    pub fn check_completed(&self) {
+        self.check_sequence();
+        assert_eq!(
+            self.terminal_status(),
+            Some(ExecStatus::Completed),
+            "{}",
+            self.dump()
+        );
+    }
+
     /// Checks the order of spec section 5: `ack` once and first; `status:running` at most once, right after it;
     /// output only while running; exactly one terminal status, followed at once by `result`, the last message;
     /// or an `error` as the last message (alone when the request was refused).
@@ -1119,23 +1131,24 @@ impl Client {
 
     /// Sends `exec`, collects it to the end and checks the order of its messages.
     pub async fn run(&mut self, exec: Value) -> Collected {
-        let id = exec["id"].as_str().expect("execute has an id").to_owned();
-        self.send_json(&exec).await;
-        let c = self.collect(&id).await;
+        let c = self.send_and_collect(exec).await;
         c.check_sequence();
         c
     }
 
-    /// [`run`](Self::run), asserting that the program ran to completion (with the whole exchange on failure).
+    /// [`run`](Self::run), asserting that the program ran to completion (with the whole exchange on failure):
+    /// [`Collected::check_completed`].
     pub async fn run_completed(&mut self, exec: Value) -> Collected {
-        let r = self.run(exec).await;
-        assert_eq!(
-            r.terminal_status(),
-            Some(ExecStatus::Completed),
-            "{}",
-            r.dump()
-        );
-        r
+        let c = self.send_and_collect(exec).await;
+        c.check_completed();
+        c
+    }
+
+    /// Sends `exec` and collects it to the end.
+    async fn send_and_collect(&mut self, exec: Value) -> Collected {
+        let id = exec["id"].as_str().expect("execute has an id").to_owned();
+        self.send_json(&exec).await;
+        self.collect(&id).await
     }
 
     /// The connection is still usable: a `ping` gets its `pong`.

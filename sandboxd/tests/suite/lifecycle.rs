@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-use protocol::{ErrorCode, ExecStatus, Reason, ServerMessage};
+use protocol::{ErrorCode, Reason, ServerMessage};
 use serde_json::json;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message;
@@ -43,13 +43,7 @@ async fn sigterm_lets_running_executions_finish_then_exits_0() {
     d.signal(Signal::SIGTERM);
 
     let r = c.collect("drain").await;
-    r.check_sequence();
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
+    r.check_completed();
     assert_eq!(r.stdout_text(), "done\n");
     assert_eq!(r.result().exit_code, Some(0));
     // After the result, the daemon closes the connection itself: 1001, going away.
@@ -130,13 +124,7 @@ async fn sigterm_writes_every_queued_message_before_the_daemon_exits() {
     .await;
 
     let r = c.collect("behind").await;
-    r.check_sequence();
-    assert_eq!(
-        r.terminal_status(),
-        Some(ExecStatus::Completed),
-        "{}",
-        r.dump()
-    );
+    r.check_completed();
     assert_eq!(r.stdout_text().len(), BYTES, "every stdout byte arrives");
     assert_eq!(r.result().exit_code, Some(0));
     assert_going_away(&mut c).await;

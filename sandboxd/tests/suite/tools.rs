@@ -489,14 +489,8 @@ print("flood done")
             _ => collected.push(m, raw),
         }
     }
-    collected.check_sequence();
+    collected.check_completed();
     let out = collected.stdout_text();
-    assert_eq!(
-        collected.terminal_status(),
-        Some(protocol::ExecStatus::Completed),
-        "{}",
-        collected.dump()
-    );
     println!("flood: {answered} calls answered, {pings} pings, worst ping round trip {worst:?}");
     assert!(out.contains("flood done"), "{}", collected.dump());
     assert!(out.contains("endless line cut off"), "{}", collected.dump());
