@@ -10,7 +10,8 @@
 //! 2. the same daemon through a client that is not the project's own (`benches/plain_client.py`, Python
 //!    `websockets`), next to the Rust client's figures;
 //! 3. executions per second of shell `true` at 1, 4 and 16 in flight, warm and cold, with the pool's hits and
-//!    misses (a miss is the cold path taken because no ready container was there).
+//!    misses (a miss is the cold path taken because no ready container was there), against the bare spawn and the
+//!    same spawn in fresh namespaces of its own and nothing else (the floor of any container per execution).
 //!
 //! Needs root (the daemons create containers). Figures, not assertions: nothing here fails on a slow machine.
 
@@ -863,23 +864,101 @@ fn measure(rt: &tokio::runtime::Runtime, d: &Daemon, conc: usize, tag: &str) -> 
     }
 }
 
-/// Executions per second of a bare spawn of shell `true`, `conc` at once.
-fn bare_throughput(conc: usize, tmp: &Path) -> f64 {
+/// The namespaces every container gets: the direct start's `clone3` (user, mount, pid, ipc, uts, net), then the
+/// init's `unshare` of the cgroup namespace.
+const CONTAINER_NAMESPACES: libc::c_int = libc::CLONE_NEWUSER
+    | libc::CLONE_NEWNS
+    | libc::CLONE_NEWPID
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWUTS
+    | libc::CLONE_NEWNET;
+
+/// What the child of [`clone_spawn`] runs: null-terminated `argv` and `envp`, built before the clone.
+struct CloneExec {
+    path: *const libc::c_char,
+    argv: [*const libc::c_char; 3],
+    envp: [*const libc::c_char; 1],
+    cgroup_namespace: bool,
+}
+
+extern "C" fn clone_child(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `CloneExec` that `clone_spawn` passed, alive until this child's `execve` (the parent
+    // sleeps until then, CLONE_VFORK). The child shares the parent's memory (CLONE_VM), so it only makes system
+    // calls (unshare, execve, _exit), as glibc's posix_spawn child does; the C strings outlive the call.
+    unsafe {
+        let e = &*(arg as *const CloneExec);
+        if e.cgroup_namespace {
+            libc::unshare(libc::CLONE_NEWCGROUP);
+        }
+        libc::execve(e.path, e.argv.as_ptr(), e.envp.as_ptr());
+        libc::_exit(127)
+    }
+}
+
+/// `sh main.sh` cloned with `flags` the way posix_spawn clones (`CLONE_VM | CLONE_VFORK`, so the spawner's size
+/// does not count), and waited for. With [`CONTAINER_NAMESPACES`] it is the first process of fresh namespaces, the
+/// container's seven, and nothing else: no id maps, cgroups, mounts, `pivot_root`, capabilities dropped, landlock,
+/// seccomp, pool or protocol; what any design that gives each execution namespaces of its own pays at least, on
+/// this kernel. With 0 it is the same spawn without them, to compare the two alone.
+fn clone_spawn(flags: libc::c_int, exec: &CloneExec, stack: &mut [u128]) {
+    let top = stack.as_mut_ptr_range().end.cast::<libc::c_void>();
+    // SAFETY: `top` is the 16-byte aligned end of a stack the child uses until its execve, while this thread sleeps
+    // (CLONE_VFORK); `clone_child` only makes system calls on `exec`, which outlives the call.
+    let pid = unsafe {
+        libc::clone(
+            clone_child,
+            top,
+            flags | libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            exec as *const CloneExec as *mut libc::c_void,
+        )
+    };
+    assert!(pid > 0, "clone: {}", std::io::Error::last_os_error());
+    let mut status = 0;
+    // SAFETY: waits for the child just cloned; `status` is a valid int.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(
+        waited == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "sh cloned with flags {flags:#x}: status {status:#x}"
+    );
+}
+
+/// Executions per second of shell `true` at `conc` at once, as the bare spawn (`clone_flags: None`) or cloned with
+/// those flags ([`clone_spawn`]), and the host's CPU ms per execution (`/proc/stat`, all CPUs, 100 ms after the
+/// last one so the kernel's deferred network namespace tear-down is counted).
+fn spawn_throughput(conc: usize, tmp: &Path, clone_flags: Option<libc::c_int>) -> (f64, f64) {
+    let before = HostCpu::now();
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for w in 0..conc {
             let dir = tmp.join(format!("w{w}"));
             std::fs::create_dir_all(&dir).unwrap();
             s.spawn(move || {
+                let file = dir.join("main.sh");
+                std::fs::write(&file, "true\n").unwrap();
+                let sh = c"/bin/sh";
+                let path = std::ffi::CString::new(file.as_os_str().as_encoded_bytes()).unwrap();
+                let exec = CloneExec {
+                    path: sh.as_ptr(),
+                    argv: [sh.as_ptr(), path.as_ptr(), std::ptr::null()],
+                    envp: [std::ptr::null()],
+                    cgroup_namespace: clone_flags.is_some_and(|f| f != 0),
+                };
+                let mut stack = vec![0u128; 4096];
                 let mut i = w;
                 while i < THROUGHPUT_RUNS {
-                    bare("/bin/sh", "sh", "true\n", &dir);
+                    match clone_flags {
+                        Some(flags) => clone_spawn(flags, &exec, &mut stack),
+                        None => _ = bare("/bin/sh", "sh", "true\n", &dir),
+                    }
                     i += conc;
                 }
             });
         }
     });
-    THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64()
+    let per_s = THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(100));
+    let cpu_ms = HostCpu::now().busy_ms_since(&before) / THROUGHPUT_RUNS as f64;
+    (per_s, cpu_ms)
 }
 
 /// Warm, cold, the baseline binary's warm daemon when there is one, and a bare spawn, interleaved per row.
@@ -901,7 +980,7 @@ fn throughput(
          2 cores give at most 2000 / (CPU ms/exec) exec/s)"
     );
     println!(
-        "{:<12} {:>12} {:>12} {:>12} {:>14} {:>12} {:>14} {:>14} {:>10}",
+        "{:<12} {:>12} {:>12} {:>12} {:>14} {:>12} {:>14} {:>14} {:>10} {:>12} {:>12} {:>10} {:>12} {:>10} {:>12}",
         "in flight",
         "warm exec/s",
         "cold exec/s",
@@ -910,7 +989,13 @@ fn throughput(
         "hits/misses",
         "warm CPU ms",
         "cold CPU ms",
-        "warm idle"
+        "warm idle",
+        "ns exec/s",
+        "ns / bare",
+        "raw exec/s",
+        "ns / raw",
+        "raw CPU ms",
+        "ns CPU ms"
     );
     let mut base_rows = Vec::new();
     let mut lc_rows = Vec::new();
@@ -928,9 +1013,11 @@ fn throughput(
             base_rows.push((conc, measure(rt, base, conc, "b")));
         }
         let c = measure(rt, cold, conc, "c");
-        let b = bare_throughput(conc, tmp);
+        let (b, _) = spawn_throughput(conc, tmp, None);
+        let (ns, ns_cpu) = spawn_throughput(conc, tmp, Some(CONTAINER_NAMESPACES));
+        let (raw, raw_cpu) = spawn_throughput(conc, tmp, Some(0));
         println!(
-            "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>14} {:>14} {:>9.0}%",
+            "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>14} {:>14} {:>9.0}% {:>12.1} {:>12.2} {:>10.1} {:>12.2} {:>10.2} {:>12.2}",
             conc,
             w.per_s,
             c.per_s,
@@ -939,9 +1026,21 @@ fn throughput(
             format!("{}/{}", w.hits, w.misses),
             w.cpu_ms_per_exec(),
             c.cpu_ms_per_exec(),
-            w.idle * 100.0
+            w.idle * 100.0,
+            ns,
+            ns / b,
+            raw,
+            ns / raw,
+            raw_cpu,
+            ns_cpu
         );
     }
+    println!(
+        "ns: the bare spawn's `sh main.sh` as the first process of fresh user, mount, pid, ipc, uts, net and cgroup \
+         namespaces, nothing else (what any execution with namespaces of its own pays at least); raw: the same \
+         clone without the namespaces; their CPU ms: the whole host's (/proc/stat), the kernel's deferred \
+         namespace tear-down included"
+    );
     if libcontainer.is_some() {
         println!("the same warm pool with `sandbox.start: libcontainer`, measured right after each warm run:");
     } else {
@@ -994,6 +1093,14 @@ impl HostCpu {
             idle,
             total: fields.iter().take(8).sum(),
         }
+    }
+
+    /// CPU time (all CPUs, not idle) spent since `before`, in ms.
+    fn busy_ms_since(&self, before: &HostCpu) -> f64 {
+        let busy = |c: &HostCpu| c.total.saturating_sub(c.idle);
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+        busy(self).saturating_sub(busy(before)) as f64 * 1000.0 / hz
     }
 
     /// The fraction of CPU time spent idle since `before`.
