@@ -10,8 +10,9 @@
 //! 2. the same daemon through a client that is not the project's own (`benches/plain_client.py`, Python
 //!    `websockets`), next to the Rust client's figures;
 //! 3. executions per second of shell `true` at 1, 4 and 16 in flight, warm and cold, with the pool's hits and
-//!    misses (a miss is the cold path taken because no ready container was there), against the bare spawn and the
-//!    same spawn in fresh namespaces of its own and nothing else (the floor of any container per execution).
+//!    misses (a miss is the cold path taken because no ready container was there), against the bare spawn;
+//! 4. the floor of a container per execution: the same spawn in fresh namespaces of its own, then with the seccomp
+//!    filters, then with a cgroup leaf too, and nothing else.
 //!
 //! Needs root (the daemons create containers). Figures, not assertions: nothing here fails on a slow machine.
 
@@ -873,12 +874,54 @@ const CONTAINER_NAMESPACES: libc::c_int = libc::CLONE_NEWUSER
     | libc::CLONE_NEWUTS
     | libc::CLONE_NEWNET;
 
-/// What the child of [`clone_spawn`] runs: null-terminated `argv` and `envp`, built before the clone.
+/// What the child of [`clone_spawn`] does before its `execve`, all prepared before the clone: join the cgroup
+/// leaves (`cgroup.procs` paths), unshare the cgroup namespace, install the seccomp filters.
 struct CloneExec {
     path: *const libc::c_char,
     argv: [*const libc::c_char; 3],
     envp: [*const libc::c_char; 1],
     cgroup_namespace: bool,
+    join: Vec<std::ffi::CString>,
+    filters: Vec<libc::sock_fprog>,
+}
+
+/// The layers the floor table's `ns+sc` and `ns+sc+cg` columns add to the namespaces: the daemon's seccomp profile
+/// installed, and a cgroup leaf per execution made, limited, joined and removed by the runtime's own code (as the
+/// daemon's direct start does).
+struct Layers {
+    cgroups: runtime::cgroups::Cgroups,
+    profile: runtime::seccomp::Profile,
+}
+
+impl Layers {
+    fn new() -> Self {
+        let parent = format!("sandboxd-bench-{}-floor", std::process::id());
+        let cgroups =
+            runtime::cgroups::Cgroups::detect(Path::new("/sys/fs/cgroup"), &parent).unwrap();
+        cgroups.ensure_parent().unwrap();
+        let (text, arch) = runtime::seccomp::native_profile().unwrap();
+        let profile = runtime::seccomp::compile(text, arch).unwrap();
+        Self { cgroups, profile }
+    }
+
+    /// The filters as the kernel takes them, allowlist first (as the container's init installs them).
+    fn filters(&self) -> Vec<libc::sock_fprog> {
+        [&self.profile.allow, &self.profile.deny]
+            .into_iter()
+            .map(|prog| libc::sock_fprog {
+                len: u16::try_from(prog.len()).unwrap(),
+                filter: prog.as_ptr() as *mut libc::sock_filter,
+            })
+            .collect()
+    }
+}
+
+impl Drop for Layers {
+    fn drop(&mut self) {
+        if let Err(e) = self.cgroups.remove_parent() {
+            eprintln!("cannot remove the floor's cgroup parent: {e}");
+        }
+    }
 }
 
 extern "C" fn clone_child(arg: *mut libc::c_void) -> libc::c_int {
@@ -887,8 +930,29 @@ extern "C" fn clone_child(arg: *mut libc::c_void) -> libc::c_int {
     // calls (unshare, execve, _exit), as glibc's posix_spawn child does; the C strings outlive the call.
     unsafe {
         let e = &*(arg as *const CloneExec);
+        for procs in &e.join {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                libc::_exit(125);
+            }
+            libc::close(fd);
+        }
         if e.cgroup_namespace {
             libc::unshare(libc::CLONE_NEWCGROUP);
+        }
+        if !e.filters.is_empty() && libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+            libc::_exit(126);
+        }
+        for f in &e.filters {
+            let rc = libc::syscall(
+                libc::SYS_seccomp,
+                libc::SECCOMP_SET_MODE_FILTER,
+                0,
+                f as *const libc::sock_fprog,
+            );
+            if rc != 0 {
+                libc::_exit(126);
+            }
         }
         libc::execve(e.path, e.argv.as_ptr(), e.envp.as_ptr());
         libc::_exit(127)
@@ -922,33 +986,76 @@ fn clone_spawn(flags: libc::c_int, exec: &CloneExec, stack: &mut [u128]) {
     );
 }
 
-/// Executions per second of shell `true` at `conc` at once, as the bare spawn (`clone_flags: None`) or cloned with
-/// those flags ([`clone_spawn`]), and the host's CPU ms per execution (`/proc/stat`, all CPUs, 100 ms after the
-/// last one so the kernel's deferred network namespace tear-down is counted).
-fn spawn_throughput(conc: usize, tmp: &Path, clone_flags: Option<libc::c_int>) -> (f64, f64) {
+/// How [`spawn_throughput`] starts each `sh main.sh`.
+#[derive(Clone, Copy)]
+enum Spawn<'a> {
+    /// The bare spawn column's [`bare`].
+    Bare,
+    /// [`clone_spawn`] with these flags (0: none).
+    Clone(libc::c_int),
+    /// [`clone_spawn`] in the container's namespaces with the [`Layers`]' seccomp filters, and with their cgroup
+    /// leaf when `true`.
+    Layered(&'a Layers, bool),
+}
+
+/// Executions per second of shell `true` at `conc` at once, started as `spawn` says, and the host's CPU ms per
+/// execution (`/proc/stat`, all CPUs, 100 ms after the last one so the kernel's deferred network namespace
+/// tear-down is counted).
+fn spawn_throughput(conc: usize, tmp: &Path, spawn: Spawn) -> (f64, f64) {
+    let limits = runtime::cgroups::CgroupLimits {
+        memory_bytes: 256 << 20,
+        pids_max: 64,
+        cpu_shares: 1024,
+        cpu_quota: None,
+    };
     let before = HostCpu::now();
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for w in 0..conc {
             let dir = tmp.join(format!("w{w}"));
             std::fs::create_dir_all(&dir).unwrap();
+            let limits = &limits;
             s.spawn(move || {
                 let file = dir.join("main.sh");
                 std::fs::write(&file, "true\n").unwrap();
                 let sh = c"/bin/sh";
                 let path = std::ffi::CString::new(file.as_os_str().as_encoded_bytes()).unwrap();
-                let exec = CloneExec {
+                let mut exec = CloneExec {
                     path: sh.as_ptr(),
                     argv: [sh.as_ptr(), path.as_ptr(), std::ptr::null()],
                     envp: [std::ptr::null()],
-                    cgroup_namespace: clone_flags.is_some_and(|f| f != 0),
+                    cgroup_namespace: !matches!(spawn, Spawn::Clone(0)),
+                    join: Vec::new(),
+                    filters: Vec::new(),
                 };
                 let mut stack = vec![0u128; 4096];
                 let mut i = w;
                 while i < THROUGHPUT_RUNS {
-                    match clone_flags {
-                        Some(flags) => clone_spawn(flags, &exec, &mut stack),
-                        None => _ = bare("/bin/sh", "sh", "true\n", &dir),
+                    match spawn {
+                        Spawn::Bare => _ = bare("/bin/sh", "sh", "true\n", &dir),
+                        Spawn::Clone(flags) => clone_spawn(flags, &exec, &mut stack),
+                        Spawn::Layered(layers, false) => {
+                            exec.filters = layers.filters();
+                            clone_spawn(CONTAINER_NAMESPACES, &exec, &mut stack);
+                        }
+                        Spawn::Layered(layers, true) => {
+                            let id = format!("floor-{w}-{i}");
+                            layers.cgroups.create_leaf(&id, limits).unwrap();
+                            exec.join = layers
+                                .cgroups
+                                .joined_leaves(&id)
+                                .unwrap()
+                                .iter()
+                                .map(|leaf| {
+                                    let procs = leaf.join("cgroup.procs");
+                                    std::ffi::CString::new(procs.as_os_str().as_encoded_bytes())
+                                        .unwrap()
+                                })
+                                .collect();
+                            exec.filters = layers.filters();
+                            clone_spawn(CONTAINER_NAMESPACES, &exec, &mut stack);
+                            layers.cgroups.remove_leaf(&id).unwrap();
+                        }
                     }
                     i += conc;
                 }
@@ -980,7 +1087,7 @@ fn throughput(
          2 cores give at most 2000 / (CPU ms/exec) exec/s)"
     );
     println!(
-        "{:<12} {:>12} {:>12} {:>12} {:>14} {:>12} {:>14} {:>14} {:>10} {:>12} {:>12} {:>10} {:>12} {:>10} {:>12}",
+        "{:<12} {:>12} {:>12} {:>12} {:>14} {:>12} {:>14} {:>14} {:>10}",
         "in flight",
         "warm exec/s",
         "cold exec/s",
@@ -989,14 +1096,10 @@ fn throughput(
         "hits/misses",
         "warm CPU ms",
         "cold CPU ms",
-        "warm idle",
-        "ns exec/s",
-        "ns / bare",
-        "raw exec/s",
-        "ns / raw",
-        "raw CPU ms",
-        "ns CPU ms"
+        "warm idle"
     );
+    let layers = Layers::new();
+    let mut floor_rows = Vec::new();
     let mut base_rows = Vec::new();
     let mut lc_rows = Vec::new();
     for conc in [1usize, 4, 16] {
@@ -1013,11 +1116,14 @@ fn throughput(
             base_rows.push((conc, measure(rt, base, conc, "b")));
         }
         let c = measure(rt, cold, conc, "c");
-        let (b, _) = spawn_throughput(conc, tmp, None);
-        let (ns, ns_cpu) = spawn_throughput(conc, tmp, Some(CONTAINER_NAMESPACES));
-        let (raw, raw_cpu) = spawn_throughput(conc, tmp, Some(0));
+        let (b, _) = spawn_throughput(conc, tmp, Spawn::Bare);
+        let raw = spawn_throughput(conc, tmp, Spawn::Clone(0));
+        let ns = spawn_throughput(conc, tmp, Spawn::Clone(CONTAINER_NAMESPACES));
+        let filtered = spawn_throughput(conc, tmp, Spawn::Layered(&layers, false));
+        let layered = spawn_throughput(conc, tmp, Spawn::Layered(&layers, true));
+        floor_rows.push((conc, w.per_s, b, [raw, ns, filtered, layered]));
         println!(
-            "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>14} {:>14} {:>9.0}% {:>12.1} {:>12.2} {:>10.1} {:>12.2} {:>10.2} {:>12.2}",
+            "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>14} {:>14} {:>9.0}%",
             conc,
             w.per_s,
             c.per_s,
@@ -1026,21 +1132,32 @@ fn throughput(
             format!("{}/{}", w.hits, w.misses),
             w.cpu_ms_per_exec(),
             c.cpu_ms_per_exec(),
-            w.idle * 100.0,
-            ns,
-            ns / b,
-            raw,
-            ns / raw,
-            raw_cpu,
-            ns_cpu
+            w.idle * 100.0
         );
     }
+    println!();
     println!(
-        "ns: the bare spawn's `sh main.sh` as the first process of fresh user, mount, pid, ipc, uts, net and cgroup \
-         namespaces, nothing else (what any execution with namespaces of its own pays at least); raw: the same \
-         clone without the namespaces; their CPU ms: the whole host's (/proc/stat), the kernel's deferred \
-         namespace tear-down included"
+        "the floor, measured after each row above, exec/s (CPU ms/exec of the whole host, /proc/stat, the kernel's \
+         deferred namespace tear-down included) and / bare: `sh main.sh` cloned as posix_spawn does (raw); as the \
+         first process of fresh user, mount, pid, ipc, uts, net and cgroup namespaces and nothing else (ns); there \
+         with the daemon's seccomp filters installed (+sc); and with a cgroup leaf too, made, limited, joined and \
+         removed by the runtime's code (+sc+cg); bare and warm as above"
     );
+    println!(
+        "{:<12} {:>20} {:>20} {:>20} {:>20} {:>10} {:>10}",
+        "in flight", "raw", "ns", "ns+sc", "ns+sc+cg", "bare", "warm"
+    );
+    for (conc, warm_per_s, b, ladder) in floor_rows {
+        let cells: Vec<String> = ladder
+            .iter()
+            .map(|(per_s, cpu)| format!("{per_s:.1} ({cpu:.2}) {:.2}", per_s / b))
+            .collect();
+        println!(
+            "{:<12} {:>20} {:>20} {:>20} {:>20} {:>10.1} {:>10.1}",
+            conc, cells[0], cells[1], cells[2], cells[3], b, warm_per_s
+        );
+    }
+    drop(layers);
     if libcontainer.is_some() {
         println!("the same warm pool with `sandbox.start: libcontainer`, measured right after each warm run:");
     } else {
