@@ -19,6 +19,7 @@
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+mod floor;
 mod warm;
 
 use std::io::Read;
@@ -865,210 +866,61 @@ fn measure(rt: &tokio::runtime::Runtime, d: &Daemon, conc: usize, tag: &str) -> 
     }
 }
 
-/// The namespaces every container gets: the direct start's `clone3` (user, mount, pid, ipc, uts, net), then the
-/// init's `unshare` of the cgroup namespace.
-const CONTAINER_NAMESPACES: libc::c_int = libc::CLONE_NEWUSER
-    | libc::CLONE_NEWNS
-    | libc::CLONE_NEWPID
-    | libc::CLONE_NEWIPC
-    | libc::CLONE_NEWUTS
-    | libc::CLONE_NEWNET;
-
-/// What the child of [`clone_spawn`] does before its `execve`, all prepared before the clone: join the cgroup
-/// leaves (`cgroup.procs` paths), unshare the cgroup namespace, install the seccomp filters.
-struct CloneExec {
-    path: *const libc::c_char,
-    argv: [*const libc::c_char; 3],
-    envp: [*const libc::c_char; 1],
-    cgroup_namespace: bool,
-    join: Vec<std::ffi::CString>,
-    filters: Vec<libc::sock_fprog>,
-}
-
-/// The layers the floor table's `ns+sc` and `ns+sc+cg` columns add to the namespaces: the daemon's seccomp profile
-/// installed, and a cgroup leaf per execution made, limited, joined and removed by the runtime's own code (as the
-/// daemon's direct start does).
-struct Layers {
-    cgroups: runtime::cgroups::Cgroups,
-    profile: runtime::seccomp::Profile,
-}
-
-impl Layers {
-    fn new() -> Self {
-        let parent = format!("sandboxd-bench-{}-floor", std::process::id());
-        let cgroups =
-            runtime::cgroups::Cgroups::detect(Path::new("/sys/fs/cgroup"), &parent).unwrap();
-        cgroups.ensure_parent().unwrap();
-        let (text, arch) = runtime::seccomp::native_profile().unwrap();
-        let profile = runtime::seccomp::compile(text, arch).unwrap();
-        Self { cgroups, profile }
-    }
-
-    /// The filters as the kernel takes them, allowlist first (as the container's init installs them).
-    fn filters(&self) -> Vec<libc::sock_fprog> {
-        [&self.profile.allow, &self.profile.deny]
-            .into_iter()
-            .map(|prog| libc::sock_fprog {
-                len: u16::try_from(prog.len()).unwrap(),
-                filter: prog.as_ptr() as *mut libc::sock_filter,
-            })
-            .collect()
-    }
-}
-
-impl Drop for Layers {
-    fn drop(&mut self) {
-        if let Err(e) = self.cgroups.remove_parent() {
-            eprintln!("cannot remove the floor's cgroup parent: {e}");
-        }
-    }
-}
-
-extern "C" fn clone_child(arg: *mut libc::c_void) -> libc::c_int {
-    // SAFETY: `arg` is the `CloneExec` that `clone_spawn` passed, alive until this child's `execve` (the parent
-    // sleeps until then, CLONE_VFORK). The child shares the parent's memory (CLONE_VM), so it only makes system
-    // calls (unshare, execve, _exit), as glibc's posix_spawn child does; the C strings outlive the call.
-    unsafe {
-        let e = &*(arg as *const CloneExec);
-        for procs in &e.join {
-            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-            if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
-                libc::_exit(125);
-            }
-            libc::close(fd);
-        }
-        if e.cgroup_namespace {
-            libc::unshare(libc::CLONE_NEWCGROUP);
-        }
-        if !e.filters.is_empty() && libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
-            libc::_exit(126);
-        }
-        for f in &e.filters {
-            let rc = libc::syscall(
-                libc::SYS_seccomp,
-                libc::SECCOMP_SET_MODE_FILTER,
-                0,
-                f as *const libc::sock_fprog,
-            );
-            if rc != 0 {
-                libc::_exit(126);
-            }
-        }
-        libc::execve(e.path, e.argv.as_ptr(), e.envp.as_ptr());
-        libc::_exit(127)
-    }
-}
-
-/// `sh main.sh` cloned with `flags` the way posix_spawn clones (`CLONE_VM | CLONE_VFORK`, so the spawner's size
-/// does not count), and waited for. With [`CONTAINER_NAMESPACES`] it is the first process of fresh namespaces, the
-/// container's seven, and nothing else: no id maps, cgroups, mounts, `pivot_root`, capabilities dropped, landlock,
-/// seccomp, pool or protocol; what any design that gives each execution namespaces of its own pays at least, on
-/// this kernel. With 0 it is the same spawn without them, to compare the two alone.
-fn clone_spawn(flags: libc::c_int, exec: &CloneExec, stack: &mut [u128]) {
-    let top = stack.as_mut_ptr_range().end.cast::<libc::c_void>();
-    // SAFETY: `top` is the 16-byte aligned end of a stack the child uses until its execve, while this thread sleeps
-    // (CLONE_VFORK); `clone_child` only makes system calls on `exec`, which outlives the call.
-    let pid = unsafe {
-        libc::clone(
-            clone_child,
-            top,
-            flags | libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            exec as *const CloneExec as *mut libc::c_void,
-        )
-    };
-    assert!(pid > 0, "clone: {}", std::io::Error::last_os_error());
-    let mut status = 0;
-    // SAFETY: waits for the child just cloned; `status` is a valid int.
-    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
-    assert!(
-        waited == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "sh cloned with flags {flags:#x}: status {status:#x}"
-    );
-}
-
-/// How [`spawn_throughput`] starts each `sh main.sh`.
-#[derive(Clone, Copy)]
-enum Spawn<'a> {
-    /// The bare spawn column's [`bare`].
-    Bare,
-    /// [`clone_spawn`] with these flags (0: none).
-    Clone(libc::c_int),
-    /// [`clone_spawn`] in the container's namespaces with the [`Layers`]' seccomp filters, and with their cgroup
-    /// leaf when `true`.
-    Layered(&'a Layers, bool),
-}
-
-/// Executions per second of shell `true` at `conc` at once, started as `spawn` says, and the host's CPU ms per
-/// execution (`/proc/stat`, all CPUs, 100 ms after the last one so the kernel's deferred network namespace
-/// tear-down is counted).
-fn spawn_throughput(conc: usize, tmp: &Path, spawn: Spawn) -> (f64, f64) {
-    let limits = runtime::cgroups::CgroupLimits {
-        memory_bytes: 256 << 20,
-        pids_max: 64,
-        cpu_shares: 1024,
-        cpu_quota: None,
-    };
-    let before = HostCpu::now();
+/// Executions per second of a bare spawn of shell `true`, `conc` at once.
+fn bare_throughput(conc: usize, tmp: &Path) -> f64 {
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for w in 0..conc {
             let dir = tmp.join(format!("w{w}"));
             std::fs::create_dir_all(&dir).unwrap();
-            let limits = &limits;
             s.spawn(move || {
-                let file = dir.join("main.sh");
-                std::fs::write(&file, "true\n").unwrap();
-                let sh = c"/bin/sh";
-                let path = std::ffi::CString::new(file.as_os_str().as_encoded_bytes()).unwrap();
-                let mut exec = CloneExec {
-                    path: sh.as_ptr(),
-                    argv: [sh.as_ptr(), path.as_ptr(), std::ptr::null()],
-                    envp: [std::ptr::null()],
-                    cgroup_namespace: !matches!(spawn, Spawn::Clone(0)),
-                    join: Vec::new(),
-                    filters: Vec::new(),
-                };
-                let mut stack = vec![0u128; 4096];
-                let mut i = w;
-                while i < THROUGHPUT_RUNS {
-                    match spawn {
-                        Spawn::Bare => _ = bare("/bin/sh", "sh", "true\n", &dir),
-                        Spawn::Clone(flags) => clone_spawn(flags, &exec, &mut stack),
-                        Spawn::Layered(layers, false) => {
-                            exec.filters = layers.filters();
-                            clone_spawn(CONTAINER_NAMESPACES, &exec, &mut stack);
-                        }
-                        Spawn::Layered(layers, true) => {
-                            let id = format!("floor-{w}-{i}");
-                            layers.cgroups.create_leaf(&id, limits).unwrap();
-                            exec.join = layers
-                                .cgroups
-                                .joined_leaves(&id)
-                                .unwrap()
-                                .iter()
-                                .map(|leaf| {
-                                    let procs = leaf.join("cgroup.procs");
-                                    std::ffi::CString::new(procs.as_os_str().as_encoded_bytes())
-                                        .unwrap()
-                                })
-                                .collect();
-                            exec.filters = layers.filters();
-                            clone_spawn(CONTAINER_NAMESPACES, &exec, &mut stack);
-                            layers.cgroups.remove_leaf(&id).unwrap();
-                        }
-                    }
-                    i += conc;
+                for _ in (w..THROUGHPUT_RUNS).step_by(conc) {
+                    bare("/bin/sh", "sh", "true\n", &dir);
                 }
             });
         }
     });
-    let per_s = THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64();
-    std::thread::sleep(Duration::from_millis(100));
-    let cpu_ms = HostCpu::now().busy_ms_since(&before) / THROUGHPUT_RUNS as f64;
-    (per_s, cpu_ms)
+    THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64()
 }
 
-/// Warm, cold, the baseline binary's warm daemon when there is one, and a bare spawn, interleaved per row.
+/// A floor row: in flight, the warm daemon's and the bare spawn's executions/s, and each step's executions/s and
+/// CPU ms per execution.
+type FloorRow = (usize, f64, f64, Result<Vec<(f64, f64)>, String>);
+
+/// Prints the floor's table ([`floor`]) from the rows measured after each throughput row.
+fn floor_table(rows: Vec<FloorRow>) {
+    println!();
+    println!(
+        "the floor of a container per execution, measured right after each row above: `sh main.sh` cloned raw, \
+         then in fresh namespaces (ns), with the daemon's seccomp filters (+sc), with a cgroup leaf (+cg), and \
+         nothing else; exec/s (CPU ms/exec of the whole host: /proc/stat, steal left out, the kernel's deferred \
+         tear-down included) and the share of the bare spawn; warm and bare as above"
+    );
+    print!("{:<12}", "in flight");
+    for step in floor::Step::ALL {
+        print!(" {:>22}", step.name());
+    }
+    println!(" {:>10} {:>10} {:>16}", "bare", "warm", "warm / ns+sc+cg");
+    for (conc, warm, bare, steps) in rows {
+        print!("{conc:<12}");
+        match steps {
+            Ok(steps) => {
+                for (per_s, cpu) in &steps {
+                    print!(
+                        " {:>22}",
+                        format!("{per_s:.1} ({cpu:.2}) {:.2}", per_s / bare)
+                    );
+                }
+                let last = steps.last().map_or(f64::NAN, |s| s.0);
+                println!(" {bare:>10.1} {warm:>10.1} {:>16.2}", warm / last);
+            }
+            Err(why) => println!(" failed: {why}"),
+        }
+    }
+}
+
+/// Warm, cold, the baseline binary's warm daemon when there is one, and a bare spawn, interleaved per row; then the
+/// floor ([`floor`]), each row's measured right after it.
 fn throughput(
     rt: &tokio::runtime::Runtime,
     warm: &Daemon,
@@ -1098,7 +950,7 @@ fn throughput(
         "cold CPU ms",
         "warm idle"
     );
-    let layers = Layers::new();
+    let layers = floor::Layers::new();
     let mut floor_rows = Vec::new();
     let mut base_rows = Vec::new();
     let mut lc_rows = Vec::new();
@@ -1116,12 +968,14 @@ fn throughput(
             base_rows.push((conc, measure(rt, base, conc, "b")));
         }
         let c = measure(rt, cold, conc, "c");
-        let (b, _) = spawn_throughput(conc, tmp, Spawn::Bare);
-        let raw = spawn_throughput(conc, tmp, Spawn::Clone(0));
-        let ns = spawn_throughput(conc, tmp, Spawn::Clone(CONTAINER_NAMESPACES));
-        let filtered = spawn_throughput(conc, tmp, Spawn::Layered(&layers, false));
-        let layered = spawn_throughput(conc, tmp, Spawn::Layered(&layers, true));
-        floor_rows.push((conc, w.per_s, b, [raw, ns, filtered, layered]));
+        let b = bare_throughput(conc, tmp);
+        if let Ok(layers) = &layers {
+            let steps: Result<Vec<_>, String> = floor::Step::ALL
+                .iter()
+                .map(|step| floor::throughput(conc, tmp, *step, layers))
+                .collect();
+            floor_rows.push((conc, w.per_s, b, steps));
+        }
         println!(
             "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>14.2} {:>12} {:>14} {:>14} {:>9.0}%",
             conc,
@@ -1135,27 +989,9 @@ fn throughput(
             w.idle * 100.0
         );
     }
-    println!();
-    println!(
-        "the floor, measured after each row above, exec/s (CPU ms/exec of the whole host, /proc/stat, the kernel's \
-         deferred namespace tear-down included) and / bare: `sh main.sh` cloned as posix_spawn does (raw); as the \
-         first process of fresh user, mount, pid, ipc, uts, net and cgroup namespaces and nothing else (ns); there \
-         with the daemon's seccomp filters installed (+sc); and with a cgroup leaf too, made, limited, joined and \
-         removed by the runtime's code (+sc+cg); bare and warm as above"
-    );
-    println!(
-        "{:<12} {:>20} {:>20} {:>20} {:>20} {:>10} {:>10}",
-        "in flight", "raw", "ns", "ns+sc", "ns+sc+cg", "bare", "warm"
-    );
-    for (conc, warm_per_s, b, ladder) in floor_rows {
-        let cells: Vec<String> = ladder
-            .iter()
-            .map(|(per_s, cpu)| format!("{per_s:.1} ({cpu:.2}) {:.2}", per_s / b))
-            .collect();
-        println!(
-            "{:<12} {:>20} {:>20} {:>20} {:>20} {:>10.1} {:>10.1}",
-            conc, cells[0], cells[1], cells[2], cells[3], b, warm_per_s
-        );
+    match &layers {
+        Ok(_) => floor_table(floor_rows),
+        Err(why) => println!("the floor: left out, its layers cannot be had here: {why}"),
     }
     drop(layers);
     if libcontainer.is_some() {
@@ -1190,6 +1026,8 @@ fn throughput(
 /// The host's CPU time counters (`/proc/stat`, all CPUs), to tell whether a run was bound by CPU.
 struct HostCpu {
     idle: u64,
+    /// user, nice, system, irq and softirq: the time the CPUs ran something (steal left out).
+    busy: u64,
     total: u64,
 }
 
@@ -1205,19 +1043,31 @@ impl HostCpu {
             .filter_map(|f| f.parse().ok())
             .collect();
         // user nice system idle iowait irq softirq steal ...
-        let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+        let field = |i: usize| fields.get(i).copied().unwrap_or(0);
         Self {
-            idle,
+            idle: field(3) + field(4),
+            busy: [0, 1, 2, 5, 6].into_iter().map(field).sum(),
             total: fields.iter().take(8).sum(),
         }
     }
 
-    /// CPU time (all CPUs, not idle) spent since `before`, in ms.
+    /// CPU time (all CPUs) spent running something since `before`, in ms.
     fn busy_ms_since(&self, before: &HostCpu) -> f64 {
-        let busy = |c: &HostCpu| c.total.saturating_sub(c.idle);
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-        busy(self).saturating_sub(busy(before)) as f64 * 1000.0 / hz
+        self.busy.saturating_sub(before.busy) as f64 * 1000.0 / hz
+    }
+
+    /// Waits (1 s at most) until the host is quiet, less than a tenth of one CPU busy over 20 ms, so that a run's
+    /// deferred work (the network namespaces' tear-down) is counted in that run.
+    fn settle() {
+        for _ in 0..50 {
+            let before = HostCpu::now();
+            std::thread::sleep(Duration::from_millis(20));
+            if HostCpu::now().busy_ms_since(&before) < 2.0 {
+                return;
+            }
+        }
     }
 
     /// The fraction of CPU time spent idle since `before`.
