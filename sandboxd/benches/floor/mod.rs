@@ -66,12 +66,12 @@ pub struct Layers {
 impl Layers {
     /// Compiles the profile, then makes the parent; why not, when either cannot be had here.
     pub fn new() -> Result<Self, String> {
-        let (text, arch) = runtime::seccomp::native_profile().map_err(|e| e.to_string())?;
-        let profile = runtime::seccomp::compile(text, arch).map_err(|e| e.to_string())?;
+        let (profile_text, arch) = runtime::seccomp::native_profile().map_err(text)?;
+        let profile = runtime::seccomp::compile(profile_text, arch).map_err(text)?;
         let parent = format!("sandboxd-bench-{}-floor", std::process::id());
-        let cgroups = Cgroups::detect(Path::new(runtime::cgroups::DEFAULT_ROOT), &parent)
-            .map_err(|e| e.to_string())?;
-        cgroups.ensure_parent().map_err(|e| e.to_string())?;
+        let cgroups =
+            Cgroups::detect(Path::new(runtime::cgroups::DEFAULT_ROOT), &parent).map_err(text)?;
+        cgroups.ensure_parent().map_err(text)?;
         Ok(Self { cgroups, profile })
     }
 
@@ -211,11 +211,11 @@ pub fn throughput(
 /// Worker `w` of `conc`: every `conc`-th of the runs.
 fn worker(w: usize, conc: usize, tmp: &Path, step: Step, layers: &Layers) -> Result<(), String> {
     let dir = tmp.join(format!("w{w}"));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&dir).map_err(text)?;
     let file = dir.join("main.sh");
-    std::fs::write(&file, "true\n").map_err(|e| e.to_string())?;
+    std::fs::write(&file, "true\n").map_err(text)?;
     let sh = c"/bin/sh";
-    let path = CString::new(file.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let path = CString::new(file.as_os_str().as_encoded_bytes()).map_err(text)?;
     let mut c = Child {
         path: sh.as_ptr(),
         argv: [sh.as_ptr(), path.as_ptr(), std::ptr::null()],
@@ -237,23 +237,33 @@ fn worker(w: usize, conc: usize, tmp: &Path, step: Step, layers: &Layers) -> Res
             Step::Cgroup => {
                 let id = format!("floor-{w}-{i}");
                 let cg = &layers.cgroups;
-                cg.create_leaf(&id, &LIMITS).map_err(|e| e.to_string())?;
-                let joined = cg.joined_leaves(&id).map_err(|e| e.to_string());
-                let spawned = joined.and_then(|leaves| {
-                    c.join = leaves
-                        .iter()
-                        .map(|l| {
-                            CString::new(l.join("cgroup.procs").as_os_str().as_encoded_bytes())
-                        })
-                        .collect::<Result<_, _>>()
-                        .map_err(|e| e.to_string())?;
+                cg.create_leaf(&id, &LIMITS).map_err(text)?;
+                // The leaf is removed whether the spawn worked or not.
+                let spawned = procs_files(cg, &id).and_then(|join| {
+                    c.join = join;
                     spawn(flags, &c, &mut stack)
                 });
-                cg.remove_leaf(&id).map_err(|e| e.to_string())?;
+                cg.remove_leaf(&id).map_err(text)?;
                 spawned?;
             }
             Step::Raw | Step::Namespaces | Step::Seccomp => spawn(flags, &c, &mut stack)?,
         }
     }
     Ok(())
+}
+
+/// The `cgroup.procs` file of each of execution `id`'s leaves, as the child opens them.
+fn procs_files(cg: &Cgroups, id: &str) -> Result<Vec<CString>, String> {
+    cg.joined_leaves(id)
+        .map_err(text)?
+        .iter()
+        .map(|leaf| {
+            CString::new(leaf.join("cgroup.procs").as_os_str().as_encoded_bytes()).map_err(text)
+        })
+        .collect()
+}
+
+/// An error as the table prints it.
+fn text(e: impl std::fmt::Display) -> String {
+    e.to_string()
 }
