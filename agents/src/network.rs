@@ -302,7 +302,7 @@ impl SandboxEgress {
             }
             .instrument(span),
         );
-        Ok(Serving(task))
+        Ok(Serving(task, self.proxy.clone()))
     }
 
     /// Ends every tunnel and upstream connection still open (the sandbox is being removed).
@@ -319,13 +319,15 @@ fn checked(network: &dyn Network, allow: &[String]) -> Result<egress::Allowlist,
     Ok(network.allowlist(allow)?)
 }
 
-/// The proxy serving one run's listener; dropping it stops accepting and ends that listener's connections (the
-/// run is over).
-pub struct Serving(tokio::task::JoinHandle<()>);
+/// The proxy serving one run's listener; dropping it (the run is over) stops accepting, ends that listener's
+/// connections and the tunnels and upstream connections they opened: nothing of a run holds a slot or a socket
+/// once it ended (a sandbox has one run at a time).
+pub struct Serving(tokio::task::JoinHandle<()>, Proxy);
 
 impl Drop for Serving {
     fn drop(&mut self) {
         self.0.abort();
+        self.1.close();
     }
 }
 
@@ -341,8 +343,9 @@ mod tests {
     use super::*;
     use crate::container::{BoxFuture, Ended, RunUsage};
 
-    /// A bound of `*.test:8443`, names resolving to loopback (refused by the address policy), 1000 bytes at most.
-    struct Bound(Allowlist);
+    /// A bound of `*.test:8443`, names resolving to loopback (refused by the address policy but for the exempt
+    /// address, if any), 1000 bytes at most.
+    struct Bound(Allowlist, Option<SocketAddr>);
 
     impl Network for Bound {
         fn allowlist(&self, allow: &[String]) -> Result<Allowlist, AllowlistError> {
@@ -367,7 +370,11 @@ mod tests {
                 egress_bytes: Some(egress_bytes),
                 ..ProxyLimits::default()
             };
-            let (policy, resolver) = (AddressPolicy::new(), Arc::new(resolver));
+            let policy = match self.1 {
+                Some(exempt) => AddressPolicy::new().exempt_for_tests(exempt),
+                None => AddressPolicy::new(),
+            };
+            let resolver = Arc::new(resolver);
             match ledger {
                 Some(l) => Proxy::with_ledger(allowlist, policy, resolver, limits, l),
                 None => Proxy::new(allowlist, policy, resolver, limits),
@@ -424,7 +431,45 @@ mod tests {
     }
 
     fn network() -> Arc<dyn Network> {
-        Arc::new(Bound(Allowlist::parse(&["*.test:8443"]).unwrap()))
+        Arc::new(Bound(Allowlist::parse(&["*.test:8443"]).unwrap(), None))
+    }
+
+    /// A tunnel a run opened ends with the run (its proxy's [`Serving`] dropped), upstream socket and slot
+    /// included, not with the sandbox.
+    #[tokio::test]
+    async fn a_tunnel_ends_with_its_run() {
+        let upstream = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .unwrap();
+        let up = upstream.local_addr().unwrap();
+        let entry = format!("a.test:{}", up.port());
+        let list = Allowlist::parse(&[entry.as_str()]).unwrap();
+        let net: Arc<dyn Network> = Arc::new(Bound(list, Some(up)));
+        let sb = SandboxEgress::create(Some(&net), &req(&[entry.as_str()], None), None).unwrap();
+        let run = Loopback::default();
+        let serving = sb.serve_in(&run).unwrap();
+        let addr = run.0.lock().unwrap().unwrap();
+        let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!("CONNECT {entry} HTTP/1.1\r\nHost: {entry}\r\n\r\n");
+        client.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = [0; 12];
+        client.read_exact(&mut answer).await.unwrap();
+        assert_eq!(&answer, b"HTTP/1.1 200");
+        let request = format!("GET / HTTP/1.1\r\nHost: {entry}\r\n\r\n");
+        client.write_all(request.as_bytes()).await.unwrap();
+        let (mut server, _) = upstream.accept().await.unwrap();
+        let mut got = [0; 5];
+        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"GET /");
+        drop(serving);
+        let mut rest = Vec::new();
+        let end = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            server.read_to_end(&mut rest),
+        )
+        .await;
+        assert!(end.is_ok(), "the upstream connection outlives the run");
+        sb.close();
     }
 
     fn req(allow: &[&str], egress_bytes: Option<u64>) -> SandboxNetwork {

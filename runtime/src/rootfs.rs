@@ -61,16 +61,22 @@ pub struct HostImage {
 }
 
 impl HostImage {
-    /// Builds (or rebuilds) the image under `dir` from the host tree at `host_root` (`/` in production).
+    /// Builds the image under `dir` from the host tree at `host_root` (`/` in production), or brings the one a
+    /// previous daemon built there up to date in place.
+    ///
+    /// In place, never removed and made again: the agent sandboxes a live restore takes back have this skeleton
+    /// as their root and their mounts (`/usr`, `/workspace`, volumes) on its directories, and removing a directory
+    /// detaches every mount on it in every mount namespace, so a rebuilt image would leave them an empty `/`. The
+    /// mount points that stay are kept as they are; the generated files are replaced whole (written aside, then
+    /// renamed over), so a running container sees either the old file or the new one; entries the image no longer
+    /// has are removed.
     pub fn prepare(dir: &Path, host_root: &Path) -> Result<Self> {
-        if dir.exists() {
-            fs::remove_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        }
         let rootfs = dir.join("rootfs");
         let etc = dir.join("etc");
-        mkdir(&rootfs, 0o755)?;
+        ensure_dir(&rootfs)?;
+        let mut entries: Vec<&str> = MOUNT_POINTS.to_vec();
         for m in MOUNT_POINTS {
-            mkdir(&rootfs.join(m), 0o755)?;
+            ensure_dir(&rootfs.join(m))?;
         }
         let mut binds = vec![BindMount {
             source: host_root.join("usr"),
@@ -82,11 +88,12 @@ impl HostImage {
             match fs::symlink_metadata(&host) {
                 Ok(m) if m.file_type().is_symlink() => {
                     let target = fs::read_link(&host).map_err(|e| Error::io(&host, e))?;
-                    let link = rootfs.join(name);
-                    std::os::unix::fs::symlink(&target, &link).map_err(|e| Error::io(&link, e))?;
+                    put_symlink(&rootfs.join(name), &target)?;
+                    entries.push(name);
                 }
                 Ok(m) if m.is_dir() => {
-                    mkdir(&rootfs.join(name), 0o755)?;
+                    ensure_dir(&rootfs.join(name))?;
+                    entries.push(name);
                     binds.push(BindMount {
                         source: host,
                         destination: Path::new("/").join(name),
@@ -96,15 +103,13 @@ impl HostImage {
                 _ => {}
             }
         }
+        prune(&rootfs, &entries)?;
         write_etc(&etc, host_root)?;
         binds.push(BindMount {
             source: etc,
             destination: "/etc".into(),
             readonly: true,
         });
-        // The skeleton itself must not be writable by anyone but root.
-        fs::set_permissions(&rootfs, fs::Permissions::from_mode(0o755))
-            .map_err(|e| Error::io(&rootfs, e))?;
         Ok(Self {
             rootfs,
             binds,
@@ -170,9 +175,10 @@ fn mkdir(path: &Path, mode: u32) -> Result<()> {
 }
 
 /// The generated `/etc`: identity files for root and nobody, local-only name resolution, and the two host pieces
-/// programs need to run at all (the dynamic linker cache and the alternatives symlinks into /usr).
+/// programs need to run at all (the dynamic linker cache and the alternatives symlinks into /usr). Brought up to
+/// date in place ([`HostImage::prepare`]).
 fn write_etc(etc: &Path, host_root: &Path) -> Result<()> {
-    mkdir(etc, 0o755)?;
+    ensure_dir(etc)?;
     let files: &[(&str, &str)] = &[
         (
             "passwd",
@@ -184,31 +190,103 @@ fn write_etc(etc: &Path, host_root: &Path) -> Result<()> {
         ("resolv.conf", "# sandboxd: executions have no network beyond loopback\n"),
         ("nsswitch.conf", "passwd: files\ngroup: files\nshadow: files\nhosts: files\n"),
     ];
+    let mut entries: Vec<&str> = files.iter().map(|(name, _)| *name).collect();
     for (name, content) in files {
-        let p = etc.join(name);
-        fs::write(&p, content).map_err(|e| Error::io(&p, e))?;
-        fs::set_permissions(&p, fs::Permissions::from_mode(0o644)).map_err(|e| Error::io(&p, e))?;
+        put_file(&etc.join(name), content.as_bytes())?;
     }
     let cache = host_root.join("etc/ld.so.cache");
     if cache.is_file() {
-        fs::copy(&cache, etc.join("ld.so.cache")).map_err(|e| Error::io(&cache, e))?;
+        let content = fs::read(&cache).map_err(|e| Error::io(&cache, e))?;
+        put_file(&etc.join("ld.so.cache"), &content)?;
+        entries.push("ld.so.cache");
     }
     let alternatives = host_root.join("etc/alternatives");
-    if let Ok(entries) = fs::read_dir(&alternatives) {
+    if let Ok(found) = fs::read_dir(&alternatives) {
         let dst = etc.join("alternatives");
-        mkdir(&dst, 0o755)?;
-        for e in entries.flatten() {
+        ensure_dir(&dst)?;
+        let mut links = Vec::new();
+        for e in found.flatten() {
             if let Ok(target) = fs::read_link(e.path()) {
                 // Only links that stay inside what the image shows.
                 if target.starts_with("/usr")
                     || target.starts_with("/bin")
                     || target.starts_with("/lib")
                 {
-                    let link = dst.join(e.file_name());
-                    std::os::unix::fs::symlink(&target, &link).map_err(|e| Error::io(&link, e))?;
+                    put_symlink(&dst.join(e.file_name()), &target)?;
+                    links.push(e.file_name());
                 }
             }
         }
+        let links: Vec<&str> = links.iter().filter_map(|n| n.to_str()).collect();
+        prune(&dst, &links)?;
+        entries.push("alternatives");
+    }
+    prune(etc, &entries)
+}
+
+/// `path` as a directory (mode 0755), kept as it is when it is one: a container may have a mount on it.
+fn ensure_dir(path: &Path) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            fs::remove_file(path).map_err(|e| Error::io(path, e))?;
+            mkdir(path, 0o755)?;
+        }
+        Err(_) => mkdir(path, 0o755)?,
+    }
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755)).map_err(|e| Error::io(path, e))
+}
+
+/// The name beside `path` that a replacement is written under before it is renamed over `path`.
+fn aside(path: &Path) -> PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    path.with_file_name(format!(".{name}.sandboxd-new"))
+}
+
+/// `path` as a file of `content` (mode 0644): kept when it already is, else written aside and renamed over it.
+fn put_file(path: &Path, content: &[u8]) -> Result<()> {
+    let same = fs::symlink_metadata(path).is_ok_and(|m| m.is_file())
+        && fs::read(path).is_ok_and(|old| old == content);
+    if !same {
+        let new = aside(path);
+        let _ = fs::remove_file(&new);
+        fs::write(&new, content).map_err(|e| Error::io(&new, e))?;
+        replace(&new, path)?;
+    }
+    fs::set_permissions(path, fs::Permissions::from_mode(0o644)).map_err(|e| Error::io(path, e))
+}
+
+/// `link` as a symbolic link to `target`: kept when it already is, else made aside and renamed over it.
+fn put_symlink(link: &Path, target: &Path) -> Result<()> {
+    if fs::read_link(link).is_ok_and(|t| t == target) {
+        return Ok(());
+    }
+    let new = aside(link);
+    let _ = fs::remove_file(&new);
+    std::os::unix::fs::symlink(target, &new).map_err(|e| Error::io(&new, e))?;
+    replace(&new, link)
+}
+
+/// Renames `new` over `path`; a directory in the way (the host turned a directory into a link) is removed first.
+fn replace(new: &Path, path: &Path) -> Result<()> {
+    if fs::symlink_metadata(path).is_ok_and(|m| m.is_dir()) {
+        fs::remove_dir_all(path).map_err(|e| Error::io(path, e))?;
+    }
+    fs::rename(new, path).map_err(|e| Error::io(path, e))
+}
+
+/// Removes every entry of `dir` not named in `keep` (what an earlier build had and this one does not).
+fn prune(dir: &Path, keep: &[&str]) -> Result<()> {
+    for e in fs::read_dir(dir).map_err(|e| Error::io(dir, e))?.flatten() {
+        if keep.iter().any(|k| e.file_name() == **k) {
+            continue;
+        }
+        let path = e.path();
+        let removed = match e.file_type() {
+            Ok(t) if t.is_dir() => fs::remove_dir_all(&path),
+            _ => fs::remove_file(&path),
+        };
+        removed.map_err(|e| Error::io(&path, e))?;
     }
     Ok(())
 }
@@ -816,5 +894,76 @@ mod tests {
         assert_eq!(img.find_program(&["node", "nodejs"]), None);
         // Outside what the image shows, even if the host has it.
         assert_eq!(img.find_program(&["/etc/shadow"]), None);
+    }
+
+    /// The inode of `path` (not following a link).
+    fn ino(path: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        fs::symlink_metadata(path).unwrap().ino()
+    }
+
+    /// A second start on the same state directory brings the image up to date in place: the directories a
+    /// taken-back container has its mounts on are the same directories (a removed one would detach them), the
+    /// generated files follow the host, and what the host no longer has is gone.
+    #[test]
+    fn host_image_is_brought_up_to_date_in_place() {
+        let host = tempfile::tempdir().unwrap();
+        fs::create_dir_all(host.path().join("usr/bin")).unwrap();
+        fs::create_dir_all(host.path().join("lib64")).unwrap();
+        fs::create_dir_all(host.path().join("lib32")).unwrap();
+        std::os::unix::fs::symlink("usr/bin", host.path().join("bin")).unwrap();
+        fs::create_dir_all(host.path().join("etc/alternatives")).unwrap();
+        std::os::unix::fs::symlink("/usr/bin/mawk", host.path().join("etc/alternatives/awk"))
+            .unwrap();
+        fs::write(host.path().join("etc/ld.so.cache"), "cache 1").unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let dir = state.path().join("host");
+        let img = HostImage::prepare(&dir, host.path()).unwrap();
+        let kept = [
+            "rootfs",
+            "rootfs/workspace",
+            "rootfs/usr",
+            "rootfs/tmp",
+            "rootfs/lib64",
+        ];
+        let before: Vec<u64> = kept.iter().map(|k| ino(&dir.join(k))).collect();
+        fs::write(img.rootfs.join("workspace/in-use"), "a container's mount").unwrap();
+
+        fs::remove_dir(host.path().join("lib32")).unwrap();
+        fs::remove_file(host.path().join("etc/alternatives/awk")).unwrap();
+        std::os::unix::fs::symlink("/usr/bin/gawk", host.path().join("etc/alternatives/gawk"))
+            .unwrap();
+        fs::write(host.path().join("etc/ld.so.cache"), "cache 2").unwrap();
+        fs::write(dir.join("etc/stale"), "from an older build").unwrap();
+        let img = HostImage::prepare(&dir, host.path()).unwrap();
+
+        let after: Vec<u64> = kept.iter().map(|k| ino(&dir.join(k))).collect();
+        assert_eq!(before, after, "{kept:?}: the same directories");
+        assert!(img.rootfs.join("workspace/in-use").exists());
+        assert!(!img.rootfs.join("lib32").exists());
+        let dests: Vec<_> = img.binds.iter().map(|b| b.destination.clone()).collect();
+        assert_eq!(
+            dests,
+            [PathBuf::from("/usr"), "/lib64".into(), "/etc".into()]
+        );
+        let etc = dir.join("etc");
+        assert_eq!(fs::read(etc.join("ld.so.cache")).unwrap(), b"cache 2");
+        assert!(!etc.join("alternatives/awk").is_symlink());
+        assert_eq!(
+            fs::read_link(etc.join("alternatives/gawk")).unwrap(),
+            Path::new("/usr/bin/gawk")
+        );
+        assert!(!etc.join("stale").exists());
+        let names: Vec<_> = fs::read_dir(&etc)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().into_string().unwrap())
+            .filter(|n| n.starts_with('.'))
+            .collect();
+        assert!(names.is_empty(), "nothing written aside is left: {names:?}");
+        assert_eq!(
+            fs::read_to_string(etc.join("hostname")).unwrap(),
+            "sandbox\n"
+        );
     }
 }

@@ -438,12 +438,32 @@ async fn read_lines<R: tokio::io::AsyncRead + Unpin + Send>(
     let _ = tx.send((Incoming::Eof, end)).await;
 }
 
+/// The control connection's write half, which never shuts the connection down.
+///
+/// Tokio's write half shuts the socket's write side down when dropped, and that reaches the agent as an end of
+/// file whatever else holds the socket: the run's init holds it for a later daemon (live restore), and a daemon
+/// that stops (its tasks dropped at exit) must leave the agent its connection, as a killed one does. Dropped, this
+/// only closes the daemon's descriptor once the read half is gone too.
+struct KeepOpen(Option<tokio::net::unix::OwnedWriteHalf>);
+
+impl Drop for KeepOpen {
+    fn drop(&mut self) {
+        if let Some(w) = self.0.take() {
+            w.forget();
+        }
+    }
+}
+
 /// Writes `first` (then calls `after_first`), then each command.
 async fn write_lines(
-    mut w: tokio::net::unix::OwnedWriteHalf,
+    w: tokio::net::unix::OwnedWriteHalf,
     (first, after_first): (String, AfterFirst),
     mut rx: mpsc::Receiver<String>,
 ) {
+    let mut keep = KeepOpen(Some(w));
+    let Some(w) = keep.0.as_mut() else {
+        return;
+    };
     if w.write_all(first.as_bytes()).await.is_err() {
         return;
     }
@@ -575,5 +595,35 @@ ok
             read(b"ok\n0123456789", 8).await,
             [line("ok"), Incoming::TooLong, Incoming::Eof]
         );
+    }
+
+    /// The daemon's side of a control connection ends (its writer's task is dropped, as at a daemon's stop) while
+    /// another process holds the socket (the run's init, for live restore): the agent gets no end of file.
+    #[tokio::test]
+    async fn a_writer_that_ends_leaves_the_connection_open_for_its_other_holders() {
+        use tokio::io::AsyncReadExt;
+        let (daemon, agent) = std::os::unix::net::UnixStream::pair().unwrap();
+        let init = daemon.try_clone().unwrap();
+        daemon.set_nonblocking(true).unwrap();
+        let (r, w) = tokio::net::UnixStream::from_std(daemon)
+            .unwrap()
+            .into_split();
+        let (tx, rx) = mpsc::channel(1);
+        let writer = tokio::spawn(write_lines(w, ("brief\n".into(), None), rx));
+        tx.send("command\n".into()).await.unwrap();
+        drop(tx);
+        writer.await.unwrap();
+        drop(r);
+        agent.set_nonblocking(true).unwrap();
+        let mut agent = tokio::net::UnixStream::from_std(agent).unwrap();
+        let mut lines = [0; 14];
+        agent.read_exact(&mut lines).await.unwrap();
+        assert_eq!(&lines, b"brief\ncommand\n");
+        let mut got = [0; 64];
+        let more = tokio::time::timeout(Duration::from_millis(200), agent.read(&mut got)).await;
+        assert!(more.is_err(), "the agent read {more:?}: an end of file");
+        drop(init);
+        let end = tokio::time::timeout(Duration::from_secs(5), agent.read(&mut got)).await;
+        assert_eq!(end.unwrap().unwrap(), 0, "the last holder's close ends it");
     }
 }

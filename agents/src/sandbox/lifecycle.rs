@@ -163,6 +163,7 @@ impl Sandbox {
             Ok(a) => a,
             Err(e) => return Err(self.not_taken_back(&run_id, Chain(&e).to_string())),
         };
+        self.thaw_unless_paused(&*c, &run_id).await;
         // Its egress proxy is served again at the same address in its network namespace (the previous daemon's
         // listener went with it).
         let serving = match self.network.as_ref().map(|n| n.serve_in(&*c)).transpose() {
@@ -223,6 +224,31 @@ impl Sandbox {
         };
         self.supervised(&mut ops, (c, serving), listener, first, run_id);
         Ok(())
+    }
+
+    /// A daemon that died during a snapshot or a fork left a running agent frozen: it is thawed, since only a
+    /// pause keeps an agent frozen. One that cannot be thawed is said to be paused (a resume thaws it again).
+    async fn thaw_unless_paused(&self, c: &dyn RunContainer, run_id: &str) {
+        if self.status() == Some(AgentStatus::Paused) {
+            return;
+        }
+        if let Err(e) = c.thaw().await {
+            warn!(sandbox = %self.id, error = %Chain(&e), "cannot thaw the agent taken back; it is paused");
+            {
+                let mut sh = self.shared();
+                sh.before_pause = sh.status;
+                sh.status = Some(AgentStatus::Paused);
+            }
+            self.persist();
+            self.hub.emit(
+                run_id,
+                lifecycle_event(
+                    &self.agent_id,
+                    "paused",
+                    Some("not thawed after a daemon restart"),
+                ),
+            );
+        }
     }
 
     /// A kept run that could not be taken back (`why`): it ends as a crash with the reason, and the sandbox
@@ -343,10 +369,7 @@ impl Sandbox {
     ) -> Result<(Arc<dyn RunContainer>, Option<Serving>), PluginError> {
         let stdin = std::fs::File::open("/dev/null")
             .map_err(|e| unavailable(format!("/dev/null: {e}"), false))?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("scratch/agent.log"))
+        let log = open_agent_log(&self.dir.join("scratch/agent.log"))
             .map_err(|e| unavailable(format!("Cannot open the agent log: {e}"), false))?;
         let plan = RunPlan {
             cid,
@@ -655,9 +678,54 @@ fn crash_reason(killed: bool, crash: Option<String>, ended: &Ended) -> Option<St
     }
 }
 
+/// Opens (creates) the agent log for appending. It lies in the sandbox's scratch space, which the sandbox's uid
+/// owns: a link there is never followed, a FIFO never waited on, and only a regular file is written.
+fn open_agent_log(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    // The agent's output goes to it as it would to any file: blocking.
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+    let flags = nix::fcntl::OFlag::from_bits_retain(nix::fcntl::fcntl(fd, nix::fcntl::F_GETFL)?);
+    nix::fcntl::fcntl(
+        fd,
+        nix::fcntl::F_SETFL(flags - nix::fcntl::OFlag::O_NONBLOCK),
+    )?;
+    Ok(f)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The agent log is opened only as a regular file: a link the sandbox put there is not followed, a FIFO not
+    /// waited on; the file is written blocking.
+    #[test]
+    fn the_agent_log_is_a_regular_file_or_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("host-file");
+        std::fs::write(&target, "the host's").unwrap();
+        let link = dir.path().join("link.log");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(open_agent_log(&link).is_err());
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "the host's");
+        let fifo = dir.path().join("fifo.log");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        assert!(open_agent_log(&fifo).is_err());
+        let log = dir.path().join("agent.log");
+        let f = open_agent_log(&log).unwrap();
+        let flags =
+            nix::fcntl::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), nix::fcntl::F_GETFL).unwrap();
+        assert_eq!(flags & libc::O_NONBLOCK, 0);
+        assert!(log.is_file());
+    }
 
     #[test]
     fn a_run_is_a_crash_unless_killed_or_exited_zero() {

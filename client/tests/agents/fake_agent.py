@@ -23,7 +23,8 @@ brief.providerConfig.script: a list of steps, each one of
   {"raw": TEXT}                    write TEXT as a line (malformed input)
   {"exit": CODE}
   {"close_socket": true}           close the control connection and keep running
-After the script it echoes every command it gets as a status event, answers "shutdown" with its state and exits 0.
+After the script it echoes every command it gets as a status event, runs the step an "update_brief" carries as
+changes.step (any step above), answers "shutdown" with its state and exits 0.
 FAKE_AGENT_SIGTERM=1 does the same on SIGTERM (otherwise SIGTERM, which a kill with grace sends together with the
 "shutdown" line, is ignored); FAKE_AGENT_IGNORE_SHUTDOWN=1 ignores the "shutdown" line.
 """
@@ -86,9 +87,11 @@ def handle(cmd):
     if cmd["type"] == "shutdown" and os.environ.get("FAKE_AGENT_IGNORE_SHUTDOWN") != "1":
         shutdown()
     status("command " + json.dumps(cmd, sort_keys=True))
+    if cmd["type"] == "update_brief" and "step" in cmd["changes"]:
+        run_step(cmd["changes"]["step"])
 
 
-for position, step in enumerate(script):
+def run_step(step):
     if "emit" in step:
         emit(step["emit"])
     elif "emit_many" in step:
@@ -180,6 +183,10 @@ for position, step in enumerate(script):
         rfile.close()
         sock.close()
         time.sleep(60)
+
+
+for position, step in enumerate(script):
+    run_step(step)
 
 while True:
     handle(read_cmd())

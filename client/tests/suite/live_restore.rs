@@ -205,6 +205,118 @@ async fn agents_outlive_a_daemon_killed_stopped_and_upgraded() {
     assert!(!state.join("mntns").exists());
 }
 
+/// A status event's message.
+fn message(e: &AdapterEvent) -> Option<&str> {
+    e.event.get("message")?.as_str()
+}
+
+/// Sends `sb`'s agent `step` to run (an `update_brief` the fake agent runs as a script step) and waits for the
+/// status message that starts with `answer`.
+async fn agent_step(
+    sb: &SandboxClient,
+    events: &mut EventStream,
+    step: serde_json::Value,
+    answer: &str,
+) {
+    let mut changes = serde_json::Map::new();
+    changes.insert("step".into(), step);
+    sb.update_brief(changes).await.unwrap();
+    until(events, answer, Duration::from_secs(15), |e| {
+        message(e).is_some_and(|m| m.starts_with(answer))
+    })
+    .await;
+}
+
+/// Freezes container `cid`'s cgroup, as a daemon killed during a snapshot or a fork leaves it.
+fn freeze(parent: &str, cid: &str) {
+    let v1 = format!("/sys/fs/cgroup/freezer/{parent}/{cid}/freezer.state");
+    let (file, value) = if Path::new(&v1).exists() {
+        (v1, "FROZEN")
+    } else {
+        (format!("/sys/fs/cgroup/{parent}/{cid}/cgroup.freeze"), "1")
+    };
+    std::fs::write(&file, value).unwrap_or_else(|e| panic!("{file}: {e}"));
+}
+
+/// An agent on the host image keeps its files across a SIGKILL and a SIGTERM restart: it reads what it wrote
+/// before, in `/workspace` and in its volume, and writes and reads new files there, on commands that still reach
+/// it. (The next daemon brings the host image up to date in place: one made again detached the container's mounts
+/// and left the agent an empty `/`; a stopped daemon shut the agent's connection down.) An agent a killed daemon
+/// left frozen, as during a snapshot, is thawed by the next: it ticks again and `/health` says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_keep_their_files_and_their_commands_across_restarts() {
+    let Some((mut d, gw)) = live_daemon("live restore (files)", true).await else {
+        return;
+    };
+    let backend = Backend::start().await;
+    let volume = gw
+        .create_volume(&agent_api::CreateVolumeRequest {
+            size_mb: 16,
+            name: None,
+        })
+        .await;
+    let (mounts, dirs) = match &volume {
+        Ok(v) => (
+            json!([{"volume": v.id, "path": "/workspace/data"}]),
+            vec!["", "data/"],
+        ),
+        Err(e) => {
+            eprintln!("SKIPPED the volume's part: this host has no volumes (mkfs.ext4 and loop devices): {e}");
+            (json!([]), vec![""])
+        }
+    };
+    let sb = super::volumes::sandbox(&gw, &backend, mounts)
+        .await
+        .unwrap();
+    let mut events = sb.events(0);
+    let mut script: Vec<_> = dirs
+        .iter()
+        .map(|dir| json!({"write": {"path": format!("{dir}before.txt"), "content": "kept"}}))
+        .collect();
+    script.push(json!({"emit": {"type": "status", "message": "written"}}));
+    sb.spawn(&brief(json!(script))).await.unwrap();
+    until(&mut events, "written", Duration::from_secs(30), |e| {
+        message(e) == Some("written")
+    })
+    .await;
+    let mut ticker = Ticker::start(&gw, &backend, 20).await;
+    let ticker_cid = format!("{}-1", ticker.sb.id());
+
+    for how in ["SIGKILL", "SIGTERM", "SIGKILL with the agent frozen"] {
+        match how {
+            "SIGTERM" => d.stop(),
+            _ => d.kill_hard(),
+        }
+        if how.ends_with("frozen") {
+            freeze(&d.cgroup_parent, &ticker_cid);
+        }
+        d.restart().await;
+        for dir in &dirs {
+            let before = format!("{dir}before.txt");
+            let answer = format!("read {before}: kept uid ");
+            agent_step(&sb, &mut events, json!({"read": before}), &answer).await;
+            let name = format!("{dir}{}.txt", how.replace(' ', "-"));
+            let write = json!({"write": {"path": name, "content": how}});
+            agent_step(&sb, &mut events, write, "command ").await;
+            let answer = format!("read {name}: {how} uid ");
+            agent_step(&sb, &mut events, json!({"read": name}), &answer).await;
+        }
+        let n = ticker.go_on(Duration::from_millis(1500)).await;
+        assert!(n >= 20, "{how}: the agent ticks on ({n})");
+        let health = ticker.sb.health().await.unwrap();
+        assert_eq!(health.agent_status, AgentStatus::Running, "{how}");
+    }
+
+    for id in [sb.id(), ticker.sb.id()] {
+        gw.delete(id).await.unwrap();
+    }
+    if let Ok(v) = volume {
+        gw.delete_volume(&v.id).await.unwrap();
+    }
+    d.stop();
+    assert!(!pinned(&d.state_dir()));
+}
+
 /// Sandbox `c` (no run yet) spawns one; the daemon is killed and so is the run's whole container; the next daemon
 /// reports the run crashed, with why.
 async fn a_run_whose_init_died_meanwhile_ends_as_a_crash(d: &mut Daemon, c: &SandboxClient) {

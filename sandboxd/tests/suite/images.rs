@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use nix::sys::signal::Signal;
 use protocol::{ExecStatus, Language};
 use serde_json::{json, Value};
 
@@ -743,4 +744,106 @@ async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
         || d.leftovers(),
     )
     .await;
+}
+
+/// The busybox agent of [`oci_agent_keeps_its_files_across_restarts`]: it wrote `before.txt` at its start; every
+/// 50 ms it writes a counter to `/workspace/hb` and, when it reads both files back, the counter to `read.ok`.
+const OCI_AGENT_LOOP: &str = r#"echo kept > /workspace/before.txt
+n=0
+while :; do
+  n=$((n+1))
+  echo $n > /workspace/hb.new && busybox mv /workspace/hb.new /workspace/hb
+  if [ "$(cat /workspace/hb)" = $n ] && [ "$(cat /workspace/before.txt)" = kept ]; then echo $n > /workspace/read.ok; fi
+  busybox usleep 50000
+done"#;
+
+/// What the agent of container `cid` last read back ([`OCI_AGENT_LOOP`]), seen through its own root.
+fn oci_agent_reads(d: &Daemon, cid: &str) -> Result<u64, String> {
+    let procs = format!("/sys/fs/cgroup/pids/{}/{cid}/cgroup.procs", d.cgroup_parent);
+    let procs = std::fs::read_to_string(&procs)
+        .or_else(|_| {
+            std::fs::read_to_string(format!(
+                "/sys/fs/cgroup/{}/{cid}/cgroup.procs",
+                d.cgroup_parent
+            ))
+        })
+        .map_err(|e| format!("{procs}: {e}"))?;
+    let mut seen = Vec::new();
+    for pid in procs.lines() {
+        let file = format!("/proc/{pid}/root/workspace/read.ok");
+        match std::fs::read_to_string(&file) {
+            Ok(s) => return s.trim().parse().map_err(|e| format!("{file}: {s:?}: {e}")),
+            Err(e) => seen.push(format!("{file}: {e}")),
+        }
+    }
+    Err(format!("no process of {cid} reads its workspace: {seen:?}"))
+}
+
+/// An agent sandbox on an OCI image, with live restore, keeps its files across a SIGKILL and a SIGTERM restart:
+/// the running agent goes on writing `/workspace` and reading back what it wrote before the restarts (seen
+/// through its own root).
+#[tokio::test]
+async fn oci_agent_keeps_its_files_across_restarts() {
+    let Some((_g, _dir, state_dir, digest)) =
+        imported_busybox("oci_agent_keeps_its_files_across_restarts").await
+    else {
+        return;
+    };
+    let mut d = Daemon::start(DaemonOpts {
+        state_dir: Some(state_dir.clone()),
+        extra_config: Some(json!({
+            "images": {"bb": {"digest": digest}},
+            "languages": {"shell": {"image": "bb", "command": ["/bin/sh"]}},
+            "agents": {"max_sandboxes": 2, "live_restore": true},
+        })),
+        ..DaemonOpts::default()
+    })
+    .await;
+    let (status, created) = agent_http(
+        &d,
+        "POST",
+        "/sandboxes",
+        &json!({
+            "workspaceRequirements": {"baseImage": "bb", "resourceLimits": {"memoryMb": 128, "diskMb": 16}},
+            "bootstrap": {"backendUrl": "http://127.0.0.1:9", "backendToken": "t", "agentId": "a",
+                          "tokenExpiresAt": "2099-01-01T00:00:00Z",
+                          "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"},
+        }),
+    )
+    .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    let (status, h) = agent_http(
+        &d,
+        "POST",
+        &format!("/sandboxes/{id}/spawn"),
+        &json!({"agentId": "a", "providerConfig": {"command": ["/bin/sh", "-c", OCI_AGENT_LOOP]}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{h}");
+    let cid = format!("{id}-1");
+    let reads_on = async |d: &Daemon, after: u64, what: &str| {
+        wait_until(what, Duration::from_secs(15), || async {
+            match oci_agent_reads(d, &cid)? {
+                n if n > after + 5 => Ok(n),
+                n => Err(format!("read back {n} times")),
+            }
+        })
+        .await
+    };
+    let mut n = reads_on(&d, 0, "the agent to read its files").await;
+    for how in [Signal::SIGKILL, Signal::SIGTERM] {
+        if how == Signal::SIGKILL {
+            d.kill_hard();
+        } else {
+            d.signal(how);
+            assert!(d.wait_exit(Duration::from_secs(30)).is_some(), "stopped");
+        }
+        d.restart().await;
+        let log = d.log();
+        assert!(log.contains("taken back (running)"), "{how}: {log}");
+        n = reads_on(&d, n, &format!("the agent to read its files after {how}")).await;
+    }
+    let (status, _) = agent_http(&d, "DELETE", &format!("/sandboxes/{id}"), &json!({})).await;
+    assert_eq!(status, 204);
 }
