@@ -20,9 +20,32 @@ use protocol::FileSpec;
 
 /// Default grace period of `POST /kill`, milliseconds.
 pub const DEFAULT_GRACE_TIMEOUT_MS: u64 = 10_000;
-/// Age after which a buffered event is dropped while no gateway is connected, milliseconds. (The queue's and the
-/// replay log's budgets are in bytes, set by the daemon's `agents:` configuration.)
+/// Age after which a buffered event is dropped while no gateway is connected, milliseconds. (The queue's budgets,
+/// in events and in bytes, and the replay log's, in bytes, are set by the daemon's `agents:` configuration.)
 pub const DISCONNECTED_BUFFER_MS: u64 = 60_000;
+
+/// The `errorCode`s of sandboxd's own `ErrorEvent`s. An agent's error event may not use them (sandboxd refuses such
+/// a line), so a gateway can tell what sandboxd says from what the agent says.
+pub mod error_codes {
+    /// The agent crashed (with `LifecycleEvent` `crashed`).
+    pub const AGENT_CRASHED: &str = "agent_crashed";
+    /// An artifact was not uploaded (its event went out without `uri`).
+    pub const ARTIFACT_UPLOAD_FAILED: &str = "artifact_upload_failed";
+    /// A control line, or the event it became, was over `agents.max_line_bytes` and skipped.
+    pub const CONTROL_LINE_TOO_LONG: &str = "control_line_too_long";
+    /// Events were dropped from the gateway's queue (the count is in the message).
+    pub const EVENTS_DROPPED: &str = "events_dropped";
+    /// A control line was not valid, or not the agent's to write, and was dropped.
+    pub const MALFORMED_EVENT: &str = "malformed_event";
+    /// Every code above.
+    pub const RESERVED: &[&str] = &[
+        AGENT_CRASHED,
+        ARTIFACT_UPLOAD_FAILED,
+        CONTROL_LINE_TOO_LONG,
+        EVENTS_DROPPED,
+        MALFORMED_EVENT,
+    ];
+}
 
 /// A mount into the sandbox: a volume of the daemon's (`volume`), or a project directory (`hostPath`, which
 /// sandboxd refuses with `capability_unsupported`).
@@ -578,7 +601,8 @@ pub struct AdapterEvent {
     pub event: Map<String, Value>,
 }
 
-/// The `AgentEvent` types of the agent-plugin design.
+/// The `AgentEvent` types of the agent-plugin design. `lifecycle` events are sandboxd's own: the daemon refuses
+/// one from an agent's control line, as it refuses an error event with one of [`error_codes::RESERVED`].
 pub const EVENT_TYPES: &[&str] = &[
     "status",
     "decision",

@@ -10,6 +10,8 @@ pub const DEFAULT_MAX_SANDBOXES: usize = 16;
 pub const DEFAULT_AGENT_MAX_LINE_BYTES: u64 = 1 << 20;
 /// Event bytes queued for a sandbox's gateway.
 pub const DEFAULT_AGENT_QUEUE_BYTES: u64 = 4 << 20;
+/// Events queued for a sandbox's gateway (the adapter-shim contract's 1000).
+pub const DEFAULT_AGENT_QUEUE_EVENTS: usize = 1000;
 /// Bytes of a sandbox's on-disk replay log.
 pub const DEFAULT_AGENT_REPLAY_BYTES: u64 = 32 << 20;
 /// Room for sandboxd's stamps (`sourceEventId`, `sourceSequence`, `sourceOccurredAt`, `runId`) around an agent's
@@ -45,6 +47,9 @@ pub struct AgentsConfig {
     /// Event bytes (JSON, plus a small overhead per event) queued for a sandbox's gateway, connected or not; over
     /// it, low-priority events are dropped first, else the oldest (they stay in the replay log).
     pub queue_bytes: u64,
+    /// Events queued for a sandbox's gateway, connected or not; over it, as over `queue_bytes`, low-priority
+    /// events are dropped first, else the oldest.
+    pub queue_events: usize,
     /// Bytes of a sandbox's on-disk replay log: two segments of half of it; the newest half is always there.
     pub replay_bytes: u64,
     /// The largest volume (`POST /volumes`), MiB.
@@ -90,6 +95,7 @@ impl Default for AgentsConfig {
             upload_attempts: 4,
             max_line_bytes: DEFAULT_AGENT_MAX_LINE_BYTES,
             queue_bytes: DEFAULT_AGENT_QUEUE_BYTES,
+            queue_events: DEFAULT_AGENT_QUEUE_EVENTS,
             replay_bytes: DEFAULT_AGENT_REPLAY_BYTES,
             volume_max_mb: 1024,
             max_volumes: 32,

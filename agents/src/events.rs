@@ -1,10 +1,11 @@
 //! A sandbox's event pipeline: stamping (UUID v7 `sourceEventId`, monotonic `sourceSequence`,
 //! `sourceOccurredAt`, `runId`), the rolling on-disk log behind `POST /replay`, and the queue a gateway's
-//! `WS /events` drains. Every budget is in bytes ([`Budgets`], from `agents:` in the configuration).
+//! `WS /events` drains. The budgets ([`Budgets`]) are from `agents:` in the configuration.
 //!
-//! Every event is logged before it is queued. The queue holds at most [`Budgets::queue_bytes`] of events (each
-//! counts its JSON plus [`QUEUED_OVERHEAD`]), none older than [`DISCONNECTED_BUFFER_MS`] while no gateway is
-//! connected; over the budget, low-priority events go first (else the oldest). Dropped events stay in the log, so
+//! Every event is logged before it is queued. The queue holds at most [`Budgets::queue_events`] events and
+//! [`Budgets::queue_bytes`] of them (each counts its JSON plus [`QUEUED_OVERHEAD`]), none older than
+//! [`DISCONNECTED_BUFFER_MS`] while no gateway is connected (what aged is dropped at the next event, or when a
+//! gateway connects); over a budget, low-priority events go first (else the oldest). Dropped events stay in the log, so
 //! a gateway that sees a sequence gap replays them. How many were dropped is counted exactly and told in a warning
 //! `ErrorEvent` (`events_dropped`): while a gateway is connected at most one a second as drops happen, and in any
 //! case as soon as a gateway has drained the queue, so the count arrives without the agent emitting again. No
@@ -31,7 +32,7 @@ use tokio::sync::watch;
 pub use crate::config::AGENT_QUEUED_OVERHEAD as QUEUED_OVERHEAD;
 use crate::config::{
     AGENT_STAMP_BYTES, DEFAULT_AGENT_MAX_LINE_BYTES, DEFAULT_AGENT_QUEUE_BYTES,
-    DEFAULT_AGENT_REPLAY_BYTES,
+    DEFAULT_AGENT_QUEUE_EVENTS, DEFAULT_AGENT_REPLAY_BYTES,
 };
 /// A newer gateway connection replaced this one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -41,11 +42,13 @@ pub struct Replaced;
 /// A replay's answer goes out in chunks of about this size.
 const REPLAY_CHUNK: usize = 64 << 10;
 
-/// The byte budgets of one sandbox's events.
+/// The budgets of one sandbox's events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budgets {
     /// Bytes queued for the gateway.
     pub queue_bytes: u64,
+    /// Events queued for the gateway.
+    pub queue_events: usize,
     /// Bytes of the on-disk log (two halves).
     pub replay_bytes: u64,
     /// Largest stamped event; a larger one is replaced by an `ErrorEvent`.
@@ -57,6 +60,7 @@ impl Budgets {
     pub fn from_config(a: &crate::config::AgentsConfig) -> Self {
         Self {
             queue_bytes: a.queue_bytes,
+            queue_events: a.queue_events,
             replay_bytes: a.replay_bytes,
             max_event_bytes: a.max_line_bytes.saturating_add(AGENT_STAMP_BYTES),
         }
@@ -67,6 +71,7 @@ impl Default for Budgets {
     fn default() -> Self {
         Self {
             queue_bytes: DEFAULT_AGENT_QUEUE_BYTES,
+            queue_events: DEFAULT_AGENT_QUEUE_EVENTS,
             replay_bytes: DEFAULT_AGENT_REPLAY_BYTES,
             max_event_bytes: DEFAULT_AGENT_MAX_LINE_BYTES + AGENT_STAMP_BYTES,
         }
@@ -373,18 +378,10 @@ impl Hub {
         }
         let seq = self.push(&mut inner, run_id, event);
         let now = Instant::now();
-        let mut dropped = 0u64;
-        if inner.gateway.is_none() {
-            while inner
-                .queue
-                .front()
-                .is_some_and(|q| now.duration_since(q.at) > self.max_age)
-            {
-                Self::remove(&mut inner, 0);
-                dropped += 1;
-            }
-        }
-        while inner.queued_bytes > self.budgets.queue_bytes {
+        let mut dropped = self.expire(&mut inner, now);
+        while inner.queued_bytes > self.budgets.queue_bytes
+            || inner.queue.len() > self.budgets.queue_events
+        {
             let i = inner.queue.iter().position(|q| q.low).unwrap_or(0);
             Self::remove(&mut inner, i);
             dropped += 1;
@@ -404,6 +401,22 @@ impl Hub {
         drop(inner);
         self.changed.send_modify(|n| *n += 1);
         seq
+    }
+
+    /// While no gateway is connected, drops the events older than [`Self::max_age`]; how many (not counted yet).
+    fn expire(&self, inner: &mut Inner, now: Instant) -> u64 {
+        let mut dropped = 0;
+        if inner.gateway.is_none() {
+            while inner
+                .queue
+                .front()
+                .is_some_and(|q| now.duration_since(q.at) > self.max_age)
+            {
+                Self::remove(inner, 0);
+                dropped += 1;
+            }
+        }
+        dropped
     }
 
     fn remove(inner: &mut Inner, i: usize) {
@@ -503,6 +516,13 @@ impl Hub {
     /// A gateway connects; the previous one (if any) is told to stop. Returns its generation.
     pub fn attach(&self) -> u64 {
         let mut inner = self.lock();
+        // What aged while no gateway was connected and no event came to drop it is dropped now (and counted).
+        let now = Instant::now();
+        let expired = self.expire(&mut inner, now);
+        if expired > 0 {
+            inner.dropped += expired;
+            inner.last_drop = Some(now);
+        }
         inner.generations += 1;
         let g = inner.generations;
         inner.gateway = Some(g);
@@ -682,10 +702,11 @@ mod tests {
         assert_eq!(fresh.emit("r", status(0)), 1);
     }
 
-    /// Small budgets: 64 KiB of queue, 64 KiB of log, 16 KiB events.
+    /// Small budgets: 64 KiB of queue (and 1000 events), 64 KiB of log, 16 KiB events.
     fn small() -> Budgets {
         Budgets {
             queue_bytes: 64 << 10,
+            queue_events: 1000,
             replay_bytes: 64 << 10,
             max_event_bytes: 16 << 10,
         }
@@ -847,6 +868,44 @@ mod tests {
         assert!(hub.next(g2).unwrap().is_some());
         hub.detach(g1);
         assert!(hub.next(g2).is_ok());
+    }
+
+    #[test]
+    fn without_a_gateway_the_queue_holds_1000_events_and_counts_the_dropped_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        hub.emit("r", lifecycle_event("a", "started", None));
+        for i in 0..10_000 {
+            hub.emit("r", status(i));
+        }
+        // Small events: far within agents.queue_bytes, the count is the bound.
+        assert!(hub.pending_bytes() < 4 << 20);
+        assert_eq!(hub.pending(), 1000);
+        let g = hub.attach();
+        let got = drain(&hub, g);
+        assert_eq!(got[0].event["type"], "lifecycle", "low priority goes first");
+        // The newest are kept, the oldest dropped; every event is delivered or counted.
+        assert_eq!(got[got.len() - 2].source_sequence, 10_001);
+        let warning = got.last().unwrap();
+        assert_eq!(warning.event["errorCode"], "events_dropped");
+        assert_eq!(count(warning) + got.len() as u64 - 1, 10_001);
+    }
+
+    #[test]
+    fn a_gateway_that_connects_late_gets_no_event_older_than_the_age_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut hub = Hub::new(dir.path().join("ev"), "a").unwrap();
+        Arc::get_mut(&mut hub).unwrap().max_age = Duration::from_millis(50);
+        for i in 0..10 {
+            hub.emit("r", status(i));
+        }
+        std::thread::sleep(Duration::from_millis(80));
+        // Nothing emitted since: the gateway still gets only the count.
+        let g = hub.attach();
+        let got = drain(&hub, g);
+        assert_eq!(got.len(), 1, "{got:#?}");
+        assert_eq!(got[0].event["errorCode"], "events_dropped");
+        assert_eq!(count(&got[0]), 10);
     }
 
     /// The count of an `events_dropped` warning.

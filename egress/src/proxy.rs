@@ -18,7 +18,8 @@ use tracing::Instrument;
 use crate::address::AddressPolicy;
 use crate::allowlist::Allowlist;
 use crate::counting::{Counters, Ledger};
-use crate::error::EgressError;
+use crate::error::{EgressError, Refusal};
+use crate::head::{self, First};
 use crate::resolve::Resolve;
 use crate::shared::{text, Body, Outcome, ProxyLimits, Shared};
 use crate::{http_forward, tunnel};
@@ -184,25 +185,52 @@ impl Proxy {
     /// Serves one client connection until it closes.
     pub async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         &self,
-        stream: S,
+        mut stream: S,
     ) {
         self.shared
             .counters
             .connections
             .fetch_add(1, Ordering::Relaxed);
+        // A client has `hello_timeout` to send each request head, the first one included.
+        let timeout = self.shared.limits.hello_timeout;
+        let read = match tokio::time::timeout(timeout, head::read_first(&mut stream)).await {
+            Ok(Ok(First::Serve(read))) => read,
+            Ok(Ok(First::Malformed(refusal))) => {
+                self.shared.note_refusal(&refusal);
+                if let Err(e) = head::answer(&mut stream, &refusal).await {
+                    tracing::debug!(error = %e, "egress refusal not delivered");
+                }
+                return;
+            }
+            Ok(Ok(First::Closed)) => return,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "egress proxy connection ended with an error");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!("egress proxy connection sent no request head in time");
+                return;
+            }
+        };
         let shared = self.shared.clone();
         let service = service_fn(move |req| {
             let shared = shared.clone();
             async move { Ok::<_, Infallible>(handle(shared, req).await) }
         });
-        // A client has this long to send each request head (hyper's default, enforced only with a timer).
         let conn = http1::Builder::new()
             .timer(TokioTimer::new())
-            .header_read_timeout(self.shared.limits.hello_timeout)
-            .serve_connection(TokioIo::new(stream), service)
+            .header_read_timeout(timeout)
+            .serve_connection(TokioIo::new(head::Rewind::new(read, stream)), service)
             .with_upgrades();
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "egress proxy connection ended with an error");
+        match conn.await {
+            // A later head of the connection that hyper could not parse: hyper answered it with its own 400 (or
+            // 431), the proxy counts and logs it as its own refusals.
+            Err(e) if e.is_parse() || e.is_parse_too_large() => {
+                self.shared
+                    .note_refusal(&Refusal::Malformed("a request head that does not parse"));
+            }
+            Err(e) => tracing::debug!(error = %e, "egress proxy connection ended with an error"),
+            Ok(()) => {}
         }
     }
 }

@@ -80,6 +80,11 @@ impl From<EgressError> for Outcome {
     }
 }
 
+/// The body of the answer to a refusal.
+pub(crate) fn refusal_text(refusal: &Refusal) -> String {
+    format!("egress refused: {refusal}\n")
+}
+
 pub(crate) fn text(status: http::StatusCode, body: String) -> Response<Body> {
     let mut response = Response::new(
         Full::new(Bytes::from(body))
@@ -115,7 +120,7 @@ impl Shared {
     /// Logs and counts a refusal, and answers it.
     pub(crate) fn refuse(&self, refusal: &Refusal) -> Response<Body> {
         self.note_refusal(refusal);
-        text(refusal.status(), format!("egress refused: {refusal}\n"))
+        text(refusal.status(), refusal_text(refusal))
     }
 
     pub(crate) fn note_refusal(&self, refusal: &Refusal) {
@@ -150,11 +155,17 @@ impl Shared {
         port: u16,
     ) -> Result<Counted<TcpStream>, Outcome> {
         let addresses = self.resolver.resolve(host).await?;
+        // Once per resolution: read again when a second old (`HOST_ADDRESSES_MAX_AGE`).
+        let own = self
+            .addresses
+            .host_addresses()
+            .inspect_err(|e| tracing::warn!(error = %e, "reading the host's addresses failed"))
+            .ok();
         let mut first_refusal: Option<AddressRefusal> = None;
         let mut last_error = None;
         for ip in addresses {
             let address = SocketAddr::new(ip, port);
-            if let Err(reason) = self.addresses.check(address) {
+            if let Err(reason) = self.addresses.check_among(address, own.as_ref()) {
                 tracing::info!(%host, %address, %reason, "egress address refused");
                 first_refusal.get_or_insert(reason);
                 continue;

@@ -448,6 +448,7 @@ impl Config {
         positive("agents.max_body_bytes", a.max_body_bytes as u64)?;
         positive("agents.upload_attempts", a.upload_attempts as u64)?;
         positive("agents.max_line_bytes", a.max_line_bytes)?;
+        positive("agents.queue_events", a.queue_events as u64)?;
         if a.live_restore && self.sandbox.nofile <= runtime::init::keeper::CONN_FD as u64 {
             return Err(ConfigError::Value {
                 key: "sandbox.nofile",
@@ -855,6 +856,7 @@ mod tests {
                     ("upload_attempts", c.agents.upload_attempts.to_string()),
                     ("max_line_bytes", c.agents.max_line_bytes.to_string()),
                     ("queue_bytes", c.agents.queue_bytes.to_string()),
+                    ("queue_events", c.agents.queue_events.to_string()),
                     ("replay_bytes", c.agents.replay_bytes.to_string()),
                 ]
                 .into(),
@@ -1059,6 +1061,15 @@ mod tests {
                 "sandbox.cgroup_parent",
             ),
             ("agents: {max_line_bytes: 0}", "agents.max_line_bytes"),
+            (
+                "network: {allow_networks: [198.18.3.0/33]}",
+                "network.allow_networks",
+            ),
+            (
+                "network: {allow_networks: [127.0.0.0/8]}",
+                "network.allow_networks",
+            ),
+            ("agents: {queue_events: 0}", "agents.queue_events"),
             // Budgets that could not hold one event of max_line_bytes are refused, not left to drop everything.
             ("agents: {queue_bytes: 1048576}", "agents.queue_bytes"),
             ("agents: {replay_bytes: 2097152}", "agents.replay_bytes"),

@@ -6,8 +6,9 @@
 //! and serves the proxy on it from the daemon itself: nothing of the daemon's runs in the container, and the
 //! program finds the proxy through `HTTP_PROXY`, `HTTPS_PROXY` and their relatives ([`proxy_env`]). The proxy
 //! resolves names itself, refuses loopback, private (unless the operator allows them), link-local and other
-//! special addresses and the daemon's own listen addresses whatever the list says, and counts connections and
-//! bytes, which the result reports (`result.network`).
+//! special addresses (the operator may permit networks of its own among the private, shared and special-purpose
+//! ones: `network.allow_networks`), the daemon's own listen addresses and the host's own addresses whatever the
+//! list says, and counts connections and bytes, which the result reports (`result.network`).
 //!
 //! Requests are checked against the operator's bound `network.allow_max` before anything runs; the extension is
 //! announced in `pong` only when `network.enabled` is set. Agent sandboxes use the same settings through
@@ -18,7 +19,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use egress::{
-    AddressPolicy, Allowlist, AllowlistError, Proxy, ProxyLimits, Resolve, SystemResolver,
+    parse_allowed_networks, AddressPolicy, Allowlist, AllowlistError, Proxy, ProxyLimits, Resolve,
+    SystemResolver,
 };
 use protocol::{ErrorCode, ErrorMessage, ExecuteRequest, NetworkUsage};
 use serde::Deserialize;
@@ -42,6 +44,11 @@ pub struct NetworkConfig {
     /// Let the proxy connect to RFC 1918 and IPv6 ULA addresses. Loopback, link-local (cloud metadata),
     /// CGNAT, multicast and reserved ranges, and the daemon's own listen addresses, stay refused.
     pub allow_private: bool,
+    /// Networks (CIDR, `198.18.3.0/24`, `fd00:1::/48`) whose private, shared (CGNAT) and special-purpose addresses
+    /// the proxy may connect to. Loopback, link-local, unspecified, multicast and reserved addresses, the daemon's
+    /// own and the host's own addresses stay refused inside them; a network overlapping the first five is refused
+    /// at load ([`parse_allowed_networks`]).
+    pub allow_networks: Vec<String>,
     /// Nameservers the proxy queries (`ip:port`), the first one used; empty: the host's `/etc/resolv.conf`.
     pub nameservers: Vec<SocketAddr>,
     /// Bytes one execution may exchange with the outside, both directions; a request's `egress_bytes` may ask
@@ -57,6 +64,7 @@ impl Default for NetworkConfig {
             enabled: false,
             allow_max: Vec::new(),
             allow_private: false,
+            allow_networks: Vec::new(),
             nameservers: Vec::new(),
             egress_bytes_max: DEFAULT_EGRESS_BYTES_MAX,
             connect_timeout_ms: 10_000,
@@ -65,10 +73,12 @@ impl Default for NetworkConfig {
 }
 
 impl NetworkConfig {
-    /// Checks the bound parses and is present when enabled; `(key, reason)` otherwise.
+    /// Checks the bound parses and is present when enabled, and the allowed networks; `(key, reason)` otherwise.
     pub fn validate(&self) -> Result<(), (&'static str, String)> {
         let bound =
             Allowlist::parse(&self.allow_max).map_err(|e| ("network.allow_max", e.to_string()))?;
+        parse_allowed_networks(&self.allow_networks)
+            .map_err(|e| ("network.allow_networks", e.to_string()))?;
         if self.enabled && bound.entries().is_empty() {
             return Err((
                 "network.allow_max",
@@ -103,6 +113,8 @@ impl Egress {
             return Ok(None);
         }
         let allow_max = Allowlist::parse(&config.allow_max).map_err(|e| e.to_string())?;
+        let allow_networks =
+            parse_allowed_networks(&config.allow_networks).map_err(|e| e.to_string())?;
         let resolver: Arc<dyn Resolve> = match config.nameservers.first() {
             Some(ns) => Arc::new(SystemResolver::with_nameserver(*ns)),
             None => Arc::new(SystemResolver::new().map_err(|e| e.to_string())?),
@@ -112,6 +124,7 @@ impl Egress {
             allow_max,
             addresses: AddressPolicy::new()
                 .allow_private(config.allow_private)
+                .allow_networks(allow_networks)
                 .daemon_addresses(daemon_addresses),
             resolver,
         }))
@@ -304,6 +317,25 @@ mod tests {
         let (key, reason) = enabled(&["10.0.0.1:443"]).validate().unwrap_err();
         assert_eq!(key, "network.allow_max");
         assert!(reason.contains("IP literal"), "{reason}");
+        let mut networks = enabled(&["a.example"]);
+        networks.allow_networks = vec!["198.18.3.0/24".into(), "fd00:1::/48".into()];
+        assert!(networks.validate().is_ok());
+        for (bad, why) in [
+            ("198.18.3.0", "not a network in CIDR notation"),
+            ("198.18.3.1/24", "host bits set"),
+            ("127.0.0.0/8", "loopback"),
+            ("169.254.0.0/16", "link-local"),
+            ("0.0.0.0/0", "unspecified"),
+            ("ff00::/8", "multicast"),
+        ] {
+            networks.allow_networks = vec!["198.18.3.0/24".into(), bad.into()];
+            let (key, reason) = networks.validate().unwrap_err();
+            assert_eq!(key, "network.allow_networks", "{bad}");
+            assert!(
+                reason.contains(bad) && reason.contains(why),
+                "{bad}: {reason}"
+            );
+        }
         let mut zero = enabled(&["a.example"]);
         zero.egress_bytes_max = 0;
         assert_eq!(zero.validate().unwrap_err().0, "network.egress_bytes_max");

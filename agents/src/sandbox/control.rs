@@ -2,7 +2,10 @@
 //! commands (`resolve`, `inject_context`, `update_brief`, `shutdown`), and writes its events and state as JSON
 //! lines. Lines are framed by tokio-util's [`LinesCodec`] with a maximum of `agents.max_line_bytes`: a longer line
 //! is never kept; the codec discards it up to its newline, a `control_line_too_long` warning goes out, and the next
-//! line is read as usual. A line that is not UTF-8 or not JSON is dropped with a `malformed_event` warning.
+//! line is read as usual. A line that is not UTF-8 or not JSON is dropped with a `malformed_event` warning, and so
+//! is a valid one that is not the agent's to write (`vet`): a lifecycle event, another agent's event, an error
+//! with one of sandboxd's error codes, a decision id over [`MAX_DECISION_ID_BYTES`] or past
+//! [`MAX_PENDING_DECISIONS`]. What sandboxd fills in after an artifact's upload is never taken from the agent.
 //!
 //! Reading and processing are two tasks with one line in flight between them, so a slow upload slows the reading
 //! (backpressure) but never the supervisor.
@@ -11,12 +14,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use agent_api::{error_event, parse_agent_line, AgentLine, AgentStatus};
+use agent_api::{error_codes, error_event, parse_agent_line, AgentLine, AgentStatus};
 use futures_util::StreamExt;
 use nix::sys::signal::Signal;
 use runtime::error::Chain;
 use runtime::init::ProgramExit;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 use tokio_util::bytes::BytesMut;
@@ -195,8 +198,13 @@ impl Sandbox {
             if let Some(spool) = &spool {
                 spool.processed(end);
             }
+            // The record is blocking file I/O (bounded: a checkpoint of a line and the pending decisions' ids), done
+            // on a blocking thread; the next line waits for it, so writes never pile up behind a flooding agent.
             if changed {
-                self.persist();
+                let me = self.clone();
+                if let Err(e) = tokio::task::spawn_blocking(move || me.persist()).await {
+                    warn!(error = %e, "the sandbox's record was not written");
+                }
             }
         }
         let _ = processed.send(()).await;
@@ -218,7 +226,7 @@ impl Sandbox {
                             "A control line of more than {max} bytes was skipped: over agents.max_line_bytes"
                         ),
                         true,
-                        Some("control_line_too_long"),
+                        Some(error_codes::CONTROL_LINE_TOO_LONG),
                         "internal",
                     ),
                 );
@@ -230,21 +238,44 @@ impl Sandbox {
 
     fn malformed(&self, run_id: &str, why: &str) {
         let why: String = why.chars().take(200).collect();
+        self.warn_dropped_line(run_id, &format!("Malformed control line dropped: {why}"));
+    }
+
+    /// A valid line that is not the agent's to write, dropped: reported as a malformed one is.
+    fn refused(&self, run_id: &str, why: &Refused) {
+        self.warn_dropped_line(run_id, &format!("Control line refused: {why}"));
+    }
+
+    fn warn_dropped_line(&self, run_id: &str, message: &str) {
         self.hub.emit(
             run_id,
             error_event(
                 &self.agent_id,
                 "warning",
-                &format!("Malformed control line dropped: {why}"),
+                message,
                 true,
-                Some("malformed_event"),
+                Some(error_codes::MALFORMED_EVENT),
                 "internal",
             ),
         );
     }
 
+    /// `id` is pending (the agent waits on the gateway), unless [`MAX_PENDING_DECISIONS`] others are already.
+    fn add_pending(&self, id: &str) -> Result<(), Refused> {
+        let mut sh = self.shared();
+        if sh.pending_decisions.len() >= MAX_PENDING_DECISIONS && !sh.pending_decisions.contains(id)
+        {
+            return Err(Refused::TooManyDecisions);
+        }
+        sh.pending_decisions.insert(id.to_owned());
+        if sh.status == Some(AgentStatus::Running) {
+            sh.status = Some(AgentStatus::WaitingOnHuman);
+        }
+        Ok(())
+    }
+
     /// Handles one line; whether it changed the sandbox's state (a checkpoint, a decision).
-    async fn handle_line(&self, run_id: &str, bytes: &[u8]) -> bool {
+    pub(super) async fn handle_line(&self, run_id: &str, bytes: &[u8]) -> bool {
         match parse_agent_line(bytes) {
             Err(why) => {
                 self.malformed(run_id, &why);
@@ -258,6 +289,13 @@ impl Sandbox {
                 true
             }
             Ok(AgentLine::Event(mut event)) => {
+                let stray_uri = match vet(&mut event, &self.agent_id) {
+                    Ok(stray) => stray,
+                    Err(why) => {
+                        self.refused(run_id, &why);
+                        return false;
+                    }
+                };
                 let kind = event
                     .get("type")
                     .and_then(Value::as_str)
@@ -266,45 +304,27 @@ impl Sandbox {
                 let mut changed = false;
                 if kind == "decision" {
                     if let Some(d) = event.get("decisionId").and_then(Value::as_str) {
-                        let mut sh = self.shared();
-                        sh.pending_decisions.insert(d.to_owned());
-                        if sh.status == Some(AgentStatus::Running) {
-                            sh.status = Some(AgentStatus::WaitingOnHuman);
+                        if let Err(why) = self.add_pending(d) {
+                            self.refused(run_id, &why);
+                            return false;
                         }
                         changed = true;
                     }
                 }
-                let mut failure = None;
-                if kind == "artifact" {
-                    let written = event
-                        .get("uri")
-                        .and_then(Value::as_str)
-                        .and_then(|uri| self.written_volume(uri));
-                    match self.upload_artifact(&mut event).await {
-                        Ok(()) => {
-                            if event.contains_key("contentHash") {
-                                self.shared().uploads += 1;
-                            }
-                        }
-                        Err(e) => failure = Some(e),
-                    }
-                    if let Some((volumes, volume, path)) = written {
-                        let uploaded = failure.is_none() && event.contains_key("contentHash");
-                        volumes
-                            .record_artifact(&volume, &self.id, path, uploaded)
-                            .await;
-                    }
+                let mut failure = stray_uri.map(|e| e.to_string());
+                if kind == "artifact" && failure.is_none() {
+                    failure = self.extract_artifact(&mut event).await;
                 }
                 self.hub.emit(run_id, event);
-                if let Some(e) = failure {
+                if let Some(why) = failure {
                     self.hub.emit(
                         run_id,
                         error_event(
                             &self.agent_id,
                             "medium",
-                            &format!("Artifact not uploaded: {}", Chain(&e)),
+                            &format!("Artifact not uploaded: {why}"),
                             true,
-                            Some("artifact_upload_failed"),
+                            Some(error_codes::ARTIFACT_UPLOAD_FAILED),
                             "tool",
                         ),
                     );
@@ -312,6 +332,123 @@ impl Sandbox {
                 changed
             }
         }
+    }
+
+    /// Uploads the file an artifact event names and rewrites the event ([`Self::upload_artifact`]), and records
+    /// it when it lies on a volume; why it was not uploaded, if it was not.
+    async fn extract_artifact(&self, event: &mut Map<String, Value>) -> Option<String> {
+        let written = event
+            .get("uri")
+            .and_then(Value::as_str)
+            .and_then(|uri| self.written_volume(uri));
+        let mut failure = None;
+        match self.upload_artifact(event).await {
+            // Only an upload sets `contentHash` (the agent's own was removed).
+            Ok(()) => {
+                if event.contains_key("contentHash") {
+                    self.shared().uploads += 1;
+                }
+            }
+            Err(e) => failure = Some(Chain(&e).to_string()),
+        }
+        if let Some((volumes, volume, path)) = written {
+            let uploaded = failure.is_none() && event.contains_key("contentHash");
+            volumes
+                .record_artifact(&volume, &self.id, path, uploaded)
+                .await;
+        }
+        failure
+    }
+}
+
+/// The longest `decisionId` an agent may write, bytes: the pending ones are kept (in memory and in the record)
+/// until the gateway resolves them.
+pub const MAX_DECISION_ID_BYTES: usize = 256;
+/// Decisions pending at once; another one is refused until the gateway resolves one.
+pub const MAX_PENDING_DECISIONS: usize = 1000;
+
+/// Why a valid event line is not the agent's to write (it is dropped, with a `malformed_event` warning).
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    /// Only sandboxd says how a run starts, stops or ends.
+    #[error("A lifecycle event is sandboxd's own")]
+    Lifecycle,
+    /// The event names another agent.
+    #[error("The agentId {got:?} is not this sandbox's agent ({own})")]
+    AgentId {
+        /// What the line says (the first 64 characters).
+        got: String,
+        /// The sandbox's agent.
+        own: String,
+    },
+    /// An error event with one of [`error_codes::RESERVED`].
+    #[error("The errorCode {0} is sandboxd's own")]
+    ReservedCode(&'static str),
+    /// A `decisionId` over [`MAX_DECISION_ID_BYTES`].
+    #[error("A decisionId of {0} bytes is over {MAX_DECISION_ID_BYTES}")]
+    DecisionIdTooLong(usize),
+    /// [`MAX_PENDING_DECISIONS`] are pending.
+    #[error("{MAX_PENDING_DECISIONS} decisions are pending already, the most an agent may have")]
+    TooManyDecisions,
+}
+
+/// An artifact's `uri` that is neither a path to upload nor absent (removed from the event).
+#[derive(Debug, thiserror::Error)]
+#[error("Its uri {0:?} is not a path under /workspace (only sandboxd's upload gives an artifact a backend uri)")]
+struct NotASandboxPath(String);
+
+/// Checks an agent's event against what only sandboxd may say (lifecycle events, another agent's name, sandboxd's
+/// error codes, an over-long decision id), and takes out of an artifact what sandboxd fills in after an upload:
+/// `contentHash`, `sizeBytes`, `provenance.sourcePath`, and a `uri` that is not an absolute path (returned; an
+/// absolute one is the upload's to take or refuse).
+fn vet(event: &mut Map<String, Value>, agent_id: &str) -> Result<Option<NotASandboxPath>, Refused> {
+    let kind = event
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if kind == "lifecycle" {
+        return Err(Refused::Lifecycle);
+    }
+    let named = event
+        .get("agentId")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if named != agent_id {
+        return Err(Refused::AgentId {
+            got: named.chars().take(64).collect(),
+            own: agent_id.to_owned(),
+        });
+    }
+    let field = |name: &str| event.get(name).and_then(Value::as_str);
+    match kind {
+        "error" => {
+            match field("errorCode").and_then(|c| error_codes::RESERVED.iter().find(|r| **r == c)) {
+                Some(code) => Err(Refused::ReservedCode(code)),
+                None => Ok(None),
+            }
+        }
+        "decision" => match field("decisionId").map(str::len) {
+            Some(n) if n > MAX_DECISION_ID_BYTES => Err(Refused::DecisionIdTooLong(n)),
+            _ => Ok(None),
+        },
+        "artifact" => {
+            event.remove("contentHash");
+            event.remove("sizeBytes");
+            if let Some(Value::Object(p)) = event.get_mut("provenance") {
+                p.remove("sourcePath");
+            }
+            match event.get("uri") {
+                Some(Value::String(uri)) if uri.starts_with('/') => Ok(None),
+                None => Ok(None),
+                Some(uri) => {
+                    let uri = uri.as_str().map_or_else(|| uri.to_string(), str::to_owned);
+                    let uri = uri.chars().take(128).collect();
+                    event.remove("uri");
+                    Ok(Some(NotASandboxPath(uri)))
+                }
+            }
+        }
+        _ => Ok(None),
     }
 }
 

@@ -21,6 +21,8 @@ pub mod control;
 pub mod freezer;
 pub mod lifecycle;
 mod spool;
+#[cfg(test)]
+mod tests;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

@@ -290,3 +290,44 @@ async fn the_proxy_serves_a_unix_listener() {
     assert_eq!(read_some(&mut tls).await, b"echo:over unix");
     assert_eq!(proxy.stats().connections, 1);
 }
+
+/// The case: a service of the host listening on every address (here on a port of its own), and an allowed
+/// name resolving to one of the host's interface addresses. The address is one the ranges permit (with
+/// `allow_private`, a private one), so only its being the host's own refuses it.
+#[tokio::test]
+async fn a_name_resolving_to_the_hosts_own_address_is_refused() {
+    let host = egress::HostAddresses::read().unwrap();
+    let Some(ip) = host
+        .iter()
+        .find(|&ip| egress::classify(ip).is_none_or(|r| r == egress::AddressRefusal::Private))
+    else {
+        eprintln!("SKIPPED: this host has no interface address outside the special ranges but loopback's: {host:?}");
+        return;
+    };
+    let any: std::net::IpAddr = match ip {
+        std::net::IpAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        std::net::IpAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+    };
+    let service = tokio::net::TcpListener::bind((any, 0)).await.unwrap();
+    let port = service.local_addr().unwrap().port();
+    let target = format!("self.test:{port}");
+    let resolver = StaticResolver::new().with("self.test", [ip]);
+    let policy = AddressPolicy::new().allow_private(true);
+    let proxy = start_proxy(
+        std::slice::from_ref(&target),
+        policy,
+        resolver,
+        ProxyLimits::default(),
+    )
+    .await;
+    let (status, mut stream) = connect(proxy.addr, &target, "").await.unwrap();
+    assert_eq!(status, 403, "{ip}");
+    let body = String::from_utf8(read_some(&mut stream).await).unwrap();
+    assert!(
+        body.contains("self.test resolves only to refused addresses (the host's own address)"),
+        "{body}"
+    );
+    // Nothing reached the host's service.
+    let accepted = tokio::time::timeout(Duration::from_millis(100), service.accept()).await;
+    assert!(accepted.is_err(), "the host's service was reached");
+}

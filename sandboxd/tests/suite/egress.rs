@@ -1,6 +1,7 @@
 //! The `network` extension against a real daemon: an execution reaches the hosts its request lists through the
 //! daemon's egress proxy (real clients: python's urllib and requests, pip, curl, node's fetch), and every other way
-//! out is refused and logged. The origins are on an address the test creates ([`super::egress_origin`]).
+//! out is refused and logged. The origins are in a network namespace the test creates ([`super::egress_origin`]),
+//! on a network the daemon's `network.allow_networks` lists; the host's own address in it stays refused.
 
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
@@ -10,7 +11,8 @@ use serde_json::{json, Value};
 use super::egress_origin::{Origin, HTTPS_PORT, HTTP_PORT};
 use super::harness::*;
 
-/// The entries every execution here lists (`denied.test` resolves to the origins too, and is never listed).
+/// The entries every execution here lists (`denied.test` resolves to the origins too, and is never listed;
+/// `hostside.test` resolves to the host's end of the veth pair, inside the allowed network, and is refused).
 fn allow() -> Value {
     json!([
         format!("origin.test:{HTTPS_PORT}"),
@@ -18,6 +20,7 @@ fn allow() -> Value {
         format!("rebind.test:{HTTPS_PORT}"),
         format!("meta.test:{HTTP_PORT}"),
         format!("private.test:{HTTP_PORT}"),
+        format!("hostside.test:{HTTP_PORT}"),
     ])
 }
 
@@ -318,6 +321,7 @@ checks = {
     "name rebound to loopback": fetch("https://rebind.test:@HTTPS@/hello"),
     "name at the metadata address": fetch("http://meta.test:@HTTP@/hello"),
     "name at a private address": fetch("http://private.test:@HTTP@/hello"),
+    "name at the host's own address in the allowed network": fetch("http://hostside.test:@HTTP@/hello"),
     "Host header of a name not listed": status_of(proxy_raw(
         b"GET http://origin.test:@HTTP@/hello HTTP/1.1\r\nHost: denied.test:@HTTP@\r\nConnection: close\r\n\r\n")),
     "smuggled second request": smuggled(proxy_raw(
@@ -354,7 +358,7 @@ async fn every_other_way_out_is_refused_and_logged() {
     let out = run.stdout_text();
     println!("{out}");
     let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(lines.len(), 16, "one line per check:\n{}", run.dump());
+    assert_eq!(lines.len(), 17, "one line per check:\n{}", run.dump());
     let reached: Vec<&&str> = lines
         .iter()
         .filter(|l| !l.contains(": refused ("))
@@ -375,7 +379,7 @@ async fn every_other_way_out_is_refused_and_logged() {
         .as_deref()
         .copied()
         .expect("result.network");
-    assert!(net.refused >= 9, "{net:?}");
+    assert!(net.refused >= 10, "{net:?}");
     let log = d.log();
     for reason in [
         "is not on the allowlist",
@@ -383,6 +387,8 @@ async fn every_other_way_out_is_refused_and_logged() {
         "does not match the CONNECT host",
         "resolves only to refused addresses",
         "Host header",
+        "private.test resolves only to refused addresses (private address)",
+        "hostside.test resolves only to refused addresses (the host's own address)",
     ] {
         assert!(
             log.lines().any(|l| l.contains("egress refused")
@@ -391,6 +397,13 @@ async fn every_other_way_out_is_refused_and_logged() {
             "no log line for {reason:?} naming the execution"
         );
     }
+    let host_side = format!("{}:{HTTP_PORT}", origin.host_ip);
+    assert!(
+        log.lines().any(|l| l.contains("egress address refused")
+            && l.contains(&host_side)
+            && l.contains("the host's own address")),
+        "no log line refusing {host_side}, the host's own address in the allowed network"
+    );
     no_leftovers(&d).await;
 }
 

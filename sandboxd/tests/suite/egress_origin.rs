@@ -1,11 +1,13 @@
-//! The outside world of the egress tests, on addresses the test creates: a veth interface on the host with one
-//! address in 198.18.0.0/15 (the benchmarking range: not private, not loopback, so the proxy's address policy
-//! treats it as any public address), HTTP and HTTPS origins on it that record every request they receive, a test
-//! CA that signed the HTTPS origin's certificate, a package index serving one wheel, and a nameserver on 127.0.0.1
-//! that the daemon's proxy queries.
+//! The outside world of the egress tests, in a network namespace the test creates: a veth pair from the host into
+//! it, on a /24 of 198.18.0.0/15 (the benchmarking range, refused by the proxy unless the operator lists the
+//! network in `network.allow_networks`, which these tests do for that /24 only), HTTP and HTTPS origins inside the
+//! namespace that record every request they receive, a test CA that signed the HTTPS origin's certificate, a
+//! package index serving one wheel, and a nameserver on 127.0.0.1 that the daemon's proxy queries. The host's end
+//! of the veth pair is one of the host's own addresses: an HTTP server listens on it too, and the proxy must never
+//! reach it, although it lies inside the allowed network.
 
 use std::convert::Infallible;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -14,6 +16,7 @@ use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
+use nix::sched::CloneFlags;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -29,60 +32,54 @@ pub const WHEEL: &str = "egressdemo-1.0-py3-none-any.whl";
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
-/// The origins, their address, the CA and the nameserver; dropping it stops the servers and removes the interface.
+/// The origins, their address, the CA and the nameserver; dropping it stops the servers and removes the namespace
+/// and its veth pair.
 pub struct Origin {
-    /// The origins' address.
+    /// The origins' address (inside the namespace).
     pub ip: Ipv4Addr,
+    /// The host's end of the veth pair, in the same /24: one of the host's own addresses.
+    pub host_ip: Ipv4Addr,
     /// The test CA's certificate, PEM (the program trusts it from a file).
     pub ca_pem: String,
-    /// `host header + path` of every request the origins received, in order.
+    /// `host header + path` of every request the origins (and the server on the host's end) received, in order.
     pub seen: Arc<Mutex<Vec<String>>>,
     /// The nameserver the daemon's proxy is configured with.
     pub nameserver: test_support::dns::Nameserver,
-    link: String,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    // Dropped after the fields above: the namespace goes once nothing of the test serves in it.
+    netns: Netns,
 }
 
 impl Origin {
-    /// Creates the interface and starts the origins and the nameserver. Names: `origin.test` and `denied.test` at
-    /// the origins' address, `rebind.test` at 127.0.0.1, `meta.test` at 169.254.169.254, `private.test` at
-    /// 10.1.2.3.
+    /// Creates the namespace and starts the origins and the nameserver. Names: `origin.test` and `denied.test` at
+    /// the origins' address, `hostside.test` at the host's end of the veth pair, `rebind.test` at 127.0.0.1,
+    /// `meta.test` at 169.254.169.254, `private.test` at 10.1.2.3.
     pub async fn start() -> Origin {
         let n = NEXT.fetch_add(1, Ordering::SeqCst);
-        let pid = std::process::id();
-        let link = format!("sbxe{}x{n}", pid % 100_000);
-        let ip = Ipv4Addr::new(198, 18, (pid % 200) as u8 + 1, n as u8 + 1);
-        // A leftover of an earlier crashed run with the same name goes first; a failure here is expected.
-        let _ = ip_cmd(&["link", "del", &link]);
-        // A veth pair with both ends in the host's namespace: the address on one end is a local address of the
-        // host, as an external interface's would be (the dummy driver is not in every kernel).
-        let peer = format!("{link}p");
-        ip_cmd(&["link", "add", &link, "type", "veth", "peer", "name", &peer])
-            .expect("ip link add (veth)");
-        ip_cmd(&["addr", "add", &format!("{ip}/32"), "dev", &link]).expect("ip addr add");
-        ip_cmd(&["link", "set", &link, "up"]).expect("ip link set up");
-        ip_cmd(&["link", "set", &peer, "up"]).expect("ip link set up (peer)");
-
+        let netns = Netns::create(&format!("sbxe{}x{n}", std::process::id() % 100_000), n);
+        let (ip, host_ip) = (netns.inside, netns.host);
         let (ca_pem, acceptor) = certificates();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let wheel = Bytes::from(build_wheel());
-        let mut tasks = Vec::new();
-        let http = TcpListener::bind((ip, HTTP_PORT))
+        let inside = netns
+            .bind_inside(&[(ip, HTTP_PORT).into(), (ip, HTTPS_PORT).into()])
+            .expect("bind the origins inside the namespace");
+        let [http, https] = inside.try_into().expect("two listeners");
+        let http = TcpListener::from_std(http).expect("the HTTP origin's listener");
+        let https = TcpListener::from_std(https).expect("the HTTPS origin's listener");
+        // Would answer like the origins if the proxy ever connected to the host's own address.
+        let host_side = TcpListener::bind((host_ip, HTTP_PORT))
             .await
-            .expect("bind the HTTP origin");
-        let https = TcpListener::bind((ip, HTTPS_PORT))
-            .await
-            .expect("bind the HTTPS origin");
-        tasks.push(tokio::spawn(serve(http, None, seen.clone(), wheel.clone())));
-        tasks.push(tokio::spawn(serve(
-            https,
-            Some(acceptor),
-            seen.clone(),
-            wheel,
-        )));
+            .expect("bind the server on the host's end");
+        let tasks = vec![
+            tokio::spawn(serve(http, None, seen.clone(), wheel.clone())),
+            tokio::spawn(serve(https, Some(acceptor), seen.clone(), wheel.clone())),
+            tokio::spawn(serve(host_side, None, seen.clone(), wheel)),
+        ];
         let records = [
             ("origin.test", vec![ip]),
             ("denied.test", vec![ip]),
+            ("hostside.test", vec![host_ip]),
             ("rebind.test", vec![Ipv4Addr::LOCALHOST]),
             ("meta.test", vec![Ipv4Addr::new(169, 254, 169, 254)]),
             ("private.test", vec![Ipv4Addr::new(10, 1, 2, 3)]),
@@ -92,15 +89,16 @@ impl Origin {
             .expect("start the test nameserver");
         Origin {
             ip,
+            host_ip,
             ca_pem,
             seen,
             nameserver,
-            link,
             tasks,
+            netns,
         }
     }
 
-    /// The daemon's `network` configuration for these origins.
+    /// The daemon's `network` configuration for these origins: their /24 allowed, nothing else.
     pub fn network_config(&self, egress_bytes_max: u64) -> serde_json::Value {
         serde_json::json!({
             "enabled": true,
@@ -109,6 +107,7 @@ impl Origin {
                 format!("*.test:{HTTPS_PORT}"),
                 "*.test:22",
             ],
+            "allow_networks": [self.netns.network()],
             "nameservers": [self.nameserver.addr.to_string()],
             "egress_bytes_max": egress_bytes_max,
         })
@@ -137,10 +136,110 @@ impl Drop for Origin {
         for t in &self.tasks {
             t.abort();
         }
+    }
+}
+
+/// Held while a subnet is picked and taken, so two origins of this process never pick the same one.
+static PICKING: Mutex<()> = Mutex::new(());
+
+/// A network namespace of the test's own and a veth pair into it: `198.18.A.1/24` on the host's end,
+/// `198.18.A.2/24` inside, `lo` up inside. Dropping it removes both.
+struct Netns {
+    name: String,
+    link: String,
+    host: Ipv4Addr,
+    inside: Ipv4Addr,
+}
+
+impl Netns {
+    /// Creates namespace `name` on the first /24 of 198.18.0.0/16 from one derived from the process and `n` that
+    /// no address of the host lies in (another test process may hold one).
+    fn create(name: &str, n: u32) -> Netns {
+        // A leftover of an earlier crashed run with the same name goes first; a failure here is expected.
+        let _ = ip_cmd(&["link", "del", name]);
+        let _ = ip_cmd(&["netns", "del", name]);
+        let picking = PICKING.lock().unwrap_or_else(|p| p.into_inner());
+        let start = std::process::id().wrapping_mul(7).wrapping_add(n);
+        let a = (0..256)
+            .map(|i| (start.wrapping_add(i) % 256) as u8)
+            .find(|&a| subnet_is_free(a))
+            .expect("a free /24 in 198.18.0.0/16");
+        ip_cmd(&["netns", "add", name]).expect("ip netns add");
+        // From here on, dropping the value removes what was made, should a step fail.
+        let netns = Netns {
+            name: name.to_owned(),
+            link: name.to_owned(),
+            host: Ipv4Addr::new(198, 18, a, 1),
+            inside: Ipv4Addr::new(198, 18, a, 2),
+        };
+        let peer = format!("{name}p");
+        ip_cmd(&["link", "add", name, "type", "veth", "peer", "name", &peer])
+            .expect("ip link add (veth)");
+        ip_cmd(&["link", "set", &peer, "netns", name]).expect("ip link set netns");
+        ip_cmd(&["addr", "add", &format!("{}/24", netns.host), "dev", name]).expect("ip addr add");
+        drop(picking);
+        ip_cmd(&["link", "set", name, "up"]).expect("ip link set up");
+        let inside = format!("{}/24", netns.inside);
+        ip_cmd(&["-n", name, "addr", "add", &inside, "dev", &peer]).expect("ip addr add (inside)");
+        ip_cmd(&["-n", name, "link", "set", &peer, "up"]).expect("ip link set up (inside)");
+        ip_cmd(&["-n", name, "link", "set", "lo", "up"]).expect("ip link set lo up (inside)");
+        netns
+    }
+
+    /// The /24, as `allow_networks` lists it.
+    fn network(&self) -> String {
+        let [a, b, c, _] = self.host.octets();
+        format!("{a}.{b}.{c}.0/24")
+    }
+
+    /// Nonblocking TCP listeners on `addresses`, created inside the namespace: on a thread of their own that
+    /// enters it first (a socket stays in the namespace it was created in; the thread ends with its work).
+    fn bind_inside(&self, addresses: &[SocketAddr]) -> std::io::Result<Vec<std::net::TcpListener>> {
+        let path = format!("/run/netns/{}", self.name);
+        let addresses = addresses.to_vec();
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path)?;
+            nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET)?;
+            addresses
+                .iter()
+                .map(|address| {
+                    let listener = std::net::TcpListener::bind(address)?;
+                    listener.set_nonblocking(true)?;
+                    Ok(listener)
+                })
+                .collect()
+        })
+        .join()
+        .expect("the thread binding inside the namespace panicked")
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Deleting one end deletes the pair; the namespace then holds only its loopback.
         if let Err(e) = ip_cmd(&["link", "del", &self.link]) {
             eprintln!("cannot remove the test interface {}: {e}", self.link);
         }
+        if let Err(e) = ip_cmd(&["netns", "del", &self.name]) {
+            eprintln!("cannot remove the test namespace {}: {e}", self.name);
+        }
     }
+}
+
+/// Whether no address of the host lies in 198.18.`a`.0/24.
+fn subnet_is_free(a: u8) -> bool {
+    let out = std::process::Command::new("ip")
+        .args([
+            "-4",
+            "-o",
+            "addr",
+            "show",
+            "to",
+            &format!("198.18.{a}.0/24"),
+        ])
+        .output()
+        .expect("run ip addr show");
+    out.status.success() && out.stdout.is_empty()
 }
 
 fn ip_cmd(args: &[&str]) -> Result<(), String> {
