@@ -5,7 +5,10 @@
 //! files show as owned by the sandbox's root (an idmapped bind), and what it changes never reaches the snapshot.
 //!
 //! Taking one copies the workspace once (it lives on a tmpfs that goes with its sandbox), with the sandbox frozen so
-//! that the copy is of one moment, and hashes it on the way into its digest ([`copy_tree`], in `runtime::tree`).
+//! that the copy is of one moment, and hashes it on the way into its digest ([`copy_tree_durable`], in
+//! `runtime::tree`). The copy is made durable by fsyncs of its own files and directories before its record is
+//! named, not by a `syncfs` of the state disk, which would wait for whatever else (other sandboxes' snapshots, the
+//! images, any other writer) is unwritten on that filesystem.
 //! On an OCI image it also copies the root's upper layer into `root/` ([`runtime::tree::copy_layer`]: whiteouts and
 //! opaque directories kept, the sandbox's root stored as 0), which a sandbox started from the snapshot gets as the
 //! first content of its own upper layer, on the same image only.
@@ -22,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use agent_api::{PluginError, RootLayer, Snapshot};
 
 use crate::cow::CowStore;
-use runtime::tree::{copy_layer, LayerOwners};
+use runtime::tree::{copy_layer, copy_layer_durable, copy_tree_durable, sync_tree, LayerOwners};
 pub use runtime::tree::{copy_tree, walk_tree, Copied};
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
@@ -392,7 +395,7 @@ impl Snapshots {
             let root = std::fs::DirBuilder::new()
                 .mode(0o700)
                 .create(&dir)
-                .and_then(|()| copy_root(root.as_ref(), &dir, max_bytes));
+                .and_then(|()| copy_root(root.as_ref(), &dir, max_bytes, false));
             match root {
                 Ok((root, charged)) => Ok((files, root, charged)),
                 Err(e) => {
@@ -500,6 +503,10 @@ impl Snapshots {
         let dir = self.dir.join(&id);
         if listed && self.entries().get(&id).is_none_or(|e| e.deleting) {
             return Ok(meta);
+        }
+        // The root layer was copied while the sandbox was frozen, and made durable only now, after its thaw.
+        if meta.root.is_some() {
+            sync_tree(&dir.join(ROOT))?;
         }
         // Written beside and renamed: a directory holds a whole record or none.
         let new = format!("{META}.new");
@@ -775,8 +782,9 @@ fn remove_all(path: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Copies `workspace` into `partial/layer`, writes `partial/snapshot.json`, makes both durable and renames
-/// `partial` to `done` (blocking).
+/// Copies `workspace` into `partial/layer` (and the root layer into `partial/root`), each durable once copied (an
+/// fsync of each of their files and directories: none of what else is written to the state disk is waited for),
+/// then writes `partial/snapshot.json`, makes it durable and renames `partial` to `done` (blocking).
 fn store(
     (workspace, root): (&Path, Option<&RootUpper>),
     (partial, done): (&Path, &Path),
@@ -784,10 +792,14 @@ fn store(
     max_bytes: u64,
 ) -> std::io::Result<Meta> {
     std::fs::DirBuilder::new().mode(0o700).create(partial)?;
-    let copied = copy_tree(workspace, &partial.join(LAYER), max_bytes)?;
+    let copied = copy_tree_durable(workspace, &partial.join(LAYER), max_bytes)?;
     // Both on the state disk: at most `max_bytes` together.
-    (meta.root, meta.root_charged) =
-        copy_root(root, partial, max_bytes.saturating_sub(copied.charged))?;
+    (meta.root, meta.root_charged) = copy_root(
+        root,
+        partial,
+        max_bytes.saturating_sub(copied.charged),
+        true,
+    )?;
     meta.digest = copied.digest;
     meta.bytes = copied.bytes;
     meta.files = copied.files;
@@ -796,8 +808,8 @@ fn store(
     Ok(meta)
 }
 
-/// Writes `meta` into the new file `dir/name` and makes the state disk durable (one syncfs for every file of the
-/// snapshot's copy: it is complete on disk before its record is named).
+/// Writes `meta` into the new file `dir/name`, durable (its entry in `dir` is not yet: the caller syncs `dir`). The
+/// snapshot's files must be durable already: a record is named only once they are.
 fn write_meta_file(dir: &Path, name: &str, meta: &Meta) -> std::io::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -805,16 +817,17 @@ fn write_meta_file(dir: &Path, name: &str, meta: &Meta) -> std::io::Result<()> {
         .mode(0o600)
         .open(dir.join(name))?;
     f.write_all(&serde_json::to_vec_pretty(meta).map_err(std::io::Error::other)?)?;
-    nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)).map_err(std::io::Error::from)
+    f.sync_all()
 }
 
 /// Copies the root layer `root` (if any) into `into/root` with the owners a snapshot stores (the sandbox's root as
-/// 0, any other as nobody), leaving out the runtime's mount points; `None` (and nothing left) when it holds nothing
-/// else. More than `max_bytes` is an error of kind `FileTooLarge`.
+/// 0, any other as nobody), leaving out the runtime's mount points, durable on return with `durable`; `None` (and
+/// nothing left) when it holds nothing else. More than `max_bytes` is an error of kind `FileTooLarge`.
 fn copy_root(
     root: Option<&RootUpper>,
     into: &Path,
     max_bytes: u64,
+    durable: bool,
 ) -> std::io::Result<(Option<RootLayer>, u64)> {
     let Some(root) = root else {
         return Ok((None, 0));
@@ -824,7 +837,11 @@ fn copy_root(
         from: root.host_id,
         to: 0,
     };
-    let copied = copy_layer(
+    let copy = match durable {
+        true => copy_layer_durable,
+        false => copy_layer,
+    };
+    let copied = copy(
         &root.upper,
         &dst,
         (owners, runtime::rootfs::IMAGE_MOUNT_POINTS),
@@ -847,6 +864,7 @@ fn copy_root(
 /// Writes `partial/snapshot.json`, makes the directory durable and renames it to `done` (blocking).
 fn write_meta(partial: &Path, done: &Path, meta: &Meta) -> std::io::Result<()> {
     write_meta_file(partial, META, meta)?;
+    std::fs::File::open(partial)?.sync_all()?;
     std::fs::rename(partial, done)?;
     if let Some(parent) = done.parent() {
         std::fs::File::open(parent)?.sync_all()?;

@@ -1,15 +1,20 @@
 //! Copies and walks of a directory tree with a digest of what it holds: a snapshot's copy of a workspace
 //! ([`copy_tree`]), the walk of one already copied ([`walk_tree`]), and an overlay's upper layer carried from one
 //! container's root to another's ([`copy_layer`]: its whiteouts and opaque directories kept, its owners mapped).
+//! A copy to keep on disk ([`copy_tree_durable`], [`copy_layer_durable`]) is durable when it returns through fsyncs
+//! of its own files and directories only: how long that takes does not depend on what else the filesystem holds
+//! unwritten, as a `syncfs` would.
 //!
 //! Written here by hand: the copy must never follow a link a sandbox made, must leave out what is mounted into the
 //! tree and must not keep set-id bits, and no crate does that with a digest of the result in one pass.
 
 use std::ffi::{CString, OsString};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use sha2::{Digest, Sha256};
 
@@ -80,6 +85,13 @@ pub struct Copied {
 const ENTRY_BYTES: u64 = 4096;
 /// Bytes of paths a copy keeps at once (the directories still to walk, and those whose modes are set last).
 const MAX_PATH_BYTES: usize = 64 << 20;
+/// Files (or directories) a durable copy keeps open until they are synced, at most: synced a batch at a time.
+const SYNC_BATCH: usize = 256;
+/// Threads a durable copy syncs a batch on. Each fsync waits for its file's writeback, the write of its metadata (a
+/// journal commit, on a filesystem with a journal) and a flush of the disk's cache; those in flight together share
+/// the commit, and the block layer merges their flushes, so that a batch takes a few flushes' time rather than one
+/// per file (1 000 files of 100 KiB on an ext4: about 25 ms on 16 threads, 70 to 145 ms on one).
+pub const SYNC_THREADS: usize = 16;
 
 /// Copies the tree at `src` into the new directory `dst` (blocking): regular files, directories and symbolic links
 /// (as links: never followed), each owned by the caller (0), with its permission bits (set-id bits dropped) and
@@ -89,7 +101,16 @@ const MAX_PATH_BYTES: usize = 64 << 20;
 /// [`MAX_PATH_BYTES`] to walk, is an error of kind `FileTooLarge`. The digest covers each entry in the walk's order
 /// (a directory's entries sorted by name, depth first), each field length-prefixed.
 pub fn copy_tree(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copied> {
-    walk_tree(src, Some(dst), max_bytes, true)
+    walk(src, Some(dst), max_bytes, (true, false), None)
+}
+
+/// [`copy_tree`], with the copy durable when it returns: each file, and each directory once its entries are in it,
+/// is fsynced (`fsync(2)` of the copy's own files, not `syncfs(2)`, so that it waits for none of what else is being
+/// written to the same filesystem). Each file's writeback is started as soon as it is written, and the files are
+/// synced a batch at a time on [`SYNC_THREADS`] threads (their flushes merged by the block layer); links and
+/// whiteouts are durable through their directory's fsync.
+pub fn copy_tree_durable(src: &Path, dst: &Path, max_bytes: u64) -> std::io::Result<Copied> {
+    walk(src, Some(dst), max_bytes, (true, true), None)
 }
 
 /// [`copy_tree`]'s walk, which copies into `dst` when there is one and hashes the content when `hash` (without, the
@@ -100,7 +121,7 @@ pub fn walk_tree(
     max_bytes: u64,
     hash: bool,
 ) -> std::io::Result<Copied> {
-    walk(src, dst, max_bytes, hash, None)
+    walk(src, dst, max_bytes, (hash, false), None)
 }
 
 /// Copies the upper layer of an overlay at `src` into the new directory `dst` (blocking), as [`copy_tree`] does
@@ -115,14 +136,51 @@ pub fn copy_layer(
     max_bytes: u64,
 ) -> std::io::Result<Copied> {
     let mode = LayerMode { owners, leave_out };
-    walk(src, Some(dst), max_bytes, true, Some(mode))
+    walk(src, Some(dst), max_bytes, (true, false), Some(mode))
 }
 
+/// [`copy_layer`], with the copy durable when it returns, as [`copy_tree_durable`] makes it.
+pub fn copy_layer_durable(
+    src: &Path,
+    dst: &Path,
+    (owners, leave_out): (LayerOwners, &[&str]),
+    max_bytes: u64,
+) -> std::io::Result<Copied> {
+    let mode = LayerMode { owners, leave_out };
+    walk(src, Some(dst), max_bytes, (true, true), Some(mode))
+}
+
+/// Makes the tree at `dir`, written by a copy that was not durable, durable (blocking): every regular file and
+/// directory in it fsynced, as [`copy_tree_durable`] syncs its copy (links are not followed; they, and any other
+/// entry, are durable through their directory's fsync).
+pub fn sync_tree(dir: &Path) -> std::io::Result<()> {
+    let mut sync = Syncer::default();
+    let (mut dirs, mut todo) = (Vec::new(), vec![dir.to_owned()]);
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let e = e?;
+            let ft = e.file_type()?;
+            if ft.is_dir() {
+                todo.push(e.path());
+            } else if ft.is_file() {
+                let f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                    .open(e.path())?;
+                sync.written(f)?;
+            }
+        }
+        dirs.push(d);
+    }
+    sync.finish(dirs.iter().map(PathBuf::as_path))
+}
+
+/// The walk of [`walk_tree`] and the copies: `dst` durable on return with `durable`.
 fn walk(
     src: &Path,
     dst: Option<&Path>,
     max_bytes: u64,
-    hash: bool,
+    (hash, durable): (bool, bool),
     layer: Option<LayerMode<'_>>,
 ) -> std::io::Result<Copied> {
     let top = std::fs::symlink_metadata(src)?;
@@ -147,6 +205,7 @@ fn walk(
     }
     let mut todo: Vec<PathBuf> = vec![PathBuf::new()];
     let mut buf = vec![0u8; 1 << 20];
+    let mut sync = (durable && dst.is_some()).then(Syncer::default);
     while let Some(rel) = todo.pop() {
         let mut names: Vec<OsString> = std::fs::read_dir(src.join(&rel))?
             .map(|e| e.map(|e| e.file_name()))
@@ -171,6 +230,7 @@ fn walk(
                 Some(to) => std::fs::DirBuilder::new().mode(mode).create(to),
                 None => Ok(()),
             };
+            let mut written = None;
             let (kind, mode, detail) = if ft.is_dir() && md.dev() != dev {
                 skip(&mut out, &rel, "a mount");
                 mkdir(0o755)?;
@@ -187,18 +247,10 @@ fn walk(
                 subdirs.push(rel.clone());
                 (b'd', md.mode() & 0o1777, Vec::new())
             } else if ft.is_file() {
-                let mode = md.mode() & 0o777;
-                let hash = match (&to, hash) {
-                    (Some(to), _) => {
-                        let hash = copy_file(&from, Some((to, mode)), &mut buf)?;
-                        set_mtime(to, &md)?;
-                        hash
-                    }
-                    (None, true) => copy_file(&from, None, &mut buf)?,
-                    (None, false) => Vec::new(),
-                };
+                let content;
+                (content, written) = regular(&from, to.as_deref(), &md, hash, &mut buf)?;
                 out.bytes += md.len();
-                (b'f', mode, hash)
+                (b'f', md.mode() & 0o777, content)
             } else if ft.is_symlink() {
                 let target = std::fs::read_link(&from)?;
                 if let Some(to) = &to {
@@ -221,6 +273,10 @@ fn walk(
                 }
                 None => Vec::new(),
             };
+            // Synced once its owner is set too.
+            if let (Some(sync), Some(file)) = (&mut sync, written) {
+                sync.written(file)?;
+            }
             let size = if kind == b'f' { md.len() } else { 0 };
             hash_entry(
                 &mut h,
@@ -230,13 +286,23 @@ fn walk(
         }
         todo.extend(subdirs.into_iter().rev());
     }
+    finish_dirs(&dirs, sync)?;
+    out.digest = format!("sha256:{}", hex(&h.finalize()));
+    out.charged = charged;
+    Ok(out)
+}
+
+/// A copy's directories, once their entries are in: their modes and times (deepest first), then with `sync` the
+/// files it has left and the directories synced.
+fn finish_dirs(dirs: &[(PathBuf, std::fs::Metadata)], sync: Option<Syncer>) -> std::io::Result<()> {
     for (dir, md) in dirs.iter().rev() {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(md.mode() & 0o1777))?;
         set_mtime(dir, md)?;
     }
-    out.digest = format!("sha256:{}", hex(&h.finalize()));
-    out.charged = charged;
-    Ok(out)
+    match sync {
+        Some(sync) => sync.finish(dirs.iter().rev().map(|(dir, _)| dir.as_path())),
+        None => Ok(()),
+    }
 }
 
 /// Adds one entry to a walk's digest: its kind, stored mode and size, then each field length-prefixed; an empty
@@ -363,9 +429,34 @@ fn skip(out: &mut Copied, rel: &Path, why: &str) {
     }
 }
 
+/// A regular file of a walk, `from` with metadata `md`: copied to `to` if there is one (with its mode and
+/// modification time), hashed if copied or `hash`. Its content's sha256 (lowercase hex, or nothing when not hashed)
+/// and the copy, open.
+fn regular(
+    from: &Path,
+    to: Option<&Path>,
+    md: &std::fs::Metadata,
+    hash: bool,
+    buf: &mut [u8],
+) -> std::io::Result<(Vec<u8>, Option<std::fs::File>)> {
+    match (to, hash) {
+        (Some(to), _) => {
+            let (hash, file) = copy_file(from, Some((to, md.mode() & 0o777)), buf)?;
+            set_mtime(to, md)?;
+            Ok((hash, file))
+        }
+        (None, true) => copy_file(from, None, buf),
+        (None, false) => Ok((Vec::new(), None)),
+    }
+}
+
 /// Copies one regular file (opened without following a link) to the new file `to` with its mode, if there is one;
-/// its content's sha256, lowercase hex.
-fn copy_file(from: &Path, to: Option<(&Path, u32)>, buf: &mut [u8]) -> std::io::Result<Vec<u8>> {
+/// its content's sha256, lowercase hex, and the copy, open.
+fn copy_file(
+    from: &Path,
+    to: Option<(&Path, u32)>,
+    buf: &mut [u8],
+) -> std::io::Result<(Vec<u8>, Option<std::fs::File>)> {
     let mut src = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
@@ -392,11 +483,86 @@ fn copy_file(from: &Path, to: Option<(&Path, u32)>, buf: &mut [u8]) -> std::io::
             dst.write_all(&buf[..n])?;
         }
     }
-    if let Some((dst, mode)) = dst {
-        // The creation mode went through the umask.
-        dst.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    let hash = hex(&h.finalize()).into_bytes();
+    let Some((dst, mode)) = dst else {
+        return Ok((hash, None));
+    };
+    // The creation mode went through the umask.
+    dst.set_permissions(std::fs::Permissions::from_mode(mode))?;
+    Ok((hash, Some(dst)))
+}
+
+/// What makes a copy durable: each file's writeback started as soon as it is written, the files fsynced a batch
+/// ([`SYNC_BATCH`]) at a time, and the directories last, once their entries, modes and times are set.
+#[derive(Default)]
+struct Syncer {
+    /// Written (or, at the end, directories opened) and not yet synced.
+    open: Vec<std::fs::File>,
+}
+
+impl Syncer {
+    /// A file of the copy, written: its writeback starts now (the disk busy with it while the copy goes on, or the
+    /// next files are opened), and it is synced with its batch.
+    fn written(&mut self, file: std::fs::File) -> std::io::Result<()> {
+        // SAFETY: `file` is open for the whole call; offset 0 and length 0 are the whole file, the flag a valid one.
+        let r =
+            unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        self.push(file)
     }
-    Ok(hex(&h.finalize()).into_bytes())
+
+    fn push(&mut self, file: std::fs::File) -> std::io::Result<()> {
+        self.open.push(file);
+        if self.open.len() >= SYNC_BATCH {
+            sync_all(&std::mem::take(&mut self.open))?;
+        }
+        Ok(())
+    }
+
+    /// Syncs the files left, then the directories `dirs`.
+    fn finish<'a>(mut self, dirs: impl Iterator<Item = &'a Path>) -> std::io::Result<()> {
+        sync_all(&std::mem::take(&mut self.open))?;
+        for dir in dirs {
+            let d = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+                .open(dir)?;
+            self.push(d)?;
+        }
+        sync_all(&self.open)
+    }
+}
+
+/// fsyncs each of `files`, on up to [`SYNC_THREADS`] threads (this one among them).
+fn sync_all(files: &[std::fs::File]) -> std::io::Result<()> {
+    let next = AtomicUsize::new(0);
+    let work = || -> std::io::Result<()> {
+        while let Some(f) = files.get(next.fetch_add(1, Ordering::Relaxed)) {
+            f.sync_all()?;
+        }
+        Ok(())
+    };
+    std::thread::scope(|s| {
+        // As many as can be started: with none, this thread syncs them all.
+        let helpers: Vec<_> = (1..SYNC_THREADS.min(files.len()))
+            .map_while(|_| {
+                std::thread::Builder::new()
+                    .name("tree-sync".into())
+                    .spawn_scoped(s, work)
+                    .ok()
+            })
+            .collect();
+        let mine = work();
+        helpers
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("A sync thread panicked")))
+            })
+            .fold(mine, Result::and)
+    })
 }
 
 fn set_mtime(path: &Path, md: &std::fs::Metadata) -> std::io::Result<()> {
@@ -422,6 +588,54 @@ mod tests {
     fn write(p: &Path, text: &str, owner: u32) {
         std::fs::write(p, text).unwrap();
         std::os::unix::fs::lchown(p, Some(owner), Some(owner)).unwrap();
+    }
+
+    /// A durable copy of more files than a sync batch holds, in nested directories with a link, is what a plain
+    /// copy is (digest, sizes, contents, modes and times, entries' order and all); `sync_tree` syncs a plain copy.
+    #[test]
+    fn a_durable_copy_is_the_plain_copy_synced_in_batches() {
+        let t = tempfile::tempdir().unwrap();
+        let src = t.path().join("src");
+        for i in 0..(2 * SYNC_BATCH + 7) {
+            let dir = src.join(format!("d{}/e{}", i % 5, i % 3));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join(format!("f{i}")), format!("file {i}")).unwrap();
+        }
+        std::fs::set_permissions(src.join("d0/e0/f0"), std::fs::Permissions::from_mode(0o751))
+            .unwrap();
+        std::os::unix::fs::symlink("d0/e0/f0", src.join("link")).unwrap();
+        let old = nix::sys::time::TimeSpec::new(1_000_000_000, 0);
+        nix::sys::stat::utimensat(
+            None,
+            &src.join("d1"),
+            &old,
+            &old,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .unwrap();
+
+        let (plain, durable) = (t.path().join("plain"), t.path().join("durable"));
+        let p = copy_tree(&src, &plain, u64::MAX).unwrap();
+        let d = copy_tree_durable(&src, &durable, u64::MAX).unwrap();
+        assert_eq!((&d.digest, d.bytes, d.files), (&p.digest, p.bytes, p.files));
+        assert_eq!(
+            walk_tree(&durable, None, u64::MAX, true).unwrap().digest,
+            p.digest
+        );
+        let md = |p: &Path| std::fs::symlink_metadata(p).unwrap();
+        assert_eq!(md(&durable.join("d0/e0/f0")).mode() & 0o777, 0o751);
+        assert_eq!(md(&durable.join("d1")).mtime(), 1_000_000_000);
+        assert_eq!(
+            std::fs::read_link(durable.join("link")).unwrap(),
+            Path::new("d0/e0/f0")
+        );
+        assert_eq!(
+            std::fs::read_to_string(durable.join("d4/e1/f4")).unwrap(),
+            "file 4"
+        );
+
+        sync_tree(&plain).unwrap();
+        assert!(sync_tree(&t.path().join("missing")).is_err());
     }
 
     /// An upper layer as an overlay leaves it (a whiteout, an opaque directory, files of the container's root and of

@@ -15,6 +15,9 @@ use serde_json::Value;
 use super::{unavailable, Sandbox};
 use crate::snapshots::{RootUpper, SnapshotError, Snapshots};
 
+/// How long a snapshot waits for an ended run's container to be removed.
+const RUN_END_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Sandbox {
     /// `POST /pause`: freezes the agent's cgroup.
     #[tracing::instrument(name = "agent_pause", skip_all, fields(sandbox = %self.id))]
@@ -117,13 +120,27 @@ impl Sandbox {
         later: bool,
     ) -> Result<agent_api::Snapshot, SnapshotError> {
         let ops = self.ops.lock().await;
-        // A run whose agent has ended (its end being handled: `session_end` may be out before its container is
-        // removed) has nothing left to freeze.
+        let status = self.status();
         let ended = matches!(
-            self.status(),
+            status,
             Some(AgentStatus::Paused | AgentStatus::Completed | AgentStatus::Error)
         );
         let frozen = match Self::live(&ops) {
+            // The agent has ended and its run's end is being handled (`session_end` may be out before its
+            // container is removed): what is left of the container may still run, and the copy is a walk by
+            // path. It waits until the container is removed, which a freeze would race.
+            Some(run) if status != Some(AgentStatus::Paused) && ended => {
+                let mut done = run.done.clone();
+                if tokio::time::timeout(RUN_END_WAIT, done.wait_for(|d| *d))
+                    .await
+                    .is_err()
+                {
+                    let why =
+                        "the agent's run is still ending (its container is being removed); retry";
+                    return Err(SnapshotError::Freeze(why.into()));
+                }
+                None
+            }
             Some(run) if !ended => {
                 if let Err(e) = run.container.freeze().await {
                     // A freeze may have been half done: nothing stays frozen behind a refusal.

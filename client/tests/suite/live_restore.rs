@@ -179,7 +179,7 @@ async fn agents_outlive_a_daemon_killed_stopped_and_upgraded() {
 
     // Commands reach the adopted agents: resume, and kill with grace.
     b.sb.resume(&paused).await.unwrap();
-    assert!(b.go_on(Duration::from_millis(500)).await > 0, "resumed");
+    assert!(b.go_on(Duration::from_millis(1500)).await > 0, "resumed");
     let grace = KillRequest {
         grace: true,
         grace_timeout_ms: Some(2000),
