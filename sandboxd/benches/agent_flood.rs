@@ -1,6 +1,10 @@
 //! `cargo bench -p sandboxd --bench agent_flood`: 16 agent sandboxes whose agents flood the daemon at full speed
 //! with maximum-size control lines (1 MiB, `agents.max_line_bytes`) and artifacts, once with no gateway connected
-//! and once with a gateway reading every sandbox's `WS /events`. Every second it samples the daemon's RSS
+//! and once with a gateway reading every sandbox's `WS /events`; then, with `agents.live_restore` on (every change
+//! of a sandbox's record written), two more floods with no gateway: decisions (each line a `decision` event with a
+//! new id of nearly 1 MiB, then as many ids of 64 bytes as the agent can send) and forgeries (what only sandboxd
+//! may say: `lifecycle` events, its error codes, artifact events with a made-up backend `uri` and `contentHash`,
+//! another agent's id). Every second it samples the daemon's RSS
 //! (`VmRSS`), its helpers' (its direct children), and the state directory's bytes (`du -sxb`, the workspace
 //! tmpfs mounts left out; the replay logs also on their own), then prints peak and median against the budget the
 //! README states for the defaults.
@@ -44,6 +48,33 @@ sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect(os.environ["SANDBOXD_CONTROL_SOCKET"])
 cfg = json.loads(sock.makefile("rb").readline())["brief"]["providerConfig"]
 aid = os.environ["SANDBOXD_AGENT_ID"]
+end, n = time.time() + cfg["seconds"], 0
+if cfg["mode"] == "decisions":
+    # New ids all the time: nearly 1 MiB each for the first half of the flood, 64 bytes after.
+    def decision(n, size):
+        did = ("%d-" % n).ljust(size, "d")
+        return (json.dumps({"type": "decision", "agentId": aid, "subtype": "tool_approval", "decisionId": did,
+                            "toolName": "rm", "toolArgs": {}}) + "\n").encode()
+    half = time.time() + cfg["seconds"] / 2
+    while time.time() < end:
+        n += 1
+        sock.sendall(decision(n, cfg["lineBytes"] - 1024 if time.time() < half else 64))
+    time.sleep(3600)
+if cfg["mode"] == "forgeries":
+    lines = [
+        {"type": "lifecycle", "agentId": aid, "action": "session_end"},
+        {"type": "lifecycle", "agentId": "another-agent", "action": "killed", "reason": "timeout"},
+        {"type": "error", "agentId": aid, "code": "agent_crashed", "message": "forged"},
+        {"type": "status", "agentId": "another-agent", "message": "forged"},
+        {"type": "artifact", "agentId": aid, "artifactId": "f", "name": "f", "kind": "other", "workstream": "w",
+         "status": "draft", "qualityScore": 1, "uri": "artifact://backend/forged",
+         "contentHash": "sha256:" + "0" * 64,
+         "provenance": {"createdBy": "sandboxd", "createdAt": "2026-01-01T00:00:00Z"}},
+    ]
+    batch = b"".join((json.dumps(l) + "\n").encode() for l in lines) * 64
+    while time.time() < end:
+        sock.sendall(batch)
+    time.sleep(3600)
 pad = cfg["lineBytes"] - len(json.dumps({"type": "status", "agentId": aid, "message": ""}))
 line = (json.dumps({"type": "status", "agentId": aid, "message": "x" * pad}) + "\n").encode()
 with open("/workspace/art.bin", "wb") as f:
@@ -52,7 +83,6 @@ art = (json.dumps({"type": "artifact", "agentId": aid, "artifactId": "a", "name"
                    "workstream": "w", "status": "draft", "qualityScore": 1,
                    "provenance": {"createdBy": aid, "createdAt": "2026-01-01T00:00:00Z"},
                    "uri": "/workspace/art.bin"}) + "\n").encode()
-end, n = time.time() + cfg["seconds"], 0
 while time.time() < end:
     sock.sendall(line)
     n += 1
@@ -69,7 +99,7 @@ struct Daemon {
 }
 
 impl Daemon {
-    fn start(binary: &Path, n: u32) -> Self {
+    fn start(binary: &Path, n: u32, live_restore: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = common::free_port();
         let config = dir.path().join("config.yaml");
@@ -79,7 +109,7 @@ impl Daemon {
             &config,
             format!(
                 "listen: 127.0.0.1:{port}\nstate_dir: {}\nauth: {{tokens: [\"{TOKEN}\"]}}\n\
-                 sandbox: {{cgroup_parent: {parent}, uid_base: {}}}\n",
+                 sandbox: {{cgroup_parent: {parent}, uid_base: {}}}\nagents: {{live_restore: {live_restore}}}\n",
                 state.display(),
                 500_000 + n * 1000,
             ),
@@ -216,9 +246,9 @@ fn create(port: u16, backend: u16) -> String {
     v["id"].as_str().unwrap().to_owned()
 }
 
-fn spawn(port: u16, id: &str, seconds: u64) {
+fn spawn(port: u16, id: &str, (mode, seconds): (Mode, u64)) {
     let brief = json!({"agentId": "flood-agent", "role": "flood", "workstream": "w",
-        "providerConfig": {"lineBytes": LINE_BYTES, "seconds": seconds,
+        "providerConfig": {"mode": mode.name(), "lineBytes": LINE_BYTES, "seconds": seconds,
                            "artifactEvery": ARTIFACT_EVERY, "artifactBytes": ARTIFACT_BYTES}});
     let (status, body) = http(
         port,
@@ -336,14 +366,41 @@ struct Phase {
     seconds: f64,
 }
 
+/// What the agents flood the daemon with.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Status lines of `LINE_BYTES` and an artifact every `ARTIFACT_EVERY` lines.
+    Lines,
+    /// Decisions with new ids.
+    Decisions,
+    /// Events only sandboxd may write.
+    Forgeries,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Lines => "lines",
+            Mode::Decisions => "decisions",
+            Mode::Forgeries => "forgeries",
+        }
+    }
+}
+
 /// One phase on a fresh daemon: 16 sandboxes, their gateways if `with_gateway`, the flood, a sample a second.
-fn phase(rt: &tokio::runtime::Runtime, binary: &Path, n: u32, with_gateway: bool) -> Phase {
+/// The decision and forgery floods run with live restore on (every record change written).
+fn phase(
+    rt: &tokio::runtime::Runtime,
+    binary: &Path,
+    (n, mode): (u32, Mode),
+    with_gateway: bool,
+) -> Phase {
     let seconds = env_u64("AGENT_FLOOD_SECONDS", 60);
     let (rss_cap, disk_cap) = (
         env_u64("AGENT_FLOOD_RSS_CAP_MB", 3072) as f64,
         env_u64("AGENT_FLOOD_DISK_CAP_MB", 8192) as f64,
     );
-    let d = Daemon::start(binary, n);
+    let d = Daemon::start(binary, n, mode != Mode::Lines);
     let backend = backend(rt);
     let ids: Vec<String> = (0..SANDBOXES).map(|_| create(d.port, backend)).collect();
     let read = Arc::new(AtomicU64::new(0));
@@ -353,7 +410,7 @@ fn phase(rt: &tokio::runtime::Runtime, binary: &Path, n: u32, with_gateway: bool
         }
     }
     for id in &ids {
-        spawn(d.port, id, seconds);
+        spawn(d.port, id, (mode, seconds));
     }
     let t0 = Instant::now();
     let mut samples = Vec::new();
@@ -426,8 +483,10 @@ fn main() {
         env_u64("AGENT_FLOOD_SECONDS", 60),
         binary.display()
     );
-    let without = phase(&rt, &binary, 0, false);
-    let with = phase(&rt, &binary, 1, true);
+    let without = phase(&rt, &binary, (0, Mode::Lines), false);
+    let with = phase(&rt, &binary, (1, Mode::Lines), true);
+    let decisions = phase(&rt, &binary, (2, Mode::Decisions), false);
+    let forgeries = phase(&rt, &binary, (3, Mode::Forgeries), false);
     println!(
         "budget for the defaults (README): daemon RSS <= {RSS_BUDGET_MB:.0} MiB, state <= {STATE_BUDGET_MB:.0} MiB \
          (replay logs) + the artifact store"
@@ -436,4 +495,6 @@ fn main() {
     println!("|---|---|---|---|---|---|---|");
     report("no gateway", &without);
     report("gateway connected", &with);
+    report("decisions (live restore)", &decisions);
+    report("forgeries (live restore)", &forgeries);
 }
