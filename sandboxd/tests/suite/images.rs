@@ -746,14 +746,19 @@ async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
     .await;
 }
 
-/// The busybox agent of [`oci_agent_keeps_its_files_across_restarts`]: it wrote `before.txt` at its start; every
-/// 50 ms it writes a counter to `/workspace/hb` and, when it reads both files back, the counter to `read.ok`.
-const OCI_AGENT_LOOP: &str = r#"echo kept > /workspace/before.txt
+/// The busybox agent of [`oci_agent_keeps_its_files_across_restarts`]: it wrote `before.txt` at its start in
+/// `/workspace` and in its volume (`/workspace/data`); every 50 ms it writes a counter to `hb` in both and, when it
+/// reads all four files back, the counter to `read.ok`.
+const OCI_AGENT_LOOP: &str = r#"echo kept > /workspace/before.txt && echo kept > /workspace/data/before.txt
 n=0
 while :; do
   n=$((n+1))
-  echo $n > /workspace/hb.new && busybox mv /workspace/hb.new /workspace/hb
-  if [ "$(cat /workspace/hb)" = $n ] && [ "$(cat /workspace/before.txt)" = kept ]; then echo $n > /workspace/read.ok; fi
+  ok=1
+  for d in /workspace /workspace/data; do
+    echo $n > $d/hb.new && busybox mv $d/hb.new $d/hb || ok=0
+    [ "$(cat $d/hb)" = $n ] && [ "$(cat $d/before.txt)" = kept ] || ok=0
+  done
+  [ $ok = 1 ] && echo $n > /workspace/read.ok
   busybox usleep 50000
 done"#;
 
@@ -780,8 +785,8 @@ fn oci_agent_reads(d: &Daemon, cid: &str) -> Result<u64, String> {
 }
 
 /// An agent sandbox on an OCI image, with live restore, keeps its files across a SIGKILL and a SIGTERM restart:
-/// the running agent goes on writing `/workspace` and reading back what it wrote before the restarts (seen
-/// through its own root).
+/// the running agent goes on writing `/workspace` and its volume and reading back what it wrote before the
+/// restarts (seen through its own root).
 #[tokio::test]
 async fn oci_agent_keeps_its_files_across_restarts() {
     let Some((_g, _dir, state_dir, digest)) =
@@ -799,12 +804,21 @@ async fn oci_agent_keeps_its_files_across_restarts() {
         ..DaemonOpts::default()
     })
     .await;
+    let (status, volume) = agent_http(&d, "POST", "/volumes", &json!({"sizeMb": 16})).await;
+    if status != 201 {
+        cannot_run(
+            "oci_agent_keeps_its_files_across_restarts",
+            &format!("this host has no volumes (mkfs.ext4 and loop devices): {volume}"),
+        );
+        return;
+    }
     let (status, created) = agent_http(
         &d,
         "POST",
         "/sandboxes",
         &json!({
-            "workspaceRequirements": {"baseImage": "bb", "resourceLimits": {"memoryMb": 128, "diskMb": 16}},
+            "workspaceRequirements": {"baseImage": "bb", "resourceLimits": {"memoryMb": 128, "diskMb": 16},
+                                      "mounts": [{"volume": volume["id"], "path": "/workspace/data"}]},
             "bootstrap": {"backendUrl": "http://127.0.0.1:9", "backendToken": "t", "agentId": "a",
                           "tokenExpiresAt": "2099-01-01T00:00:00Z",
                           "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"},
@@ -845,5 +859,8 @@ async fn oci_agent_keeps_its_files_across_restarts() {
         n = reads_on(&d, n, &format!("the agent to read its files after {how}")).await;
     }
     let (status, _) = agent_http(&d, "DELETE", &format!("/sandboxes/{id}"), &json!({})).await;
+    assert_eq!(status, 204);
+    let path = format!("/volumes/{}", volume["id"].as_str().unwrap());
+    let (status, _) = agent_http(&d, "DELETE", &path, &json!({})).await;
     assert_eq!(status, 204);
 }
