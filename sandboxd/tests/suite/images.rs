@@ -679,6 +679,25 @@ pub(super) async fn agent_http_with(
     (status, serde_json::from_str(rest).unwrap_or(Value::Null))
 }
 
+/// A new agent sandbox on the busybox image `bb` with `mounts` (agent `a`, a backend nobody serves); its id.
+async fn bb_agent_sandbox(d: &Daemon, mounts: Value) -> String {
+    let (status, created) = agent_http(
+        d,
+        "POST",
+        "/sandboxes",
+        &json!({
+            "workspaceRequirements": {"baseImage": "bb", "resourceLimits": {"memoryMb": 128, "diskMb": 16},
+                                      "mounts": mounts},
+            "bootstrap": {"backendUrl": "http://127.0.0.1:9", "backendToken": "t", "agentId": "a",
+                          "tokenExpiresAt": "2099-01-01T00:00:00Z",
+                          "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"},
+        }),
+    )
+    .await;
+    assert_eq!(status, 201, "{created}");
+    created["id"].as_str().unwrap().to_owned()
+}
+
 /// An agent sandbox on an OCI image: each run's agent (a busybox shell) runs on the sandbox's overlay
 /// root, and `/workspace` outlives the container: the second run sees the first run's file. Removal leaves nothing.
 #[tokio::test]
@@ -698,20 +717,7 @@ async fn agent_sandbox_on_an_oci_image_keeps_its_workspace_across_runs() {
         ..DaemonOpts::default()
     })
     .await;
-    let (status, created) = agent_http(
-        &d,
-        "POST",
-        "/sandboxes",
-        &json!({
-            "workspaceRequirements": {"baseImage": "bb", "resourceLimits": {"memoryMb": 128, "diskMb": 16}},
-            "bootstrap": {"backendUrl": "http://127.0.0.1:9", "backendToken": "t", "agentId": "a",
-                          "tokenExpiresAt": "2099-01-01T00:00:00Z",
-                          "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"},
-        }),
-    )
-    .await;
-    assert_eq!(status, 201, "{created}");
-    let id = created["id"].as_str().unwrap().to_owned();
+    let id = bb_agent_sandbox(&d, json!([])).await;
     let mut ws = agent_events(&d, &id).await;
     let mut next_action = async || next_action(&mut ws).await;
     for script in [
@@ -812,21 +818,8 @@ async fn oci_agent_keeps_its_files_across_restarts() {
         );
         return;
     }
-    let (status, created) = agent_http(
-        &d,
-        "POST",
-        "/sandboxes",
-        &json!({
-            "workspaceRequirements": {"baseImage": "bb", "resourceLimits": {"memoryMb": 128, "diskMb": 16},
-                                      "mounts": [{"volume": volume["id"], "path": "/workspace/data"}]},
-            "bootstrap": {"backendUrl": "http://127.0.0.1:9", "backendToken": "t", "agentId": "a",
-                          "tokenExpiresAt": "2099-01-01T00:00:00Z",
-                          "artifactUploadEndpoint": "http://127.0.0.1:9/api/artifacts"},
-        }),
-    )
-    .await;
-    assert_eq!(status, 201, "{created}");
-    let id = created["id"].as_str().unwrap().to_owned();
+    let mounts = json!([{"volume": volume["id"], "path": "/workspace/data"}]);
+    let id = bb_agent_sandbox(&d, mounts).await;
     let (status, h) = agent_http(
         &d,
         "POST",
