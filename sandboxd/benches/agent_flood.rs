@@ -432,6 +432,16 @@ fn phase(
         samples.push(s);
     }
     let seconds = t0.elapsed().as_secs_f64();
+    // Deleted before the daemon stops: with live restore a stopped daemon leaves its agents running.
+    for id in &ids {
+        let (status, body) = http(d.port, "DELETE", &format!("/sandboxes/{id}"), b"");
+        if status != 204 {
+            eprintln!(
+                "DELETE /sandboxes/{id}: {status} {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+    }
     drop(d);
     Phase {
         samples,
