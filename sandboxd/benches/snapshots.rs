@@ -9,7 +9,9 @@
 //!
 //! Each with `/workspace` on a tmpfs (the default) and in the btrfs workspace store (`agents.workspace_store:
 //! btrfs`, where a snapshot and a fork copy nothing), then the fork of the one against the other's.
-//! `SNAPSHOT_BENCH_STORES=tmpfs` (or `btrfs`) measures one.
+//! `SNAPSHOT_BENCH_STORES=tmpfs` (or `btrfs`) measures one. `SNAPSHOT_BENCH_WRITER=1` runs another writer on the
+//! state disk throughout (a thread rewriting a 1 GiB file there, never syncing it), as another tenant's dirty data:
+//! a snapshot's durability should not wait for it.
 //!
 //! Needs root. Figures, not assertions.
 
@@ -179,9 +181,55 @@ fn main() {
     }
 }
 
+/// Another writer on the state disk: a thread rewriting a 1 GiB file, never syncing it, until dropped.
+struct Writer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    path: PathBuf,
+}
+
+impl Writer {
+    fn start(path: &Path) -> Writer {
+        use std::io::{Seek, Write};
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, file) = (stop.clone(), path.to_owned());
+        let thread = std::thread::spawn(move || {
+            let mut f = std::fs::File::create(&file).unwrap();
+            let chunk = vec![7u8; 1 << 20];
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                for _ in 0..1024 {
+                    if flag.load(std::sync::atomic::Ordering::Relaxed) {
+                        return;
+                    }
+                    f.write_all(&chunk).unwrap();
+                }
+                f.rewind().unwrap();
+            }
+        });
+        println!("another writer on the state disk: {}", path.display());
+        Writer {
+            stop,
+            thread: Some(thread),
+            path: path.to_owned(),
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// One daemon with `/workspace` in `store`: its rows; the fork's median.
 fn pass(store: &str, rounds: usize) -> f64 {
     let d = Daemon::start(Path::new(env!("CARGO_BIN_EXE_sandboxd")), store);
+    let _writer = (std::env::var("SNAPSHOT_BENCH_WRITER").as_deref() == Ok("1"))
+        .then(|| Writer::start(&d.state.join("other-tenant.bin")));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let gw = Gateway::new(&format!("http://127.0.0.1:{}", d.port), TOKEN);
     rt.block_on(async {
