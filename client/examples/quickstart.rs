@@ -1,4 +1,4 @@
-//! The README's client example: one execution collected, one streamed, through a pool.
+//! The client quick start (docs/clients.md): one execution collected, one streamed, through a pool.
 
 use client::{
     new_execution_id, Execute, ExecuteRequest, Language, Pool, RequestedLimits, ServerMessage,

@@ -7,7 +7,7 @@
 //! another agent's id). Every second it samples the daemon's RSS
 //! (`VmRSS`), its helpers' (its direct children), and the state directory's bytes (`du -sxb`, the workspace
 //! tmpfs mounts left out; the replay logs also on their own), then prints peak and median against the budget the
-//! README states for the defaults.
+//! configuration reference (`docs/configuration.md`) states for the defaults.
 //!
 //! Environment: `AGENT_FLOOD_SECONDS` (60) per phase; `SANDBOXD_BENCH_BINARY` another daemon binary (an older
 //! build, which gets the same load with its own defaults); `AGENT_FLOOD_RSS_CAP_MB` (3072) and
@@ -38,7 +38,7 @@ const LINE_BYTES: usize = (1 << 20) - 1024;
 /// An artifact (the same content each time: the store keeps one copy) after every this many lines.
 const ARTIFACT_EVERY: u64 = 16;
 const ARTIFACT_BYTES: usize = 256 << 10;
-/// The budgets the README states for the defaults (16 sandboxes).
+/// The budgets `docs/configuration.md` states for the defaults (16 sandboxes).
 const RSS_BUDGET_MB: f64 = 192.0;
 const STATE_BUDGET_MB: f64 = 512.0;
 
@@ -498,7 +498,7 @@ fn main() {
     let decisions = phase(&rt, &binary, (2, Mode::Decisions), false);
     let forgeries = phase(&rt, &binary, (3, Mode::Forgeries), false);
     println!(
-        "budget for the defaults (README): daemon RSS <= {RSS_BUDGET_MB:.0} MiB, state <= {STATE_BUDGET_MB:.0} MiB \
+        "budget for the defaults (docs/configuration.md): daemon RSS <= {RSS_BUDGET_MB:.0} MiB, state <= {STATE_BUDGET_MB:.0} MiB \
          (replay logs) + the artifact store"
     );
     println!("| phase | daemon RSS MiB peak / median | helpers RSS MiB | state dir MiB (du -x) | replay logs MiB | read by gateways | note |");

@@ -754,11 +754,11 @@ mod tests {
         );
     }
 
-    /// The README's configuration reference is every key with its default: it must parse (so it names no
-    /// unknown key) and equal `Config::default()`.
+    /// The configuration reference (`docs/configuration.md`) is every key with its default: it must parse (so it
+    /// names no unknown key) and equal `Config::default()`.
     #[test]
-    fn readme_config_reference_matches_the_defaults() {
-        let readme = include_str!("../../README.md");
+    fn the_configuration_reference_matches_the_defaults() {
+        let readme = include_str!("../../docs/configuration.md");
         let start = readme
             .find("<!-- config-reference-begin -->")
             .expect("begin marker");
@@ -785,7 +785,7 @@ mod tests {
         for k in keys {
             assert!(
                 yaml.contains(&format!("{k}:")),
-                "README config reference lacks {k}"
+                "docs/configuration.md lacks {k}"
             );
         }
     }

@@ -618,9 +618,9 @@ mod tests {
         }
     }
 
-    /// Every series the sample dashboard and the README name is one the daemon exposes.
+    /// Every series the sample dashboard and `docs/operations.md` name is one the daemon exposes.
     #[test]
-    fn the_dashboard_and_the_readme_name_only_exposed_series() {
+    fn the_dashboard_and_the_operations_guide_name_only_exposed_series() {
         // Labelled families appear once they have a child: give each one.
         let cid = "metrics-unit-3";
         ExecutionTimer::begin(Language::Javascript).slot_acquired(cid);
@@ -633,12 +633,12 @@ mod tests {
         error_sent(ErrorCode::InternalError);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &get().registry).unwrap();
-        let readme = include_str!("../../README.md");
-        let metrics_section = readme
+        let operations = include_str!("../../docs/operations.md");
+        let metrics_section = operations
             .split("## Metrics")
             .nth(1)
             .and_then(|s| s.split("\n## ").next())
-            .expect("README has a Metrics section");
+            .expect("docs/operations.md has a Metrics section");
         let docs = [
             include_str!("../../docs/grafana-dashboard.json"),
             metrics_section,
