@@ -387,8 +387,7 @@ impl Hub {
             dropped += 1;
         }
         if dropped > 0 {
-            inner.dropped += dropped;
-            inner.last_drop = Some(now);
+            Self::note_dropped(&mut inner, dropped, now);
             // With a gateway connected, at most one warning a second, so the warnings cannot flood the queue
             // themselves; without one, the count waits for the next gateway to drain the queue.
             let due = inner
@@ -401,6 +400,12 @@ impl Hub {
         drop(inner);
         self.changed.send_modify(|n| *n += 1);
         seq
+    }
+
+    /// Counts `n` events dropped at `now` (told in the next `events_dropped` warning).
+    fn note_dropped(inner: &mut Inner, n: u64, now: Instant) {
+        inner.dropped += n;
+        inner.last_drop = Some(now);
     }
 
     /// While no gateway is connected, drops the events older than [`Self::max_age`]; how many (not counted yet).
@@ -520,8 +525,7 @@ impl Hub {
         let now = Instant::now();
         let expired = self.expire(&mut inner, now);
         if expired > 0 {
-            inner.dropped += expired;
-            inner.last_drop = Some(now);
+            Self::note_dropped(&mut inner, expired, now);
         }
         inner.generations += 1;
         let g = inner.generations;

@@ -60,9 +60,9 @@ impl fmt::Display for AddressRefusal {
 }
 
 /// The host's own addresses at one moment, as [`classify`] compares them (IPv4 forms of IPv6 addresses that embed
-/// one).
+/// one), sorted; shared, so the cached set is handed to each resolution without a copy.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HostAddresses(Vec<IpAddr>);
+pub struct HostAddresses(Arc<[IpAddr]>);
 
 impl HostAddresses {
     /// The addresses of every interface of the host (up or down), read with getifaddrs(3): one netlink dump.
@@ -85,7 +85,7 @@ impl HostAddresses {
 
     /// Whether `ip`, in any form that embeds it, is one of these addresses.
     pub fn contains(&self, ip: IpAddr) -> bool {
-        self.0.contains(&canonical(ip))
+        self.0.binary_search(&canonical(ip)).is_ok()
     }
 }
 
@@ -94,7 +94,7 @@ impl FromIterator<IpAddr> for HostAddresses {
         let mut all: Vec<IpAddr> = addresses.into_iter().map(canonical).collect();
         all.sort_unstable();
         all.dedup();
-        HostAddresses(all)
+        HostAddresses(all.into())
     }
 }
 
@@ -656,7 +656,7 @@ mod tests {
         let host = HostAddresses::read().unwrap();
         assert!(host.contains(IpAddr::V4(Ipv4Addr::LOCALHOST)), "{host:?}");
         let policy = AddressPolicy::new().allow_private(true);
-        for &ip in &host.0 {
+        for &ip in host.0.iter() {
             for port in [443, 7000] {
                 let refused = policy.check(SocketAddr::new(ip, port));
                 assert!(refused.is_err(), "{ip}:{port} permitted");

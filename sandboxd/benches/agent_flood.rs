@@ -64,7 +64,7 @@ if cfg["mode"] == "forgeries":
     lines = [
         {"type": "lifecycle", "agentId": aid, "action": "session_end"},
         {"type": "lifecycle", "agentId": "another-agent", "action": "killed", "reason": "timeout"},
-        {"type": "error", "agentId": aid, "code": "agent_crashed", "message": "forged"},
+        {"type": "error", "agentId": aid, "errorCode": "agent_crashed", "message": "forged"},
         {"type": "status", "agentId": "another-agent", "message": "forged"},
         {"type": "artifact", "agentId": aid, "artifactId": "f", "name": "f", "kind": "other", "workstream": "w",
          "status": "draft", "qualityScore": 1, "uri": "artifact://backend/forged",

@@ -19,6 +19,20 @@ use crate::snapshots::{RootUpper, SnapshotError, Snapshots};
 const RUN_END_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Sandbox {
+    /// The live run is frozen: the sandbox says it is paused (the status it had comes back at the resume), keeps
+    /// that, and tells the gateway (`paused`, with `reason` when it was not asked for).
+    pub(super) fn mark_paused(&self, reason: Option<&str>) {
+        let run_id = {
+            let mut sh = self.shared();
+            sh.before_pause = sh.status;
+            sh.status = Some(AgentStatus::Paused);
+            sh.run_id.clone()
+        };
+        self.persist();
+        self.hub
+            .emit(&run_id, lifecycle_event(&self.agent_id, "paused", reason));
+    }
+
     /// `POST /pause`: freezes the agent's cgroup.
     #[tracing::instrument(name = "agent_pause", skip_all, fields(sandbox = %self.id))]
     pub async fn pause(&self) -> Result<SerializedAgentState, PluginError> {
@@ -37,15 +51,7 @@ impl Sandbox {
             .freeze()
             .await
             .map_err(|e| unavailable(Chain(&e).to_string(), false))?;
-        {
-            let mut sh = self.shared();
-            sh.before_pause = status;
-            sh.status = Some(AgentStatus::Paused);
-        }
-        self.persist();
-        let run_id = self.shared().run_id.clone();
-        self.hub
-            .emit(&run_id, lifecycle_event(&self.agent_id, "paused", None));
+        self.mark_paused(None);
         Ok(self.serialize(SerializedBy::Pause))
     }
 
@@ -129,7 +135,7 @@ impl Sandbox {
             // The agent has ended and its run's end is being handled (`session_end` may be out before its
             // container is removed): what is left of the container may still run, and the copy is a walk by
             // path. It waits until the container is removed, which a freeze would race.
-            Some(run) if status != Some(AgentStatus::Paused) && ended => {
+            Some(run) if matches!(status, Some(AgentStatus::Completed | AgentStatus::Error)) => {
                 let mut done = run.done.clone();
                 if tokio::time::timeout(RUN_END_WAIT, done.wait_for(|d| *d))
                     .await
@@ -178,21 +184,7 @@ impl Sandbox {
             if let Err(e) = run.container.thaw().await {
                 // Still frozen: it says so, and `resume` thaws it again.
                 tracing::error!(sandbox = %self.id, error = %Chain(&e), "cannot thaw the agent after a snapshot; it is paused");
-                let run_id = {
-                    let mut sh = self.shared();
-                    sh.before_pause = sh.status;
-                    sh.status = Some(AgentStatus::Paused);
-                    sh.run_id.clone()
-                };
-                self.persist();
-                self.hub.emit(
-                    &run_id,
-                    lifecycle_event(
-                        &self.agent_id,
-                        "paused",
-                        Some("not thawed after a snapshot"),
-                    ),
-                );
+                self.mark_paused(Some("not thawed after a snapshot"));
             }
         }
         // The walk of a copy-on-write snapshot reads its files, not the sandbox: the sandbox's other operations

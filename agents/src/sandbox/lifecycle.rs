@@ -163,7 +163,7 @@ impl Sandbox {
             Ok(a) => a,
             Err(e) => return Err(self.not_taken_back(&run_id, Chain(&e).to_string())),
         };
-        self.thaw_unless_paused(&*c, &run_id).await;
+        self.thaw_unless_paused(&*c).await;
         // Its egress proxy is served again at the same address in its network namespace (the previous daemon's
         // listener went with it).
         let serving = match self.network.as_ref().map(|n| n.serve_in(&*c)).transpose() {
@@ -228,26 +228,13 @@ impl Sandbox {
 
     /// A daemon that died during a snapshot or a fork left a running agent frozen: it is thawed, since only a
     /// pause keeps an agent frozen. One that cannot be thawed is said to be paused (a resume thaws it again).
-    async fn thaw_unless_paused(&self, c: &dyn RunContainer, run_id: &str) {
+    async fn thaw_unless_paused(&self, c: &dyn RunContainer) {
         if self.status() == Some(AgentStatus::Paused) {
             return;
         }
         if let Err(e) = c.thaw().await {
             warn!(sandbox = %self.id, error = %Chain(&e), "cannot thaw the agent taken back; it is paused");
-            {
-                let mut sh = self.shared();
-                sh.before_pause = sh.status;
-                sh.status = Some(AgentStatus::Paused);
-            }
-            self.persist();
-            self.hub.emit(
-                run_id,
-                lifecycle_event(
-                    &self.agent_id,
-                    "paused",
-                    Some("not thawed after a daemon restart"),
-                ),
-            );
+            self.mark_paused(Some("not thawed after a daemon restart"));
         }
     }
 
