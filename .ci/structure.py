@@ -14,7 +14,10 @@ modules are left out.
 
 Function length: from the line of `fn` to its closing brace, braces counted outside comments, strings and chars.
 
-Prints what it found; exits 1 on a cycle or an over-long function. Usage: .ci/structure.py [--verbose]
+README.md: at most README_MAX_LINES lines, so a newcomer reads it in five minutes; the reference material lives in
+docs/.
+
+Prints what it found; exits 1 on a cycle, an over-long function or an over-long README. Usage: .ci/structure.py [--verbose]
 """
 
 import os
@@ -23,10 +26,11 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CRATES = ["protocol", "agent-api", "image-store", "runtime", "agents", "sandboxd", "client", "sandboxctl", "conformance",
-          "test-support", "egress"]
+          "test-support", "egress", "e2b"]
 LONG_FUNCTION_DIRS = ["sandboxd", "agent-api", "image-store", "agents", "runtime", "client", "sandboxctl", "conformance",
-                      "protocol", "test-support", "egress"]
+                      "protocol", "test-support", "egress", "e2b"]
 MAX_LINES = 120
+README_MAX_LINES = 250
 
 FN = re.compile(r'^\s*(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?(extern\s+"C"\s+)?fn\s+(\w+)')
 
@@ -291,6 +295,12 @@ def main():
         n, path, line, name = longest[0]
         print(f"{'/'.join(LONG_FUNCTION_DIRS)}: longest function {name} ({path}:{line}), {n} lines")
     failed |= bool(over)
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = len(f.read().splitlines())
+    print(f"README.md: {readme} lines (at most {README_MAX_LINES})")
+    if readme > README_MAX_LINES:
+        print(f"README.md is {readme} lines, over {README_MAX_LINES}: move reference material to docs/ and link it")
+        failed = True
     sys.exit(1 if failed else 0)
 
 

@@ -11,6 +11,8 @@
 //! artifact's `uri`). The agent talks to sandboxd over a control channel with JSON lines: [`AgentCommand`]s go to
 //! the agent, [`AgentLine`]s come back.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -65,6 +65,8 @@
 //!
 //! Nothing here blocks a runtime thread: I/O is tokio's, locks are held for a few map operations only.
 
+#![forbid(unsafe_code)]
+
 pub mod auth;
 pub mod config;
 pub mod connection;

@@ -1,5 +1,7 @@
 //! `fsp-conformance`: runs the FSP/1 conformance suite against an endpoint, or lists its cases.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 

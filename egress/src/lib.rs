@@ -35,6 +35,8 @@
 //! ([`Proxy::with_ledger`]) the bytes are also recorded in it before they are moved, so the limit holds across a
 //! proxy made again after a crash.
 
+#![forbid(unsafe_code)]
+
 mod address;
 mod allowlist;
 mod counting;

@@ -17,6 +17,8 @@
 //! - [`tools`]: the `tool_calls` extension: [`ToolSpec`], [`ToolCall`] and [`ToolResult`].
 //! - [`output`]: [`Utf8Chunker`], which turns raw pipe bytes into chunks that never split a UTF-8 sequence.
 
+#![forbid(unsafe_code)]
+
 pub mod artifacts;
 pub mod client;
 pub mod envelope;

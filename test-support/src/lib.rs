@@ -16,6 +16,8 @@
 //! itself, which uses [`fsp`]). Its dependencies are ones every user already has (nix, serde_json, tokio and the
 //! protocol crate); nothing here belongs in the daemon or the client library.
 
+#![forbid(unsafe_code)]
+
 pub mod cgroups;
 pub mod daemon;
 #[cfg(feature = "dns")]

@@ -3,6 +3,8 @@
 //! the suite catch a fault, e.g.
 //! `fsp-faulty-server --fault ignores-cancel & fsp-conformance run --endpoint ws://127.0.0.1:7099/ws --token T`.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 
 use clap::Parser;
