@@ -4,7 +4,7 @@
 #
 # Usage (as root, from anywhere):
 #   images/build.sh [--tar-only] [--check] NAME...
-#   NAME: shell | python | javascript | elixir | python-data | all
+#   NAME: shell | python | javascript | elixir | python-data | code-interpreter | all
 #
 #   --tar-only  stop after images/out/NAME/rootfs.tar (skip the OCI packing)
 #   --check     run the image's programs in a chroot (inside a user namespace
@@ -59,7 +59,7 @@ for arg in "$@"; do
     --check) check=1 ;;
     -h | --help) usage; exit 0 ;;
     all) names+=("${ALL[@]}") ;;
-    shell | python | javascript | elixir | python-data) names+=("$arg") ;;
+    shell | python | javascript | elixir | python-data | code-interpreter) names+=("$arg") ;;
     *) usage >&2; die "unknown argument: $arg" ;;
     esac
 done
@@ -84,6 +84,7 @@ check_script() {
     shell) echo 'echo hi && busybox true && ls / >/dev/null && test "$(echo x | busybox sed s/x/y/)" = y && [ "$(id -u)" = 0 ]' ;;
     python) echo '/usr/bin/python3 -c "import locale; locale.setlocale(locale.LC_ALL, \"\"); import json, sqlite3, ssl, zlib, lzma, bz2, ctypes, decimal, hashlib, zoneinfo, subprocess; assert subprocess.run([\"/bin/sh\", \"-c\", \"exit 3\"]).returncode == 3; print(json.dumps({\"ok\": 1}))"' ;;
     python-data) echo '/usr/bin/python3 -c "import numpy, pandas; print(pandas.DataFrame({\"a\": numpy.arange(4)}).describe().loc[\"mean\", \"a\"])"' ;;
+    code-interpreter) echo 'MPLBACKEND=Agg /usr/bin/python3 -c "import numpy, pandas, matplotlib.pyplot as plt; plt.plot([1, 2]); plt.savefig(\"/tmp/p.png\"); print(pandas.DataFrame({\"a\": [1]}).to_html()[:6])" && /usr/bin/node -e "console.log(1)" && /bin/bash -c "echo ok"' ;;
     javascript) echo '/usr/bin/node -e "const c = require(\"crypto\"); console.log(c.createHash(\"sha256\").update(\"x\").digest(\"hex\").length, new Intl.NumberFormat(\"de-DE\").format(1234.5), require(\"child_process\").execSync(\"echo ok\").toString().trim())"' ;;
     elixir) echo '/usr/bin/elixir -e "IO.puts(Enum.sum(1..10)); IO.puts(:crypto.hash(:sha256, \"x\") |> Base.encode16() |> String.length())"' ;;
     esac
@@ -92,7 +93,7 @@ check_script() {
 cmd_for() {
     case $1 in
     shell) echo /bin/sh ;;
-    python | python-data) echo /usr/bin/python3 ;;
+    python | python-data | code-interpreter) echo /usr/bin/python3 ;;
     javascript) echo /usr/bin/node ;;
     elixir) echo /usr/bin/elixir ;;
     esac

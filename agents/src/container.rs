@@ -87,6 +87,8 @@ pub struct RunPlan<'a> {
     /// The run outlives the daemon (live restore): its init holds the control socket for a later daemon, which
     /// adopts it ([`Workspace::adopt_run`]).
     pub keep: bool,
+    /// `/workspace` is mounted at this path too (an E2B sandbox's home, `/home/user`).
+    pub home: Option<&'a str>,
 }
 
 /// Which process a kept run's init is: its pid and its start time (`/proc/<pid>/stat`, clock ticks since boot),
@@ -101,6 +103,9 @@ pub struct InitIdentity {
 
 /// A run taken back from a previous daemon, and what its init held.
 pub type AdoptedRun = (Arc<dyn RunContainer>, Adopted);
+
+/// A kept serving run taken back, and a copy of the daemon's end of its channel.
+pub type AdoptedServingRun = (Arc<dyn RunContainer>, OwnedFd);
 
 /// What an adopted run's init held for the daemon.
 #[derive(Debug)]
@@ -144,6 +149,22 @@ pub trait Workspace: Send + Sync + 'static {
         plan: RunPlan<'a>,
     ) -> BoxFuture<'a, Result<Arc<dyn RunContainer>, LongLivedError>>;
 
+    /// Takes back a kept serving run ([`RunContainer::serve`] on a [`RunPlan::keep`] run) whose init is `init`,
+    /// from a daemon that is gone, with a copy of the daemon's end of its channel (for
+    /// [`runtime::processes::Processes::adopt`]).
+    fn adopt_serving_run<'a>(
+        &'a self,
+        cid: &'a str,
+        init: InitIdentity,
+    ) -> BoxFuture<'a, Result<AdoptedServingRun, LongLivedError>> {
+        let _ = (cid, init);
+        Box::pin(async {
+            Err(LongLivedError::Create(
+                "serving runs cannot be adopted on this backend".into(),
+            ))
+        })
+    }
+
     /// Removes the workspace (its runs must be removed first). Idempotent; errors are logged.
     fn remove(&self) -> BoxFuture<'_, ()>;
 
@@ -178,6 +199,28 @@ pub trait RunContainer: Send + Sync + 'static {
         stdio: [BorrowedFd<'_>; 3],
         control: Option<BorrowedFd<'_>>,
     ) -> Result<(), LongLivedError>;
+
+    /// Launches no program but turns the run's init into a process server ([`runtime::init::serve`]): each
+    /// [`runtime::processes::Processes::start`] starts one more program in the container, all of them in its one
+    /// pid namespace, with its limits and confinement. Instead of [`Self::launch`]. A kept run's init holds the
+    /// channel for a later daemon ([`Workspace::adopt_serving_run`]).
+    fn serve(&self) -> Result<runtime::processes::Processes, LongLivedError> {
+        Err(LongLivedError::Launch(
+            "this backend cannot serve processes".into(),
+        ))
+    }
+
+    /// A directory descriptor of the container's root as its processes see it (`/proc/<init>/root`, its mounts
+    /// included), for file calls resolved beneath it.
+    fn root_dir(&self) -> std::io::Result<OwnedFd> {
+        Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+    }
+
+    /// A copy of descriptor `fd` of the run's init (`pidfd_getfd`): what a kept serving init holds of its programs.
+    fn init_fd(&self, fd: i32) -> std::io::Result<OwnedFd> {
+        let _ = fd;
+        Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+    }
 
     /// A kept run's init holds the agent's control connection from now on (for a later daemon). A run that is
     /// not kept ignores it.

@@ -463,6 +463,9 @@ pub enum LaunchError {
     /// The program is not an absolute path.
     #[error("Launch args must start with an absolute program path")]
     RelativeProgram,
+    /// The working directory is not an absolute path.
+    #[error("The launch's working directory must be an absolute path")]
+    RelativeDirectory,
 }
 
 // Errors of the container's init (`crate::init`).

@@ -46,6 +46,14 @@ pub struct Launch {
     /// ([`crate::init::keeper`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub keep: bool,
+    /// The program's working directory (absolute, in the container); the init's own when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Turns the init into a process server ([`crate::init::serve`]): it runs no program of this launch, but stays,
+    /// starts a program for each further launch on the channel, reports each one's pid and end, and signals them
+    /// on request, until the channel closes. A long-lived sandbox that runs many processes in one container.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub serve: bool,
 }
 
 /// Descriptors a [`Launch::keep`] launch carries after the payload.
@@ -103,6 +111,11 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<Received>> {
             Err(e) => return Err(Error::sys("receive launch", e)),
         }
     };
+    parse(&buf[..n], fds).map(Some)
+}
+
+/// Reads a launch from the datagram `message` and the descriptors it carried (what [`send_keeping`] sent).
+pub fn parse(message: &[u8], fds: Vec<OwnedFd>) -> Result<Received> {
     let count = fds.len();
     if count != 4 && count != 4 + KEPT {
         return Err(LaunchError::Descriptors(count).into());
@@ -111,7 +124,7 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<Received>> {
     let mut next = || fds.next().ok_or(LaunchError::Descriptors(count));
     let (stdin, stdout, stderr, payload) = (next()?, next()?, next()?, next()?);
     let kept: Vec<OwnedFd> = fds.collect();
-    if &buf[..n] != MESSAGE {
+    if message != MESSAGE {
         return Err(LaunchError::Malformed.into());
     }
     let mut bytes = Vec::new();
@@ -123,18 +136,26 @@ pub fn recv(sock: BorrowedFd<'_>) -> Result<Option<Received>> {
     if launch.keep != (kept.len() == KEPT) {
         return Err(LaunchError::Descriptors(count).into());
     }
-    Ok(Some((launch, [stdin, stdout, stderr], kept)))
+    Ok((launch, [stdin, stdout, stderr], kept))
+}
+
+/// Whether a datagram is a launch (the serving init's channel carries other requests too).
+pub fn is_launch(message: &[u8]) -> bool {
+    message == MESSAGE
 }
 
 /// Decodes and checks the payload [`recv`] read from the memfd: at most [`MAX_LAUNCH`] bytes of JSON, an
-/// absolute program path.
+/// absolute program path (none for a serving launch) and working directory.
 pub fn decode(bytes: &[u8]) -> Result<Launch> {
     if bytes.len() > MAX_LAUNCH {
         return Err(LaunchError::TooLarge { max: MAX_LAUNCH }.into());
     }
     let launch: Launch = serde_json::from_slice(bytes).map_err(LaunchError::Decode)?;
-    if launch.args.first().is_none_or(|a| !a.starts_with('/')) {
+    if !launch.serve && launch.args.first().is_none_or(|a| !a.starts_with('/')) {
         return Err(LaunchError::RelativeProgram.into());
+    }
+    if launch.cwd.as_ref().is_some_and(|c| !c.starts_with('/')) {
+        return Err(LaunchError::RelativeDirectory.into());
     }
     Ok(launch)
 }
@@ -156,6 +177,8 @@ mod tests {
             warm: false,
             relay: false,
             keep: false,
+            cwd: None,
+            serve: false,
         };
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         drop(w);
@@ -179,6 +202,8 @@ mod tests {
             warm: false,
             relay: false,
             keep: false,
+            cwd: None,
+            serve: false,
         };
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         let (got, _, _) = recv(b.as_fd()).unwrap().unwrap();
@@ -196,6 +221,8 @@ mod tests {
             warm: false,
             relay: false,
             keep: true,
+            cwd: None,
+            serve: false,
         };
         send_keeping(a.as_fd(), &kept, stdio, &[w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         let (got, _, fds) = recv(b.as_fd()).unwrap().unwrap();
@@ -244,6 +271,8 @@ mod tests {
             warm: false,
             relay: false,
             keep: false,
+            cwd: None,
+            serve: false,
         };
         send(a.as_fd(), &relative, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         assert!(recv(b.as_fd()).is_err());

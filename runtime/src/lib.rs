@@ -11,7 +11,8 @@
 //! Module map, one kernel mechanism per module: [`cgroups`] (limits, usage, leftovers), [`rootfs`] (host image,
 //! per-execution scratch), [`spec`] (the OCI runtime spec of an execution), [`direct`] (the container start:
 //! clone, mounts, privileges), [`init`] (the executor run as pid 1),
-//! [`helper`] (container lifecycle in the helper process), [`sys`] (the few raw syscalls, each with its `SAFETY`).
+//! [`helper`] (container lifecycle in the helper process), [`processes`] (the daemon's side of a serving init), [`sys`]
+//! (the few raw syscalls, each with its `SAFETY`).
 
 pub mod artifacts;
 pub mod caps;
@@ -24,6 +25,7 @@ pub mod init;
 pub mod ipc;
 pub mod landlock;
 pub mod launch;
+pub mod processes;
 pub mod rootfs;
 pub mod seccomp;
 pub mod spec;

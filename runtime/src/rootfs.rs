@@ -41,7 +41,38 @@ const MOUNT_POINTS: &[&str] = &[
     "sys",
     "workspace",
     "sandbox",
+    "home",
 ];
+/// The mount point of an E2B sandbox's home (a second mount of `/workspace`), kept in the read-only skeleton.
+const HOME_MOUNT_POINT: &str = "home/user";
+
+/// Makes the directory `rel` (relative, `/`-separated) under an overlay root `root` for a bind's mount point, as the
+/// host's root: each component an existing directory or made (0755); a component that is a symlink or a file (an
+/// image's `/home -> /etc`) is refused, so nothing is ever made outside the root.
+pub fn mount_point_in(root: &Path, rel: &str) -> Result<()> {
+    let mut p = root.to_path_buf();
+    for part in rel.split('/').filter(|c| !c.is_empty()) {
+        if part == ".." || part == "." {
+            return Err(Error::io(
+                &p,
+                std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            ));
+        }
+        p.push(part);
+        match fs::symlink_metadata(&p) {
+            Ok(md) if md.is_dir() => {}
+            Ok(_) => {
+                return Err(Error::io(
+                    &p,
+                    std::io::Error::other("not a directory (a mount point must be one)"),
+                ))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => mkdir(&p, 0o755)?,
+            Err(e) => return Err(Error::io(&p, e)),
+        }
+    }
+    Ok(())
+}
 
 /// The upper layer of an overlay root, relative to its space's directory.
 pub const UPPER: &str = "scratch/upper";
@@ -78,6 +109,7 @@ impl HostImage {
         for m in MOUNT_POINTS {
             ensure_dir(&rootfs.join(m))?;
         }
+        ensure_dir(&rootfs.join(HOME_MOUNT_POINT))?;
         let mut binds = vec![BindMount {
             source: host_root.join("usr"),
             destination: "/usr".into(),

@@ -97,6 +97,14 @@ fn main() {
             "a_warm_interpreters_reported_end_is_taken_only_when_nothing_else_is_left",
             rt.block_on(t.reported_end(&helper)),
         ),
+        (
+            "a_serving_init_runs_many_programs_in_one_pid_namespace",
+            rt.block_on(t.serves(&helper)),
+        ),
+        (
+            "a_kept_serving_init_is_taken_over_by_a_later_daemon",
+            rt.block_on(t.serves_kept(&helper)),
+        ),
     ];
     let _ = rt.block_on(helper.shutdown());
     let _ = nix::sys::wait::waitpid(pid, None);
@@ -534,6 +542,8 @@ impl Test {
                 warm: false,
                 relay: true,
                 keep: false,
+                cwd: None,
+                serve: false,
             };
             let spec = build(&self.plan(&id, uid)).map_err(|e| e.to_string())?;
             let created = helper
@@ -563,6 +573,291 @@ impl Test {
         }
         Ok(())
     }
+}
+
+impl Test {
+    /// A serving init ([`runtime::init::serve`]) starts a program per launch, all in one pid namespace: a second
+    /// program sees the first by the pid the daemon was told, a signal reaches only a program it started, a
+    /// missing program or directory ends with 127 and says why, and closing the channel ends the container.
+    async fn serves(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-serve";
+        let created = self.create(helper, id, 3_900_011).await?;
+        let served = serve_checks(&created).await;
+        drop(created.launch);
+        let mut status = String::new();
+        std::fs::File::from(created.status)
+            .read_to_string(&mut status)
+            .map_err(|e| e.to_string())?;
+        let ended = match runtime::init::Report::decode(&status).exit {
+            Some(runtime::init::ProgramExit::Code(0)) => Ok(()),
+            _ => Err(format!(
+                "the serving init did not end with exit 0: {status:?}"
+            )),
+        };
+        let removed = match helper.remove(id).await {
+            Ok(None) => Ok(()),
+            Ok(Some(step)) => Err(format!("remove: {step}")),
+            Err(e) => Err(format!("remove: {e}")),
+        };
+        served
+            .and(ended)
+            .and(removed)
+            .and_then(|()| self.nothing_left(id))
+    }
+}
+
+impl Test {
+    /// A kept serving init ([`runtime::init::serve`]) outlives its daemon's end of the channel: a later daemon
+    /// takes a copy of that end from the init (`pidfd_getfd`), skips what was meant for the one before, lists the
+    /// program still running with the pipes the init held for it, writes to its stdin and reads its output (nothing
+    /// written meanwhile is lost), and signals it; a program that ended meanwhile is not listed.
+    async fn serves_kept(&self, helper: &HelperClient) -> Result<(), String> {
+        let id = "direct-serve-kept";
+        let spec = build(&self.plan(id, 3_900_012)).map_err(|e| e.to_string())?;
+        let created = helper
+            .create_kept(id, self.bundle(id, &spec), self.policy())
+            .await
+            .map_err(|e| format!("create: {}", runtime::error::Chain(&e)))?;
+        let checked = kept_checks(&created).await;
+        let removed = match helper.remove(id).await {
+            Ok(None) => Ok(()),
+            Ok(Some(step)) => Err(format!("remove: {step}")),
+            Err(e) => Err(format!("remove: {e}")),
+        };
+        checked.and(removed).and_then(|()| self.nothing_left(id))
+    }
+}
+
+/// The checks of [`Test::serves_kept`] on a container created kept.
+async fn kept_checks(created: &runtime::helper::Created) -> Result<(), String> {
+    use runtime::init::ProgramExit;
+    use runtime::processes::Processes;
+    use std::io::{BufRead, Write};
+    let e = |e: std::io::Error| e.to_string();
+    let null = std::fs::File::open("/dev/null").map_err(e)?;
+    let serve = Launch {
+        args: vec![],
+        env: vec![],
+        warm: false,
+        relay: false,
+        keep: true,
+        cwd: None,
+        serve: true,
+    };
+    let status_copy = created.status.try_clone().map_err(e)?;
+    runtime::launch::send_keeping(
+        created.launch.as_fd(),
+        &serve,
+        [null.as_fd(), null.as_fd(), null.as_fd()],
+        &[created.launch.as_fd(), status_copy.as_fd(), null.as_fd()],
+    )
+    .map_err(|e| format!("serve: {e}"))?;
+    let first = Processes::new(created.launch.try_clone().map_err(e)?).map_err(e)?;
+    let sh = |script: &str| Launch {
+        args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        env: vec!["PATH=/usr/bin:/bin".into()],
+        warm: false,
+        relay: false,
+        keep: false,
+        cwd: None,
+        serve: false,
+    };
+    let (in_r, in_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
+    let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
+    let talker = first
+        .start(
+            &sh("echo one; read x; echo two $x; exec sleep 60"),
+            [in_r.as_fd(), out_w.as_fd(), out_w.as_fd()],
+            Some([in_w.as_fd(), out_r.as_fd(), out_r.as_fd()]),
+        )
+        .await
+        .map_err(|e| format!("start: {e}"))?;
+    let quick = first
+        .start(
+            &sh("exit 3"),
+            [null.as_fd(), null.as_fd(), null.as_fd()],
+            None,
+        )
+        .await
+        .map_err(|e| format!("start: {e}"))?;
+    drop((in_r, out_w));
+    let mut out = std::io::BufReader::new(std::fs::File::from(out_r));
+    let mut line = String::new();
+    out.read_line(&mut line).map_err(e)?;
+    if line != "one\n" {
+        return Err(format!("first line {line:?}"));
+    }
+    // The daemon is gone: its ends of everything close, and the channel is left open.
+    first.leave();
+    drop((out, in_w));
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // A later daemon.
+    let pidfd = runtime::sys::pidfd_open(nix::unistd::Pid::from_raw(created.pid))
+        .map_err(|e| e.to_string())?;
+    let chan = runtime::sys::pidfd_getfd(pidfd.as_fd(), runtime::init::serve::CHANNEL_FD)
+        .map_err(|e| format!("pidfd_getfd(channel): {e}"))?;
+    let later = Processes::adopt(chan)
+        .await
+        .map_err(|e| format!("adopt: {e}"))?;
+    let running = later.list().await.map_err(|e| format!("list: {e}"))?;
+    let pids: Vec<i32> = running.iter().map(|r| r.pid).collect();
+    if pids != vec![talker.pid] {
+        return Err(format!(
+            "running {pids:?}, not only the talker {} (the quick one {} ended)",
+            talker.pid, quick.pid
+        ));
+    }
+    let [stdin, stdout, _] = running[0].held;
+    let get = |fd: i32| runtime::sys::pidfd_getfd(pidfd.as_fd(), fd).map_err(|e| e.to_string());
+    let mut stdin = std::fs::File::from(get(stdin)?);
+    let mut stdout = std::io::BufReader::new(std::fs::File::from(get(stdout)?));
+    stdin.write_all(b"x\n").map_err(e)?;
+    let mut line = String::new();
+    stdout.read_line(&mut line).map_err(e)?;
+    if line != "two x\n" {
+        return Err(format!("after the takeover the talker said {line:?}"));
+    }
+    match later
+        .signal(talker.pid, nix::sys::signal::Signal::SIGKILL)
+        .await
+    {
+        Ok(true) => {}
+        other => return Err(format!("SIGKILL after the takeover: {other:?}")),
+    }
+    let mut exit = running[0].exit.clone();
+    exit.wait_for(Option::is_some)
+        .await
+        .map_err(|e| e.to_string())?;
+    if *exit.borrow() != Some(ProgramExit::Signal(9)) {
+        return Err(format!("the talker ended {:?}", *exit.borrow()));
+    }
+    Ok(())
+}
+
+/// The checks of [`Test::serves`] on a created container.
+async fn serve_checks(created: &runtime::helper::Created) -> Result<(), String> {
+    use runtime::init::ProgramExit;
+    use runtime::processes::Processes;
+    let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
+    let serve = Launch {
+        args: vec![],
+        env: vec![],
+        warm: false,
+        relay: false,
+        keep: false,
+        cwd: None,
+        serve: true,
+    };
+    runtime::launch::send(
+        created.launch.as_fd(),
+        &serve,
+        [null.as_fd(), null.as_fd(), null.as_fd()],
+    )
+    .map_err(|e| format!("serve: {e}"))?;
+    let chan = created.launch.try_clone().map_err(|e| e.to_string())?;
+    let processes = Processes::new(chan).map_err(|e| e.to_string())?;
+    let sh = |script: &str, cwd: Option<&str>| Launch {
+        args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        env: vec!["PATH=/usr/bin:/bin".into()],
+        warm: false,
+        relay: false,
+        keep: false,
+        cwd: cwd.map(str::to_owned),
+        serve: false,
+    };
+    // The first program says its own pid and stays.
+    let (a_r, a_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
+    let mut first = processes
+        .start(
+            &sh("echo $$; exec sleep 60", None),
+            [null.as_fd(), a_w.as_fd(), a_w.as_fd()],
+            None,
+        )
+        .await
+        .map_err(|e| format!("start: {e}"))?;
+    drop(a_w);
+    let mut reader = std::io::BufReader::new(std::fs::File::from(a_r));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut reader, &mut line).map_err(|e| e.to_string())?;
+    if line.trim() != first.pid.to_string() {
+        return Err(format!(
+            "the program says its pid is {line:?}, the init said {}",
+            first.pid
+        ));
+    }
+    // A second one sees it, in the directory it was given.
+    let script = format!("kill -0 {} && echo seen; pwd", first.pid);
+    let (out, exit) = run(&processes, &null, &sh(&script, Some("/tmp"))).await?;
+    if out != "seen\n/tmp\n" || exit != ProgramExit::Code(0) {
+        return Err(format!("second program: {out:?}, {exit:?}"));
+    }
+    // Signals reach only the init's own running programs.
+    match processes
+        .signal(first.pid, nix::sys::signal::Signal::SIGKILL)
+        .await
+    {
+        Ok(true) => {}
+        other => return Err(format!("SIGKILL of the first program: {other:?}")),
+    }
+    first
+        .exit
+        .wait_for(Option::is_some)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ended = *first.exit.borrow();
+    if ended != Some(ProgramExit::Signal(9)) {
+        return Err(format!("the first program ended {ended:?}, not by SIGKILL"));
+    }
+    match processes
+        .signal(first.pid, nix::sys::signal::Signal::SIGTERM)
+        .await
+    {
+        Ok(false) => {}
+        other => return Err(format!("a signal to an ended program: {other:?}")),
+    }
+    match processes.signal(1, nix::sys::signal::Signal::SIGKILL).await {
+        Ok(false) | Err(_) => {}
+        other => return Err(format!("a signal to the init itself: {other:?}")),
+    }
+    // A missing program or directory: 127, and why on stderr.
+    let missing = Launch {
+        args: vec!["/no/such/program".into()],
+        ..sh("", None)
+    };
+    let (out, exit) = run(&processes, &null, &missing).await?;
+    if exit != ProgramExit::Code(127) || !out.contains("cannot execute /no/such/program") {
+        return Err(format!("a missing program: {out:?}, {exit:?}"));
+    }
+    let (out, exit) = run(&processes, &null, &sh("pwd", Some("/no/such/dir"))).await?;
+    if exit != ProgramExit::Code(127) || !out.contains("cannot change to directory /no/such/dir") {
+        return Err(format!("a missing directory: {out:?}, {exit:?}"));
+    }
+    Ok(())
+}
+
+/// Starts `launch` through `processes` and waits for its end; its output (stdout and stderr) and how it ended.
+async fn run(
+    processes: &runtime::processes::Processes,
+    null: &std::fs::File,
+    launch: &Launch,
+) -> Result<(String, runtime::init::ProgramExit), String> {
+    let (r, w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
+    let mut started = processes
+        .start(launch, [null.as_fd(), w.as_fd(), w.as_fd()], None)
+        .await
+        .map_err(|e| format!("start: {e}"))?;
+    drop(w);
+    let mut out = String::new();
+    std::fs::File::from(r)
+        .read_to_string(&mut out)
+        .map_err(|e| e.to_string())?;
+    started
+        .exit
+        .wait_for(Option::is_some)
+        .await
+        .map_err(|e| e.to_string())?;
+    let exit = (*started.exit.borrow()).ok_or("no end")?;
+    Ok((out, exit))
 }
 
 /// Launches `/bin/sh -c script` in a created container; its output and what the init wrote on its status pipe,
@@ -604,6 +899,8 @@ fn launch_with(
             warm,
             relay: false,
             keep: false,
+            cwd: None,
+            serve: false,
         },
         [null.as_fd(), out_w.as_fd(), out_w.as_fd()],
     )

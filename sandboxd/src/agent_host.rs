@@ -244,6 +244,14 @@ impl Workspace for UidWorkspace {
         self.inner.adopt_run(cid, init)
     }
 
+    fn adopt_serving_run<'a>(
+        &'a self,
+        cid: &'a str,
+        init: InitIdentity,
+    ) -> BoxFuture<'a, Result<agents::container::AdoptedServingRun, LongLivedError>> {
+        self.inner.adopt_serving_run(cid, init)
+    }
+
     fn leave(&self) {
         self.inner.leave();
     }

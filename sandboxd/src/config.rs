@@ -82,6 +82,8 @@ pub struct Config {
     pub telemetry: crate::telemetry::TelemetryConfig,
     /// The `network` extension: egress through a per-execution proxy to the hosts a request lists.
     pub network: crate::egress::NetworkConfig,
+    /// E2B's API on a listener of its own (`docs/spec/e2b-compat.md`).
+    pub e2b: e2b::config::E2bConfig,
 }
 
 pub use agents::config::{AgentsConfig, AGENT_QUEUED_OVERHEAD, AGENT_STAMP_BYTES};
@@ -328,6 +330,7 @@ impl Default for Config {
             agents: AgentsConfig::default(),
             telemetry: crate::telemetry::TelemetryConfig::default(),
             network: crate::egress::NetworkConfig::default(),
+            e2b: e2b::config::E2bConfig::default(),
         }
     }
 }
@@ -410,6 +413,9 @@ impl Config {
             .map_err(|(key, reason)| ConfigError::Value { key, reason })?;
         self.network
             .validate()
+            .map_err(|(key, reason)| ConfigError::Value { key, reason })?;
+        self.e2b
+            .check()
             .map_err(|(key, reason)| ConfigError::Value { key, reason })?;
         self.validate_numbers()?;
         self.validate_host()?;
@@ -808,6 +814,7 @@ mod tests {
         pool: std::collections::BTreeMap<&'static str, Option<usize>>,
         agents: std::collections::BTreeMap<&'static str, String>,
         telemetry: std::collections::BTreeMap<&'static str, Option<String>>,
+        e2b: std::collections::BTreeMap<&'static str, Option<String>>,
     }
 
     impl From<&Config> for DefaultsView {
@@ -845,6 +852,20 @@ mod tests {
                 images: Default::default(),
                 languages: None,
                 pool: [("size", c.pool.size), ("helpers", c.pool.helpers)].into(),
+                e2b: [
+                    ("listen", c.e2b.listen.map(|a| a.to_string())),
+                    ("base_image", Some(c.e2b.base_image.clone())),
+                    (
+                        "code_interpreter_image",
+                        c.e2b.code_interpreter_image.clone(),
+                    ),
+                    ("memory_mb", Some(c.e2b.memory_mb.to_string())),
+                    ("cpu_count", Some(c.e2b.cpu_count.to_string())),
+                    ("disk_mb", Some(c.e2b.disk_mb.to_string())),
+                    ("pids_max", Some(c.e2b.pids_max.to_string())),
+                    ("max_upload_mb", Some(c.e2b.max_upload_mb.to_string())),
+                ]
+                .into(),
                 agents: [
                     ("max_sandboxes", c.agents.max_sandboxes.to_string()),
                     ("cpu_cores", c.agents.cpu_cores.to_string()),

@@ -151,6 +151,24 @@ fn carry_all(state_dir: &Path, old: Option<&File>, new: &File) -> anyhow::Result
             }
         }
     }
+    // The E2B sandboxes' directories (their scratch space and root); one that is not carried is not taken back
+    // (the engine ends it).
+    let e2b = state_dir.join("e2b");
+    for id in e2b::sandboxes::recorded(&e2b) {
+        let dir = e2b.join(&id);
+        let carried = match old {
+            None => Err(anyhow::anyhow!(
+                "no mount namespace of a previous daemon is pinned"
+            )),
+            Some(old) => carry(old, new, &dir),
+        };
+        match carried {
+            Ok(()) => info!(path = %dir.display(), "E2B sandbox mounts carried over"),
+            Err(e) => {
+                warn!(path = %dir.display(), error = %format!("{e:#}"), "E2B sandbox mounts not carried over")
+            }
+        }
+    }
     // Marked once every carry was tried; a start that cannot mark them all fails with none marked (the previous
     // namespace stays pinned for the next try).
     for (i, dir) in lost.iter().enumerate() {

@@ -292,7 +292,11 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     let run_dir = config.state_dir.join("run");
     // With live restore, the cgroups of the runs a previous daemon left alive are theirs, not leftovers.
     let kept = match live {
-        true => agents::restore::kept_runs(&config.state_dir.join("agents")),
+        true => {
+            let mut kept = agents::restore::kept_runs(&config.state_dir.join("agents"));
+            kept.extend(e2b::sandboxes::kept_runs(&config.state_dir.join("e2b")));
+            kept
+        }
         false => Vec::new(),
     };
     remove_leftovers(&cgroups, &run_dir, &kept)?;
@@ -359,7 +363,10 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
     for pid in helper_pids {
         let _ = nix::sys::wait::waitpid(pid, None);
     }
-    if live && agents::restore::recorded(&state_dir.join("agents")).is_empty() {
+    if live
+        && agents::restore::recorded(&state_dir.join("agents")).is_empty()
+        && e2b::sandboxes::recorded(&state_dir.join("e2b")).is_empty()
+    {
         live_restore::unpin_if_unused(&state_dir);
         drop(ParentGuard(cgroups_at_exit));
     }
@@ -573,6 +580,15 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
             warn!(error = %e, "cannot set TCP_NODELAY");
         }
     });
+    // Before the main listener serves: the sandboxes taken back hold their uids before an agent sandbox could.
+    let e2b = match config.e2b.listen {
+        Some(addr) => Some(
+            serve_e2b(&engine, &agents, addr)
+                .await
+                .with_context(|| format!("cannot serve E2B's API on e2b.listen {addr}"))?,
+        ),
+        None => None,
+    };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
@@ -626,12 +642,71 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         );
     }
     server.abort();
+    if let Some((server, sandboxes)) = e2b {
+        server.abort();
+        sandboxes.shutdown().await;
+    }
     agents.shutdown().await;
     let _ = metrics_stop.send(());
     if let Some(m) = metrics_server {
         m.abort();
     }
     Ok(())
+}
+
+/// E2B's API on its own listener: its sandboxes are made through the agent sandboxes' containers (the same uids,
+/// images and scratch spaces), its API key is one of the daemon's tokens.
+async fn serve_e2b(
+    engine: &Arc<Engine>,
+    agents: &Arc<agents::Agents>,
+    addr: std::net::SocketAddr,
+) -> anyhow::Result<(tokio::task::JoinHandle<()>, Arc<e2b::sandboxes::Sandboxes>)> {
+    let config = engine.daemon().config();
+    let c = &config.e2b;
+    let parent = config.state_dir.join("e2b");
+    std::fs::create_dir_all(&parent)
+        .with_context(|| format!("cannot create {}", parent.display()))?;
+    let sandboxes = e2b::sandboxes::Sandboxes::new(
+        agents.host().containers.clone(),
+        agents.host().network.clone(),
+        e2b::sandboxes::Settings {
+            parent,
+            base_image: c.base_image.clone(),
+            code_interpreter_image: c
+                .code_interpreter_image
+                .clone()
+                .unwrap_or_else(|| c.base_image.clone()),
+            memory_mb: c.memory_mb,
+            cpu_count: c.cpu_count,
+            disk_mb: c.disk_mb,
+            pids_max: c.pids_max,
+            live_restore: config.agents.live_restore,
+        },
+    );
+    for line in sandboxes.restore().await {
+        info!(sandbox = %line, "live restore (E2B)");
+    }
+    let tokens = Arc::new(config.auth.tokens.clone());
+    let app = e2b::router(e2b::Facade {
+        engine: sandboxes.clone(),
+        api_key: Arc::new(move |key: &str| {
+            tokens
+                .iter()
+                .any(|t| constant_time_eq::constant_time_eq(t.as_bytes(), key.as_bytes()))
+        }),
+        max_upload_bytes: c.max_upload_mb << 20,
+    });
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    info!(addr = %listener.local_addr()?, "E2B API listening");
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let server = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            error!(error = %e, "the E2B listener failed");
+        }
+    });
+    Ok((server, sandboxes))
 }
 
 /// Removes the pool and waits (bounded) for every container's removal, then stops the helpers.

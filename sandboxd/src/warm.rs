@@ -79,6 +79,8 @@ pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
         warm: false,
         relay,
         keep: false,
+        cwd: None,
+        serve: false,
     })
 }
 
@@ -193,6 +195,8 @@ mod tests {
             warm: true,
             relay: false,
             keep: false,
+            cwd: None,
+            serve: false,
         };
         assert!(fits_exec(&l));
         l.env.push(format!("HUGE={}", "e".repeat(MAX_ARG_STRLEN)));

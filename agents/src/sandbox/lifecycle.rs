@@ -366,6 +366,7 @@ impl Sandbox {
             pids_max: self.host.settings.agents.pids_max,
             shm_bytes: (self.limits.disk_mb << 20).min(64 << 20),
             keep: control.is_some(),
+            home: None,
         };
         let c = self
             .workspace

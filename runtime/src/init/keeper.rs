@@ -49,7 +49,7 @@ pub(crate) struct Keeper {
 }
 
 /// `dup3(fd, at, O_CLOEXEC)`: `fd` moved to number `at`.
-fn hold_at(fd: OwnedFd, at: RawFd) -> Option<OwnedFd> {
+pub(super) fn hold_at(fd: OwnedFd, at: RawFd) -> Option<OwnedFd> {
     // SAFETY: dup3 takes two descriptor numbers and a flags word; the init's own descriptors are all below the
     // fixed numbers (stdio, the status pipe, the launch channel and what the launch carried), so `at` replaces
     // nothing but an earlier held copy.

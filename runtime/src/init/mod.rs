@@ -35,50 +35,11 @@ mod ending;
 pub mod keeper;
 mod program;
 mod relay;
+pub mod serve;
 mod warm;
 
 use self::program::{mark, setup_failed, to_cstrings};
-pub use self::program::{monotonic_ns, EXEC_FAILED, SETUP_FAILED};
-
-/// How the program ended, as the init reports it on the status pipe.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case", tag = "kind", content = "value")]
-pub enum ProgramExit {
-    /// `exit(code)`.
-    Code(i32),
-    /// Killed by this signal number.
-    Signal(i32),
-}
-
-impl ProgramExit {
-    /// The record written on the status pipe: `exit N\n` or `signal N\n`.
-    pub fn encode(self) -> String {
-        match self {
-            Self::Code(c) => format!("exit {c}\n"),
-            Self::Signal(s) => format!("signal {s}\n"),
-        }
-    }
-
-    /// `exit status N` or `killed by SIGX`.
-    pub fn describe(self) -> String {
-        match self {
-            Self::Code(c) => format!("exit status {c}"),
-            Self::Signal(s) => format!("killed by {}", signal_name(s)),
-        }
-    }
-
-    /// Parses a record; anything else (empty: the init died before writing) is `None`.
-    pub fn decode(record: &str) -> Option<Self> {
-        let mut it = record.trim_end_matches('\n').splitn(2, ' ');
-        let kind = it.next()?;
-        let value: i32 = it.next()?.parse().ok()?;
-        match kind {
-            "exit" => Some(Self::Code(value)),
-            "signal" => Some(Self::Signal(value)),
-            _ => None,
-        }
-    }
-}
+pub use self::program::{monotonic_ns, signal_name, ProgramExit, EXEC_FAILED, SETUP_FAILED};
 
 /// The line the init writes before its record when no other process is left in the container (see [`ended_alone`]).
 const ALONE: &str = "alone\n";
@@ -96,13 +57,6 @@ pub fn ended_alone(status: &[u8]) -> bool {
     let record = lines.next().and_then(|l| std::str::from_utf8(l).ok());
     record.and_then(ProgramExit::decode).is_some()
         && lines.next() == Some(ALONE.trim_end().as_bytes())
-}
-
-/// `SIGKILL` for 9; `SIG<n>` for numbers nix has no name for.
-pub fn signal_name(sig: i32) -> String {
-    Signal::try_from(sig)
-        .map(|s| s.as_str().to_owned())
-        .unwrap_or_else(|_| format!("SIG{sig}"))
 }
 
 /// What the init reported on the status pipe.
@@ -189,8 +143,22 @@ impl InitExecutor {
             Some(w) => Some(warm::start(status, w)?),
             None => None,
         };
-        let (launch, stdio, kept) = self.receive(status);
+        let (sock, (launch, stdio, kept)) = self.receive(status);
         mark(status, "received");
+        if launch.serve {
+            if let Some(w) = warm {
+                w.discard();
+            }
+            drop(stdio);
+            if launch.keep && !self.outlives_helper {
+                setup_failed(
+                    status,
+                    "a kept launch in a container that dies with the helper",
+                );
+            }
+            serve::run(status, sock, kept);
+        }
+        drop(sock);
         let mut keeper = match launch.keep {
             true if self.outlives_helper => match keeper::Keeper::new(kept) {
                 Some(k) => Some(k),
@@ -291,11 +259,21 @@ impl InitExecutor {
         let args = to_cstrings(&launch.args)?;
         let env = to_cstrings(&launch.env)?;
         let program = args.first().cloned().ok_or(InitError::InvalidArg)?;
+        let cwd = launch
+            .cwd
+            .as_deref()
+            .map(|c| std::ffi::CString::new(c).map_err(|_| InitError::InvalidArg))
+            .transpose()?;
         mark(status, "exec");
         // The program holds the only copies of the stdio the container needs: the daemon sees end of file on the
         // output pipes when the program (and whatever it started) is gone.
         let started = |pid: Pid| PROGRAM.store(pid.as_raw(), Ordering::SeqCst);
-        program::start_program(status, stdio, (&program, &args, &env), started)
+        program::start_program(
+            status,
+            stdio,
+            (&program, &args, &env, cwd.as_ref()),
+            started,
+        )
     }
 
     /// [`Self::run`] for a caller with nobody to return to (the direct start's cloned init): a failure is
@@ -355,13 +333,13 @@ impl InitExecutor {
         }
     }
 
-    /// Waits for the launch message. The daemon dropping the container before using it ends the init quietly
+    /// Waits for the launch message (and returns the channel with it). The daemon dropping the container before using it ends the init quietly
     /// (nothing ran, nothing to report); a malformed launch is reported as a setup failure.
-    fn receive(&self, status: BorrowedFd<'_>) -> crate::launch::Received {
+    fn receive(&self, status: BorrowedFd<'_>) -> (OwnedFd, crate::launch::Received) {
         // SAFETY: `launch_fd` is inherited from the helper and owned by nothing else in this process.
         let launch_sock = unsafe { OwnedFd::from_raw_fd(self.launch_fd) };
         match crate::launch::recv(launch_sock.as_fd()) {
-            Ok(Some(l)) => l,
+            Ok(Some(l)) => (launch_sock, l),
             // SAFETY: end the init without unwinding into its caller, which expects no return.
             Ok(None) => unsafe { libc::_exit(0) },
             Err(e) => setup_failed(status, Chain(&e)),

@@ -4,7 +4,7 @@
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
-use nix::sys::signal::{SigSet, SigmaskHow};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal};
 use nix::unistd::ForkResult;
 
 use crate::error::{Chain, InitError};
@@ -21,7 +21,7 @@ pub const SETUP_FAILED: i32 = 125;
 fn run_program(
     status: BorrowedFd<'_>,
     stdio: [OwnedFd; 3],
-    (program, args, env): (&CString, &[CString], &[CString]),
+    (program, args, env, cwd): Command<'_>,
 ) -> ! {
     // The status pipe stays open (close-on-exec) so a failed restriction can be reported on it.
     // The launch's descriptors become 0, 1 and 2 (dup2 clears close-on-exec on the copies).
@@ -45,6 +45,18 @@ fn run_program(
     if let Err(e) = crate::caps::ensure_none() {
         setup_failed(status, Chain(&e));
     }
+    if let Some(dir) = cwd {
+        if let Err(e) = nix::unistd::chdir(dir.as_c_str()) {
+            let msg = format!(
+                "sandboxd: cannot change to directory {}: {}\n",
+                dir.to_string_lossy(),
+                e.desc()
+            );
+            let _ = nix::unistd::write(std::io::stderr(), msg.as_bytes());
+            // SAFETY: _exit ends the forked child without running the parent's atexit handlers or destructors.
+            unsafe { libc::_exit(EXEC_FAILED) }
+        }
+    }
     let err = nix::unistd::execve(program, args, env).err();
     let msg = format!(
         "sandboxd: cannot execute {}: {}\n",
@@ -64,7 +76,7 @@ fn run_program(
 pub(super) fn start_program(
     status: BorrowedFd<'_>,
     stdio: [OwnedFd; 3],
-    command: (&CString, &[CString], &[CString]),
+    command: Command<'_>,
     started: impl FnOnce(nix::unistd::Pid),
 ) -> Result<nix::unistd::Pid, InitError> {
     if let Ok(pid) = spawn_program(status, &stdio, command, started) {
@@ -89,9 +101,22 @@ struct Spawn {
     program: *const libc::c_char,
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
+    /// The working directory, or null for the init's.
+    cwd: *const libc::c_char,
     /// `sandboxd: cannot execute <program>: ` (the error's description and a newline follow).
     failed: Vec<u8>,
+    /// `sandboxd: cannot change to directory <cwd>: ` (likewise).
+    no_cwd: Vec<u8>,
 }
+
+/// What a child runs: the program, its arguments (the program first), its environment and its working directory
+/// (the init's when `None`).
+pub(super) type Command<'a> = (
+    &'a CString,
+    &'a [CString],
+    &'a [CString],
+    Option<&'a CString>,
+);
 
 /// Stack of the child of [`spawn_program`] (it calls nothing but system calls).
 const SPAWN_STACK: usize = 32 << 10;
@@ -109,7 +134,7 @@ const SPAWN_STACK: usize = 32 << 10;
 fn spawn_program(
     status: BorrowedFd<'_>,
     stdio: &[OwnedFd; 3],
-    (program, args, env): (&CString, &[CString], &[CString]),
+    (program, args, env, cwd): Command<'_>,
     started: impl FnOnce(nix::unistd::Pid),
 ) -> Result<nix::unistd::Pid, nix::Error> {
     crate::caps::ensure_none().map_err(|_| nix::Error::EPERM)?;
@@ -121,7 +146,13 @@ fn spawn_program(
         program: program.as_ptr(),
         argv: argv.as_ptr(),
         envp: envp.as_ptr(),
+        cwd: cwd.map_or(std::ptr::null(), |c| c.as_ptr()),
         failed: format!("sandboxd: cannot execute {}: ", program.to_string_lossy()).into_bytes(),
+        no_cwd: format!(
+            "sandboxd: cannot change to directory {}: ",
+            cwd.map(|c| c.to_string_lossy()).unwrap_or_default()
+        )
+        .into_bytes(),
     };
     // Not zeroed: the child faults in only the pages it uses.
     let mut stack = Vec::<u8>::with_capacity(SPAWN_STACK);
@@ -199,6 +230,15 @@ extern "C" fn spawned_child(arg: *mut libc::c_void) -> libc::c_int {
     if let Err(e) = set_mask(0, None) {
         give_up(b"rt_sigprocmask", e);
     }
+    // SAFETY: `cwd` is null or a null-terminated string that outlives the call.
+    if !spawn.cwd.is_null() && unsafe { libc::chdir(spawn.cwd) } < 0 {
+        let why = nix::Error::last().desc();
+        write(2, &spawn.no_cwd);
+        write(2, why.as_bytes());
+        write(2, b"\n");
+        // SAFETY: _exit ends the child without touching the shared memory.
+        unsafe { libc::_exit(EXEC_FAILED) }
+    }
     // SAFETY: program, argv and envp point at null-terminated strings and arrays that outlive the call.
     unsafe { libc::execve(spawn.program, spawn.argv, spawn.envp) };
     let why = nix::Error::last().desc();
@@ -243,4 +283,51 @@ pub(super) fn to_cstrings(v: &[String]) -> Result<Vec<CString>, InitError> {
     v.iter()
         .map(|s| CString::new(s.as_bytes()).map_err(|_| InitError::InvalidArg))
         .collect()
+}
+
+/// How the program ended, as the init reports it on the status pipe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "value")]
+pub enum ProgramExit {
+    /// `exit(code)`.
+    Code(i32),
+    /// Killed by this signal number.
+    Signal(i32),
+}
+
+impl ProgramExit {
+    /// The record written on the status pipe: `exit N\n` or `signal N\n`.
+    pub fn encode(self) -> String {
+        match self {
+            Self::Code(c) => format!("exit {c}\n"),
+            Self::Signal(s) => format!("signal {s}\n"),
+        }
+    }
+
+    /// `exit status N` or `killed by SIGX`.
+    pub fn describe(self) -> String {
+        match self {
+            Self::Code(c) => format!("exit status {c}"),
+            Self::Signal(s) => format!("killed by {}", signal_name(s)),
+        }
+    }
+
+    /// Parses a record; anything else (empty: the init died before writing) is `None`.
+    pub fn decode(record: &str) -> Option<Self> {
+        let mut it = record.trim_end_matches('\n').splitn(2, ' ');
+        let kind = it.next()?;
+        let value: i32 = it.next()?.parse().ok()?;
+        match kind {
+            "exit" => Some(Self::Code(value)),
+            "signal" => Some(Self::Signal(value)),
+            _ => None,
+        }
+    }
+}
+
+/// `SIGKILL` for 9; `SIG<n>` for numbers nix has no name for.
+pub fn signal_name(sig: i32) -> String {
+    Signal::try_from(sig)
+        .map(|s| s.as_str().to_owned())
+        .unwrap_or_else(|_| format!("SIG{sig}"))
 }

@@ -98,7 +98,12 @@ pub(super) fn start(status: BorrowedFd<'_>, interpreter: &Launch) -> Result<Warm
         nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
     )
     .map_err(sys("fcntl"))?;
-    let pid = start_program(status, [stdin, out, err], (&program, &args, &env), |_| {})?;
+    let pid = start_program(
+        status,
+        [stdin, out, err],
+        (&program, &args, &env, None),
+        |_| {},
+    )?;
     Ok(Warm {
         pid,
         channel,

@@ -120,6 +120,28 @@ impl HelperWorkspace {
                 "the workspace is being removed".into(),
             ));
         };
+        // The home is a second mount of /workspace (bound after it: the mounts under /workspace, volumes
+        // included, are not repeated there).
+        // On an image's overlay root the mount point is made in the root by the host (the container's user may
+        // not write the image's /home); the host image's skeleton has it.
+        if let (Some(home), RootKind::Oci { .. }) = (plan.home, &self.image.kind) {
+            runtime::rootfs::mount_point_in(&scratch.rootfs(), home)
+                .map_err(|e| LongLivedError::Create(Box::new(e)))?;
+        }
+        let extra_binds = plan
+            .home
+            .map(|home| {
+                scratch
+                    .binds()
+                    .into_iter()
+                    .filter(|b| b.destination == Path::new(runtime::rootfs::WORKDIR))
+                    .map(|b| runtime::spec::BindMount {
+                        destination: home.into(),
+                        ..b
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         self.backend
             .write_bundle(Bundle {
                 cid: plan.cid,
@@ -133,7 +155,7 @@ impl HelperWorkspace {
                 cpu_shares: 1024,
                 fsize_bytes: self.disk_bytes,
                 shm_bytes: plan.shm_bytes,
-                extra_binds: Vec::new(),
+                extra_binds,
             })
             .map_err(|e| LongLivedError::Create(Box::new(e)))
     }
@@ -203,6 +225,7 @@ impl Workspace for HelperWorkspace {
             } = created;
             let run = HelperRun {
                 cid: plan.cid.to_owned(),
+                pid,
                 client: Some(client),
                 cgroups: self.backend.cgroups.clone(),
                 launch: Launch {
@@ -211,6 +234,8 @@ impl Workspace for HelperWorkspace {
                     warm: false,
                     relay: false,
                     keep: plan.keep,
+                    cwd: None,
+                    serve: false,
                 },
                 launch_chan: Some(launch),
                 status,
@@ -245,14 +270,7 @@ impl Workspace for HelperWorkspace {
             let adopt = |what: &str, e: runtime::Error| {
                 LongLivedError::Create(format!("{what}: {}", Chain(&e)).into())
             };
-            let pidfd = runtime::sys::pidfd_open(nix::unistd::Pid::from_raw(init.pid))
-                .map_err(|e| adopt("the run's init is gone", e))?;
-            // The pidfd pins the pid: if it still starts when the record says, it is the same process.
-            if runtime::sys::start_time(init.pid) != Some(init.start) {
-                return Err(LongLivedError::Create(
-                    "the run's init is gone (its pid now names another process)".into(),
-                ));
-            }
+            let pidfd = open_init(init)?;
             // From here on the init is this daemon's: a run not taken back is ended, never left unsupervised.
             let collected = match runtime::init::keeper::collect(pidfd.as_fd()) {
                 Ok(c) => c,
@@ -267,33 +285,44 @@ impl Workspace for HelperWorkspace {
                     debug!(container = %cid, error = %Chain(e), "no link to the run's keeper yet")
                 })
                 .ok();
-            let run = HelperRun {
-                cid,
-                client: None,
-                cgroups,
-                launch: Launch {
-                    args: Vec::new(),
-                    env: Vec::new(),
-                    warm: false,
-                    relay: false,
-                    keep: true,
-                },
-                launch_chan: None,
-                status: collected.status,
-                watch: None,
-                pidfd,
-                kept: Some(Kept {
-                    path,
-                    link: Mutex::new(link),
-                    init: Mutex::new(Some(init)),
-                    pid: init.pid,
-                }),
-            };
+            let run = HelperRun::adopted(cid, init, cgroups, pidfd, collected.status, (path, link));
             let adopted = Adopted {
                 control: collected.control,
                 conn: collected.conn,
             };
             Ok((run.watched().await?, adopted))
+        })
+    }
+
+    fn adopt_serving_run<'a>(
+        &'a self,
+        cid: &'a str,
+        init: InitIdentity,
+    ) -> BoxFuture<'a, Result<agents::container::AdoptedServingRun, LongLivedError>> {
+        let path = self.dir.join(KEEPER_SOCKET);
+        let cgroups = self.backend.cgroups.clone();
+        let cid = cid.to_owned();
+        Box::pin(async move {
+            let adopt =
+                |what: &str, e: nix::Error| LongLivedError::Create(format!("{what}: {e}").into());
+            let pidfd = open_init(init)?;
+            // From here on the init is this daemon's: a run not taken back is ended, never left unsupervised.
+            let held = runtime::sys::pidfd_getfd(pidfd.as_fd(), runtime::init::serve::CHANNEL_FD)
+                .map_err(|e| adopt("the run's init holds no channel", e))
+                .and_then(|chan| {
+                    runtime::sys::pidfd_getfd(pidfd.as_fd(), runtime::init::keeper::STATUS_FD)
+                        .map(|status| (chan, status))
+                        .map_err(|e| adopt("the run's init holds no status pipe", e))
+                });
+            let (chan, status) = match held {
+                Ok(h) => h,
+                Err(e) => {
+                    end_adopted(&cid, &pidfd, &cgroups).await;
+                    return Err(e);
+                }
+            };
+            let run = HelperRun::adopted(cid, init, cgroups, pidfd, status, (path, None));
+            Ok((run.watched().await?, chan))
         })
     }
 
@@ -313,6 +342,8 @@ const KEEPER_SOCKET: &str = "keeper.sock";
 /// A run's container, created by the primary helper (or adopted from a previous daemon).
 struct HelperRun {
     cid: String,
+    /// The init's host pid (pinned by `pidfd`).
+    pid: i32,
     /// The helper that created it, which removes it (its init is that helper's child); `None` for a run adopted
     /// from a previous daemon, whose init is nobody's child of ours.
     client: Option<HelperClient>,
@@ -342,6 +373,44 @@ struct Kept {
 }
 
 impl HelperRun {
+    /// A kept run taken back from a daemon that is gone: its init `init` (behind `pidfd`), its status pipe, its
+    /// keeper's socket and the link to it (if made).
+    fn adopted(
+        cid: String,
+        init: InitIdentity,
+        cgroups: Cgroups,
+        pidfd: OwnedFd,
+        status: OwnedFd,
+        (path, link): (PathBuf, Option<OwnedFd>),
+    ) -> Self {
+        HelperRun {
+            cid,
+            pid: init.pid,
+            client: None,
+            cgroups,
+            // Launched long ago: nothing of this is sent again.
+            launch: Launch {
+                args: Vec::new(),
+                env: Vec::new(),
+                warm: false,
+                relay: false,
+                keep: true,
+                cwd: None,
+                serve: false,
+            },
+            launch_chan: None,
+            status,
+            watch: None,
+            pidfd,
+            kept: Some(Kept {
+                path,
+                link: Mutex::new(link),
+                init: Mutex::new(Some(init)),
+                pid: init.pid,
+            }),
+        }
+    }
+
     /// The run with its pidfd watched by the reactor; on failure it is removed.
     async fn watched(self) -> Result<Arc<dyn RunContainer>, LongLivedError> {
         match watch(&self.pidfd) {
@@ -410,6 +479,20 @@ impl HelperRun {
     async fn remove_adopted(&self) {
         end_adopted(&self.cid, &self.pidfd, &self.cgroups).await;
     }
+}
+
+/// A pidfd of a kept run's init `init`, once it is known to be that process: the pidfd pins the pid, and a process
+/// that still starts when the record says is the same one.
+fn open_init(init: InitIdentity) -> Result<OwnedFd, LongLivedError> {
+    let pidfd = runtime::sys::pidfd_open(nix::unistd::Pid::from_raw(init.pid)).map_err(|e| {
+        LongLivedError::Create(format!("the run's init is gone: {}", Chain(&e)).into())
+    })?;
+    if runtime::sys::start_time(init.pid) != Some(init.start) {
+        return Err(LongLivedError::Create(
+            "the run's init is gone (its pid now names another process)".into(),
+        ));
+    }
+    Ok(pidfd)
 }
 
 /// Ends an adopted run's container: SIGKILL to its init, its cgroup leaves thawed, emptied and removed, and the
@@ -501,6 +584,58 @@ impl RunContainer for HelperRun {
         }
     }
 
+    fn serve(&self) -> Result<runtime::processes::Processes, LongLivedError> {
+        let Some(chan) = &self.launch_chan else {
+            return Err(LongLivedError::Launch(
+                "an adopted run is launched already".into(),
+            ));
+        };
+        let launch = Launch {
+            serve: true,
+            args: Vec::new(),
+            ..self.launch.clone()
+        };
+        let null =
+            std::fs::File::open("/dev/null").map_err(|e| LongLivedError::Launch(Box::new(e)))?;
+        let stdio = [null.as_fd(), null.as_fd(), null.as_fd()];
+        // A kept run's init holds the daemon's end of the channel and the status pipe for a later daemon.
+        let kept = [chan.as_fd(), self.status.as_fd(), null.as_fd()];
+        let sent = match &self.kept {
+            Some(_) => runtime::launch::send_keeping(chan.as_fd(), &launch, stdio, &kept),
+            None => runtime::launch::send(chan.as_fd(), &launch, stdio),
+        };
+        sent.map_err(|e| self.launch_error(e))?;
+        if let Some(kept) = &self.kept {
+            *lock(&kept.init) = runtime::sys::start_time(kept.pid).map(|start| InitIdentity {
+                pid: kept.pid,
+                start,
+            });
+        }
+        let chan = chan
+            .try_clone()
+            .map_err(|e| LongLivedError::Launch(Box::new(e)))?;
+        runtime::processes::Processes::new(chan).map_err(|e| LongLivedError::Launch(Box::new(e)))
+    }
+
+    fn init_fd(&self, fd: i32) -> std::io::Result<OwnedFd> {
+        runtime::sys::pidfd_getfd(self.pidfd.as_fd(), fd).map_err(std::io::Error::from)
+    }
+
+    /// Opened by the init's pid, then checked alive through its pidfd: the pid cannot have been recycled while
+    /// the pidfd is open and the process it names still runs.
+    fn root_dir(&self) -> std::io::Result<OwnedFd> {
+        let dir = std::fs::File::open(format!("/proc/{}/root", self.pid))?;
+        // A pidfd is readable once its process has ended.
+        let mut ended = [nix::poll::PollFd::new(
+            self.pidfd.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        match nix::poll::poll(&mut ended, nix::poll::PollTimeout::ZERO) {
+            Ok(0) => Ok(dir.into()),
+            _ => Err(std::io::Error::from(std::io::ErrorKind::NotFound)),
+        }
+    }
+
     fn hold(&self, conn: BorrowedFd<'_>) -> Result<(), LongLivedError> {
         let Some(kept) = &self.kept else {
             return Ok(());
@@ -589,6 +724,14 @@ impl RunContainer for HelperRun {
             let Some(client) = &self.client else {
                 return self.remove_adopted().await;
             };
+            // A frozen task takes no SIGKILL until it is thawed (cgroup v1's freezer): the helper would wait for the
+            // init forever. An adopted run's end thaws too (end_adopted).
+            if let Err(e) = self
+                .cgroup("thaw before removal", |cg, cid| cg.thaw(cid))
+                .await
+            {
+                debug!(container = %self.cid, error = %Chain(&e), "thaw before removal failed");
+            }
             match tokio::time::timeout(REMOVE_TIMEOUT, client.remove(&self.cid)).await {
                 Ok(Ok(None)) => {}
                 Ok(Ok(Some(step))) => {

@@ -646,6 +646,8 @@ impl Engine {
             warm: false,
             relay: false,
             keep: false,
+            cwd: None,
+            serve: false,
         };
         launch.warm = container.interpreter
             && crate::warm::wanted(req)

@@ -208,9 +208,11 @@ const READ_PROBES: &[Probe] = &[
         &["ENOENT"],
     ),
     (
+        // The host image holds /home/user, empty: the mount point of an E2B sandbox's home. Nothing of the host's
+        // /home is there.
         "list /home",
-        r#"e(lambda: os.listdir("/home"))"#,
-        &["ENOENT"],
+        r#"e(lambda: "only an empty user" if os.listdir("/home") == ["user"] and os.listdir("/home/user") == [] else os.listdir("/home"))"#,
+        &["ENOENT", "only an empty user"],
     ),
 ];
 

@@ -1,0 +1,39 @@
+//! E2B's API on sandboxd (`docs/spec/e2b-compat.md`): the unchanged `e2b` SDKs (Python and JavaScript) pointed at
+//! a facade listener with `E2B_API_URL` and `E2B_SANDBOX_URL` drive sandboxd's sandboxes.
+//!
+//! - [`api`]: the control plane (`POST /v2/sandboxes`, `GET /sandboxes/{id}`, list, kill, timeout, connect,
+//!   pause), `X-API-KEY` checked against the daemon's tokens.
+//! - [`envd`]: the sandbox plane, routed by `E2b-Sandbox-Id`: envd's Connect RPCs (`process.Process`,
+//!   `filesystem.Filesystem`), `/files` and `/health`, each call checked against the sandbox's own access token.
+//! - [`connect`]: the Connect protocol's JSON codec: envelopes, unary and server-stream answers, error codes.
+//! - [`contexts`]: stateful code contexts (`e2b-code-interpreter`'s `run_code`): a kernel process per context
+//!   inside the sandbox, python, javascript and bash.
+//! - [`files`]: file calls resolved beneath the sandbox's own root, never the host's.
+//! - [`engine`]: what the facade needs from the daemon: live sandboxes that run many processes.
+//! - [`config`]: the `e2b:` configuration block.
+//! - [`sandboxes`]: the engine on the agents' container seam, one long-lived container per sandbox whose init
+//!   serves process launches.
+
+pub mod api;
+pub mod config;
+pub mod connect;
+pub mod contexts;
+pub mod engine;
+pub mod envd;
+pub mod files;
+pub mod router;
+pub mod sandboxes;
+
+pub use engine::Facade;
+pub use router::router;
+
+/// The `envdVersion` the facade advertises: the SDK turns its features on by it (`docs/spec/e2b-compat.md`).
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// `bytes` random bytes as lowercase hex: sandbox ids' suffixes, access tokens (32 bytes), context ids.
+pub(crate) fn random_hex(bytes: usize) -> String {
+    use rand::RngCore;
+    let mut buf = vec![0u8; bytes];
+    rand::thread_rng().fill_bytes(&mut buf);
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
