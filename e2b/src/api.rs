@@ -16,7 +16,7 @@ use axum::http::{HeaderName, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
+use axum::{Extension, Router};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 use serde_json::{json, Map, Value};
@@ -26,6 +26,7 @@ use time::OffsetDateTime;
 use crate::connect::{read_body, BodyError};
 use crate::engine::Facade;
 use crate::engine::{CreateSpec, EngineError, LiveSandbox, SandboxInfo, SandboxState};
+use crate::fleet::{Forwarded, Placement};
 
 /// The header that tells the SDK not to retry (it retries 429/502/503/504 otherwise).
 pub const SHOULD_RETRY: HeaderName = HeaderName::from_static("should-retry");
@@ -187,6 +188,10 @@ pub fn routes(facade: Facade) -> Router<Facade> {
 
 /// Refuses a request without an accepted `X-API-KEY` (401).
 async fn require_api_key(State(facade): State<Facade>, request: Request, next: Next) -> Response {
+    // A call another node of the fleet forwarded: that node checked the key, this one checked the fleet's secret.
+    if request.extensions().get::<Forwarded>().is_some() {
+        return next.run(request).await;
+    }
     let key = request
         .headers()
         .get("x-api-key")
@@ -400,9 +405,31 @@ fn sandbox(facade: &Facade, id: &str) -> Result<Arc<dyn LiveSandbox>, ApiError> 
         .ok_or_else(|| ApiError::Engine(EngineError::SandboxNotFound(id.to_owned())))
 }
 
-/// `POST /v2/sandboxes` → 201 `Sandbox`.
-async fn create(State(facade): State<Facade>, body: Body) -> Result<Response, ApiError> {
-    let spec = parse_create(&read_json(body).await?)?;
+/// `POST /v2/sandboxes` → 201 `Sandbox`. On a fleet, a create from a user goes to the least loaded node.
+async fn create(
+    State(facade): State<Facade>,
+    forwarded: Option<Extension<Forwarded>>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let raw = read_json(body).await?;
+    let spec = parse_create(&raw)?;
+    if let Some(fleet) = facade.fleet.as_ref().filter(|_| forwarded.is_none()) {
+        if let Placement::There(peer) = fleet.place(facade.engine.list().len() as u64).await {
+            let _placing = fleet.placing(&peer.tag);
+            let request = axum::http::Request::builder()
+                .method(Method::POST)
+                .uri("/v2/sandboxes")
+                .header(CONTENT_TYPE, "application/json")
+                .body(Body::from(Value::Object(raw).to_string()))
+                .map_err(|e| EngineError::Internal(e.to_string()))?;
+            return fleet.forward(&peer, request).await.map_err(|e| {
+                ApiError::Engine(EngineError::Full(format!(
+                    "the node chosen for the sandbox did not take it: {e}"
+                )))
+            });
+        }
+    }
+    let _placing = facade.fleet.as_ref().map(|f| f.placing(f.tag()));
     let info = facade.engine.create(spec).await?;
     Ok(json_response(StatusCode::CREATED, &sandbox_body(&info)))
 }
@@ -679,12 +706,18 @@ pub fn list_page(
 }
 
 /// `GET /v2/sandboxes` → 200 list, with `x-next-token` when more remain.
+/// On a fleet, a list from a user spans every node.
 async fn list(
     State(facade): State<Facade>,
-    RawQuery(query): RawQuery,
+    forwarded: Option<Extension<Forwarded>>,
+    RawQuery(raw): RawQuery,
 ) -> Result<Response, ApiError> {
-    let query = parse_list_query(query.as_deref().unwrap_or(""))?;
-    let infos = facade.engine.list().iter().map(|s| s.info()).collect();
+    let raw = raw.unwrap_or_default();
+    let query = parse_list_query(&raw)?;
+    let mut infos: Vec<SandboxInfo> = facade.engine.list().iter().map(|s| s.info()).collect();
+    if let Some(fleet) = facade.fleet.as_ref().filter(|_| forwarded.is_none()) {
+        infos.extend(fleet.list_elsewhere(&raw).await);
+    }
     let (page, token) = list_page(infos, &query);
     let body = Value::Array(page.iter().map(listed_body).collect());
     let mut response = json_response(StatusCode::OK, &body);

@@ -28,6 +28,7 @@ use tokio::sync::mpsc;
 
 use crate::api::{error_response, json_response};
 use crate::engine::{Facade, LiveSandbox, ProcessEvent, ProcessSpec, HOME};
+use crate::lock;
 
 /// The python kernel.
 const PYTHON: &str = include_str!("../kernels/python.py");
@@ -508,8 +509,4 @@ fn error_line(name: &str, value: &str) -> Bytes {
     Bytes::from(
         json!({"type": "error", "name": name, "value": value, "traceback": ""}).to_string() + "\n",
     )
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

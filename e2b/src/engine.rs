@@ -223,6 +223,8 @@ pub struct Facade {
     /// The largest `POST /files` request, in bytes of file content written (after gzip decoding); past it the
     /// answer is 413.
     pub max_upload_bytes: u64,
+    /// The other nodes whose sandboxes this listener serves too; `None`: this node alone.
+    pub fleet: Option<Arc<crate::fleet::Fleet>>,
 }
 
 impl fmt::Debug for Facade {

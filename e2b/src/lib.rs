@@ -11,6 +11,7 @@
 //! - [`files`]: file calls resolved beneath the sandbox's own root, never the host's.
 //! - [`engine`]: what the facade needs from the daemon: live sandboxes that run many processes.
 //! - [`config`]: the `e2b:` configuration block.
+//! - [`fleet`]: many nodes behind one URL: forwarding by sandbox id, placement, lists across the nodes.
 //! - [`sandboxes`]: the engine on the agents' container seam, one long-lived container per sandbox whose init
 //!   serves process launches.
 
@@ -21,6 +22,7 @@ pub mod contexts;
 pub mod engine;
 pub mod envd;
 pub mod files;
+pub mod fleet;
 pub mod router;
 pub mod sandboxes;
 
@@ -36,4 +38,9 @@ pub(crate) fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
     rand::thread_rng().fill_bytes(&mut buf);
     buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A mutex's guard, also after a panic while it was held (the data guarded stays consistent step by step).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -16,12 +16,20 @@ use crate::engine::Facade;
 
 /// The facade's HTTP service: the control plane and the sandbox plane on one router, with the 501 fallbacks.
 pub fn router(facade: Facade) -> Router {
-    Router::new()
+    let mut routes = Router::new()
         .merge(crate::api::routes(facade.clone()))
         .merge(crate::envd::routes())
-        .merge(crate::contexts::routes(Default::default()))
+        .merge(crate::contexts::routes(Default::default()));
+    if facade.fleet.is_some() {
+        routes = routes.merge(crate::fleet::routes());
+    }
+    routes
         .fallback(fallback)
         .method_not_allowed_fallback(fallback)
+        .layer(axum::middleware::from_fn_with_state(
+            facade.clone(),
+            crate::fleet::route,
+        ))
         .layer(axum::middleware::map_response(close_after_refusal))
         .with_state(facade)
 }

@@ -27,6 +27,7 @@ use crate::engine::{
     Attached, BoxFuture, CreateSpec, Engine, EngineError, LiveSandbox, ProcessEnd, ProcessEvent,
     ProcessInfo, ProcessSpec, SandboxInfo, SandboxState, HOME,
 };
+use crate::lock;
 
 /// Events a reader may have queued before the pump waits for it (each up to [`CHUNK`] bytes).
 const READER_QUEUE: usize = 64;
@@ -58,6 +59,8 @@ pub struct Settings {
     /// Sandboxes outlive the daemon (`agents.live_restore`): their containers are kept, each with a record in
     /// `parent` ([`Record`]), and the next daemon takes them back ([`Sandboxes::restore`]).
     pub live_restore: bool,
+    /// What every sandbox id ends in: `-<tag>` of this node on a fleet ([`crate::fleet`]), empty otherwise.
+    pub id_suffix: String,
 }
 
 /// What is kept of a sandbox for the next daemon (live restore), in `<parent>/<id>.json`.
@@ -452,6 +455,16 @@ impl Sandboxes {
         env
     }
 
+    /// A fresh sandbox id: a sequence number and random hex, then the node's tag on a fleet.
+    fn new_id(&self) -> String {
+        format!(
+            "i{}{}{}",
+            self.seq.fetch_add(1, Ordering::Relaxed),
+            crate::random_hex(8),
+            self.settings.id_suffix
+        )
+    }
+
     #[tracing::instrument(name = "e2b_create", skip_all, fields(sandbox = tracing::field::Empty, template = %spec.template))]
     async fn create_sandbox(&self, spec: CreateSpec) -> Result<SandboxInfo, EngineError> {
         // The allowlist is checked (against the operator's network.allow_max) before anything is made.
@@ -461,11 +474,7 @@ impl Sandboxes {
             "code-interpreter-v1" => self.settings.code_interpreter_image.clone(),
             other => other.to_owned(),
         };
-        let id = format!(
-            "i{}{}",
-            self.seq.fetch_add(1, Ordering::Relaxed),
-            crate::random_hex(8)
-        );
+        let id = self.new_id();
         tracing::Span::current().record("sandbox", id.as_str());
         let s = &self.settings;
         let workspace = self
@@ -1125,8 +1134,4 @@ impl LiveSandbox for Live {
 /// A pipe, both ends close-on-exec (the init's copy of the write end becomes the program's stdio).
 fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

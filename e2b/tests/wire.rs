@@ -262,6 +262,7 @@ fn app(engine: &Arc<FakeEngine>) -> Router {
         engine: engine.clone(),
         api_key: Arc::new(|key| key == API_KEY),
         max_upload_bytes: 1 << 20,
+        fleet: None,
     })
 }
 

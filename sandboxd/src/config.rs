@@ -864,6 +864,7 @@ mod tests {
                     ("disk_mb", Some(c.e2b.disk_mb.to_string())),
                     ("pids_max", Some(c.e2b.pids_max.to_string())),
                     ("max_upload_mb", Some(c.e2b.max_upload_mb.to_string())),
+                    ("fleet", c.e2b.fleet.as_ref().map(|f| format!("{f:?}"))),
                 ]
                 .into(),
                 agents: [

@@ -663,6 +663,15 @@ async fn serve_e2b(
 ) -> anyhow::Result<(tokio::task::JoinHandle<()>, Arc<e2b::sandboxes::Sandboxes>)> {
     let config = engine.daemon().config();
     let c = &config.e2b;
+    let fleet = match &c.fleet {
+        Some(f) => {
+            let fleet = e2b::fleet::Fleet::new(f, config.agents.max_sandboxes as u64)
+                .context("e2b.fleet")?;
+            info!(node = %fleet.name(), tag = %fleet.tag(), "E2B fleet: this node");
+            Some(fleet)
+        }
+        None => None,
+    };
     let parent = config.state_dir.join("e2b");
     std::fs::create_dir_all(&parent)
         .with_context(|| format!("cannot create {}", parent.display()))?;
@@ -681,6 +690,9 @@ async fn serve_e2b(
             disk_mb: c.disk_mb,
             pids_max: c.pids_max,
             live_restore: config.agents.live_restore,
+            id_suffix: fleet
+                .as_ref()
+                .map_or_else(String::new, |f| format!("-{}", f.tag())),
         },
     );
     for line in sandboxes.restore().await {
@@ -695,7 +707,11 @@ async fn serve_e2b(
                 .any(|t| constant_time_eq::constant_time_eq(t.as_bytes(), key.as_bytes()))
         }),
         max_upload_bytes: c.max_upload_mb << 20,
+        fleet: fleet.clone(),
     });
+    if let Some(fleet) = &fleet {
+        fleet.spawn_refresh();
+    }
     let listener = tokio::net::TcpListener::bind(addr).await?;
     info!(addr = %listener.local_addr()?, "E2B API listening");
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {

@@ -128,6 +128,8 @@ pub struct DaemonOpts {
     /// Start the daemon in a mount namespace of its own (`unshare --mount --propagation slave`), as a systemd unit
     /// with `ProtectSystem=` or `PrivateTmp=` does.
     pub private_mounts: bool,
+    /// Merged into the configuration last (see [`test_support::fsp::merge`]).
+    pub extra: Option<serde_json::Value>,
 }
 
 impl Default for DaemonOpts {
@@ -144,6 +146,7 @@ impl Default for DaemonOpts {
             pool_size: 0,
             live_restore: false,
             private_mounts: false,
+            extra: None,
         }
     }
 }
@@ -212,12 +215,15 @@ impl Daemon {
                 uid_base,
                 pool_size: opts.pool_size,
             };
-            let config = test_support::fsp::with(
+            let mut config = test_support::fsp::with(
                 config.to_json(),
                 json!({"agents": {"max_sandboxes": opts.max_sandboxes,
                                   "live_restore": opts.live_restore},
                        "listen": format!("{}:{port}", opts.host)}),
             );
+            if let Some(extra) = &opts.extra {
+                test_support::fsp::merge(&mut config, extra.clone());
+            }
             let config_path = daemon::write_config(dir.path(), &config);
             let mut d = Daemon {
                 binary: binary.to_owned(),

@@ -10,6 +10,7 @@ mod auth;
 mod cow;
 mod daemon_failures;
 mod daemon_pool;
+mod fleet_e2b;
 mod fleet_hosts;
 mod fleet_k8s;
 mod fleet_rules;
