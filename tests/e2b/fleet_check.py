@@ -49,9 +49,24 @@ def create_one(suite, i):
     assert r.stdout == f"{i} {i * 2}\n", r
     sbx.files.write("/home/user/note.txt", f"sandbox {i} {sbx.sandbox_id}")
     assert sbx.files.read("/home/user/note.txt") == f"sandbox {i} {sbx.sandbox_id}"
-    bg = sbx.commands.run("sleep 8; echo done", background=True)
+    bg = sbx.commands.run("sleep 20; echo done", background=True)
     bg.disconnect()
     return {"id": sbx.sandbox_id, "n": i, "pid": bg.pid}
+
+
+def streams_through(made):
+    """Output and files pass through a forwarding node as they come, byte-exact: the first line of a command arrives
+    while it still runs, and 4 MiB of random bytes go up and come back unchanged, on a few sandboxes."""
+    for m in made[:3]:
+        sbx = Sandbox.connect(m["id"])
+        seen = []
+        t0 = time.monotonic()
+        sbx.commands.run("echo first; sleep 1; echo second", on_stdout=lambda line: seen.append(time.monotonic() - t0))
+        end = time.monotonic() - t0
+        assert len(seen) == 2 and end - seen[0] >= 0.5, f"first line at {seen} s of {end:.2f} s: held back"
+        data = os.urandom(4 << 20)
+        sbx.files.write("/home/user/blob", data)
+        assert sbx.files.read("/home/user/blob", format="bytes") == data
 
 
 def list_all(suite, limit):
@@ -74,6 +89,7 @@ def create(n, state_path):
     assert len(per_node) == 3, f"not every node was given sandboxes: {per_node}"
     ratio = max(per_node.values()) / min(per_node.values())
     assert ratio <= 1.3, f"placement not balanced: {per_node} (max/min {ratio:.2f})"
+    streams_through(made)
     ids, pages = list_all(suite, 7)
     assert sorted(ids) == sorted(m["id"] for m in made), (len(ids), len(made))
     assert len(set(ids)) == len(ids), "a sandbox listed twice"
