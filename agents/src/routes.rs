@@ -31,8 +31,9 @@ use crate::Agents;
 /// The routes' state: the registry (and through it, the host's token check and settings).
 pub type AgentState = Arc<Agents>;
 
-/// The agent routes, merged into the daemon's router once given their state.
-pub fn router() -> Router<AgentState> {
+/// The agent routes, merged into the daemon's router once given their state. Every one checks the bearer token
+/// first ([`require_token`]), its method fallbacks and unknown paths included.
+pub fn router(st: AgentState) -> Router<AgentState> {
     Router::new()
         .route("/sandboxes", only(post(create), "POST"))
         .route("/sandboxes/{id}", only(delete(remove), "DELETE"))
@@ -67,31 +68,37 @@ pub fn router() -> Router<AgentState> {
         )
         .route("/sandboxes/{id}/", any(unknown_path))
         .route("/sandboxes/{id}/{*rest}", any(unknown_path))
+        .route_layer(axum::middleware::from_fn_with_state(st, require_token))
+}
+
+/// Refuses a request without the daemon's bearer token (401, a PluginError body) before anything else runs.
+async fn require_token(
+    State(st): State<AgentState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if st.host().auth.authorized(request.headers()) {
+        next.run(request).await
+    } else {
+        unauthorized()
+    }
 }
 
 /// A route that answers other methods with 405, a PluginError body and `Allow` (after the token check).
 fn only(route: MethodRouter<AgentState>, allow: &'static str) -> MethodRouter<AgentState> {
-    route.fallback(
-        move |State(st): State<AgentState>, method: Method, headers: HeaderMap| async move {
-            if !st.host().auth.authorized(&headers) {
-                return unauthorized();
-            }
-            let mut r = refuse(
-                StatusCode::METHOD_NOT_ALLOWED,
-                PluginError::invalid(format!("Method {method} not allowed here (only {allow})")),
-            );
-            r.headers_mut()
-                .insert(header::ALLOW, HeaderValue::from_static(allow));
-            r
-        },
-    )
+    route.fallback(move |method: Method| async move {
+        let mut r = refuse(
+            StatusCode::METHOD_NOT_ALLOWED,
+            PluginError::invalid(format!("Method {method} not allowed here (only {allow})")),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static(allow));
+        r
+    })
 }
 
 /// Any path under `/sandboxes/<id>/` that is no endpoint: 404 (after the token check).
-async fn unknown_path(State(st): State<AgentState>, headers: HeaderMap, uri: Uri) -> Response {
-    if !st.host().auth.authorized(&headers) {
-        return unauthorized();
-    }
+async fn unknown_path(uri: Uri) -> Response {
     let shown: String = uri.path().chars().take(128).collect();
     refuse(
         StatusCode::NOT_FOUND,
@@ -115,11 +122,8 @@ fn unauthorized() -> Response {
     )
 }
 
-/// Auth, then the sandbox.
-fn lookup(st: &AgentState, headers: &HeaderMap, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
-    if !st.host().auth.authorized(headers) {
-        return Err(Box::new(unauthorized()));
-    }
+/// The sandbox, or 404.
+fn lookup(st: &AgentState, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
     st.get(id).ok_or_else(|| {
         let shown: String = id.chars().take(64).collect();
         Box::new(refuse(
@@ -171,9 +175,6 @@ fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
 }
 
 async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Response {
-    if !st.host().auth.authorized(&headers) {
-        return unauthorized();
-    }
     let req: CreateSandboxRequest = match body(&st, b).await {
         Ok(r) => r,
         Err(r) => return *r,
@@ -207,12 +208,8 @@ fn created_response(host: &str, sb: &Sandbox) -> CreateSandboxResponse {
     }
 }
 
-async fn remove(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    if let Err(r) = lookup(&st, &headers, &id) {
+async fn remove(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
+    if let Err(r) = lookup(&st, &id) {
         return *r;
     }
     let (agents, owned) = (st.clone(), id.clone());
@@ -229,13 +226,8 @@ async fn remove(
 /// One adapter-shim command: auth, sandbox, body, call.
 macro_rules! command {
     ($name:ident, $req:ty, |$sb:ident, $r:ident| $call:expr) => {
-        async fn $name(
-            State(st): State<AgentState>,
-            headers: HeaderMap,
-            Path(id): Path<String>,
-            b: Body,
-        ) -> Response {
-            let $sb = match lookup(&st, &headers, &id) {
+        async fn $name(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -> Response {
+            let $sb = match lookup(&st, &id) {
                 Ok(s) => s,
                 Err(r) => return *r,
             };
@@ -279,13 +271,8 @@ const REPLAY_STALL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `POST /replay`: 400 for an inverted range; the answer is streamed from the log in chunks (never the whole
 /// range in memory). A read error midway ends the body early (the client sees a truncated JSON).
-async fn replay(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    b: Body,
-) -> Response {
-    let sb = match lookup(&st, &headers, &id) {
+async fn replay(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -> Response {
+    let sb = match lookup(&st, &id) {
         Ok(s) => s,
         Err(r) => return *r,
     };
@@ -343,12 +330,8 @@ fn unavailable(message: String) -> PluginError {
     }
 }
 
-async fn health(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    match lookup(&st, &headers, &id) {
+async fn health(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
+    match lookup(&st, &id) {
         Ok(sb) => {
             let sb2 = sb.clone();
             match tokio::task::spawn_blocking(move || sb2.health()).await {
@@ -366,13 +349,8 @@ async fn health(
 /// `POST /network`: 200 with the list in force; 400 for a malformed or uncovered entry; 409 when the sandbox was
 /// created without `network` (the proxy a list could apply to does not exist: a state of the sandbox, not a fault
 /// of the request's body).
-async fn network(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    b: Body,
-) -> Response {
-    let sb = match lookup(&st, &headers, &id) {
+async fn network(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -> Response {
+    let sb = match lookup(&st, &id) {
         Ok(s) => s,
         Err(r) => return *r,
     };
@@ -402,11 +380,10 @@ async fn network(
 
 async fn events(
     State(st): State<AgentState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Response {
-    let sb = match lookup(&st, &headers, &id) {
+    let sb = match lookup(&st, &id) {
         Ok(s) => s,
         Err(r) => return *r,
     };
@@ -485,11 +462,8 @@ async fn detached<T: Send + 'static>(
     })
 }
 
-/// Auth, then the volumes (`capability_unsupported` when the host has none).
-fn volumes(st: &AgentState, headers: &HeaderMap) -> Result<Arc<Volumes>, Box<Response>> {
-    if !st.host().auth.authorized(headers) {
-        return Err(Box::new(unauthorized()));
-    }
+/// The volumes (`capability_unsupported` when the host has none).
+fn volumes(st: &AgentState) -> Result<Arc<Volumes>, Box<Response>> {
     st.volumes().cloned().ok_or_else(|| {
         Box::new(plugin(PluginError::CapabilityUnsupported {
             capability: "volumes".into(),
@@ -510,8 +484,8 @@ fn refused(r: Refusal) -> Response {
 }
 
 /// `POST /volumes` → 201 `Volume`.
-async fn create_volume(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Response {
-    let vols = match volumes(&st, &headers) {
+async fn create_volume(State(st): State<AgentState>, b: Body) -> Response {
+    let vols = match volumes(&st) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -527,20 +501,16 @@ async fn create_volume(State(st): State<AgentState>, headers: HeaderMap, b: Body
 }
 
 /// `GET /volumes` → `{volumes: [Volume]}`.
-async fn list_volumes(State(st): State<AgentState>, headers: HeaderMap) -> Response {
-    match volumes(&st, &headers) {
+async fn list_volumes(State(st): State<AgentState>) -> Response {
+    match volumes(&st) {
         Ok(v) => Json(serde_json::json!({ "volumes": v.list() })).into_response(),
         Err(r) => *r,
     }
 }
 
 /// `GET /volumes/<id>` → `Volume`.
-async fn volume(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    match volumes(&st, &headers).map(|v| v.get(&id)) {
+async fn volume(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
+    match volumes(&st).map(|v| v.get(&id)) {
         Ok(Ok(v)) => Json(v).into_response(),
         Ok(Err(e)) => volume_refused(e),
         Err(r) => *r,
@@ -548,12 +518,8 @@ async fn volume(
 }
 
 /// `DELETE /volumes/<id>` → 204; 409 while a sandbox mounts it.
-async fn delete_volume(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    let vols = match volumes(&st, &headers) {
+async fn delete_volume(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
+    let vols = match volumes(&st) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -575,13 +541,8 @@ fn snapshot_refused(e: SnapshotError) -> Response {
 struct NoOptions {}
 
 /// `POST /sandboxes/<id>/snapshot` → 201 `Snapshot`.
-async fn snapshot(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    b: Body,
-) -> Response {
-    if let Err(r) = lookup(&st, &headers, &id) {
+async fn snapshot(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -> Response {
+    if let Err(r) = lookup(&st, &id) {
         return *r;
     }
     if let Err(r) = body::<NoOptions>(&st, b).await {
@@ -606,7 +567,7 @@ async fn fork(
     Path(id): Path<String>,
     b: Body,
 ) -> Response {
-    if let Err(r) = lookup(&st, &headers, &id) {
+    if let Err(r) = lookup(&st, &id) {
         return *r;
     }
     let req: CreateSandboxRequest = match body(&st, b).await {
@@ -628,31 +589,24 @@ async fn fork(
     }
 }
 
-/// Auth, then the snapshots (`capability_unsupported` when the host has none).
-fn snapshot_store(st: &AgentState, headers: &HeaderMap) -> Result<Arc<Snapshots>, Box<Response>> {
-    if !st.host().auth.authorized(headers) {
-        return Err(Box::new(unauthorized()));
-    }
+/// The snapshots (`capability_unsupported` when the host has none).
+fn snapshot_store(st: &AgentState) -> Result<Arc<Snapshots>, Box<Response>> {
     st.snapshots()
         .cloned()
         .map_err(|e| Box::new(snapshot_refused(e)))
 }
 
 /// `GET /snapshots` → `{snapshots: [Snapshot]}`.
-async fn list_snapshots(State(st): State<AgentState>, headers: HeaderMap) -> Response {
-    match snapshot_store(&st, &headers) {
+async fn list_snapshots(State(st): State<AgentState>) -> Response {
+    match snapshot_store(&st) {
         Ok(s) => Json(serde_json::json!({ "snapshots": s.list() })).into_response(),
         Err(r) => *r,
     }
 }
 
 /// `GET /snapshots/<id>` → `Snapshot`.
-async fn get_snapshot(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    match snapshot_store(&st, &headers).map(|s| s.get(&id)) {
+async fn get_snapshot(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
+    match snapshot_store(&st).map(|s| s.get(&id)) {
         Ok(Ok(s)) => Json(s).into_response(),
         Ok(Err(e)) => snapshot_refused(e),
         Err(r) => *r,
@@ -660,12 +614,8 @@ async fn get_snapshot(
 }
 
 /// `DELETE /snapshots/<id>` → 204; 409 while a sandbox started from it exists.
-async fn delete_snapshot(
-    State(st): State<AgentState>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    let snapshots = match snapshot_store(&st, &headers) {
+async fn delete_snapshot(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
+    let snapshots = match snapshot_store(&st) {
         Ok(s) => s,
         Err(r) => return *r,
     };

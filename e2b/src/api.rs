@@ -12,24 +12,21 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::body::Body;
 use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::header::CONTENT_TYPE;
-use axum::http::{HeaderName, HeaderValue, Method, StatusCode};
+use axum::http::{HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use base64::Engine as _;
 use serde_json::{json, Map, Value};
-use time::format_description::well_known::Rfc3339;
-use time::OffsetDateTime;
 
 use crate::connect::{read_body, BodyError};
-use crate::engine::Facade;
 use crate::engine::{CreateSpec, EngineError, LiveSandbox, SandboxInfo, SandboxState};
 use crate::fleet::{Forwarded, Placement};
-
-/// The header that tells the SDK not to retry (it retries 429/502/503/504 otherwise).
-pub const SHOULD_RETRY: HeaderName = HeaderName::from_static("should-retry");
+pub use crate::listing::{
+    list_page, parse_list_query, ListQuery, DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT,
+};
+pub use crate::reply::{error_response, json_response, rfc3339, SHOULD_RETRY};
+use crate::Facade;
 
 /// The template of a create request that names none.
 pub const DEFAULT_TEMPLATE: &str = "base";
@@ -39,12 +36,6 @@ pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
 
 /// The longest lifetime a request may ask for, in seconds (24 hours, E2B's ceiling).
 pub const MAX_TIMEOUT_SECS: u64 = 86_400;
-
-/// The page size of `GET /v2/sandboxes` when none is asked for.
-pub const DEFAULT_LIST_LIMIT: usize = 100;
-
-/// The largest page `GET /v2/sandboxes` serves.
-pub const MAX_LIST_LIMIT: usize = 1000;
 
 /// The largest control-plane request body, in bytes.
 pub const MAX_API_BODY_BYTES: usize = 1 << 20;
@@ -145,32 +136,6 @@ impl IntoResponse for ApiError {
         let status = self.status();
         error_response(status, &self.to_string())
     }
-}
-
-/// An E2B error answer: `{"code":<status>,"message":...}` as JSON, with `Should-Retry: false`.
-pub fn error_response(status: StatusCode, message: &str) -> Response {
-    let body = json!({ "code": status.as_u16(), "message": message });
-    let mut response = json_response(status, &body);
-    response
-        .headers_mut()
-        .insert(SHOULD_RETRY, HeaderValue::from_static("false"));
-    response
-}
-
-/// A JSON answer with this status.
-pub fn json_response(status: StatusCode, body: &Value) -> Response {
-    let mut response = (status, body.to_string()).into_response();
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
-}
-
-/// A time as RFC 3339 (`2026-01-02T03:04:05.123456789Z`).
-pub fn rfc3339(at: SystemTime) -> String {
-    OffsetDateTime::from(at)
-        .format(&Rfc3339)
-        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".to_owned())
 }
 
 /// The control plane's routes, behind the `X-API-KEY` check.
@@ -562,149 +527,6 @@ async fn metrics(
     Ok(json_response(StatusCode::OK, &json!([sample])))
 }
 
-/// What `GET /v2/sandboxes` filters and pages by.
-#[derive(Debug, Default, PartialEq)]
-pub struct ListQuery {
-    /// Every pair must match the sandbox's metadata.
-    pub metadata: BTreeMap<String, String>,
-    /// The states wanted (both when empty).
-    pub states: Vec<SandboxState>,
-    /// Only sandboxes of this template.
-    pub template: Option<String>,
-    /// Only sandboxes started after this time.
-    pub started_after: Option<SystemTime>,
-    /// Newest first.
-    pub descending: bool,
-    /// The page size.
-    pub limit: usize,
-    /// Where the previous page stopped: (start time in ns since the epoch, id).
-    pub after: Option<(u128, String)>,
-}
-
-/// Reads `GET /v2/sandboxes`' query: `metadata` (itself url-encoded `k=v&...`), `state` (comma list), `template`,
-/// `startedAfter`, `order`, `limit`, `nextToken`. Unknown parameters are ignored.
-pub fn parse_list_query(query: &str) -> Result<ListQuery, ApiError> {
-    // E2B's API lists the newest first unless asked otherwise.
-    let mut out = ListQuery {
-        limit: DEFAULT_LIST_LIMIT,
-        descending: true,
-        ..ListQuery::default()
-    };
-    for (key, value) in form_urlencoded::parse(query.as_bytes()) {
-        match key.as_ref() {
-            "metadata" => {
-                for (k, v) in form_urlencoded::parse(value.as_bytes()) {
-                    out.metadata.insert(k.into_owned(), v.into_owned());
-                }
-            }
-            "state" => {
-                for name in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-                    let state = match name {
-                        "running" => SandboxState::Running,
-                        "paused" => SandboxState::Paused,
-                        other => {
-                            return Err(ApiError::BadRequest(format!("Unknown state {other}")))
-                        }
-                    };
-                    if !out.states.contains(&state) {
-                        out.states.push(state);
-                    }
-                }
-            }
-            "template" => out.template = Some(value.into_owned()),
-            "startedAfter" => {
-                let at = OffsetDateTime::parse(&value, &Rfc3339).map_err(|_| {
-                    ApiError::BadRequest("startedAfter must be an RFC 3339 time".into())
-                })?;
-                out.started_after = Some(at.into());
-            }
-            "order" => {
-                out.descending = match value.to_ascii_lowercase().as_str() {
-                    "asc" => false,
-                    "desc" => true,
-                    _ => return Err(ApiError::BadRequest("order must be asc or desc".into())),
-                }
-            }
-            "limit" => {
-                out.limit = match value.parse::<usize>() {
-                    Ok(n) if (1..=MAX_LIST_LIMIT).contains(&n) => n,
-                    _ => {
-                        return Err(ApiError::BadRequest(format!(
-                            "limit must be from 1 to {MAX_LIST_LIMIT}"
-                        )))
-                    }
-                }
-            }
-            "nextToken" => out.after = Some(decode_token(&value)?),
-            _ => {}
-        }
-    }
-    Ok(out)
-}
-
-/// A sandbox's place in the listing order: its start time (ns since the epoch), then its id.
-fn sort_key(info: &SandboxInfo) -> (u128, String) {
-    let nanos = info
-        .started_at
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    (nanos, info.id.clone())
-}
-
-/// The opaque `x-next-token` for a page that ended at `key`.
-fn encode_token(key: &(u128, String)) -> String {
-    URL_SAFE_NO_PAD.encode(format!("{}:{}", key.0, key.1))
-}
-
-/// Reads a token from [`encode_token`].
-fn decode_token(token: &str) -> Result<(u128, String), ApiError> {
-    let bad = || ApiError::BadRequest("Invalid nextToken".into());
-    let raw = URL_SAFE_NO_PAD.decode(token.trim()).map_err(|_| bad())?;
-    let text = String::from_utf8(raw).map_err(|_| bad())?;
-    let (nanos, id) = text.split_once(':').ok_or_else(bad)?;
-    Ok((nanos.parse().map_err(|_| bad())?, id.to_owned()))
-}
-
-/// One page of the sandboxes matching `query`, and the token of the next page when there is one.
-pub fn list_page(
-    mut sandboxes: Vec<SandboxInfo>,
-    query: &ListQuery,
-) -> (Vec<SandboxInfo>, Option<String>) {
-    sandboxes.retain(|info| {
-        query
-            .metadata
-            .iter()
-            .all(|(k, v)| info.metadata.get(k) == Some(v))
-            && (query.states.is_empty() || query.states.contains(&info.state))
-            && query.template.as_ref().is_none_or(|t| *t == info.template)
-            && query.started_after.is_none_or(|at| info.started_at > at)
-    });
-    let mut keyed: Vec<((u128, String), SandboxInfo)> =
-        sandboxes.into_iter().map(|i| (sort_key(&i), i)).collect();
-    keyed.sort_by(|a, b| a.0.cmp(&b.0));
-    if query.descending {
-        keyed.reverse();
-    }
-    if let Some(after) = &query.after {
-        keyed.retain(|(key, _)| {
-            if query.descending {
-                key < after
-            } else {
-                key > after
-            }
-        });
-    }
-    let more = keyed.len() > query.limit;
-    keyed.truncate(query.limit);
-    let token = if more {
-        keyed.last().map(|(key, _)| encode_token(key))
-    } else {
-        None
-    };
-    (keyed.into_iter().map(|(_, info)| info).collect(), token)
-}
-
 /// `GET /v2/sandboxes` → 200 list, with `x-next-token` when more remain.
 /// On a fleet, a list from a user spans every node.
 async fn list(
@@ -713,7 +535,7 @@ async fn list(
     RawQuery(raw): RawQuery,
 ) -> Result<Response, ApiError> {
     let raw = raw.unwrap_or_default();
-    let query = parse_list_query(&raw)?;
+    let query = parse_list_query(&raw).map_err(ApiError::BadRequest)?;
     let mut infos: Vec<SandboxInfo> = facade.engine.list().iter().map(|s| s.info()).collect();
     if let Some(fleet) = facade.fleet.as_ref().filter(|_| forwarded.is_none()) {
         infos.extend(fleet.list_elsewhere(&raw).await);
@@ -791,24 +613,5 @@ mod tests {
                 .timeout,
             Duration::from_secs(86400)
         );
-    }
-
-    #[test]
-    fn list_query_metadata_and_state() {
-        let q =
-            parse_list_query("metadata=a%3D1%26b%3Dx%2By&state=running%2Cpaused&limit=2").unwrap();
-        assert_eq!(q.metadata.get("a").map(String::as_str), Some("1"));
-        assert_eq!(q.metadata.get("b").map(String::as_str), Some("x y"));
-        assert_eq!(q.states, vec![SandboxState::Running, SandboxState::Paused]);
-        assert_eq!(q.limit, 2);
-        assert!(parse_list_query("state=dead").is_err());
-        assert!(parse_list_query("limit=0").is_err());
-        assert!(parse_list_query("nextToken=%%%").is_err());
-    }
-
-    #[test]
-    fn token_round_trip() {
-        let key = (123_u128, "sbx:1".to_owned());
-        assert_eq!(decode_token(&encode_token(&key)).unwrap(), key);
     }
 }

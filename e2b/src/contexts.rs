@@ -17,7 +17,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::{FromRequestParts, Path};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post};
@@ -27,8 +28,9 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::api::{error_response, json_response};
-use crate::engine::{Facade, LiveSandbox, ProcessEvent, ProcessSpec, HOME};
+use crate::engine::{LiveSandbox, ProcessEvent, ProcessSpec, HOME};
 use crate::lock;
+use crate::Facade;
 
 /// The python kernel.
 const PYTHON: &str = include_str!("../kernels/python.py");
@@ -153,43 +155,48 @@ pub fn routes(contexts: Arc<Contexts>) -> Router<Facade> {
         .layer(axum::Extension(contexts))
 }
 
-type Ext = axum::Extension<Arc<Contexts>>;
+/// A handler's argument: the sandbox a request names (`E2b-Sandbox-Id`), and its contexts; 502 "was not found" as the
+/// rest of the sandbox plane answers.
+struct Named {
+    sandbox: Arc<dyn LiveSandbox>,
+    mine: Arc<SandboxContexts>,
+}
 
-/// The sandbox a request names (`E2b-Sandbox-Id`), and its contexts; 502 "was not found" as the rest of the
-/// sandbox plane answers.
-fn sandbox_of(
-    facade: &Facade,
-    contexts: &Contexts,
-    headers: &HeaderMap,
-) -> Result<(Arc<dyn LiveSandbox>, Arc<SandboxContexts>), Refusal> {
-    let id = headers
-        .get("e2b-sandbox-id")
-        .and_then(|v| v.to_str().ok())
-        .ok_or_else(|| Refusal::new(StatusCode::BAD_REQUEST, "Missing E2b-Sandbox-Id header"))?;
-    let sandbox = facade.engine.get(id).ok_or_else(|| {
-        Refusal::new(
-            StatusCode::BAD_GATEWAY,
-            format!("The sandbox {id} was not found"),
-        )
-    })?;
-    let mut all = lock(&contexts.by_sandbox);
-    if !all.contains_key(id) {
-        // A sandbox seen for the first time: the contexts of sandboxes that are gone are forgotten then (their
-        // kernels ended with their containers).
-        all.retain(|sid, _| facade.engine.get(sid).is_some());
+impl FromRequestParts<Facade> for Named {
+    type Rejection = Refusal;
+
+    async fn from_request_parts(parts: &mut Parts, facade: &Facade) -> Result<Self, Refusal> {
+        let contexts = parts
+            .extensions
+            .get::<Arc<Contexts>>()
+            .cloned()
+            .ok_or_else(|| Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, "No contexts"))?;
+        let id = parts
+            .headers
+            .get("e2b-sandbox-id")
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| {
+                Refusal::new(StatusCode::BAD_REQUEST, "Missing E2b-Sandbox-Id header")
+            })?;
+        let sandbox = facade.engine.get(id).ok_or_else(|| {
+            Refusal::new(
+                StatusCode::BAD_GATEWAY,
+                format!("The sandbox {id} was not found"),
+            )
+        })?;
+        let mut all = lock(&contexts.by_sandbox);
+        if !all.contains_key(id) {
+            // A sandbox seen for the first time: the contexts of sandboxes that are gone are forgotten then (their
+            // kernels ended with their containers).
+            all.retain(|sid, _| facade.engine.get(sid).is_some());
+        }
+        let mine = all.entry(id.to_owned()).or_default().clone();
+        Ok(Named { sandbox, mine })
     }
-    let mine = all.entry(id.to_owned()).or_default().clone();
-    Ok((sandbox, mine))
 }
 
 /// `POST /contexts` `{"language"?, "cwd"?}`.
-async fn create(
-    State(facade): State<Facade>,
-    axum::Extension(contexts): Ext,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, Refusal> {
-    let (sandbox, mine) = sandbox_of(&facade, &contexts, &headers)?;
+async fn create(Named { sandbox, mine }: Named, body: Bytes) -> Result<Response, Refusal> {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let language = Language::parse(body.get("language").and_then(Value::as_str))?;
     let cwd = body
@@ -247,24 +254,16 @@ async fn start(sandbox: &dyn LiveSandbox, ctx: &Context) -> Result<Kernel, Refus
 }
 
 /// `GET /contexts`.
-async fn list(
-    State(facade): State<Facade>,
-    axum::Extension(contexts): Ext,
-    headers: HeaderMap,
-) -> Result<Response, Refusal> {
-    let (_, mine) = sandbox_of(&facade, &contexts, &headers)?;
+async fn list(Named { mine, .. }: Named) -> Result<Response, Refusal> {
     let all: Vec<Value> = lock(&mine.contexts).values().map(|c| c.json()).collect();
     Ok(json_response(StatusCode::OK, &Value::Array(all)))
 }
 
 /// `DELETE /contexts/{id}`: its kernel is killed.
 async fn remove(
-    State(facade): State<Facade>,
-    axum::Extension(contexts): Ext,
+    Named { sandbox, mine }: Named,
     Path(id): Path<String>,
-    headers: HeaderMap,
 ) -> Result<StatusCode, Refusal> {
-    let (sandbox, mine) = sandbox_of(&facade, &contexts, &headers)?;
     let ctx = lock(&mine.contexts)
         .remove(&id)
         .ok_or_else(|| unknown_context(&id))?;
@@ -289,12 +288,9 @@ async fn remove(
 
 /// `POST /contexts/{id}/restart`: a new kernel, its state gone.
 async fn restart(
-    State(facade): State<Facade>,
-    axum::Extension(contexts): Ext,
+    Named { sandbox, mine }: Named,
     Path(id): Path<String>,
-    headers: HeaderMap,
 ) -> Result<StatusCode, Refusal> {
-    let (sandbox, mine) = sandbox_of(&facade, &contexts, &headers)?;
     let ctx = lock(&mine.contexts)
         .get(&id)
         .cloned()
@@ -314,12 +310,10 @@ fn unknown_context(id: &str) -> Refusal {
 /// `POST /execute` `{"code", "context_id"?, "language"?, "env_vars"?}`: the cell's output as newline-delimited JSON,
 /// ending with the cell.
 async fn execute(
-    State(facade): State<Facade>,
-    axum::Extension(contexts): Ext,
+    Named { sandbox, mine }: Named,
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> Result<Response, Refusal> {
-    let (sandbox, mine) = sandbox_of(&facade, &contexts, &headers)?;
     let token = headers.get("x-access-token").and_then(|v| v.to_str().ok());
     let expected = sandbox.info().access_token;
     if !token.is_some_and(|t| constant_time_eq::constant_time_eq(t.as_bytes(), expected.as_bytes()))

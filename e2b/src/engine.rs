@@ -3,7 +3,6 @@
 //! implementation ([`crate::sandboxes`]) builds them on the agents' container seam. Unit tests use a fake.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -212,25 +211,3 @@ pub trait LiveSandbox: Send + Sync + 'static {
 
 /// The home of the sandbox's user, and the directory relative paths resolve against.
 pub const HOME: &str = "/home/user";
-
-/// What the facade serves from: the daemon's engine and its settings.
-#[derive(Clone)]
-pub struct Facade {
-    /// The sandboxes.
-    pub engine: Arc<dyn Engine>,
-    /// Whether an `X-API-KEY` value is accepted (the daemon's tokens).
-    pub api_key: Arc<dyn Fn(&str) -> bool + Send + Sync>,
-    /// The largest `POST /files` request, in bytes of file content written (after gzip decoding); past it the
-    /// answer is 413.
-    pub max_upload_bytes: u64,
-    /// The other nodes whose sandboxes this listener serves too; `None`: this node alone.
-    pub fleet: Option<Arc<crate::fleet::Fleet>>,
-}
-
-impl fmt::Debug for Facade {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Facade")
-            .field("max_upload_bytes", &self.max_upload_bytes)
-            .finish_non_exhaustive()
-    }
-}

@@ -18,8 +18,11 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
-use axum::extract::{DefaultBodyLimit, FromRequest, Multipart, Path, RawQuery, Request, State};
+use axum::extract::{
+    DefaultBodyLimit, FromRequest, FromRequestParts, Multipart, Path, RawQuery, Request, State,
+};
 use axum::http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -40,15 +43,14 @@ use crate::connect::{
     self, bool_field, bytes_field, enum_field, field, header_str, int_field, message_field,
     string_field, string_list_field, string_map_field, Code, ConnectError, StreamWriter,
 };
-use crate::engine::Facade;
 use crate::engine::{
     Attached, EngineError, LiveSandbox, ProcessEnd, ProcessEvent, ProcessSpec, SandboxInfo,
     SandboxState,
 };
 use crate::files::{Entry, EntryKind, FileError, Root};
+use crate::Facade;
 
-/// The header that names the sandbox of a sandbox-plane request.
-pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
+pub use crate::SANDBOX_ID_HEADER;
 
 /// The header that carries the sandbox's access token.
 pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
@@ -251,6 +253,16 @@ fn authorized(facade: &Facade, headers: &HeaderMap) -> Result<Target, EnvdError>
     Ok(target)
 }
 
+/// A handler's argument: the sandbox the request names, running, with the request's access token checked (502 or
+/// 401 otherwise, before the handler runs).
+impl FromRequestParts<Facade> for Target {
+    type Rejection = EnvdError;
+
+    async fn from_request_parts(parts: &mut Parts, facade: &Facade) -> Result<Self, EnvdError> {
+        authorized(facade, &parts.headers)
+    }
+}
+
 /// Runs a file call on the sandbox's root, on the blocking pool.
 async fn with_root<T, F>(sandbox: Arc<dyn LiveSandbox>, call: F) -> Result<T, EnvdError>
 where
@@ -266,9 +278,8 @@ where
 }
 
 /// `GET /health` → 204.
-async fn health(State(facade): State<Facade>, headers: HeaderMap) -> Result<StatusCode, EnvdError> {
-    authorized(&facade, &headers)?;
-    Ok(StatusCode::NO_CONTENT)
+async fn health(_: Target) -> StatusCode {
+    StatusCode::NO_CONTENT
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -729,17 +740,11 @@ fn unimplemented_rpc(headers: &HeaderMap, what: &str) -> Response {
 
 /// `POST /process.Process/{method}`.
 async fn process_rpc(
-    State(facade): State<Facade>,
+    Target { sandbox, .. }: Target,
     Path(method): Path<String>,
-    request: Request,
+    headers: HeaderMap,
+    body: Body,
 ) -> Response {
-    let (parts, body) = request.into_parts();
-    let headers = parts.headers;
-    let target = match authorized(&facade, &headers) {
-        Ok(target) => target,
-        Err(err) => return err.into_response(),
-    };
-    let sandbox = target.sandbox;
     match method.as_str() {
         "Start" => stream(start(sandbox, &headers, body).await),
         "Connect" => stream(connect_process(sandbox, &headers, body).await),
@@ -1107,17 +1112,11 @@ fn spawn_pump(
 
 /// `POST /filesystem.Filesystem/{method}`.
 async fn filesystem_rpc(
-    State(facade): State<Facade>,
+    Target { sandbox, .. }: Target,
     Path(method): Path<String>,
-    request: Request,
+    headers: HeaderMap,
+    body: Body,
 ) -> Response {
-    let (parts, body) = request.into_parts();
-    let headers = parts.headers;
-    let target = match authorized(&facade, &headers) {
-        Ok(target) => target,
-        Err(err) => return err.into_response(),
-    };
-    let sandbox = target.sandbox;
     let call = match method.as_str() {
         "Stat" | "ListDir" | "MakeDir" | "Move" | "Remove" => method.as_str(),
         "WatchDir" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => {

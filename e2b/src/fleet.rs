@@ -38,11 +38,12 @@ use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::api::{error_response, json_response, list_page, parse_list_query};
 use crate::config::FleetConfig;
-use crate::engine::{Facade, SandboxInfo, SandboxState};
-use crate::envd::SANDBOX_ID_HEADER;
+use crate::engine::{SandboxInfo, SandboxState};
+use crate::listing::{list_page, parse_list_query};
 use crate::lock;
+use crate::reply::{error_response, json_response};
+use crate::{Facade, SANDBOX_ID_HEADER};
 
 /// The header of node-to-node calls: the fleet's secret.
 pub const FLEET_HEADER: HeaderName = HeaderName::from_static("x-sandboxd-fleet");
@@ -693,8 +694,8 @@ pub async fn route(State(facade): State<Facade>, mut request: Request, next: Nex
             .and_then(|v| v.to_str().ok())
         {
             Some(key) if (facade.api_key)(key) => {}
-            Some(_) => return crate::api::ApiError::BadApiKey.into_response(),
-            None => return crate::api::ApiError::MissingApiKey.into_response(),
+            Some(_) => return error_response(StatusCode::UNAUTHORIZED, "Invalid API key"),
+            None => return error_response(StatusCode::UNAUTHORIZED, "Missing X-API-KEY header"),
         }
     }
     let Some(peer) = fleet.peer(tag) else {
@@ -743,7 +744,7 @@ async fn sandboxes(
 ) -> Response {
     let query = match parse_list_query(query.as_deref().unwrap_or("")) {
         Ok(q) => q,
-        Err(e) => return e.into_response(),
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, &e),
     };
     let infos = facade.engine.list().iter().map(|s| s.info()).collect();
     let (page, _) = list_page(infos, &query);

@@ -12,7 +12,7 @@ use axum::Router;
 
 use crate::api::ApiError;
 use crate::connect::{is_stream_request, ConnectError};
-use crate::engine::Facade;
+use crate::Facade;
 
 /// The facade's HTTP service: the control plane and the sandbox plane on one router, with the 501 fallbacks.
 pub fn router(facade: Facade) -> Router {

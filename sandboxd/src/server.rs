@@ -78,7 +78,7 @@ pub struct AppState {
 /// The router.
 pub fn router(state: AppState) -> Router {
     // Agent sandboxes: their routes with their own state.
-    let agents = agents::router()
+    let agents = agents::router(state.agents.clone())
         .with_state(state.agents.clone())
         .layer(axum::middleware::from_fn(traced));
     Router::new()

@@ -513,3 +513,64 @@ async fn an_oversize_control_line_is_skipped_with_a_warning_and_the_run_goes_on(
 fn sb_dir(rig: &Rig, sb: &Sandbox) -> std::path::PathBuf {
     rig._dir.path().join("state/agents").join(&sb.id)
 }
+
+/// The agent routes check the bearer token before anything else: every route, a wrong method on one and a path that
+/// is no endpoint answer 401 without it (a PluginError body), and only then 404 or 405.
+#[tokio::test]
+async fn the_token_is_checked_before_every_route_its_wrong_methods_and_unknown_paths() {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    let rig = Rig::new(2, 1 << 20);
+    let app = agents::router(rig.agents.clone()).with_state(rig.agents.clone());
+    let send = |method: &str, uri: &str, token: Option<&str>| {
+        let mut request = Request::builder().method(method).uri(uri);
+        if let Some(t) = token {
+            request = request.header("authorization", format!("Bearer {t}"));
+        }
+        let request = request.body(Body::from("{}")).unwrap();
+        let app = app.clone();
+        async move {
+            let response = app.oneshot(request).await.unwrap();
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    let calls = [
+        ("POST", "/sandboxes"),
+        ("DELETE", "/sandboxes/nope"),
+        ("GET", "/sandboxes/nope/health"),
+        ("POST", "/sandboxes/nope/spawn"),
+        ("GET", "/sandboxes/nope/no-such-endpoint"),
+        ("PUT", "/volumes"),
+        ("GET", "/snapshots"),
+    ];
+    for (method, uri) in calls {
+        for token in [None, Some("wrong")] {
+            let (status, body) = send(method, uri, token).await;
+            assert_eq!(
+                status,
+                StatusCode::UNAUTHORIZED,
+                "{method} {uri} {token:?}: {body}"
+            );
+            assert!(body.contains("bearer token"), "{method} {uri}: {body}");
+        }
+    }
+    assert_eq!(
+        send("GET", "/sandboxes/nope/health", Some("t")).await.0,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        send("GET", "/sandboxes/nope/no-such-endpoint", Some("t"))
+            .await
+            .0,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        send("PUT", "/volumes", Some("t")).await.0,
+        StatusCode::METHOD_NOT_ALLOWED
+    );
+}
