@@ -681,6 +681,9 @@ pub async fn route(State(facade): State<Facade>, mut request: Request, next: Nex
         return error_response(StatusCode::UNAUTHORIZED, "Missing fleet secret");
     }
     let Some(id) = target_id(&request) else {
+        if is_signed_download(&request) {
+            return signed_download(fleet, request, next).await;
+        }
         return next.run(request).await;
     };
     let Some(tag) = tag_in(&id).filter(|tag| *tag != fleet.tag) else {
@@ -712,6 +715,46 @@ pub async fn route(State(facade): State<Facade>, mut request: Request, next: Nex
             not_found(&path, &id, &e.to_string())
         }
     }
+}
+
+/// Whether a request is a signed `GET /files` (`download_url`) without `E2b-Sandbox-Id`: a plain client's, which
+/// names no sandbox; the signature names it only to the node that holds the sandbox's token.
+fn is_signed_download(request: &Request) -> bool {
+    request.method() == Method::GET
+        && request.uri().path() == "/files"
+        && request
+            .uri()
+            .query()
+            .is_some_and(|q| form_urlencoded::parse(q.as_bytes()).any(|(k, _)| k == "signature"))
+}
+
+/// A signed download this node cannot place: served here when the signature is one of this node's sandboxes',
+/// else asked of the other nodes, all at once (a GET has no body to replay), and the first answer that is not a
+/// refusal of the signature wins; when every node refuses it, this node's refusal is the answer.
+async fn signed_download(fleet: &Fleet, request: Request, next: Next) -> Response {
+    let (parts, _) = request.into_parts();
+    let copy = |parts: &axum::http::request::Parts| {
+        let mut r = Request::new(Body::empty());
+        *r.method_mut() = parts.method.clone();
+        *r.uri_mut() = parts.uri.clone();
+        *r.headers_mut() = parts.headers.clone();
+        r
+    };
+    let here = next.run(copy(&parts)).await;
+    if here.status() != StatusCode::UNAUTHORIZED {
+        return here;
+    }
+    let peers: Vec<Peer> = fleet
+        .peers()
+        .into_iter()
+        .filter(|p| p.misses == 0)
+        .collect();
+    let answers = join_all(peers.iter().map(|p| fleet.forward(p, copy(&parts)))).await;
+    answers
+        .into_iter()
+        .flatten()
+        .find(|r| r.status() != StatusCode::UNAUTHORIZED)
+        .unwrap_or(here)
 }
 
 /// The node-to-node routes (behind [`route`], which checked the secret).

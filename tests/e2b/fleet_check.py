@@ -56,7 +56,8 @@ def create_one(suite, i):
 
 def streams_through(made):
     """Output and files pass through a forwarding node as they come, byte-exact: the first line of a command arrives
-    while it still runs, and 4 MiB of random bytes go up and come back unchanged, on a few sandboxes."""
+    while it still runs, and 4 MiB of random bytes go up and come back unchanged, by the SDK and by a signed download
+    URL fetched without the SDK's headers from each node in turn, on a few sandboxes."""
     for m in made[:3]:
         sbx = Sandbox.connect(m["id"])
         seen = []
@@ -67,6 +68,11 @@ def streams_through(made):
         data = os.urandom(4 << 20)
         sbx.files.write("/home/user/blob", data)
         assert sbx.files.read("/home/user/blob", format="bytes") == data
+        # A signed download URL, fetched as a browser would (no SDK headers), through every node of the front.
+        url = sbx.download_url("/home/user/blob")
+        for _ in range(3):
+            r = httpx.get(url)
+            assert r.status_code == 200 and r.content == data, (r.status_code, r.text[:200])
 
 
 def list_all(suite, limit):

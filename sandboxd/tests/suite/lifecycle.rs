@@ -94,14 +94,21 @@ async fn sigterm_writes_every_queued_message_before_the_daemon_exits() {
     .await;
     // 6 MB of output: more than the socket buffers hold (about 4 MB on loopback) while the client does not read,
     // and less than they and the connection's queue (64 messages of up to 64 KiB) hold together, so the execution
-    // ends, and the drain with it, while its last messages still wait in the daemon to be written.
+    // ends, and the drain with it, while its last messages still wait in the daemon to be written. The output is
+    // made first and written by `dd` in 1 MiB blocks, larger than the pipe, so each read of the daemon takes a full
+    // pipe (64 KiB) however the daemon is scheduled. Written by `tr` as it goes, 4 KiB at a time, the pieces the
+    // daemon reads depend on how soon it wakes: 64 small ones fill the queue with far less than 4 MiB, and the
+    // program then waits on its pipe until the grace period ends (a failure seen once with builds running beside).
     const BYTES: usize = 6_000_000;
     let mut c = Client::connect(&d).await;
     c.send_json(&with(
         exec_json(
             "behind",
             "shell",
-            &format!("sleep 0.5; head -c {BYTES} /dev/zero | tr '\\0' a"),
+            &format!(
+                "head -c {BYTES} /dev/zero | tr '\\0' a > /tmp/out; \
+                 sleep 0.5; dd if=/tmp/out bs=1048576 2>/dev/null"
+            ),
             30_000,
             64,
         ),
