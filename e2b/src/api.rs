@@ -25,6 +25,7 @@ use crate::fleet::{Forwarded, Placement};
 pub use crate::listing::{
     list_page, parse_list_query, ListQuery, DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT,
 };
+use crate::reply::{check_api_key, KeyRefusal};
 pub use crate::reply::{error_response, json_response, rfc3339, SHOULD_RETRY};
 use crate::Facade;
 
@@ -60,12 +61,9 @@ const UNMAPPED_NETWORK_KEYS: &[&str] = &["denyOut", "rules", "maskRequestHost"];
 /// Why a control-plane call failed; each maps to one status.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    /// No `X-API-KEY`.
-    #[error("Missing X-API-KEY header")]
-    MissingApiKey,
-    /// An `X-API-KEY` the daemon does not accept.
-    #[error("Invalid API key")]
-    BadApiKey,
+    /// No `X-API-KEY`, or one the daemon does not accept.
+    #[error(transparent)]
+    Key(#[from] KeyRefusal),
     /// The request is malformed or asks for something out of range.
     #[error("{0}")]
     BadRequest(String),
@@ -109,7 +107,7 @@ impl ApiError {
     /// Its HTTP status.
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::MissingApiKey | ApiError::BadApiKey => StatusCode::UNAUTHORIZED,
+            ApiError::Key(_) => StatusCode::UNAUTHORIZED,
             ApiError::BadRequest(_) | ApiError::Unmapped { .. } => StatusCode::BAD_REQUEST,
             ApiError::AlreadyPaused(_) | ApiError::AlreadyRunning(_) => StatusCode::CONFLICT,
             ApiError::NotSupported { .. } => StatusCode::NOT_IMPLEMENTED,
@@ -157,14 +155,9 @@ async fn require_api_key(State(facade): State<Facade>, request: Request, next: N
     if request.extensions().get::<Forwarded>().is_some() {
         return next.run(request).await;
     }
-    let key = request
-        .headers()
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok());
-    match key {
-        None => ApiError::MissingApiKey.into_response(),
-        Some(key) if !(facade.api_key)(key) => ApiError::BadApiKey.into_response(),
-        Some(_) => next.run(request).await,
+    match check_api_key(&facade, request.headers()) {
+        Ok(()) => next.run(request).await,
+        Err(refusal) => ApiError::from(refusal).into_response(),
     }
 }
 

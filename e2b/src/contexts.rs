@@ -173,7 +173,7 @@ impl FromRequestParts<Facade> for Named {
             .ok_or_else(|| Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, "No contexts"))?;
         let id = parts
             .headers
-            .get("e2b-sandbox-id")
+            .get(crate::SANDBOX_ID_HEADER)
             .and_then(|v| v.to_str().ok())
             .ok_or_else(|| {
                 Refusal::new(StatusCode::BAD_REQUEST, "Missing E2b-Sandbox-Id header")

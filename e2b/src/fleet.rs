@@ -42,7 +42,7 @@ use crate::config::FleetConfig;
 use crate::engine::{SandboxInfo, SandboxState};
 use crate::listing::{list_page, parse_list_query};
 use crate::lock;
-use crate::reply::{error_response, json_response};
+use crate::reply::{check_api_key, error_response, json_response};
 use crate::{Facade, SANDBOX_ID_HEADER};
 
 /// The header of node-to-node calls: the fleet's secret.
@@ -691,14 +691,8 @@ pub async fn route(State(facade): State<Facade>, mut request: Request, next: Nex
     };
     if is_control_plane(&path) {
         // The key is checked where the call lands; it does not travel.
-        match request
-            .headers()
-            .get("x-api-key")
-            .and_then(|v| v.to_str().ok())
-        {
-            Some(key) if (facade.api_key)(key) => {}
-            Some(_) => return error_response(StatusCode::UNAUTHORIZED, "Invalid API key"),
-            None => return error_response(StatusCode::UNAUTHORIZED, "Missing X-API-KEY header"),
+        if let Err(refusal) = check_api_key(&facade, request.headers()) {
+            return refusal.into_response();
         }
     }
     let Some(peer) = fleet.peer(tag) else {

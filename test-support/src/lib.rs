@@ -72,6 +72,27 @@ fn say_skipped(test: &str, reason: &str) {
     let _ = writeln!(std::io::stderr(), "SKIPPED ({reason}): {test}");
 }
 
+/// The venv of the pinned E2B SDKs that `tests/e2b/setup.sh` made (`SANDBOXD_TEST_E2B_VENV`), or `None` after saying
+/// why `test` cannot run.
+pub fn e2b_venv(test: &str) -> Option<std::path::PathBuf> {
+    let Some(venv) = std::env::var_os("SANDBOXD_TEST_E2B_VENV").filter(|v| !v.is_empty()) else {
+        cannot_run(
+            test,
+            "SANDBOXD_TEST_E2B_VENV is not set; run tests/e2b/setup.sh and take the variables it prints \
+             (e2b_env=$(tests/e2b/setup.sh) && eval \"$e2b_env\" && export SANDBOXD_TEST_E2B_VENV \
+             SANDBOXD_TEST_E2B_NODE)",
+        );
+        return None;
+    };
+    let venv = std::path::PathBuf::from(venv);
+    assert!(
+        venv.join("bin/python").exists(),
+        "SANDBOXD_TEST_E2B_VENV {}: no bin/python (tests/e2b/setup.sh makes it)",
+        venv.display()
+    );
+    Some(venv)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@
 //! mid-run costs only its own sandboxes (they answer "not found" promptly, the others' processes finish); back with
 //! live restore, it serves them again; forged ids, loops and wrong secrets get clear errors.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -25,25 +25,6 @@ static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new
 
 /// How long one phase of the client may take.
 const PHASE_DEADLINE: Duration = Duration::from_secs(600);
-
-/// The venv of tests/e2b/setup.sh, or `None` after saying why the test cannot run.
-fn venv(test: &str) -> Option<PathBuf> {
-    let Some(venv) = std::env::var_os("SANDBOXD_TEST_E2B_VENV").filter(|v| !v.is_empty()) else {
-        test_support::cannot_run(
-            test,
-            "SANDBOXD_TEST_E2B_VENV is not set; run tests/e2b/setup.sh and take the variables it prints \
-             (e2b_env=$(tests/e2b/setup.sh) && eval \"$e2b_env\" && export SANDBOXD_TEST_E2B_VENV)",
-        );
-        return None;
-    };
-    let venv = PathBuf::from(venv);
-    assert!(
-        venv.join("bin/python").exists(),
-        "{}: no bin/python",
-        venv.display()
-    );
-    Some(venv)
-}
 
 /// A TCP front on 127.0.0.1 that hands each connection it accepts to the next of `nodes`, round robin, and
 /// copies both ways until either side closes. A node that refuses the connection is skipped for the next, as a
@@ -114,7 +95,7 @@ async fn fleet_e2b_sdk_through_one_front_address() {
     let Some(bin) = require_daemon(TEST) else {
         return;
     };
-    let Some(venv) = venv(TEST) else {
+    let Some(venv) = test_support::e2b_venv(TEST) else {
         return;
     };
     let net = match Network::create(3) {

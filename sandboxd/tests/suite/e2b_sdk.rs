@@ -20,22 +20,7 @@ const CLIENT_DEADLINE: Duration = Duration::from_secs(20 * 60);
 
 /// The SDK's venv setup.sh made, or `None` after saying why the test cannot run.
 pub(super) fn venv(test: &str) -> Option<PathBuf> {
-    let Some(venv) = std::env::var_os("SANDBOXD_TEST_E2B_VENV").filter(|v| !v.is_empty()) else {
-        cannot_run(
-            test,
-            "SANDBOXD_TEST_E2B_VENV is not set; run tests/e2b/setup.sh and take the variables it prints \
-             (e2b_env=$(tests/e2b/setup.sh) && eval \"$e2b_env\" && export SANDBOXD_TEST_E2B_VENV \
-             SANDBOXD_TEST_E2B_NODE)",
-        );
-        return None;
-    };
-    let venv = PathBuf::from(venv);
-    assert!(
-        venv.join("bin/python").exists(),
-        "SANDBOXD_TEST_E2B_VENV {}: no bin/python (tests/e2b/setup.sh makes it)",
-        venv.display()
-    );
-    Some(venv)
+    test_support::e2b_venv(test)
 }
 
 /// The venv and node_modules directories setup.sh made, or `None` after saying why the test cannot run.
