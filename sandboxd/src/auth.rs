@@ -11,7 +11,12 @@ pub(crate) fn authorized(headers: &HeaderMap, tokens: &[String]) -> bool {
     else {
         return false;
     };
-    // Compare against all tokens without stopping early, so timing says nothing about which one was close.
+    accepted(given, tokens)
+}
+
+/// Whether `given` is one of the configured tokens (also the E2B API's `X-API-KEY`). Compares against all of them
+/// without stopping early, so timing says nothing about which one was close.
+pub(crate) fn accepted(given: &str, tokens: &[String]) -> bool {
     tokens.iter().fold(false, |ok, t| {
         constant_time_eq::constant_time_eq(given.as_bytes(), t.as_bytes()) | ok
     })

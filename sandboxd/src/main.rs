@@ -701,11 +701,7 @@ async fn serve_e2b(
     let tokens = Arc::new(config.auth.tokens.clone());
     let app = e2b::router(e2b::Facade {
         engine: sandboxes.clone(),
-        api_key: Arc::new(move |key: &str| {
-            tokens
-                .iter()
-                .any(|t| constant_time_eq::constant_time_eq(t.as_bytes(), key.as_bytes()))
-        }),
+        api_key: Arc::new(move |key: &str| auth::accepted(key, &tokens)),
         max_upload_bytes: c.max_upload_mb << 20,
         fleet: fleet.clone(),
     });
