@@ -25,9 +25,9 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CRATES = ["protocol", "agent-api", "image-store", "runtime", "agents", "sandboxd", "client", "sandboxctl", "conformance",
+CRATES = ["protocol", "agent-api", "image-store", "runtime", "containers", "agents", "sandboxd", "client", "sandboxctl", "conformance",
           "test-support", "egress", "e2b"]
-LONG_FUNCTION_DIRS = ["sandboxd", "agent-api", "image-store", "agents", "runtime", "client", "sandboxctl", "conformance",
+LONG_FUNCTION_DIRS = ["sandboxd", "agent-api", "image-store", "containers", "agents", "runtime", "client", "sandboxctl", "conformance",
                       "protocol", "test-support", "egress", "e2b"]
 MAX_LINES = 120
 README_MAX_LINES = 250

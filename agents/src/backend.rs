@@ -357,7 +357,7 @@ fn renew_url(backend: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::container::BoxFuture;
+    use containers::agent::BoxFuture;
 
     /// Refuses endpoints that do not start with `http://`; never called over the network.
     struct PlainHttpOnly;

@@ -15,7 +15,7 @@ use egress::{Allowlist, AllowlistError, Proxy};
 use serde_json::Value;
 
 use crate::config::AgentsConfig;
-use crate::container::{BoxFuture, InitIdentity, Workspace};
+use containers::agent::{BoxFuture, InitIdentity, Workspace};
 
 /// Any error, boxed (from the daemon's side of a trait).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -9,7 +9,7 @@
 //! - [`backend`]: eager artifact upload and token renewal.
 //! - [`routes`]: the axum routes, bearer auth and bounded bodies.
 //! - [`network`]: a sandbox's egress proxy (the `network` extension): one per sandbox, served inside each run.
-//! - [`container`]: the long-lived kind of container the runs use (the daemon's container seam implements it).
+//! - The long-lived kind of container the runs use is `containers::agent` (the container seam's crate).
 //! - [`host`]: what the daemon provides, as narrow traits: containers and images, the artifact store, backend
 //!   calls, the token check, the egress proxy's settings, configuration values. This crate does not depend on the daemon.
 //! - [`volumes`]: volumes that outlive sandboxes and restarts (`POST /volumes`), mounted into sandboxes, and the
@@ -26,7 +26,6 @@
 
 pub mod backend;
 pub mod config;
-pub mod container;
 pub mod cow;
 pub mod events;
 pub mod host;
@@ -37,6 +36,9 @@ pub mod routes;
 pub mod sandbox;
 pub mod snapshots;
 pub mod volumes;
+
+#[cfg(test)]
+mod test_host;
 
 pub use registry::Agents;
 pub use routes::router;

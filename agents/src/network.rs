@@ -23,8 +23,8 @@ use protocol::MAX_NETWORK_ALLOW;
 use serde::{Deserialize, Serialize};
 use tracing::{warn, Instrument};
 
-use crate::container::{LongLivedError, RunContainer};
 use crate::host::Network;
+use containers::agent::{LongLivedError, RunContainer};
 
 /// Why a sandbox's network request was refused.
 #[derive(Debug, thiserror::Error)]
@@ -341,7 +341,7 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
-    use crate::container::{BoxFuture, Ended, RunUsage};
+    use containers::agent::{BoxFuture, Ended, RunUsage};
 
     /// A bound of `*.test:8443`, names resolving to loopback (refused by the address policy but for the exempt
     /// address, if any), 1000 bytes at most.

@@ -14,13 +14,13 @@ use runtime::rootfs::InputFile;
 use tracing::{info, warn};
 
 use crate::backend::Backend;
-use crate::container::Workspace;
 use crate::events::{Budgets, Hub};
 use crate::host::{Host, WorkspaceError, WorkspaceRequest};
 use crate::network::SandboxEgress;
 use crate::sandbox::{Limits, Sandbox, CONTROL_SOCKET};
 use crate::snapshots::{SnapshotError, Snapshots};
 use crate::volumes::{Mounted, Volumes};
+use containers::agent::Workspace;
 
 /// A refused `POST /sandboxes`: its HTTP status and body.
 #[derive(Debug)]
@@ -946,3 +946,6 @@ fn remove_leftovers(dir: &Path) -> std::io::Result<()> {
         Err(e) => Err(e),
     }
 }
+
+#[cfg(test)]
+mod tests;

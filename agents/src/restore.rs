@@ -7,9 +7,9 @@
 //! renamed) whenever any of it changes. The event log (`events/`) is on disk already and gives the sequence
 //! numbers back ([`crate::events::Hub::reopen`]).
 //!
-//! A run of a sandbox with live restore is *kept* ([`crate::container::RunPlan::keep`]): its init does not die with
+//! A run of a sandbox with live restore is *kept* ([`containers::agent::RunPlan::keep`]): its init does not die with
 //! the daemon, and it holds the control socket (the listener and the agent's connection) for the next daemon, which
-//! adopts it ([`crate::container::Workspace::adopt_run`]). The daemon carries the sandboxes' mounts over into its
+//! adopts it ([`containers::agent::Workspace::adopt_run`]). The daemon carries the sandboxes' mounts over into its
 //! new mount namespace before anything else (sandboxd's `main`), and keeps the cgroups of the runs whose init is
 //! still the one recorded ([`kept_runs`]).
 
@@ -23,8 +23,8 @@ use runtime::init::ProgramExit;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::container::InitIdentity;
 use crate::volumes::Mounted;
+use containers::agent::InitIdentity;
 
 /// The record's file in a sandbox's directory.
 pub const RECORD: &str = "sandbox.json";

@@ -22,7 +22,7 @@ use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 use tracing::{error, info, warn};
 
-use crate::container::BoxFuture;
+use containers::agent::BoxFuture;
 
 /// Any error of the host's [`Disks`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

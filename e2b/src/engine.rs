@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use nix::sys::signal::Signal;
 use tokio::sync::mpsc;
 
-pub use agents::container::BoxFuture;
+pub use containers::agent::BoxFuture;
 
 /// Why a call on the engine failed.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
-use agents::container::{InitIdentity, RunContainer, RunPlan, Workspace};
 use agents::host::{Containers, Network, WorkspaceError, WorkspaceRequest};
 use agents::network::{SandboxEgress, Serving};
 use bytes::Bytes;
+use containers::agent::{InitIdentity, RunContainer, RunPlan, Workspace};
 use nix::sys::signal::Signal;
 use runtime::error::Chain;
 use runtime::init::ProgramExit;

@@ -1,5 +1,5 @@
 //! FSP/1 client frames, parsed as the server parses them: `protocol::parse_client_message` on the text of a
-//! WebSocket frame (sandboxd/src/server.rs; a text frame is UTF-8, so the input is fuzzed as `&str`).
+//! WebSocket frame (sandboxd/src/fsp/connection.rs; a text frame is UTF-8, so the input is fuzzed as `&str`).
 //!
 //! Properties: the parser never panics; a refusal becomes an `error` frame that parses back as that error; an
 //! accepted message serialises to a frame that parses back to the same message, and an accepted `execute` passes

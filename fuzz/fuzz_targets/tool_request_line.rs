@@ -1,5 +1,5 @@
 //! The request lines code in a sandbox writes to the tool socket (`tool_calls` extension), split and parsed as
-//! sandboxd/src/tools.rs does: lines are bytes split at `\n` (any bytes: a line that is not UTF-8 gets an
+//! sandboxd/src/extensions/tools.rs does: lines are bytes split at `\n` (any bytes: a line that is not UTF-8 gets an
 //! `invalid` reply), each parsed by `protocol::parse_tool_request`, the daemon's own parser; what the broker then
 //! builds from a call is the protocol's `tool_call` with the arguments kept as JSON text.
 //!

@@ -1,34 +1,34 @@
 //! What the daemon gives agent sandboxes (the `agents` crate): its [`agents::host`] traits implemented over the
 //! daemon's parts. Containers come from the pool's factory (the container seam's long-lived kind) with a host uid
 //! of their own from the range after the executions' (`uid_base + uid_count()`, `agents.max_sandboxes` of them);
-//! images are the languages' images by name; artifacts go to the store; backend calls go through [`crate::upload`];
+//! images are the languages' images by name; artifacts go to the store; backend calls go through [`crate::storage::upload`];
 //! tokens are checked by [`crate::auth`]; the egress proxy's settings are the `network` extension's
-//! ([`crate::egress`]), when it is on. This is the one place that reads the engine for agent sandboxes.
+//! ([`crate::extensions::egress`]), when it is on. This is the one place that reads the engine for agent sandboxes.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use agents::container::{
-    AdoptedRun, BoxFuture, InitIdentity, LongLivedError, RunContainer, RunPlan, Workspace,
-};
 use agents::host::{
     ArtifactStore, Authorizer, BoxError, Containers, Host, HttpFailure, Network, Settings,
     StoredArtifact, Upload, Uploads, WorkspaceError, WorkspaceRequest,
 };
 use axum::http::HeaderMap;
+use containers::agent::{
+    AdoptedRun, BoxFuture, InitIdentity, LongLivedError, RunContainer, RunPlan, Workspace,
+};
 use hyper::body::Bytes;
 use runtime::rootfs::InputFile;
 use serde_json::Value;
 
-use crate::containers::WorkspacePlan;
-use crate::egress::Egress;
-use crate::engine::Engine;
-use crate::images::RootImage;
-use crate::pool::{Factory, Uids};
-use crate::store::Store;
-use crate::upload::{UploadConfig, UploadError};
+use crate::exec::engine::Engine;
+use crate::exec::pool::{Factory, Uids};
+use crate::extensions::egress::Egress;
+use crate::storage::store::Store;
+use crate::storage::upload::{UploadConfig, UploadError};
+use containers::image::RootImage;
+use containers::WorkspacePlan;
 
 /// The host of the daemon's agent sandboxes. A workspace store that is configured and cannot be opened is the
 /// error (fail closed: its quotas are the sandboxes' disk limits).
@@ -38,8 +38,8 @@ pub fn host(engine: &Arc<Engine>) -> anyhow::Result<Host> {
         agents::config::WorkspaceStore::Tmpfs => None,
         agents::config::WorkspaceStore::Btrfs => {
             let dir = cfg.state_dir.join("workspaces");
-            let store =
-                crate::cow::BtrfsStore::open(&dir, cfg.agents.workspace_store_mb).map_err(|e| {
+            let store = crate::storage::cow::BtrfsStore::open(&dir, cfg.agents.workspace_store_mb)
+                .map_err(|e| {
                     anyhow::anyhow!(
                         "agents.workspace_store: btrfs: cannot open the store in {}: {e}",
                         dir.display()
@@ -73,7 +73,7 @@ pub fn host(engine: &Arc<Engine>) -> anyhow::Result<Host> {
         network: engine
             .egress()
             .map(|e| Arc::new(EgressNetwork(e.clone())) as Arc<dyn Network>),
-        disks: match crate::volumes::Ext4Disks::probe() {
+        disks: match crate::storage::volumes::Ext4Disks::probe() {
             Ok(d) => Some(Arc::new(d) as Arc<dyn agents::volumes::Disks>),
             Err(why) => {
                 tracing::warn!(reason = %why, "no volumes on this host (POST /volumes: 422 capability_unsupported)");
@@ -121,7 +121,7 @@ impl Containers for AgentContainers {
     fn image_environment(&self, image: &str) -> Option<BTreeMap<String, String>> {
         self.images
             .get(image)
-            .map(|i| crate::images::base_environment(i))
+            .map(|i| containers::image::base_environment(i))
     }
 
     fn create_workspace<'a>(
@@ -248,7 +248,7 @@ impl Workspace for UidWorkspace {
         &'a self,
         cid: &'a str,
         init: InitIdentity,
-    ) -> BoxFuture<'a, Result<agents::container::AdoptedServingRun, LongLivedError>> {
+    ) -> BoxFuture<'a, Result<containers::agent::AdoptedServingRun, LongLivedError>> {
         self.inner.adopt_serving_run(cid, init)
     }
 
@@ -294,7 +294,7 @@ impl ArtifactStore for StoreArtifacts {
     }
 }
 
-/// Backend calls over plain HTTP ([`crate::upload`]).
+/// Backend calls over plain HTTP ([`crate::storage::upload`]).
 pub struct HttpUploads;
 
 impl Uploads for HttpUploads {
@@ -316,7 +316,7 @@ impl Uploads for HttpUploads {
     ) -> BoxFuture<'a, Result<Value, HttpFailure>> {
         Box::pin(async move {
             let headers = [("content-type", "application/json".to_owned())];
-            crate::upload::post_json(url, token, &headers, Bytes::from(body))
+            crate::storage::upload::post_json(url, token, &headers, Bytes::from(body))
                 .await
                 .map_err(|e| HttpFailure {
                     unauthorized: e.is_unauthorized(),
@@ -333,7 +333,7 @@ impl Uploads for HttpUploads {
                 attempts: upload.attempts,
                 backoff_ms: 100,
             };
-            crate::upload::upload(&cfg, upload.blob, upload.hex, upload.mime)
+            crate::storage::upload::upload(&cfg, upload.blob, upload.hex, upload.mime)
                 .await
                 .map_err(|e: UploadError| HttpFailure {
                     unauthorized: e.is_unauthorized(),
@@ -365,11 +365,11 @@ impl Network for EgressNetwork {
     }
 
     fn address(&self) -> SocketAddr {
-        crate::egress::PROXY_ADDRESS
+        crate::extensions::egress::PROXY_ADDRESS
     }
 
     fn environment(&self) -> Vec<(String, String)> {
-        crate::egress::proxy_env()
+        crate::extensions::egress::proxy_env()
     }
 }
 
@@ -381,6 +381,3 @@ impl Authorizer for Tokens {
         crate::auth::authorized(headers, &self.0)
     }
 }
-
-#[cfg(test)]
-mod tests;

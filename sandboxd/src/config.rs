@@ -75,13 +75,13 @@ pub struct Config {
     /// Containers created ahead of time.
     pub pool: PoolConfig,
     /// The `tool_calls` extension: per-call timeout maximum and per-execution bounds of the tool socket.
-    pub tools: crate::tools::ToolsConfig,
+    pub tools: crate::extensions::tools::ToolsConfig,
     /// Agent sandboxes (the adapter-shim endpoints under `/sandboxes`).
     pub agents: AgentsConfig,
     /// OpenTelemetry traces.
-    pub telemetry: crate::telemetry::TelemetryConfig,
+    pub telemetry: crate::observe::telemetry::TelemetryConfig,
     /// The `network` extension: egress through a per-execution proxy to the hosts a request lists.
-    pub network: crate::egress::NetworkConfig,
+    pub network: crate::extensions::egress::NetworkConfig,
     /// E2B's API on a listener of its own (`docs/spec/e2b-compat.md`).
     pub e2b: e2b::config::E2bConfig,
 }
@@ -101,7 +101,7 @@ pub struct PoolConfig {
     /// Helper processes that create and remove containers in parallel. `None`: one per CPU, at most 8.
     pub helpers: Option<usize>,
     /// Pooled python and javascript containers start their interpreter ahead of time, waiting for the code
-    /// ([`crate::warm`]).
+    /// ([`crate::exec::warm`]).
     pub warm: bool,
 }
 
@@ -159,7 +159,7 @@ pub struct ImageConfig {
     pub layout: Option<PathBuf>,
     /// Pin: the start fails unless the image's manifest digest is this `sha256:…`.
     pub digest: Option<String>,
-    /// Modules the warm interpreter of the language on this image loads before it waits ([`crate::warm`]): python
+    /// Modules the warm interpreter of the language on this image loads before it waits ([`crate::exec::warm`]): python
     /// dotted module names (`[numpy, pandas]`), or node module names (`[lodash, "@scope/pkg", zlib]`). An image
     /// with a list runs python or javascript, not both.
     pub preload: Vec<String>,
@@ -190,7 +190,7 @@ pub struct ArtifactsConfig {
     /// The store's size limit; unreferenced blobs go first, oldest first.
     pub max_store_bytes: u64,
     /// Eager upload of every collected artifact (optional).
-    pub upload: Option<crate::upload::UploadConfig>,
+    pub upload: Option<crate::storage::upload::UploadConfig>,
 }
 
 impl Default for ArtifactsConfig {
@@ -326,10 +326,10 @@ impl Default for Config {
             images: BTreeMap::new(),
             languages: None,
             pool: PoolConfig::default(),
-            tools: crate::tools::ToolsConfig::default(),
+            tools: crate::extensions::tools::ToolsConfig::default(),
             agents: AgentsConfig::default(),
-            telemetry: crate::telemetry::TelemetryConfig::default(),
-            network: crate::egress::NetworkConfig::default(),
+            telemetry: crate::observe::telemetry::TelemetryConfig::default(),
+            network: crate::extensions::egress::NetworkConfig::default(),
             e2b: e2b::config::E2bConfig::default(),
         }
     }

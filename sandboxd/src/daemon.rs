@@ -1,9 +1,9 @@
 //! The daemon's context: what every part of the daemon shares, built once at start and passed explicitly (the
-//! [`crate::engine::Engine`] holds it; nothing reaches it through the engine's fields).
+//! [`crate::exec::engine::Engine`] holds it; nothing reaches it through the engine's fields).
 //!
 //! - the configuration in force and the artifact store (the cgroup setup belongs to the container layer, which
 //!   is the only part that touches cgroups);
-//! - when the daemon started (its metrics are one process-wide registry, [`crate::metrics::get`], which the
+//! - when the daemon started (its metrics are one process-wide registry, [`crate::observe::metrics::get`], which the
 //!   container layer's calls report into as well);
 //! - the drain: every execution task is spawned on one [`TaskTracker`], and one [`CancellationToken`] ends them all
 //!   when the shutdown grace period is over ([`Daemon::drain`]).
@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
-use crate::store::Store;
+use crate::storage::store::Store;
 
 /// How long killed executions may take to report and hand their containers back after the grace period.
 const KILLED_CLEANUP: Duration = Duration::from_secs(30);

@@ -28,7 +28,7 @@ use tracing::{warn, Instrument};
 
 use super::spool::{Spool, Spooled};
 use super::Sandbox;
-use crate::container::{Ended, RunContainer};
+use containers::agent::{Ended, RunContainer};
 
 /// How long a dropped control connection may precede the container's exit before the run counts as crashed and
 /// is killed.

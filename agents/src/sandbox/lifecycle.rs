@@ -24,10 +24,10 @@ use tracing::{info, warn, Instrument};
 use super::control::First;
 use super::spool::Spool;
 use super::{line, unavailable, Ops, Run, Sandbox, COMMAND_QUEUE, CONTROL_SOCKET};
-use crate::container::{BoxFuture, Ended, RunContainer, RunPlan};
 use crate::network::Serving;
 use crate::restore::RunRecord;
 use crate::volumes::{Mounted, Volumes};
+use containers::agent::{BoxFuture, Ended, RunContainer, RunPlan};
 
 impl Sandbox {
     /// Starts the sandbox's background tasks: token renewal and the lifetime limit.

@@ -40,12 +40,12 @@ use serde_json::{Map, Value};
 use tokio::sync::{mpsc, watch};
 
 use crate::backend::Backend;
-use crate::container::{RunContainer, Workspace};
 use crate::events::Hub;
 use crate::host::Host;
 use crate::network::{NetworkError, SandboxEgress};
 use crate::restore::{Record, RunRecord};
 use crate::volumes::{Mounted, Volumes};
+use containers::agent::{RunContainer, Workspace};
 
 /// Name of the control socket in the code directory (`/sandbox` inside).
 pub const CONTROL_SOCKET: &str = "control.sock";

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use agent_api::{AdapterEvent, SandboxBootstrap};
@@ -14,12 +14,10 @@ use sha2::Digest;
 use super::{Limits, Sandbox};
 use crate::backend::Backend;
 use crate::config::AgentsConfig;
-use crate::container::{BoxFuture, LongLivedError, RunContainer, RunPlan, Workspace};
 use crate::events::{Budgets, Hub};
-use crate::host::{
-    ArtifactStore, Authorizer, BoxError, Containers, Host, HttpFailure, Settings, StoredArtifact,
-    Upload, Uploads, WorkspaceError, WorkspaceRequest,
-};
+use crate::host::{Containers, Host, Settings, WorkspaceError, WorkspaceRequest};
+use crate::test_host::{Bearer, DirStore, FakeUploads};
+use containers::agent::{BoxFuture, LongLivedError, RunContainer, RunPlan, Workspace};
 
 const AGENT: &str = "agent-1";
 
@@ -81,69 +79,6 @@ impl Containers for NoContainers {
     }
 }
 
-/// Content-addressed files in a directory.
-struct DirStore(PathBuf);
-
-impl ArtifactStore for DirStore {
-    fn store(
-        &self,
-        file: &mut std::fs::File,
-        _max_bytes: u64,
-        _mime: &str,
-    ) -> std::io::Result<StoredArtifact> {
-        let mut content = Vec::new();
-        std::io::Read::read_to_end(file, &mut content)?;
-        let hex = format!("{:x}", sha2::Sha256::digest(&content));
-        std::fs::write(self.0.join(&hex), &content)?;
-        Ok(StoredArtifact {
-            hex,
-            size: content.len() as u64,
-        })
-    }
-
-    fn path(&self, hex: &str) -> Option<PathBuf> {
-        Some(self.0.join(hex)).filter(|p| p.exists())
-    }
-}
-
-/// Uploads that succeed with `artifact://backend/<hash>`, counted; no other call succeeds.
-#[derive(Default)]
-struct FakeUploads(AtomicUsize);
-
-impl Uploads for FakeUploads {
-    fn check_endpoint(&self, _url: &str) -> Result<(), BoxError> {
-        Ok(())
-    }
-
-    fn post_json<'a>(
-        &'a self,
-        _url: &'a str,
-        _token: &'a str,
-        _body: String,
-    ) -> BoxFuture<'a, Result<Value, HttpFailure>> {
-        Box::pin(async {
-            Err(HttpFailure {
-                unauthorized: false,
-                error: "no backend in these tests".into(),
-            })
-        })
-    }
-
-    fn upload<'a>(&'a self, upload: Upload<'a>) -> BoxFuture<'a, Result<String, HttpFailure>> {
-        self.0.fetch_add(1, Ordering::SeqCst);
-        let uri = format!("artifact://backend/{}", upload.hex);
-        Box::pin(async move { Ok(uri) })
-    }
-}
-
-struct NoAuth;
-
-impl Authorizer for NoAuth {
-    fn authorized(&self, _headers: &axum::http::HeaderMap) -> bool {
-        false
-    }
-}
-
 /// A sandbox of agent `agent-1` with a connected gateway.
 struct Rig {
     sb: Arc<Sandbox>,
@@ -172,7 +107,7 @@ impl Rig {
             containers: Arc::new(NoContainers),
             store: Arc::new(DirStore(dir.path().join("store"))),
             uploads: uploads.clone(),
-            auth: Arc::new(NoAuth),
+            auth: Arc::new(Bearer(None)),
             network: None,
             disks: None,
             snapshots: Err("no snapshots in these tests".into()),
