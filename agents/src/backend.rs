@@ -357,32 +357,7 @@ fn renew_url(backend: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use containers::agent::BoxFuture;
-
-    /// Refuses endpoints that do not start with `http://`; never called over the network.
-    struct PlainHttpOnly;
-
-    impl Uploads for PlainHttpOnly {
-        fn check_endpoint(&self, url: &str) -> Result<(), BoxError> {
-            match url.starts_with("http://") {
-                true => Ok(()),
-                false => Err("The URL must start with http://".into()),
-            }
-        }
-
-        fn post_json<'a>(
-            &'a self,
-            _url: &'a str,
-            _token: &'a str,
-            _body: String,
-        ) -> BoxFuture<'a, Result<Value, HttpFailure>> {
-            unreachable!("no call in these tests")
-        }
-
-        fn upload<'a>(&'a self, _upload: Upload<'a>) -> BoxFuture<'a, Result<String, HttpFailure>> {
-            unreachable!("no call in these tests")
-        }
-    }
+    use crate::test_host::FakeUploads;
 
     fn bootstrap() -> SandboxBootstrap {
         serde_json::from_value(serde_json::json!({
@@ -397,7 +372,7 @@ mod tests {
 
     #[test]
     fn a_bootstrap_is_refused_naming_the_field_and_why() {
-        let check = |b: &SandboxBootstrap| Backend::check(b, &PlainHttpOnly);
+        let check = |b: &SandboxBootstrap| Backend::check(b, &FakeUploads::default());
         check(&bootstrap()).unwrap();
         let mut b = bootstrap();
         b.artifact_upload_endpoint = "https://x.invalid/a".into();

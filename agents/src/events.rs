@@ -606,6 +606,16 @@ mod tests {
 
     use super::*;
 
+    /// Events `from..=to` as `POST /replay` answers them.
+    fn replayed(hub: &Hub, from: u64, to: u64) -> ReplayResponse {
+        hub.replay(SequenceRange {
+            from_sequence: from,
+            to_sequence: to,
+        })
+        .unwrap()
+        .collect()
+    }
+
     impl Replay {
         /// The whole answer, parsed (which also checks that the streamed JSON is a `ReplayResponse`).
         fn collect(self) -> ReplayResponse {
@@ -651,23 +661,11 @@ mod tests {
             assert_eq!(id.get_version_num(), 7);
             assert_eq!(e.run_id, "r1");
         }
-        let r = hub
-            .replay(SequenceRange {
-                from_sequence: 3,
-                to_sequence: 5,
-            })
-            .unwrap()
-            .collect();
+        let r = replayed(&hub, 3, 5);
         assert_eq!(r.events, got[2..5].to_vec());
         assert_eq!((r.evicted, r.last_sequence), (None, 10));
         // Past the end: answered up to the last sequence.
-        let r = hub
-            .replay(SequenceRange {
-                from_sequence: 9,
-                to_sequence: 50,
-            })
-            .unwrap()
-            .collect();
+        let r = replayed(&hub, 9, 50);
         assert_eq!(r.events.len(), 2);
     }
 
@@ -691,13 +689,7 @@ mod tests {
         drop(f);
         let hub = Hub::reopen(ev.clone(), "a", small()).unwrap();
         assert_eq!(hub.emit("r2", status(0)), last + 1, "no gap, no repeat");
-        let r = hub
-            .replay(SequenceRange {
-                from_sequence: last - 2,
-                to_sequence: last + 1,
-            })
-            .unwrap()
-            .collect();
+        let r = replayed(&hub, last - 2, last + 1);
         let seqs: Vec<u64> = r.events.iter().map(|e| e.source_sequence).collect();
         assert_eq!(seqs, vec![last - 2, last - 1, last, last + 1]);
         assert_eq!(r.last_sequence, last + 1);
@@ -727,13 +719,7 @@ mod tests {
             let _ = drain(&hub, g);
         }
         assert!(dir_bytes(&dir.path().join("ev")) <= 64 << 10);
-        let r = hub
-            .replay(SequenceRange {
-                from_sequence: 1,
-                to_sequence: last,
-            })
-            .unwrap()
-            .collect();
+        let r = replayed(&hub, 1, last);
         let first = r.events[0].source_sequence;
         assert_eq!(
             r.evicted,
@@ -752,21 +738,9 @@ mod tests {
         let seqs: Vec<u64> = r.events.iter().map(|e| e.source_sequence).collect();
         assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1));
         // A range starting in the current segment reads only that one, and a range wholly gone is all evicted.
-        let r = hub
-            .replay(SequenceRange {
-                from_sequence: last - 1,
-                to_sequence: last,
-            })
-            .unwrap()
-            .collect();
+        let r = replayed(&hub, last - 1, last);
         assert_eq!((r.events.len(), r.evicted), (2, None));
-        let r = hub
-            .replay(SequenceRange {
-                from_sequence: 1,
-                to_sequence: 2,
-            })
-            .unwrap()
-            .collect();
+        let r = replayed(&hub, 1, 2);
         assert!(r.events.is_empty());
         assert_eq!(r.evicted.unwrap().to_sequence, 2);
     }
@@ -811,13 +785,7 @@ mod tests {
         let counted: u64 = warnings.iter().map(|w| count(w)).sum();
         let last = hub.last_sequence();
         assert_eq!(counted + (got.len() - warnings.len()) as u64, 1001);
-        let r = hub
-            .replay(SequenceRange {
-                from_sequence: 1,
-                to_sequence: last,
-            })
-            .unwrap()
-            .collect();
+        let r = replayed(&hub, 1, last);
         assert_eq!(r.events.len() as u64, last);
     }
 
@@ -842,17 +810,7 @@ mod tests {
             .as_str()
             .unwrap()
             .starts_with("10 events dropped"));
-        assert_eq!(
-            hub.replay(SequenceRange {
-                from_sequence: 1,
-                to_sequence: 10
-            })
-            .unwrap()
-            .collect()
-            .events
-            .len(),
-            10
-        );
+        assert_eq!(replayed(&hub, 1, 10).events.len(), 10);
     }
 
     #[test]
@@ -959,13 +917,7 @@ mod tests {
         // 32 MiB (agents.replay_bytes) on disk at most, the newest 16 MiB always there.
         let on_disk = dir_bytes(&dir.path().join("ev"));
         assert!(on_disk <= 32 << 20, "{on_disk} bytes on disk");
-        let r = hub
-            .replay(SequenceRange {
-                from_sequence: 1,
-                to_sequence: 800,
-            })
-            .unwrap()
-            .collect();
+        let r = replayed(&hub, 1, 800);
         assert!(
             r.events.len() as u64 * (64 << 10) >= 16 << 20,
             "{}",

@@ -44,7 +44,7 @@ pub struct Record {
     /// The agent.
     pub agent_id: String,
     /// CPU quota, cores.
-    pub cpu_cores: f64,
+    pub cpu_cores: protocol::CpuCores,
     /// Memory, MiB.
     pub memory_mb: u64,
     /// Workspace tmpfs, MiB.
@@ -275,7 +275,7 @@ mod tests {
             version: VERSION,
             id: "ags-1".into(),
             agent_id: "a".into(),
-            cpu_cores: 1.0,
+            cpu_cores: protocol::CpuCores::from_const(1.0),
             memory_mb: 256,
             disk_mb: 64,
             timeout_ms: 60_000,

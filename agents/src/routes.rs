@@ -1,7 +1,11 @@
 //! The axum routes of agent sandboxes: `POST /sandboxes`, `DELETE /sandboxes/<id>`, the adapter-shim endpoints
 //! under `/sandboxes/<id>`, and sandboxd's own `POST /sandboxes/<id>/network` (a new egress allowlist), volumes
-//! (`/volumes`) and snapshots (`POST /sandboxes/<id>/snapshot`, `POST /sandboxes/<id>/fork`, `/snapshots`). Every route checks the same bearer token as `/ws` before anything else, reads at most
-//! `agents.max_body_bytes` of body, and answers every refusal with a `PluginError` JSON body (an unknown path under
+//! (`/volumes`) and snapshots (`POST /sandboxes/<id>/snapshot`, `POST /sandboxes/<id>/fork`, `/snapshots`).
+//!
+//! In axum's idiom: the bearer token is one layer ([`require_token`]) that runs before any route, its method
+//! fallbacks and unknown paths included; the sandbox of a path is an extractor ([`Found`]: 404 when there is none),
+//! and so is the body ([`Bounded`]: at most `agents.max_body_bytes`, parsed with the field at fault named); every
+//! refusal is a [`Refusal`], which answers with its status and a `PluginError` JSON body (an unknown path under
 //! `/sandboxes/<id>/` too: 404, and a wrong method: 405). `POST /replay` streams its answer from the log.
 
 use std::sync::Arc;
@@ -13,23 +17,28 @@ use agent_api::{
 };
 use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, State};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, delete, get, post, MethodRouter};
 use axum::{Json, Router};
 use futures_util::{SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use crate::network::NetworkError;
 use crate::registry::Refusal;
 use crate::sandbox::Sandbox;
-use crate::snapshots::{SnapshotError, Snapshots};
-use crate::volumes::{VolumeError, Volumes};
+use crate::snapshots::Snapshots;
+use crate::volumes::Volumes;
 use crate::Agents;
 
 /// The routes' state: the registry (and through it, the host's token check and settings).
 pub type AgentState = Arc<Agents>;
+
+/// What a route answers: its JSON (200 unless it says otherwise), or a refusal.
+type Answer<T> = Result<T, Refusal>;
 
 /// The agent routes, merged into the daemon's router once given their state. Every one checks the bearer token
 /// first ([`require_token`]), its method fallbacks and unknown paths included.
@@ -71,88 +80,114 @@ pub fn router(st: AgentState) -> Router<AgentState> {
         .route_layer(axum::middleware::from_fn_with_state(st, require_token))
 }
 
+impl IntoResponse for Refusal {
+    /// The status and the `PluginError` body.
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(self.error)).into_response()
+    }
+}
+
+/// A refusal with `status` and an `invalid` body saying `message`.
+fn refuse(status: StatusCode, message: impl Into<String>) -> Refusal {
+    Refusal {
+        status: status.as_u16(),
+        error: PluginError::invalid(message),
+    }
+}
+
+/// A sandbox command's refusal, with the error's own status.
+fn plugin(error: PluginError) -> Refusal {
+    Refusal {
+        status: error.status(),
+        error,
+    }
+}
+
+fn unavailable(message: String) -> Refusal {
+    plugin(PluginError::ProviderUnavailable {
+        message,
+        retryable: true,
+    })
+}
+
 /// Refuses a request without the daemon's bearer token (401, a PluginError body) before anything else runs.
 async fn require_token(
     State(st): State<AgentState>,
-    request: axum::extract::Request,
+    request: Request,
     next: axum::middleware::Next,
 ) -> Response {
     if st.host().auth.authorized(request.headers()) {
         next.run(request).await
     } else {
-        unauthorized()
+        refuse(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized: missing or wrong bearer token",
+        )
+        .into_response()
     }
 }
 
 /// A route that answers other methods with 405, a PluginError body and `Allow` (after the token check).
 fn only(route: MethodRouter<AgentState>, allow: &'static str) -> MethodRouter<AgentState> {
     route.fallback(move |method: Method| async move {
-        let mut r = refuse(
+        let refused = refuse(
             StatusCode::METHOD_NOT_ALLOWED,
-            PluginError::invalid(format!("Method {method} not allowed here (only {allow})")),
+            format!("Method {method} not allowed here (only {allow})"),
         );
-        r.headers_mut()
-            .insert(header::ALLOW, HeaderValue::from_static(allow));
-        r
+        ([(header::ALLOW, HeaderValue::from_static(allow))], refused)
     })
 }
 
 /// Any path under `/sandboxes/<id>/` that is no endpoint: 404 (after the token check).
-async fn unknown_path(uri: Uri) -> Response {
+async fn unknown_path(uri: Uri) -> Refusal {
     let shown: String = uri.path().chars().take(128).collect();
-    refuse(
-        StatusCode::NOT_FOUND,
-        PluginError::invalid(format!("No endpoint {shown:?}")),
-    )
+    refuse(StatusCode::NOT_FOUND, format!("No endpoint {shown:?}"))
 }
 
-fn refuse(status: StatusCode, e: PluginError) -> Response {
-    (status, Json(e)).into_response()
+/// The sandbox the path's `{id}` names; 404 when there is none.
+struct Found(Arc<Sandbox>);
+
+impl FromRequestParts<AgentState> for Found {
+    type Rejection = Refusal;
+
+    async fn from_request_parts(parts: &mut Parts, st: &AgentState) -> Result<Self, Refusal> {
+        let Path(id) = Path::<String>::from_request_parts(parts, st)
+            .await
+            .map_err(|e| refuse(e.status(), e.body_text()))?;
+        st.get(&id).map(Found).ok_or_else(|| {
+            let shown: String = id.chars().take(64).collect();
+            refuse(StatusCode::NOT_FOUND, format!("No sandbox {shown:?}"))
+        })
+    }
 }
 
-fn plugin(e: PluginError) -> Response {
-    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    refuse(status, e)
-}
+/// The request's body as a `T`: at most `agents.max_body_bytes` (413 above), one JSON value naming the field at
+/// fault when it does not parse (400); an empty body reads as `{}`.
+struct Bounded<T>(T);
 
-fn unauthorized() -> Response {
-    refuse(
-        StatusCode::UNAUTHORIZED,
-        PluginError::invalid("Unauthorized: missing or wrong bearer token"),
-    )
-}
+impl<T: DeserializeOwned> FromRequest<AgentState> for Bounded<T> {
+    type Rejection = Refusal;
 
-/// The sandbox, or 404.
-fn lookup(st: &AgentState, id: &str) -> Result<Arc<Sandbox>, Box<Response>> {
-    st.get(id).ok_or_else(|| {
-        let shown: String = id.chars().take(64).collect();
-        Box::new(refuse(
-            StatusCode::NOT_FOUND,
-            PluginError::invalid(format!("No sandbox {shown:?}")),
-        ))
-    })
-}
-
-/// Reads a bounded body and parses it; an empty body reads as `{}`.
-async fn body<T: DeserializeOwned>(st: &AgentState, body: Body) -> Result<T, Box<Response>> {
-    let limit = st.host().settings.agents.max_body_bytes;
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        Box::new(refuse(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            PluginError::invalid(format!("Request body over {limit} bytes")),
-        ))
-    })?;
-    let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
-        b"{}"
-    } else {
-        &bytes
-    };
-    parse_body(bytes).map_err(|message| {
-        Box::new(refuse(
-            StatusCode::BAD_REQUEST,
-            PluginError::invalid(message),
-        ))
-    })
+    async fn from_request(request: Request, st: &AgentState) -> Result<Self, Refusal> {
+        let limit = st.host().settings.agents.max_body_bytes;
+        let bytes = axum::body::to_bytes(request.into_body(), limit)
+            .await
+            .map_err(|_| {
+                refuse(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("Request body over {limit} bytes"),
+                )
+            })?;
+        let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+            b"{}"
+        } else {
+            &bytes
+        };
+        parse_body(bytes)
+            .map(Bounded)
+            .map_err(|message| refuse(StatusCode::BAD_REQUEST, message))
+    }
 }
 
 /// Parses one JSON value and nothing after it (trailing bytes other than white space are refused); the error
@@ -174,18 +209,20 @@ fn parse_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     Ok(value)
 }
 
-async fn create(State(st): State<AgentState>, headers: HeaderMap, b: Body) -> Response {
-    let req: CreateSandboxRequest = match body(&st, b).await {
-        Ok(r) => r,
-        Err(r) => return *r,
-    };
+/// `201 Created` with `body`.
+fn created(body: impl Serialize) -> Response {
+    (StatusCode::CREATED, Json(body)).into_response()
+}
+
+async fn create(
+    State(st): State<AgentState>,
+    headers: HeaderMap,
+    Bounded(req): Bounded<CreateSandboxRequest>,
+) -> Answer<Response> {
     let host = request_host(&st, &headers);
     let agents = st.clone();
-    let created = detached(async move { agents.create(req).await }).await;
-    match created.and_then(|r| r) {
-        Ok(sb) => (StatusCode::CREATED, Json(created_response(&host, &sb))).into_response(),
-        Err(r) => refused(r),
-    }
+    let sb = detached(async move { agents.create(req).await }).await??;
+    Ok(created(created_response(&host, &sb)))
 }
 
 /// The `Host` the client used (for the endpoints it is told), else the daemon's listen address.
@@ -208,39 +245,15 @@ fn created_response(host: &str, sb: &Sandbox) -> CreateSandboxResponse {
     }
 }
 
-async fn remove(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
-    if let Err(r) = lookup(&st, &id) {
-        return *r;
+async fn remove(State(st): State<AgentState>, Found(sb): Found) -> Answer<StatusCode> {
+    // The registry's reference alone is left while it removes the sandbox.
+    let id = sb.id.clone();
+    drop(sb);
+    let agents = st.clone();
+    match detached(async move { agents.delete(&id).await }).await? {
+        true => Ok(StatusCode::NO_CONTENT),
+        false => Err(refuse(StatusCode::NOT_FOUND, "No such sandbox")),
     }
-    let (agents, owned) = (st.clone(), id.clone());
-    match detached(async move { agents.delete(&owned).await }).await {
-        Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) => refuse(
-            StatusCode::NOT_FOUND,
-            PluginError::invalid("No such sandbox"),
-        ),
-        Err(r) => refused(r),
-    }
-}
-
-/// One adapter-shim command: auth, sandbox, body, call.
-macro_rules! command {
-    ($name:ident, $req:ty, |$sb:ident, $r:ident| $call:expr) => {
-        async fn $name(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -> Response {
-            let $sb = match lookup(&st, &id) {
-                Ok(s) => s,
-                Err(r) => return *r,
-            };
-            let $r: $req = match body(&st, b).await {
-                Ok(r) => r,
-                Err(r) => return *r,
-            };
-            match $call.await {
-                Ok(v) => Json(v).into_response(),
-                Err(e) => plugin(e),
-            }
-        }
-    };
 }
 
 /// An empty body (`{}` or nothing).
@@ -248,21 +261,54 @@ macro_rules! command {
 #[serde(deny_unknown_fields)]
 struct Empty {}
 
-command!(spawn, AgentBrief, |sb, r| sb.spawn(r));
-command!(pause, Empty, |sb, _r| sb.pause());
-command!(resume, SerializedAgentState, |sb, r| sb.resume(r));
-command!(kill, KillRequest, |sb, r| sb.kill(r));
-command!(resolve, ResolveRequest, |sb, r| async {
-    sb.resolve(r).await.map(|()| serde_json::json!({}))
-});
-command!(inject, ContextInjection, |sb, r| async {
-    sb.inject(r).await.map(|()| serde_json::json!({}))
-});
-command!(update_brief, UpdateBriefRequest, |sb, r| async {
-    sb.update_brief(r.changes)
-        .await
-        .map(|()| serde_json::json!({}))
-});
+async fn spawn(Found(sb): Found, Bounded(r): Bounded<AgentBrief>) -> Answer<impl IntoResponse> {
+    Ok(Json(sb.spawn(r).await.map_err(plugin)?))
+}
+
+async fn pause(Found(sb): Found, Bounded(Empty {}): Bounded<Empty>) -> Answer<impl IntoResponse> {
+    Ok(Json(sb.pause().await.map_err(plugin)?))
+}
+
+async fn resume(
+    Found(sb): Found,
+    Bounded(r): Bounded<SerializedAgentState>,
+) -> Answer<impl IntoResponse> {
+    Ok(Json(sb.resume(r).await.map_err(plugin)?))
+}
+
+async fn kill(Found(sb): Found, Bounded(r): Bounded<KillRequest>) -> Answer<impl IntoResponse> {
+    Ok(Json(sb.kill(r).await.map_err(plugin)?))
+}
+
+/// `{}`: what the commands that answer nothing answer.
+fn done() -> Json<serde_json::Value> {
+    Json(serde_json::json!({}))
+}
+
+async fn resolve(
+    Found(sb): Found,
+    Bounded(r): Bounded<ResolveRequest>,
+) -> Answer<impl IntoResponse> {
+    sb.resolve(r).await.map_err(plugin)?;
+    Ok(done())
+}
+
+async fn inject(
+    Found(sb): Found,
+    Bounded(r): Bounded<ContextInjection>,
+) -> Answer<impl IntoResponse> {
+    sb.inject(r).await.map_err(plugin)?;
+    Ok(done())
+}
+
+async fn update_brief(
+    Found(sb): Found,
+    Bounded(r): Bounded<UpdateBriefRequest>,
+) -> Answer<impl IntoResponse> {
+    sb.update_brief(r.changes).await.map_err(plugin)?;
+    Ok(done())
+}
+
 /// Replays streaming at once (each holds one blocking thread while it reads the log).
 const MAX_REPLAYS: usize = 32;
 static REPLAYS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MAX_REPLAYS);
@@ -271,33 +317,25 @@ const REPLAY_STALL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `POST /replay`: 400 for an inverted range; the answer is streamed from the log in chunks (never the whole
 /// range in memory). A read error midway ends the body early (the client sees a truncated JSON).
-async fn replay(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -> Response {
-    let sb = match lookup(&st, &id) {
-        Ok(s) => s,
-        Err(r) => return *r,
-    };
-    let r: ReplayRequest = match body(&st, b).await {
-        Ok(r) => r,
-        Err(r) => return *r,
-    };
+async fn replay(Found(sb): Found, Bounded(r): Bounded<ReplayRequest>) -> Answer<Response> {
     if r.from_sequence > r.to_sequence {
-        return refuse(
+        return Err(refuse(
             StatusCode::BAD_REQUEST,
-            PluginError::invalid("fromSequence is after toSequence"),
-        );
+            "fromSequence is after toSequence",
+        ));
     }
     // Each replay holds a blocking thread while it streams: bounded in number, and a reader that stops reading
     // for REPLAY_STALL lets its thread go.
     let Ok(permit) = REPLAYS.try_acquire() else {
-        return plugin(unavailable(format!(
+        return Err(unavailable(format!(
             "{MAX_REPLAYS} replays are in progress; try again"
         )));
     };
     let hub = sb.hub.clone();
     let opened = match tokio::task::spawn_blocking(move || hub.replay(r)).await {
         Ok(Ok(replay)) => replay,
-        Ok(Err(e)) => return plugin(unavailable(format!("Cannot read the event log: {e}"))),
-        Err(e) => return plugin(unavailable(format!("Replay failed: {e}"))),
+        Ok(Err(e)) => return Err(unavailable(format!("Cannot read the event log: {e}"))),
+        Err(e) => return Err(unavailable(format!("Replay failed: {e}"))),
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Vec<u8>>>(2);
     let rt = tokio::runtime::Handle::current();
@@ -316,95 +354,62 @@ async fn replay(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|chunk| (chunk, rx))
     });
-    (
+    Ok((
         [(header::CONTENT_TYPE, "application/json")],
         Body::from_stream(stream),
     )
-        .into_response()
+        .into_response())
 }
 
-fn unavailable(message: String) -> PluginError {
-    PluginError::ProviderUnavailable {
-        message,
-        retryable: true,
-    }
-}
-
-async fn health(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
-    match lookup(&st, &id) {
-        Ok(sb) => {
-            let sb2 = sb.clone();
-            match tokio::task::spawn_blocking(move || sb2.health()).await {
-                Ok(h) => Json(h).into_response(),
-                Err(e) => plugin(PluginError::ProviderUnavailable {
-                    message: format!("Health failed: {e}"),
-                    retryable: true,
-                }),
-            }
-        }
-        Err(r) => *r,
+async fn health(Found(sb): Found) -> Answer<impl IntoResponse> {
+    match tokio::task::spawn_blocking(move || sb.health()).await {
+        Ok(h) => Ok(Json(h)),
+        Err(e) => Err(unavailable(format!("Health failed: {e}"))),
     }
 }
 
 /// `POST /network`: 200 with the list in force; 400 for a malformed or uncovered entry; 409 when the sandbox was
 /// created without `network` (the proxy a list could apply to does not exist: a state of the sandbox, not a fault
 /// of the request's body).
-async fn network(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -> Response {
-    let sb = match lookup(&st, &id) {
-        Ok(s) => s,
-        Err(r) => return *r,
-    };
-    let r: SandboxNetworkAllow = match body(&st, b).await {
-        Ok(r) => r,
-        Err(r) => return *r,
-    };
+async fn network(
+    Found(sb): Found,
+    Bounded(r): Bounded<SandboxNetworkAllow>,
+) -> Answer<impl IntoResponse> {
     match sb.set_network(r.allow) {
-        Ok(allow) => Json(SandboxNetworkAllow { allow }).into_response(),
-        Err(e @ NetworkError::NotCreatedWith) => refuse(
-            StatusCode::CONFLICT,
-            PluginError::InvalidState {
+        Ok(allow) => Ok(Json(SandboxNetworkAllow { allow })),
+        Err(e @ NetworkError::NotCreatedWith) => Err(Refusal {
+            status: StatusCode::CONFLICT.as_u16(),
+            error: PluginError::InvalidState {
                 message: e.to_string(),
                 handle: Some(Box::new(sb.handle())),
             },
-        ),
-        Err(e @ NetworkError::Record(_)) => refuse(
-            StatusCode::SERVICE_UNAVAILABLE,
-            PluginError::ProviderUnavailable {
+        }),
+        Err(e @ NetworkError::Record(_)) => Err(Refusal {
+            status: StatusCode::SERVICE_UNAVAILABLE.as_u16(),
+            error: PluginError::ProviderUnavailable {
                 message: runtime::error::Chain(&e).to_string(),
                 retryable: true,
             },
-        ),
-        Err(e) => refuse(StatusCode::BAD_REQUEST, PluginError::invalid(e.to_string())),
+        }),
+        Err(e) => Err(refuse(StatusCode::BAD_REQUEST, e.to_string())),
     }
 }
 
 async fn events(
-    State(st): State<AgentState>,
-    Path(id): Path<String>,
+    Found(sb): Found,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
-) -> Response {
-    let sb = match lookup(&st, &id) {
-        Ok(s) => s,
-        Err(r) => return *r,
-    };
-    let upgrade = match upgrade {
-        Ok(u) => u,
-        Err(rej) => {
-            return refuse(
-                rej.status(),
-                PluginError::invalid(format!("Not a WebSocket upgrade: {rej}")),
-            )
-        }
-    };
+) -> Answer<Response> {
+    let upgrade =
+        upgrade.map_err(|rej| refuse(rej.status(), format!("Not a WebSocket upgrade: {rej}")))?;
     // The gateway's connection is one span, a child of the upgrade's request, with the events it was sent.
     let span = tracing::info_span!(
         "agent_events",
         sandbox = %sb.id,
         delivered = tracing::field::Empty,
     );
-    upgrade
+    Ok(upgrade
         .max_message_size(64 << 10)
-        .on_upgrade(move |ws| tracing::Instrument::instrument(stream_events(sb, ws), span))
+        .on_upgrade(move |ws| tracing::Instrument::instrument(stream_events(sb, ws), span)))
 }
 
 /// Sends queued events to this gateway until it goes away or a newer one connects.
@@ -463,76 +468,40 @@ async fn detached<T: Send + 'static>(
 }
 
 /// The volumes (`capability_unsupported` when the host has none).
-fn volumes(st: &AgentState) -> Result<Arc<Volumes>, Box<Response>> {
+fn volumes(st: &AgentState) -> Answer<Arc<Volumes>> {
     st.volumes().cloned().ok_or_else(|| {
-        Box::new(plugin(PluginError::CapabilityUnsupported {
+        plugin(PluginError::CapabilityUnsupported {
             capability: "volumes".into(),
-        }))
+        })
     })
 }
 
-fn volume_refused(e: VolumeError) -> Response {
-    let (status, error) = e.plugin();
-    refused(Refusal { status, error })
-}
-
-fn refused(r: Refusal) -> Response {
-    refuse(
-        StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-        r.error,
-    )
-}
-
 /// `POST /volumes` → 201 `Volume`.
-async fn create_volume(State(st): State<AgentState>, b: Body) -> Response {
-    let vols = match volumes(&st) {
-        Ok(v) => v,
-        Err(r) => return *r,
-    };
-    let req: CreateVolumeRequest = match body(&st, b).await {
-        Ok(r) => r,
-        Err(r) => return *r,
-    };
-    match detached(async move { vols.create(req).await }).await {
-        Ok(Ok(v)) => (StatusCode::CREATED, Json(v)).into_response(),
-        Ok(Err(e)) => volume_refused(e),
-        Err(r) => refused(r),
-    }
+async fn create_volume(
+    State(st): State<AgentState>,
+    Bounded(req): Bounded<CreateVolumeRequest>,
+) -> Answer<Response> {
+    let vols = volumes(&st)?;
+    Ok(created(
+        detached(async move { vols.create(req).await }).await??,
+    ))
 }
 
 /// `GET /volumes` → `{volumes: [Volume]}`.
-async fn list_volumes(State(st): State<AgentState>) -> Response {
-    match volumes(&st) {
-        Ok(v) => Json(serde_json::json!({ "volumes": v.list() })).into_response(),
-        Err(r) => *r,
-    }
+async fn list_volumes(State(st): State<AgentState>) -> Answer<impl IntoResponse> {
+    Ok(Json(serde_json::json!({ "volumes": volumes(&st)?.list() })))
 }
 
 /// `GET /volumes/<id>` → `Volume`.
-async fn volume(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
-    match volumes(&st).map(|v| v.get(&id)) {
-        Ok(Ok(v)) => Json(v).into_response(),
-        Ok(Err(e)) => volume_refused(e),
-        Err(r) => *r,
-    }
+async fn volume(State(st): State<AgentState>, Path(id): Path<String>) -> Answer<impl IntoResponse> {
+    Ok(Json(volumes(&st)?.get(&id)?))
 }
 
 /// `DELETE /volumes/<id>` → 204; 409 while a sandbox mounts it.
-async fn delete_volume(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
-    let vols = match volumes(&st) {
-        Ok(v) => v,
-        Err(r) => return *r,
-    };
-    match detached(async move { vols.delete(&id).await }).await {
-        Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
-        Ok(Err(e)) => volume_refused(e),
-        Err(r) => refused(r),
-    }
-}
-
-fn snapshot_refused(e: SnapshotError) -> Response {
-    let (status, error) = e.plugin();
-    refused(Refusal { status, error })
+async fn delete_volume(State(st): State<AgentState>, Path(id): Path<String>) -> Answer<StatusCode> {
+    let vols = volumes(&st)?;
+    detached(async move { vols.delete(&id).await }).await??;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// An empty body (or `{}`): the snapshot routes take no options.
@@ -541,22 +510,16 @@ fn snapshot_refused(e: SnapshotError) -> Response {
 struct NoOptions {}
 
 /// `POST /sandboxes/<id>/snapshot` → 201 `Snapshot`.
-async fn snapshot(State(st): State<AgentState>, Path(id): Path<String>, b: Body) -> Response {
-    if let Err(r) = lookup(&st, &id) {
-        return *r;
-    }
-    if let Err(r) = body::<NoOptions>(&st, b).await {
-        return *r;
-    }
-    let agents = st.clone();
-    match detached(async move { agents.snapshot(&id).await }).await {
-        Ok(Some(Ok(s))) => (StatusCode::CREATED, Json(s)).into_response(),
-        Ok(Some(Err(e))) => snapshot_refused(e),
-        Ok(None) => refuse(
-            StatusCode::NOT_FOUND,
-            PluginError::invalid("No such sandbox"),
-        ),
-        Err(r) => refused(r),
+async fn snapshot(
+    State(st): State<AgentState>,
+    Found(sb): Found,
+    Bounded(NoOptions {}): Bounded<NoOptions>,
+) -> Answer<Response> {
+    let (agents, id) = (st.clone(), sb.id.clone());
+    drop(sb);
+    match detached(async move { agents.snapshot(&id).await }).await? {
+        Some(snapshot) => Ok(created(snapshot?)),
+        None => Err(refuse(StatusCode::NOT_FOUND, "No such sandbox")),
     }
 }
 
@@ -564,66 +527,47 @@ async fn snapshot(State(st): State<AgentState>, Path(id): Path<String>, b: Body)
 async fn fork(
     State(st): State<AgentState>,
     headers: HeaderMap,
-    Path(id): Path<String>,
-    b: Body,
-) -> Response {
-    if let Err(r) = lookup(&st, &id) {
-        return *r;
-    }
-    let req: CreateSandboxRequest = match body(&st, b).await {
-        Ok(r) => r,
-        Err(r) => return *r,
-    };
+    Found(sb): Found,
+    Bounded(req): Bounded<CreateSandboxRequest>,
+) -> Answer<Response> {
     let host = request_host(&st, &headers);
-    let agents = st.clone();
-    match detached(async move { agents.fork(&id, req).await }).await {
-        Ok(Ok((snapshot, sb))) => (
-            StatusCode::CREATED,
-            Json(ForkResponse {
-                snapshot,
-                sandbox: created_response(&host, &sb),
-            }),
-        )
-            .into_response(),
-        Ok(Err(r)) | Err(r) => refused(r),
-    }
+    let (agents, id) = (st.clone(), sb.id.clone());
+    drop(sb);
+    let (snapshot, forked) = detached(async move { agents.fork(&id, req).await }).await??;
+    Ok(created(ForkResponse {
+        snapshot,
+        sandbox: created_response(&host, &forked),
+    }))
 }
 
 /// The snapshots (`capability_unsupported` when the host has none).
-fn snapshot_store(st: &AgentState) -> Result<Arc<Snapshots>, Box<Response>> {
-    st.snapshots()
-        .cloned()
-        .map_err(|e| Box::new(snapshot_refused(e)))
+fn snapshot_store(st: &AgentState) -> Answer<Arc<Snapshots>> {
+    Ok(st.snapshots().cloned()?)
 }
 
 /// `GET /snapshots` → `{snapshots: [Snapshot]}`.
-async fn list_snapshots(State(st): State<AgentState>) -> Response {
-    match snapshot_store(&st) {
-        Ok(s) => Json(serde_json::json!({ "snapshots": s.list() })).into_response(),
-        Err(r) => *r,
-    }
+async fn list_snapshots(State(st): State<AgentState>) -> Answer<impl IntoResponse> {
+    Ok(Json(
+        serde_json::json!({ "snapshots": snapshot_store(&st)?.list() }),
+    ))
 }
 
 /// `GET /snapshots/<id>` → `Snapshot`.
-async fn get_snapshot(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
-    match snapshot_store(&st).map(|s| s.get(&id)) {
-        Ok(Ok(s)) => Json(s).into_response(),
-        Ok(Err(e)) => snapshot_refused(e),
-        Err(r) => *r,
-    }
+async fn get_snapshot(
+    State(st): State<AgentState>,
+    Path(id): Path<String>,
+) -> Answer<impl IntoResponse> {
+    Ok(Json(snapshot_store(&st)?.get(&id)?))
 }
 
 /// `DELETE /snapshots/<id>` → 204; 409 while a sandbox started from it exists.
-async fn delete_snapshot(State(st): State<AgentState>, Path(id): Path<String>) -> Response {
-    let snapshots = match snapshot_store(&st) {
-        Ok(s) => s,
-        Err(r) => return *r,
-    };
-    match detached(async move { snapshots.delete(&id).await }).await {
-        Ok(Ok(())) => StatusCode::NO_CONTENT.into_response(),
-        Ok(Err(e)) => snapshot_refused(e),
-        Err(r) => refused(r),
-    }
+async fn delete_snapshot(
+    State(st): State<AgentState>,
+    Path(id): Path<String>,
+) -> Answer<StatusCode> {
+    let snapshots = snapshot_store(&st)?;
+    detached(async move { snapshots.delete(&id).await }).await??;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 #[cfg(test)]

@@ -328,14 +328,7 @@ impl Snapshots {
             Ok(meta) => meta,
             Err(source) => {
                 *self.taking() -= 1;
-                return Err(match source.kind() {
-                    std::io::ErrorKind::FileTooLarge => SnapshotError::TooLarge(max_bytes),
-                    _ => SnapshotError::Store {
-                        what: "take",
-                        id: id.clone(),
-                        source,
-                    },
-                });
+                return Err(taking_failed(source, id, max_bytes));
             }
         };
         info!(snapshot = %id, sandbox = source, bytes = meta.bytes, files = meta.files, "snapshot taken");
@@ -455,16 +448,7 @@ impl Snapshots {
         let meta = match walked {
             Ok(meta) => meta,
             // `captured` goes unfinished: its files are removed and it stops counting.
-            Err(source) => {
-                return Err(match source.kind() {
-                    std::io::ErrorKind::FileTooLarge => SnapshotError::TooLarge(max_bytes),
-                    _ => SnapshotError::Store {
-                        what: "take",
-                        id,
-                        source,
-                    },
-                });
-            }
+            Err(source) => return Err(taking_failed(source, id, max_bytes)),
         };
         info!(snapshot = %id, sandbox = %meta.source, bytes = meta.bytes, files = meta.files, "snapshot taken (copy-on-write)");
         // Finished; listed before it stops counting as being taken: `max` holds at every moment.
@@ -870,6 +854,18 @@ fn write_meta(partial: &Path, done: &Path, meta: &Meta) -> std::io::Result<()> {
         std::fs::File::open(parent)?.sync_all()?;
     }
     Ok(())
+}
+
+/// Taking snapshot `id` failed: over `max_bytes` (the copy stopped at the limit), or the store's own error.
+fn taking_failed(source: std::io::Error, id: String, max_bytes: u64) -> SnapshotError {
+    match source.kind() {
+        std::io::ErrorKind::FileTooLarge => SnapshotError::TooLarge(max_bytes),
+        _ => SnapshotError::Store {
+            what: "take",
+            id,
+            source,
+        },
+    }
 }
 
 #[cfg(test)]

@@ -104,13 +104,17 @@ impl ArtifactStore for DirStore {
     }
 }
 
-/// Uploads that succeed with `artifact://backend/<hash>`, counted; no other call succeeds.
+/// Uploads that succeed with `artifact://backend/<hash>`, counted; no other call succeeds. Endpoints are checked
+/// as the daemon's are: only `http://` ones.
 #[derive(Default)]
 pub(crate) struct FakeUploads(pub(crate) AtomicUsize);
 
 impl Uploads for FakeUploads {
-    fn check_endpoint(&self, _url: &str) -> Result<(), BoxError> {
-        Ok(())
+    fn check_endpoint(&self, url: &str) -> Result<(), BoxError> {
+        match url.starts_with("http://") {
+            true => Ok(()),
+            false => Err("The URL must start with http://".into()),
+        }
     }
 
     fn post_json<'a>(

@@ -515,21 +515,9 @@ mod tests {
 
     fn result(reason: Reason, exit_code: Option<i32>) -> ResultMessage {
         ResultMessage {
-            id: "e".into(),
             exit_code,
             duration_ms: 12,
-            resource_usage: ResourceUsage::default(),
-            reason,
-            signal: None,
-            stdout_bytes: 0,
-            stderr_bytes: 0,
-            truncated: false,
-            artifacts: None,
-            environment_fingerprint: None,
-            environment: None,
-            tool_calls: None,
-            return_value: None,
-            network: None,
+            ..ResultMessage::new("e", reason)
         }
     }
 

@@ -250,6 +250,11 @@ impl Ctx {
         msgs::with(self.exec(id, lang, code), extra)
     }
 
+    /// Sends `exec` (an `execute` with the usual limits) on `conn` and collects it to its end.
+    pub async fn run(&self, conn: &mut Conn, exec: &Value) -> Result<Exec, Stop> {
+        conn.run(exec, self.end_within(TIMEOUT_MS)).await
+    }
+
     /// The server's `isolation` announcement.
     pub fn isolation(&self) -> Option<&Value> {
         self.server.isolation.as_ref()

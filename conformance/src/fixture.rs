@@ -681,21 +681,14 @@ impl Execution {
         truncated: bool,
     ) -> ResultMessage {
         ResultMessage {
-            id: self.req.id.clone(),
             exit_code,
             duration_ms: duration.as_millis() as u64,
             resource_usage: usage,
-            reason,
             signal,
             stdout_bytes: sent[0],
             stderr_bytes: sent[1],
             truncated,
-            artifacts: None,
-            environment_fingerprint: None,
-            environment: None,
-            tool_calls: None,
-            return_value: None,
-            network: None,
+            ..ResultMessage::new(self.req.id.clone(), reason)
         }
     }
 

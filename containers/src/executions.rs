@@ -123,6 +123,10 @@ impl ContainerBackend for Arc<HelperBackend> {
         self.helpers.all_alive()
     }
 
+    fn gone(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.helpers.any_gone())
+    }
+
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.helpers.shutdown())
     }

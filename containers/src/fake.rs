@@ -95,6 +95,10 @@ impl ContainerBackend for FakeBackend {
         true
     }
 
+    fn gone(&self) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::pending())
+    }
+
     fn shutdown(&self) -> BoxFuture<'_, ()> {
         Box::pin(std::future::ready(()))
     }

@@ -63,6 +63,15 @@ impl Helpers {
         !self.all.is_empty() && self.all.iter().all(HelperClient::is_alive)
     }
 
+    /// Resolves once any helper has gone away (at once when there is none): [`Self::all_alive`] is false from then on.
+    pub async fn any_gone(&self) {
+        if self.all.is_empty() {
+            return;
+        }
+        let gone = self.all.iter().map(|h| Box::pin(h.gone()));
+        futures_util::future::select_all(gone).await;
+    }
+
     /// Asks every helper to remove its containers and exit.
     pub async fn shutdown(&self) {
         for h in &self.all {

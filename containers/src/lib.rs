@@ -201,6 +201,9 @@ pub trait ContainerBackend: Send + Sync + 'static {
     /// False once containers can no longer be created or removed (a helper process died).
     fn alive(&self) -> bool;
 
+    /// Resolves once [`Self::alive`] is false (the daemon then shuts down); never while it is true.
+    fn gone(&self) -> BoxFuture<'_, ()>;
+
     /// Removes every container and stops whatever creates them (daemon shutdown).
     fn shutdown(&self) -> BoxFuture<'_, ()>;
 }

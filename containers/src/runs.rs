@@ -229,13 +229,8 @@ impl Workspace for HelperWorkspace {
                 client: Some(client),
                 cgroups: self.backend.cgroups.clone(),
                 launch: Launch {
-                    args: plan.args,
-                    env: plan.env,
-                    warm: false,
-                    relay: false,
                     keep: plan.keep,
-                    cwd: None,
-                    serve: false,
+                    ..Launch::program(plan.args, plan.env)
                 },
                 launch_chan: Some(launch),
                 status,
@@ -390,13 +385,8 @@ impl HelperRun {
             cgroups,
             // Launched long ago: nothing of this is sent again.
             launch: Launch {
-                args: Vec::new(),
-                env: Vec::new(),
-                warm: false,
-                relay: false,
                 keep: true,
-                cwd: None,
-                serve: false,
+                ..Launch::program(Vec::new(), Vec::new())
             },
             launch_chan: None,
             status,

@@ -811,13 +811,11 @@ impl Live {
             }
         };
         Ok(Launch {
-            args,
-            env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
-            warm: false,
-            relay: false,
-            keep: false,
             cwd: Some(cwd),
-            serve: false,
+            ..Launch::program(
+                args,
+                env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            )
         })
     }
 

@@ -8,6 +8,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use oci_spec::image::{Descriptor, ImageConfiguration, ImageIndex, ImageManifest, MediaType};
+use oci_spec::OciSpecError;
 
 use super::{Compression, ImageError, Result, Sha256};
 
@@ -167,6 +168,23 @@ fn descriptor_digest(d: &Descriptor) -> Result<Sha256> {
     })
 }
 
+/// Reads the JSON blob `desc` describes and parses it with `parse`: its digest and the document, `what` naming the
+/// document when it does not parse.
+fn read_described<T>(
+    dir: &Path,
+    desc: &Descriptor,
+    what: &str,
+    parse: impl FnOnce(io::Cursor<Vec<u8>>) -> std::result::Result<T, OciSpecError>,
+) -> Result<(Sha256, T)> {
+    let digest = descriptor_digest(desc)?;
+    let bytes = read_json_blob(dir, &digest, desc.size())?;
+    let parsed = parse(io::Cursor::new(bytes)).map_err(|e| ImageError::Blob {
+        digest: digest.to_string(),
+        reason: format!("not {what}: {e}"),
+    })?;
+    Ok((digest, parsed))
+}
+
 /// Checks `oci-layout` and finds the manifest's descriptor in `index.json` (through at most one nested index).
 fn manifest_descriptor(dir: &Path) -> Result<Descriptor> {
     let header_path = dir.join("oci-layout");
@@ -184,12 +202,12 @@ fn manifest_descriptor(dir: &Path) -> Result<Descriptor> {
         .map_err(|e| ImageError::Layout(format!("{}: {e}", index_path.display())))?;
     let mut manifest_desc = pick_manifest(index.manifests(), "index.json")?;
     if *manifest_desc.media_type() == MediaType::ImageIndex {
-        let digest = descriptor_digest(&manifest_desc)?;
-        let bytes = read_json_blob(dir, &digest, manifest_desc.size())?;
-        let nested = ImageIndex::from_reader(&bytes[..]).map_err(|e| ImageError::Blob {
-            digest: digest.to_string(),
-            reason: format!("not an image index: {e}"),
-        })?;
+        let (digest, nested) = read_described(
+            dir,
+            &manifest_desc,
+            "an image index",
+            ImageIndex::from_reader,
+        )?;
         manifest_desc = pick_manifest(nested.manifests(), digest.as_str())?;
         if *manifest_desc.media_type() == MediaType::ImageIndex {
             return Err(ImageError::Layout(
@@ -205,19 +223,18 @@ fn manifest_descriptor(dir: &Path) -> Result<Descriptor> {
 /// config. Layer blobs themselves are not read here.
 pub fn open(dir: &Path) -> Result<Layout> {
     let manifest_desc = manifest_descriptor(dir)?;
-    let manifest_digest = descriptor_digest(&manifest_desc)?;
-    let bytes = read_json_blob(dir, &manifest_digest, manifest_desc.size())?;
-    let manifest = ImageManifest::from_reader(&bytes[..]).map_err(|e| ImageError::Blob {
-        digest: manifest_digest.to_string(),
-        reason: format!("not an image manifest: {e}"),
-    })?;
-    let config_desc = manifest.config();
-    let config_digest = descriptor_digest(config_desc)?;
-    let bytes = read_json_blob(dir, &config_digest, config_desc.size())?;
-    let config = ImageConfiguration::from_reader(&bytes[..]).map_err(|e| ImageError::Blob {
-        digest: config_digest.to_string(),
-        reason: format!("not an image config: {e}"),
-    })?;
+    let (manifest_digest, manifest) = read_described(
+        dir,
+        &manifest_desc,
+        "an image manifest",
+        ImageManifest::from_reader,
+    )?;
+    let (config_digest, config) = read_described(
+        dir,
+        manifest.config(),
+        "an image config",
+        ImageConfiguration::from_reader,
+    )?;
     if config.os().to_string() != "linux" {
         return Err(ImageError::Layout(format!(
             "the image is for {}, not linux",

@@ -285,6 +285,31 @@ pub struct ResultMessage {
     pub network: Option<Box<NetworkUsage>>,
 }
 
+impl ResultMessage {
+    /// The result of execution `id` that ended for `reason`, with nothing measured, counted or attached: its
+    /// sender sets what it has with struct update syntax (`ResultMessage { exit_code, .. ResultMessage::new(id,
+    /// reason) }`).
+    pub fn new(id: impl Into<String>, reason: Reason) -> Self {
+        Self {
+            id: id.into(),
+            exit_code: None,
+            duration_ms: 0,
+            resource_usage: ResourceUsage::default(),
+            reason,
+            signal: None,
+            stdout_bytes: 0,
+            stderr_bytes: 0,
+            truncated: false,
+            artifacts: None,
+            environment_fingerprint: None,
+            environment: None,
+            tool_calls: None,
+            return_value: None,
+            network: None,
+        }
+    }
+}
+
 /// `result.network` (extension `network`): the egress proxy's counters for one execution.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetworkUsage {

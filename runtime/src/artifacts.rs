@@ -19,9 +19,9 @@ use nix::sys::stat::{fstat, SFlag};
 
 use crate::error::{Error, Result};
 
-/// Limits of one collection.
+/// Limits of one collection (what the artifact walk takes at most).
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub struct CollectLimits {
     /// Files collected at most.
     pub max_files: usize,
     /// Largest file collected, bytes.
@@ -120,7 +120,7 @@ fn kind_reason(mode: SFlag) -> &'static str {
 }
 
 /// Walks `root` (a directory) and collects what `patterns` match.
-pub fn collect(root: &Path, patterns: &Patterns, limits: Limits) -> Result<Collection> {
+pub fn collect(root: &Path, patterns: &Patterns, limits: CollectLimits) -> Result<Collection> {
     let root_fd = nix::fcntl::open(
         root,
         OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
@@ -145,7 +145,7 @@ pub fn collect(root: &Path, patterns: &Patterns, limits: Limits) -> Result<Colle
 /// One collection under way: what to match, the limits, and what was found so far.
 struct Walker<'a> {
     patterns: &'a Patterns,
-    limits: Limits,
+    limits: CollectLimits,
     out: Collection,
     /// Bytes accepted so far.
     total: u64,
@@ -301,7 +301,7 @@ mod tests {
 
     use super::*;
 
-    const LIMITS: Limits = Limits {
+    const LIMITS: CollectLimits = CollectLimits {
         max_files: 64,
         max_file_bytes: 1 << 20,
         max_total_bytes: 4 << 20,
@@ -379,7 +379,7 @@ mod tests {
         for i in 0..10 {
             std::fs::write(t.path().join(format!("f{i:02}")), vec![b'x'; 1000]).unwrap();
         }
-        let limits = Limits {
+        let limits = CollectLimits {
             max_files: 3,
             max_listed_skips: 2,
             ..LIMITS
@@ -388,7 +388,7 @@ mod tests {
         assert_eq!(c.found.len(), 3);
         assert_eq!(c.skipped.len(), 2);
         assert_eq!(c.skipped_counts["count_limit"], 7);
-        let limits = Limits {
+        let limits = CollectLimits {
             max_total_bytes: 2500,
             ..LIMITS
         };

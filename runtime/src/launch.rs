@@ -56,6 +56,23 @@ pub struct Launch {
     pub serve: bool,
 }
 
+impl Launch {
+    /// A plain launch: the program `args` (absolute path, then its arguments) with its `env`, every flag off, in
+    /// the init's working directory. A launch with flags sets them over it (`Launch { keep: true,
+    /// ..Launch::program(args, env) }`).
+    pub fn program(args: Vec<String>, env: Vec<String>) -> Self {
+        Self {
+            args,
+            env,
+            warm: false,
+            relay: false,
+            keep: false,
+            cwd: None,
+            serve: false,
+        }
+    }
+}
+
 /// Descriptors a [`Launch::keep`] launch carries after the payload.
 pub const KEPT: usize = 3;
 
@@ -171,15 +188,10 @@ mod tests {
     fn launch_and_stdio_arrive_together() {
         let (a, b) = ipc::pair().unwrap();
         let (r, w) = nix::unistd::pipe().unwrap();
-        let launch = Launch {
-            args: vec!["/bin/sh".into(), "/sandbox/main.sh".into()],
-            env: vec!["A=1".into()],
-            warm: false,
-            relay: false,
-            keep: false,
-            cwd: None,
-            serve: false,
-        };
+        let launch = Launch::program(
+            vec!["/bin/sh".into(), "/sandbox/main.sh".into()],
+            vec!["A=1".into()],
+        );
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         drop(w);
         let (got, [_, out, _], kept) = recv(b.as_fd()).unwrap().unwrap();
@@ -196,15 +208,10 @@ mod tests {
     fn a_launch_larger_than_a_datagram_arrives_whole() {
         let (a, b) = ipc::pair().unwrap();
         let (_r, w) = nix::unistd::pipe().unwrap();
-        let launch = Launch {
-            args: vec!["/bin/true".into()],
-            env: vec![format!("HUGE={}", "e".repeat(4 << 20))],
-            warm: false,
-            relay: false,
-            keep: false,
-            cwd: None,
-            serve: false,
-        };
+        let launch = Launch::program(
+            vec!["/bin/true".into()],
+            vec![format!("HUGE={}", "e".repeat(4 << 20))],
+        );
         send(a.as_fd(), &launch, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         let (got, _, _) = recv(b.as_fd()).unwrap().unwrap();
         assert_eq!(got, launch);
@@ -216,13 +223,8 @@ mod tests {
         let (_r, w) = nix::unistd::pipe().unwrap();
         let stdio = [w.as_fd(), w.as_fd(), w.as_fd()];
         let kept = Launch {
-            args: vec!["/bin/true".into()],
-            env: vec![],
-            warm: false,
-            relay: false,
             keep: true,
-            cwd: None,
-            serve: false,
+            ..Launch::program(vec!["/bin/true".into()], vec![])
         };
         send_keeping(a.as_fd(), &kept, stdio, &[w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         let (got, _, fds) = recv(b.as_fd()).unwrap().unwrap();
@@ -265,15 +267,7 @@ mod tests {
     fn a_closed_channel_is_none_and_bad_launches_are_refused() {
         let (a, b) = ipc::pair().unwrap();
         let (_r, w) = nix::unistd::pipe().unwrap();
-        let relative = Launch {
-            args: vec!["sh".into()],
-            env: vec![],
-            warm: false,
-            relay: false,
-            keep: false,
-            cwd: None,
-            serve: false,
-        };
+        let relative = Launch::program(vec!["sh".into()], vec![]);
         send(a.as_fd(), &relative, [w.as_fd(), w.as_fd(), w.as_fd()]).unwrap();
         assert!(recv(b.as_fd()).is_err());
         ipc::send(a.as_fd(), MESSAGE, &[w.as_fd()]).unwrap();

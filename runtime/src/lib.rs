@@ -15,6 +15,7 @@
 //! (the few raw syscalls, each with its `SAFETY`).
 
 pub mod artifacts;
+pub mod btrfs;
 pub mod caps;
 pub mod cgroups;
 pub mod direct;

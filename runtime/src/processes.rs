@@ -124,13 +124,7 @@ impl Processes {
         let token = format!("{}", crate::init::monotonic_ns());
         lock(&processes.state).syncing = Some(token.clone());
         let text = format!("{SYNC}{token}");
-        match processes
-            .request(move |sock| {
-                crate::ipc::send(sock, text.as_bytes(), &[])
-                    .map_err(|e| crate::Error::sys("send", e))
-            })
-            .await?
-        {
+        match processes.request_text(text).await? {
             Answer::Synced => Ok(processes),
             _ => Err(ProcessError::Gone),
         }
@@ -138,13 +132,7 @@ impl Processes {
 
     /// The programs running now, with where the init holds their pipes (a kept serving init).
     pub async fn list(&self) -> Result<Vec<Running>, ProcessError> {
-        let answer = self
-            .request(|sock| {
-                crate::ipc::send(sock, LIST.as_bytes(), &[])
-                    .map_err(|e| crate::Error::sys("send", e))
-            })
-            .await?;
-        match answer {
+        match self.request_text(LIST.to_owned()).await? {
             Answer::Listed(running) => Ok(running),
             Answer::Refused(why) => Err(ProcessError::Refused(why)),
             _ => Err(ProcessError::Gone),
@@ -195,13 +183,7 @@ impl Processes {
     /// Sends `signal` to a running program; `Ok(false)` when `pid` is not one.
     pub async fn signal(&self, pid: i32, signal: Signal) -> Result<bool, ProcessError> {
         let text = format!("{SIGNAL}{pid} {}", signal as i32);
-        let answer = self
-            .request(move |sock| {
-                crate::ipc::send(sock, text.as_bytes(), &[])
-                    .map_err(|e| crate::Error::sys("send", e))
-            })
-            .await?;
-        match answer {
+        match self.request_text(text).await? {
             Answer::Signalled(delivered) => Ok(delivered),
             Answer::Refused(why) => Err(ProcessError::Refused(why)),
             _ => Err(ProcessError::Gone),
@@ -211,6 +193,14 @@ impl Processes {
     /// Whether the channel is closed (the container ended).
     pub fn closed(&self) -> bool {
         lock(&self.state).closed
+    }
+
+    /// [`Self::request`] of a request that is only `text`.
+    async fn request_text(&self, text: String) -> Result<Answer, ProcessError> {
+        self.request(move |sock| {
+            crate::ipc::send(sock, text.as_bytes(), &[]).map_err(|e| crate::Error::sys("send", e))
+        })
+        .await
     }
 
     /// Sends one request (on the blocking pool) and waits for its answer.

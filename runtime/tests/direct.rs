@@ -537,13 +537,11 @@ impl Test {
             let id = format!("direct-reported-{i}");
             let script = format!("{REPORTER}{rest}");
             let warm = Launch {
-                args: vec!["/bin/sh".into(), "-c".into(), script.clone(), "sh".into()],
-                env: vec!["PATH=/usr/bin:/bin".into()],
-                warm: false,
                 relay: true,
-                keep: false,
-                cwd: None,
-                serve: false,
+                ..Launch::program(
+                    vec!["/bin/sh".into(), "-c".into(), script.clone(), "sh".into()],
+                    vec!["PATH=/usr/bin:/bin".into()],
+                )
             };
             let spec = build(&self.plan(&id, uid)).map_err(|e| e.to_string())?;
             let created = helper
@@ -636,13 +634,9 @@ async fn kept_checks(created: &runtime::helper::Created) -> Result<(), String> {
     let e = |e: std::io::Error| e.to_string();
     let null = std::fs::File::open("/dev/null").map_err(e)?;
     let serve = Launch {
-        args: vec![],
-        env: vec![],
-        warm: false,
-        relay: false,
         keep: true,
-        cwd: None,
         serve: true,
+        ..Launch::program(vec![], vec![])
     };
     let status_copy = created.status.try_clone().map_err(e)?;
     runtime::launch::send_keeping(
@@ -653,14 +647,11 @@ async fn kept_checks(created: &runtime::helper::Created) -> Result<(), String> {
     )
     .map_err(|e| format!("serve: {e}"))?;
     let first = Processes::new(created.launch.try_clone().map_err(e)?).map_err(e)?;
-    let sh = |script: &str| Launch {
-        args: vec!["/bin/sh".into(), "-c".into(), script.into()],
-        env: vec!["PATH=/usr/bin:/bin".into()],
-        warm: false,
-        relay: false,
-        keep: false,
-        cwd: None,
-        serve: false,
+    let sh = |script: &str| {
+        Launch::program(
+            vec!["/bin/sh".into(), "-c".into(), script.into()],
+            vec!["PATH=/usr/bin:/bin".into()],
+        )
     };
     let (in_r, in_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
     let (out_r, out_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
@@ -740,13 +731,8 @@ async fn serve_checks(created: &runtime::helper::Created) -> Result<(), String> 
     use runtime::processes::Processes;
     let null = std::fs::File::open("/dev/null").map_err(|e| e.to_string())?;
     let serve = Launch {
-        args: vec![],
-        env: vec![],
-        warm: false,
-        relay: false,
-        keep: false,
-        cwd: None,
         serve: true,
+        ..Launch::program(vec![], vec![])
     };
     runtime::launch::send(
         created.launch.as_fd(),
@@ -757,13 +743,11 @@ async fn serve_checks(created: &runtime::helper::Created) -> Result<(), String> 
     let chan = created.launch.try_clone().map_err(|e| e.to_string())?;
     let processes = Processes::new(chan).map_err(|e| e.to_string())?;
     let sh = |script: &str, cwd: Option<&str>| Launch {
-        args: vec!["/bin/sh".into(), "-c".into(), script.into()],
-        env: vec!["PATH=/usr/bin:/bin".into()],
-        warm: false,
-        relay: false,
-        keep: false,
         cwd: cwd.map(str::to_owned),
-        serve: false,
+        ..Launch::program(
+            vec!["/bin/sh".into(), "-c".into(), script.into()],
+            vec!["PATH=/usr/bin:/bin".into()],
+        )
     };
     // The first program says its own pid and stays.
     let (a_r, a_w) = nix::unistd::pipe().map_err(|e| e.to_string())?;
@@ -894,13 +878,8 @@ fn launch_with(
     runtime::launch::send(
         created.launch.as_fd(),
         &Launch {
-            args,
-            env: vec!["PATH=/usr/bin:/bin".into()],
             warm,
-            relay: false,
-            keep: false,
-            cwd: None,
-            serve: false,
+            ..Launch::program(args, vec!["PATH=/usr/bin:/bin".into()])
         },
         [null.as_fd(), out_w.as_fd(), out_w.as_fd()],
     )

@@ -1,6 +1,7 @@
 //! The command line: `sandboxd` (the daemon), and its subcommands. Start-up order matters: everything that forks (the
 //! helper) happens while the process is still single-threaded, before the tokio runtime exists.
 
+use std::future::IntoFuture;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -14,6 +15,7 @@ use protocol::Isolation;
 use runtime::cgroups::Cgroups;
 use runtime::helper::{HelperClient, HelperConfig};
 use runtime::rootfs::HostImage;
+use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -345,9 +347,9 @@ fn start(mut config: Config, explicit: bool) -> anyhow::Result<Exit> {
         crate::ops::live_restore::unpin_if_unused(&state_dir);
         drop(ParentGuard(cgroups_at_exit));
     }
-    result?;
+    let exit = result?;
     info!("stopped");
-    Ok(Exit::Ok)
+    Ok(exit)
 }
 
 /// Fails closed on every layer: a layer the host cannot provide stops the daemon here, not an execution later.
@@ -414,8 +416,9 @@ struct Prepared {
 }
 
 impl Prepared {
-    /// Builds the pool, the daemon's context and the engine, runs the self-test, serves until shutdown, then stops every container.
-    async fn run(self) -> anyhow::Result<()> {
+    /// Builds the pool, the daemon's context and the engine, runs the self-test, serves until shutdown, then stops
+    /// every container; how the daemon exits.
+    async fn run(self) -> anyhow::Result<Exit> {
         let mut clients = self
             .helpers
             .into_iter()
@@ -468,9 +471,9 @@ impl Prepared {
         // Serve only once the self-test's containers are removed: a ready daemon has nothing but its pool.
         engine.pool().factory().removals_done().await;
         info!("self-test execution passed");
-        serve(engine.clone()).await?;
+        let served = serve(engine.clone()).await;
         stop_containers(&engine).await;
-        Ok(())
+        served
     }
 }
 
@@ -523,7 +526,9 @@ fn remove_leftover_dir(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
+/// Serves FSP/1 (and the agent routes, the E2B API and the metrics listener) until SIGTERM, SIGINT or a helper's
+/// death, then drains: [`Exit::Runtime`] when the daemon stops without being asked to.
+async fn serve(engine: Arc<Engine>) -> anyhow::Result<Exit> {
     let config = engine.daemon().config();
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -566,20 +571,22 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
+    // One cancellation tree for the shutdown: `accepting` ends the FSP listener when the drain starts; `serving`,
+    // its parent, cancelled last, ends what serves to the end (the metrics listener).
+    let serving = CancellationToken::new();
+    let accepting = serving.child_token();
+    let server = tokio::spawn(
         axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stop_rx.await;
-            })
-            .await
-    });
-    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+            .with_graceful_shutdown(accepting.clone().cancelled_owned())
+            .into_future(),
+    );
     let metrics_server = match config.metrics_listen {
         Some(addr) => Some(
-            crate::observe::metrics::serve_separately(engine.clone(), addr, async move {
-                let _ = metrics_stopped.await;
-            })
+            crate::observe::metrics::serve_separately(
+                engine.clone(),
+                addr,
+                serving.clone().cancelled_owned(),
+            )
             .await
             .with_context(|| format!("cannot listen on metrics_listen {addr}"))?,
         ),
@@ -591,14 +598,15 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
     // Serving, and SIGTERM handled from here on.
     crate::ops::notify::spawn_watchdog(engine.clone());
     crate::ops::notify::ready(addr);
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM: draining"),
-        _ = int.recv() => info!("SIGINT: draining"),
-        r = engine_dead(&engine) => { error!("{r}"); }
-    }
+    // Why the daemon stops when it is not asked to: it then exits non-zero (a service manager restarts it).
+    let failed = tokio::select! {
+        _ = term.recv() => { info!("SIGTERM: draining"); None }
+        _ = int.recv() => { info!("SIGINT: draining"); None }
+        r = engine_dead(&engine) => { error!("{r}"); Some(r) }
+    };
     crate::ops::notify::stopping();
     // Stop accepting connections and executions; let running ones finish within the grace period.
-    let _ = stop_tx.send(());
+    accepting.cancel();
     match engine
         .drain(Duration::from_millis(config.shutdown_grace_ms))
         .await
@@ -626,11 +634,14 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<()> {
         sandboxes.shutdown().await;
     }
     agents.shutdown().await;
-    let _ = metrics_stop.send(());
+    serving.cancel();
     if let Some(m) = metrics_server {
         m.abort();
     }
-    Ok(())
+    Ok(match failed {
+        Some(_) => Exit::Runtime,
+        None => Exit::Ok,
+    })
 }
 
 /// E2B's API on its own listener: its sandboxes are made through the agent sandboxes' containers (the same uids,
@@ -704,23 +715,24 @@ async fn serve_e2b(
 async fn stop_containers(engine: &Engine) {
     engine.pool().close().await;
     let factory = engine.pool().factory();
-    let all = engine.daemon().config().uid_count();
-    let removed = tokio::time::timeout(Duration::from_secs(10), async {
-        while factory.uids.available() < all && factory.alive() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    // Every container is removed through the factory, which counts the removals under way; a dead helper ends
+    // its removals at once (they fail and are logged).
+    let removed = tokio::time::timeout(Duration::from_secs(10), factory.removals_done()).await;
     if removed.is_err() {
         warn!("containers still being removed after 10 s; the helpers remove the rest");
+    }
+    let taken = engine.daemon().config().uid_count() - factory.uids.available();
+    if taken > 0 {
+        warn!(
+            taken,
+            "host uids of executions still taken at shutdown; the helpers remove their containers"
+        );
     }
     factory.shutdown().await;
 }
 
 async fn engine_dead(engine: &Engine) -> &'static str {
-    while engine.healthy() {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    engine.pool().factory().gone().await;
     "the container helper died; shutting down"
 }
 

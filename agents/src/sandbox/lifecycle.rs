@@ -373,7 +373,7 @@ impl Sandbox {
             .create_run(plan)
             .await
             .map_err(|e| unavailable(Chain(&e).to_string(), true))?;
-        let started = c.set_cpu_quota(self.limits.cpu_cores).and_then(|()| {
+        let started = c.set_cpu_quota(self.limits.cpu_cores.get()).and_then(|()| {
             let serving = self.network.as_ref().map(|n| n.serve_in(&*c)).transpose()?;
             c.launch([stdin.as_fd(), log.as_fd(), log.as_fd()], control)?;
             Ok(serving)

@@ -35,6 +35,7 @@ use agent_api::{
     PluginError, ResolveRequest, SandboxHealthResponse, SandboxResourceUsage, SerializedAgentState,
     SerializedBy,
 };
+use protocol::CpuCores;
 use runtime::init::ProgramExit;
 use serde_json::{Map, Value};
 use tokio::sync::{mpsc, watch};
@@ -56,9 +57,9 @@ pub const PLUGIN_NAME: &str = "sandboxd";
 
 /// Resolved resource limits.
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub struct SandboxLimits {
     /// CPU quota, cores.
-    pub cpu_cores: f64,
+    pub cpu_cores: CpuCores,
     /// Memory, MiB.
     pub memory_mb: u64,
     /// Workspace tmpfs, MiB.
@@ -107,7 +108,7 @@ pub struct Sandbox {
     pub id: String,
     /// The agent (from the bootstrap).
     pub agent_id: String,
-    limits: Limits,
+    limits: SandboxLimits,
     template: AgentTemplate,
     /// The image its runs start on.
     image: String,
@@ -148,38 +149,47 @@ fn unavailable(message: impl Into<String>, retryable: bool) -> PluginError {
 /// The volumes a sandbox mounts, with the daemon's volumes (`None` when the daemon has none).
 pub type SandboxVolumes = Option<(Arc<Volumes>, Vec<Mounted>)>;
 
+/// What a sandbox is assembled from ([`Sandbox::new`]): what it is (id, agent, limits, template, image, the
+/// snapshot it started from, whether its workspace is in the copy-on-write store) and the parts made for it (its
+/// backend, events, workspace, egress proxy and volumes, and the host).
+pub(crate) struct Parts {
+    pub(crate) id: String,
+    pub(crate) agent_id: String,
+    pub(crate) limits: SandboxLimits,
+    pub(crate) template: AgentTemplate,
+    pub(crate) image: String,
+    pub(crate) backend: Arc<Backend>,
+    pub(crate) hub: Arc<Hub>,
+    pub(crate) workspace: Arc<dyn Workspace>,
+    pub(crate) network: Option<SandboxEgress>,
+    pub(crate) volumes: SandboxVolumes,
+    pub(crate) from_snapshot: Option<String>,
+    pub(crate) cow: bool,
+    pub(crate) host: Host,
+}
+
 impl Sandbox {
     /// Assembles a sandbox around its prepared workspace.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        id: String,
-        agent_id: String,
-        limits: Limits,
-        template: AgentTemplate,
-        image: String,
-        backend: Arc<Backend>,
-        hub: Arc<Hub>,
-        workspace: Arc<dyn Workspace>,
-        network: Option<SandboxEgress>,
-        volumes: SandboxVolumes,
-        (from_snapshot, cow, host): (Option<String>, bool, Host),
-    ) -> Arc<Self> {
-        let (volumes, mounts) = match volumes {
+    pub(crate) fn new(parts: Parts) -> Arc<Self> {
+        Arc::new(Self::assemble(parts))
+    }
+
+    fn assemble(p: Parts) -> Self {
+        let (volumes, mounts) = match p.volumes {
             Some((v, m)) => (Some(v), m),
             None => (None, Vec::new()),
         };
-        let dir = workspace.dir().to_owned();
-        Arc::new(Self {
-            id,
-            agent_id,
-            limits,
-            template,
-            image,
-            backend,
-            hub,
-            dir,
-            workspace,
-            network,
+        Self {
+            id: p.id,
+            agent_id: p.agent_id,
+            limits: p.limits,
+            template: p.template,
+            image: p.image,
+            backend: p.backend,
+            hub: p.hub,
+            dir: p.workspace.dir().to_owned(),
+            workspace: p.workspace,
+            network: p.network,
             volumes,
             mounts: Mutex::new(mounts),
             ops: tokio::sync::Mutex::new(Ops::default()),
@@ -188,11 +198,11 @@ impl Sandbox {
             runs: AtomicU64::new(0),
             created: Instant::now(),
             created_unix_ms: unix_ms(),
-            from_snapshot,
-            cow,
+            from_snapshot: p.from_snapshot,
+            cow: p.cow,
             written: Mutex::new(Vec::new()),
-            host,
-        })
+            host: p.host,
+        }
     }
 
     /// A sandbox a previous daemon left (live restore), around its adopted workspace and reopened hub, in the
@@ -204,28 +214,10 @@ impl Sandbox {
         (network, volumes): (Option<SandboxEgress>, SandboxVolumes),
         host: Host,
     ) -> Arc<Self> {
-        let (volumes, mounts) = match volumes {
-            Some((v, m)) => (Some(v), m),
-            None => (None, Vec::new()),
-        };
-        let dir = workspace.dir().to_owned();
-        let age = Duration::from_millis(unix_ms().saturating_sub(record.created_unix_ms));
-        let created = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
-        let shared = Shared {
-            status: record.status,
-            before_pause: record.before_pause,
-            run_id: record.run_id.clone(),
-            pending_decisions: record.pending_decisions.clone(),
-            checkpoint: record.checkpoint.clone(),
-            last_exit: record.last_exit,
-            expired: record.expired,
-            brief: record.brief.clone(),
-            ..Shared::default()
-        };
-        Arc::new(Self {
+        let mut sb = Self::assemble(Parts {
             id: record.id.clone(),
             agent_id: record.agent_id.clone(),
-            limits: Limits {
+            limits: SandboxLimits {
                 cpu_cores: record.cpu_cores,
                 memory_mb: record.memory_mb,
                 disk_mb: record.disk_mb,
@@ -235,22 +227,29 @@ impl Sandbox {
             image: record.image.clone(),
             backend,
             hub,
-            dir,
             workspace,
             network,
             volumes,
-            mounts: Mutex::new(mounts),
-            ops: tokio::sync::Mutex::new(Ops::default()),
-            shared: Mutex::new(shared),
-            tasks: Mutex::new(Vec::new()),
-            runs: AtomicU64::new(record.runs),
-            created,
-            created_unix_ms: record.created_unix_ms,
             from_snapshot: record.from_snapshot.clone(),
             cow: record.cow,
-            written: Mutex::new(Vec::new()),
             host,
-        })
+        });
+        let age = Duration::from_millis(unix_ms().saturating_sub(record.created_unix_ms));
+        sb.created = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
+        sb.created_unix_ms = record.created_unix_ms;
+        sb.runs = AtomicU64::new(record.runs);
+        sb.shared = Mutex::new(Shared {
+            status: record.status,
+            before_pause: record.before_pause,
+            run_id: record.run_id.clone(),
+            pending_decisions: record.pending_decisions.clone(),
+            checkpoint: record.checkpoint.clone(),
+            last_exit: record.last_exit,
+            expired: record.expired,
+            brief: record.brief.clone(),
+            ..Shared::default()
+        });
+        Arc::new(sb)
     }
 
     /// Whether its workspace is in the copy-on-write store (removed from there after the sandbox).

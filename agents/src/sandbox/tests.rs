@@ -11,7 +11,7 @@ use agent_api::{AdapterEvent, SandboxBootstrap};
 use serde_json::{json, Map, Value};
 use sha2::Digest;
 
-use super::{Limits, Sandbox};
+use super::{Parts, Sandbox, SandboxLimits};
 use crate::backend::Backend;
 use crate::config::AgentsConfig;
 use crate::events::{Budgets, Hub};
@@ -124,25 +124,27 @@ impl Rig {
         let backend = Backend::new(bootstrap, 1, uploads.clone());
         let hub = Hub::with_budgets(sb_dir.join("events"), AGENT, Budgets::default()).unwrap();
         let gateway = hub.attach();
-        let limits = Limits {
-            cpu_cores: 1.0,
+        let limits = SandboxLimits {
+            cpu_cores: protocol::CpuCores::from_const(1.0),
             memory_mb: 64,
             disk_mb: 64,
             timeout_ms: 60_000,
         };
-        let sb = Sandbox::new(
-            "sb-1".into(),
-            AGENT.into(),
+        let sb = Sandbox::new(Parts {
+            id: "sb-1".into(),
+            agent_id: AGENT.into(),
             limits,
-            agent_api::AgentTemplate::default(),
-            "host".into(),
+            template: agent_api::AgentTemplate::default(),
+            image: "host".into(),
             backend,
             hub,
-            Arc::new(DirWorkspace(sb_dir)),
-            None,
-            None,
-            (None, false, host),
-        );
+            workspace: Arc::new(DirWorkspace(sb_dir)),
+            network: None,
+            volumes: None,
+            from_snapshot: None,
+            cow: false,
+            host,
+        });
         Self {
             sb,
             gateway,

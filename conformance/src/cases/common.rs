@@ -6,33 +6,32 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_tungstenite::tungstenite::Message;
 
+use crate::check;
 use crate::client::Conn;
 use crate::ctx::Ctx;
 use crate::framework::Stop;
+use crate::msgs::cancel;
 use crate::wire::{check_error, short, Exec, Msg};
 
 /// Declares a [`Case`], a row of a group's `CASES` table. The body is a case function, or a function shared by
 /// several rows with the row's arguments after the context (`above_max("timeout_ms")`).
 macro_rules! case {
-    ($id:literal, $level:ident, $section:literal, $title:literal, $req:expr, $f:ident($($arg:expr),+ $(,)?)) => {
+    (@row $id:literal, $level:ident, $section:literal, $title:literal, $req:expr, $run:expr) => {
         $crate::framework::Case {
             id: $id,
             level: $crate::framework::Level::$level,
             section: $section,
             title: $title,
             requirement: $req,
-            run: |ctx| Box::pin(async move { $f(&ctx, $($arg),+).await }),
+            run: $run,
         }
     };
+    ($id:literal, $level:ident, $section:literal, $title:literal, $req:expr, $f:ident($($arg:expr),+ $(,)?)) => {
+        $crate::cases::common::case!(@row $id, $level, $section, $title, $req,
+            |ctx| Box::pin(async move { $f(&ctx, $($arg),+).await }))
+    };
     ($id:literal, $level:ident, $section:literal, $title:literal, $req:expr, $f:path) => {
-        $crate::framework::Case {
-            id: $id,
-            level: $crate::framework::Level::$level,
-            section: $section,
-            title: $title,
-            requirement: $req,
-            run: |ctx| Box::pin($f(ctx)),
-        }
+        $crate::cases::common::case!(@row $id, $level, $section, $title, $req, |ctx| Box::pin($f(ctx)))
     };
 }
 pub(crate) use case;
@@ -79,6 +78,44 @@ pub async fn refused(
     Ok(e)
 }
 
+/// Sends `exec` (an `execute`), expects `INVALID_REQUEST` echoing `id` and naming each of `names` ([`refused`]).
+pub async fn refused_invalid(
+    ctx: &Ctx,
+    conn: &mut Conn,
+    exec: &Value,
+    id: &str,
+    names: &[&str],
+) -> Result<Msg, Stop> {
+    refused(ctx, conn, text(exec), "INVALID_REQUEST", Some(id), names).await
+}
+
+/// Sends a `cancel` of `id`, expects `UNKNOWN_EXECUTION` echoing it ([`refused`]).
+pub async fn refused_cancel(ctx: &Ctx, conn: &mut Conn, id: &str) -> Result<Msg, Stop> {
+    refused(
+        ctx,
+        conn,
+        text(&cancel(id)),
+        "UNKNOWN_EXECUTION",
+        Some(id),
+        &[],
+    )
+    .await
+}
+
+/// Reads for `millis` (scaled) and fails with `what` if a message for execution `id` arrives.
+pub async fn nothing_for(
+    ctx: &Ctx,
+    conn: &mut Conn,
+    id: &str,
+    millis: u64,
+    what: &str,
+) -> Result<(), Stop> {
+    conn.expect_none(ctx.scaled(Duration::from_millis(millis)), what, |m| {
+        m.is_for(id)
+    })
+    .await
+}
+
 /// A text frame of a JSON value.
 pub fn text(v: &Value) -> Message {
     Message::text(v.to_string())
@@ -106,6 +143,16 @@ pub fn ended(e: &Exec, status: &str, reason: &str) -> Result<(), Stop> {
             ))),
         },
     }
+}
+
+/// Fails with the execution's dump unless it ended with `status`.
+pub fn check_status(e: &Exec, status: &str) -> Result<(), Stop> {
+    check!(
+        e.terminal_status().as_deref() == Some(status),
+        "{}",
+        e.dump()
+    );
+    Ok(())
 }
 
 /// Checks the result's `exit_code` is null (the program was killed by a signal).
@@ -141,6 +188,22 @@ done
 echo "count=$n"
 "#;
 
+/// Runs `script` (a counting snippet such as [`COUNT_MARKED_PROCESSES`]) in `lang` as a new execution tagged `tag`
+/// on `conn`, with `marker` on its stdin, and collects it to its end.
+pub async fn run_marked(
+    ctx: &Ctx,
+    conn: &mut Conn,
+    lang: &str,
+    tag: &str,
+    script: &str,
+    marker: &str,
+) -> Result<Exec, Stop> {
+    let id = ctx.id(tag);
+    let stdin = serde_json::json!({"stdin": format!("{marker}\n")});
+    ctx.run(conn, &ctx.exec_with(&id, lang, script, stdin))
+        .await
+}
+
 /// Runs [`COUNT_MARKED_PROCESSES`] in a new execution on `conn` until it reports 0 (polled) or the deadline.
 pub async fn wait_no_marked_processes(
     ctx: &Ctx,
@@ -151,18 +214,7 @@ pub async fn wait_no_marked_processes(
     let lang = ctx.shell()?;
     let start = std::time::Instant::now();
     loop {
-        let id = ctx.id("scan");
-        let e = conn
-            .run(
-                &ctx.exec_with(
-                    &id,
-                    lang,
-                    COUNT_MARKED_PROCESSES,
-                    serde_json::json!({"stdin": format!("{marker}\n")}),
-                ),
-                ctx.end_within(crate::ctx::TIMEOUT_MS),
-            )
-            .await?;
+        let e = run_marked(ctx, conn, lang, "scan", COUNT_MARKED_PROCESSES, marker).await?;
         let out = e.stdout_text();
         if e.terminal_status().as_deref() != Some("completed") {
             return Err(Stop::Harness(format!(

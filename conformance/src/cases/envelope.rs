@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::common::{case, refused, text, C};
+use super::common::{case, nothing_for, refused, refused_cancel, refused_invalid, text, C};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::msgs::{ts, with};
 use crate::wire::{check_ts, short, SERVER_TYPES};
@@ -150,11 +150,8 @@ async fn traffic(ctx: &C) -> Result<Vec<Value>, Stop> {
     let mut c = ctx.connect().await?;
     c.ping(ctx.secs(10)).await?;
     let id = ctx.id("env");
-    let e = c
-        .run(
-            &ctx.exec(&id, lang, "echo out; echo err >&2"),
-            ctx.end_within(crate::ctx::TIMEOUT_MS),
-        )
+    let e = ctx
+        .run(&mut c, &ctx.exec(&id, lang, "echo out; echo err >&2"))
         .await?;
     check!(e.result().is_some(), "{}", e.dump());
     refused(
@@ -239,22 +236,20 @@ async fn echoes_id(ctx: C) -> CaseResult {
     let lang = ctx.shell()?;
     let mut c = ctx.connect().await?;
     let id = ctx.id("echo-a");
-    refused(
+    refused_invalid(
         &ctx,
         &mut c,
-        text(&json!({"v": 1, "type": "launch", "id": id, "ts": ts()})),
-        "INVALID_REQUEST",
-        Some(&id),
+        &json!({"v": 1, "type": "launch", "id": id, "ts": ts()}),
+        &id,
         &[],
     )
     .await?;
     let id = ctx.id("echo-b");
-    refused(
+    refused_invalid(
         &ctx,
         &mut c,
-        text(&with(ctx.exec(&id, lang, "echo x"), json!({"code": null}))),
-        "INVALID_REQUEST",
-        Some(&id),
+        &with(ctx.exec(&id, lang, "echo x"), json!({"code": null})),
+        &id,
         &[],
     )
     .await?;
@@ -272,15 +267,7 @@ async fn echoes_id(ctx: C) -> CaseResult {
     )
     .await?;
     let id = ctx.id("echo-d");
-    refused(
-        &ctx,
-        &mut c,
-        text(&crate::msgs::cancel(&id)),
-        "UNKNOWN_EXECUTION",
-        Some(&id),
-        &[],
-    )
-    .await?;
+    refused_cancel(&ctx, &mut c, &id).await?;
     let id = ctx.id("echo-e");
     refused(
         &ctx,
@@ -354,22 +341,16 @@ async fn bad_version_execute(ctx: C) -> CaseResult {
     let lang = ctx.shell()?;
     let mut c = ctx.connect().await?;
     let id = ctx.id("v2");
-    let e = refused(
+    let e = refused_invalid(
         &ctx,
         &mut c,
-        text(&with(ctx.exec(&id, lang, "echo ran"), json!({"v": 2}))),
-        "INVALID_REQUEST",
-        Some(&id),
+        &with(ctx.exec(&id, lang, "echo ran"), json!({"v": 2})),
+        &id,
         &[],
     )
     .await?;
     check_supported(&e.raw)?;
-    c.expect_none(
-        ctx.scaled(std::time::Duration::from_millis(500)),
-        "a refused execute must not run",
-        |m| m.is_for(&id),
-    )
-    .await?;
+    nothing_for(&ctx, &mut c, &id, 500, "a refused execute must not run").await?;
     Ok(String::new())
 }
 
@@ -385,12 +366,11 @@ async fn unknown_type(ctx: C) -> CaseResult {
     )
     .await?;
     let id = ctx.id("type");
-    refused(
+    refused_invalid(
         &ctx,
         &mut c,
-        text(&json!({"v": 1, "type": "Execute", "id": id, "ts": ts()})),
-        "INVALID_REQUEST",
-        Some(&id),
+        &json!({"v": 1, "type": "Execute", "id": id, "ts": ts()}),
+        &id,
         &["type"],
     )
     .await?;
@@ -408,12 +388,11 @@ async fn missing_fields(ctx: C) -> CaseResult {
         (json!({"limits": {"memory_mb": null}}), "memory_mb"),
     ] {
         let id = ctx.id("missing");
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo x"), remove)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo x"), remove),
+            &id,
             &[name],
         )
         .await?;
@@ -430,12 +409,11 @@ async fn missing_envelope(ctx: C) -> CaseResult {
         (json!({"v": null}), "v"),
     ] {
         let id = ctx.id("envf");
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo x"), remove)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo x"), remove),
+            &id,
             &[name],
         )
         .await?;
@@ -456,12 +434,11 @@ async fn wrong_types(ctx: C) -> CaseResult {
         (json!({"limits": "small"}), "limits"),
     ] {
         let id = ctx.id("types");
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo x"), change)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo x"), change),
+            &id,
             &[name],
         )
         .await?;
@@ -477,19 +454,20 @@ async fn unknown_field(ctx: C) -> CaseResult {
         (json!({"network": "full"}), "network"),
     ] {
         let id = ctx.id("unk");
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo ran"), extra)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo ran"), extra),
+            &id,
             &[name],
         )
         .await?;
-        c.expect_none(
-            ctx.scaled(std::time::Duration::from_millis(300)),
+        nothing_for(
+            &ctx,
+            &mut c,
+            &id,
+            300,
             "an execute with an unknown field must not run",
-            |m| m.is_for(&id),
         )
         .await?;
     }
@@ -504,12 +482,11 @@ async fn unknown_limit(ctx: C) -> CaseResult {
         (json!({"limits": {"cpu_ms": 10}}), "cpu_ms"),
     ] {
         let id = ctx.id("unkl");
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo ran"), extra)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo ran"), extra),
+            &id,
             &[name],
         )
         .await?;
@@ -524,22 +501,20 @@ async fn unknown_nested(ctx: C) -> CaseResult {
     let id = ctx.id("unkf");
     let files = json!({"files": [{"path": "a.txt", "content": "x", "mode": 493}]});
     if ctx.extension("files") == Some(true) {
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo ran"), files)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo ran"), files),
+            &id,
             &["mode"],
         )
         .await?;
     } else {
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo ran"), files)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo ran"), files),
+            &id,
             &["files"],
         )
         .await?;
@@ -548,22 +523,20 @@ async fn unknown_nested(ctx: C) -> CaseResult {
     let id = ctx.id("unka");
     let artifacts = json!({"artifacts": {"paths": ["out/**"], "keep": true}});
     if ctx.extension("artifacts") == Some(true) {
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo ran"), artifacts)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo ran"), artifacts),
+            &id,
             &["keep"],
         )
         .await?;
     } else {
-        refused(
+        refused_invalid(
             &ctx,
             &mut c,
-            text(&with(ctx.exec(&id, lang, "echo ran"), artifacts)),
-            "INVALID_REQUEST",
-            Some(&id),
+            &with(ctx.exec(&id, lang, "echo ran"), artifacts),
+            &id,
             &["artifacts"],
         )
         .await?;
@@ -581,12 +554,7 @@ async fn longest_id(ctx: C) -> CaseResult {
         .chain(std::iter::repeat('z'))
         .take(128)
         .collect();
-    let e = c
-        .run(
-            &ctx.exec(&id, lang, "echo ok"),
-            ctx.end_within(crate::ctx::TIMEOUT_MS),
-        )
-        .await?;
+    let e = ctx.run(&mut c, &ctx.exec(&id, lang, "echo ok")).await?;
     check!(
         e.terminal_status().as_deref() == Some("completed"),
         "an execution with a 128-character id: {}",

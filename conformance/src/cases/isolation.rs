@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::common::{case, C, COUNT_MARKED_PROCESSES};
+use super::common::{case, run_marked, C, COUNT_MARKED_PROCESSES};
 use super::resources::COUNT_MARKED_FILES;
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};
@@ -149,15 +149,15 @@ async fn run_posture(ctx: &Ctx) -> Result<Posture, Stop> {
     }
     if main == "python" && shell {
         let id = ctx.id("probe-sh");
-        let e = c
+        let e = ctx
             .run(
+                &mut c,
                 &ctx.exec_with(
                     &id,
                     "shell",
                     crate::probe::SHELL,
                     json!({"stdin": probe_input(ctx, 0)}),
                 ),
-                ctx.end_within(TIMEOUT_MS),
             )
             .await?;
         p.shell = Some(parse_report(&e));
@@ -325,18 +325,7 @@ async fn pid_invisible(ctx: C) -> CaseResult {
         m.is_for(&a) && m.kind() == "stdout"
     })
     .await?;
-    let b = ctx.id("pid-b");
-    let e = c
-        .run(
-            &ctx.exec_with(
-                &b,
-                lang,
-                COUNT_MARKED_PROCESSES,
-                json!({"stdin": format!("{marker}\n")}),
-            ),
-            ctx.end_within(TIMEOUT_MS),
-        )
-        .await?;
+    let e = run_marked(&ctx, &mut c, lang, "pid-b", COUNT_MARKED_PROCESSES, &marker).await?;
     let _ = c.send_json(&crate::msgs::cancel(&a)).await;
     check!(
         e.stdout_text().trim() == "count=0",
@@ -477,15 +466,15 @@ async fn other_files_visible(ctx: &C) -> Result<String, Stop> {
     })
     .await?;
     let b = ctx.id("fs-b");
-    let e = c
+    let e = ctx
         .run(
+            &mut c,
             &ctx.exec_with(
                 &b,
                 lang,
                 COUNT_MARKED_FILES,
                 json!({"stdin": format!("{marker}\n")}),
             ),
-            ctx.end_within(TIMEOUT_MS),
         )
         .await?;
     let _ = c.send_json(&crate::msgs::cancel(&a)).await;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::common::{case, ended, exit_null, text, C};
+use super::common::{case, check_status, ended, exit_null, nothing_for, text, C};
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{checked, Case, CaseResult, Stop};
 use crate::wire::{check_error_fields, short, Exec, LANGUAGES, LIMIT_NAMES};
@@ -251,11 +251,7 @@ fn reason_if_sent(e: &Exec, want: &str) -> Result<(), Stop> {
 
 async fn completed(ctx: C) -> CaseResult {
     let e = completed_exec(&ctx).await?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
+    check_status(&e, "completed")?;
     check!(
         e.exit_code() == Some(&json!(0)),
         "exit_code must be 0: {}",
@@ -385,11 +381,7 @@ async fn output_exact(ctx: C) -> CaseResult {
         json!({"limits": {"max_output_bytes": 1000}}),
     )
     .await?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
+    check_status(&e, "completed")?;
     check!(total_output(&e)? == 1000, "{}", e.dump());
     reason_if_sent(&e, "exited")?;
     if let Some(t) = e.result().and_then(|r| r.get("truncated")) {
@@ -438,11 +430,7 @@ async fn output_order(ctx: C) -> CaseResult {
     let lang = ctx.shell()?;
     let code = "i=0; while [ $i -lt 5000 ]; do echo $i; echo e$i >&2; i=$((i+1)); done";
     let e = run_one(&ctx, "order", lang, code, json!({})).await?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
+    check_status(&e, "completed")?;
     let out: String = (0..5000).map(|i| format!("{i}\n")).collect();
     let err: String = (0..5000).map(|i| format!("e{i}\n")).collect();
     check!(
@@ -466,11 +454,7 @@ async fn utf8_boundaries(ctx: C) -> CaseResult {
     // "é" (2 bytes) and "😀" (4 bytes) written in pieces with pauses, so the server reads the pieces separately.
     let code = "printf 'ab\\303'; sleep 0.3; printf '\\251cd\\360'; sleep 0.3; printf '\\237\\230'; sleep 0.3; printf '\\200!\\n'";
     let e = run_one(&ctx, "utf8", lang, code, json!({})).await?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
+    check_status(&e, "completed")?;
     let chunks = e.chunks("stdout");
     for ch in &chunks {
         check!(
@@ -501,11 +485,7 @@ async fn base64_output(ctx: C) -> CaseResult {
         json!({}),
     )
     .await?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
+    check_status(&e, "completed")?;
     check!(
         checked(e.stdout())? == [0xff, 0xfe, 0xfd],
         "stdout bytes differ: {}",
@@ -638,12 +618,7 @@ async fn refused_never_runs(ctx: C) -> CaseResult {
         );
     }
     for id in &ids {
-        c.expect_none(
-            ctx.scaled(Duration::from_millis(300)),
-            "a message for a refused execution",
-            |m| m.is_for(id),
-        )
-        .await?;
+        nothing_for(&ctx, &mut c, id, 300, "a message for a refused execution").await?;
     }
     Ok(String::new())
 }

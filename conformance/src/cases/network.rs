@@ -9,8 +9,8 @@ use std::net::IpAddr;
 
 use serde_json::{json, Value};
 
-use super::common::{case, refused, sequence, text, C};
-use crate::ctx::{Ctx, TIMEOUT_MS};
+use super::common::{case, refused_invalid, sequence, C};
+use crate::ctx::Ctx;
 use crate::framework::{Case, CaseResult, Stop};
 use crate::wire::{check_error_fields, short, Exec};
 use crate::{check, fail, skip};
@@ -104,9 +104,7 @@ async fn refused_unannounced(ctx: C) -> CaseResult {
         .await
         .map_err(|s| Stop::Fail(format!("no pong after the refusal: {}", s.message())))?;
     let after = ctx.id("netoff");
-    let e = c
-        .run(&ctx.exec(&after, lang, code), ctx.end_within(TIMEOUT_MS))
-        .await?;
+    let e = ctx.run(&mut c, &ctx.exec(&after, lang, code)).await?;
     check!(
         e.terminal_status().as_deref() == Some("completed") && e.stdout_text().trim() == "ok",
         "an execution after the refusal did not run: {}",
@@ -125,15 +123,7 @@ async fn refused_entry(ctx: &Ctx, allow: Value) -> CaseResult {
     let mut c = ctx.connect().await?;
     let id = ctx.id("netbad");
     let exec = ctx.exec_with(&id, lang, code, json!({"network": {"allow": allow}}));
-    let e = refused(
-        ctx,
-        &mut c,
-        text(&exec),
-        "INVALID_REQUEST",
-        Some(&id),
-        &["network.allow"],
-    )
-    .await?;
+    let e = refused_invalid(ctx, &mut c, &exec, &id, &["network.allow"]).await?;
     Ok(format!(
         "refused: {}",
         e.raw["message"].as_str().unwrap_or_default()
@@ -289,7 +279,7 @@ async fn probe(ctx: &Ctx, entry: &str) -> Result<Exec, Stop> {
         let mut c = ctx.connect().await?;
         let id = ctx.id("netprobe");
         let exec = ctx.exec_with(&id, lang, code, json!({"network": {"allow": [entry]}}));
-        let e = c.run(&exec, ctx.end_within(TIMEOUT_MS)).await?;
+        let e = ctx.run(&mut c, &exec).await?;
         if let Some(err) = e.error() {
             return Err(Stop::Harness(format!(
                 "the endpoint refused the execution allowing --network-allow {entry:?} ({}); give an entry its \
@@ -409,9 +399,7 @@ async fn absent_without_request(ctx: C) -> CaseResult {
     let (lang, code) = trivial(&ctx)?;
     let mut c = ctx.connect().await?;
     let id = ctx.id("netnone");
-    let e = c
-        .run(&ctx.exec(&id, lang, code), ctx.end_within(TIMEOUT_MS))
-        .await?;
+    let e = ctx.run(&mut c, &ctx.exec(&id, lang, code)).await?;
     let Some(r) = e.result() else {
         fail!("expected a result: {}", e.dump());
     };

@@ -9,7 +9,10 @@ use base64::engine::general_purpose::STANDARD;
 use base64::Engine;
 use serde_json::{json, Value};
 
-use super::common::{case, ended, exit_null, refused, sequence, text, wait_no_marked_processes, C};
+use super::common::{
+    case, check_status, ended, exit_null, nothing_for, refused, refused_cancel, refused_invalid,
+    sequence, text, wait_no_marked_processes, C,
+};
 use crate::client::{Conn, Frame};
 use crate::ctx::{load_of, max_limits_json, Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};
@@ -79,9 +82,7 @@ async fn cpu_cores(ctx: C) -> CaseResult {
     let lang = ctx.shell()?;
     let mut c = ctx.connect().await?;
     let id = ctx.id("cores");
-    let e = c
-        .run(&ctx.exec(&id, lang, "echo ok"), ctx.end_within(TIMEOUT_MS))
-        .await?;
+    let e = ctx.run(&mut c, &ctx.exec(&id, lang, "echo ok")).await?;
     let got = e.ack().map(|a| a["limits"]["cpu_cores"].clone());
     check!(
         got.as_ref().and_then(Value::as_f64) == Some(max),
@@ -94,15 +95,7 @@ async fn cpu_cores(ctx: C) -> CaseResult {
         ctx.exec(&id, lang, "echo ran"),
         json!({"limits": {"cpu_cores": over}}),
     );
-    refused(
-        &ctx,
-        &mut c,
-        text(&exec),
-        "INVALID_REQUEST",
-        Some(&id),
-        &["cpu_cores", &max.to_string()],
-    )
-    .await?;
+    refused_invalid(&ctx, &mut c, &exec, &id, &["cpu_cores", &max.to_string()]).await?;
     Ok(String::new())
 }
 
@@ -173,12 +166,7 @@ async fn announced_languages(ctx: C) -> CaseResult {
     let mut c = ctx.connect().await?;
     for lang in langs.iter().filter(|l| LANGUAGES.contains(&l.as_str())) {
         let id = ctx.id("hello");
-        let e = c
-            .run(
-                &ctx.exec(&id, lang, hello(lang)),
-                ctx.end_within(TIMEOUT_MS),
-            )
-            .await?;
+        let e = ctx.run(&mut c, &ctx.exec(&id, lang, hello(lang))).await?;
         check!(
             e.terminal_status().as_deref() == Some("completed") && e.stdout_text() == "hello\n",
             "announced language {lang} did not run a hello program: {}",
@@ -206,15 +194,7 @@ async fn above_max(ctx: &Ctx, limit: &str) -> CaseResult {
         json!({"limits": {limit: value}}),
     );
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    refused(
-        ctx,
-        &mut c,
-        text(&exec),
-        "INVALID_REQUEST",
-        Some(&id),
-        &names,
-    )
-    .await?;
+    refused_invalid(ctx, &mut c, &exec, &id, &names).await?;
     Ok(note)
 }
 
@@ -261,9 +241,7 @@ async fn defaults_filled(ctx: C) -> CaseResult {
     let lang = ctx.shell()?;
     let mut c = ctx.connect().await?;
     let id = ctx.id("defaults");
-    let e = c
-        .run(&ctx.exec(&id, lang, "echo ok"), ctx.end_within(TIMEOUT_MS))
-        .await?;
+    let e = ctx.run(&mut c, &ctx.exec(&id, lang, "echo ok")).await?;
     let Some(limits) = e.ack().and_then(|a| a.get("limits")).cloned() else {
         skip!("the ack carries no limits (sandboxd addition); R.limits.1 checks the output default by behaviour");
     };
@@ -291,17 +269,13 @@ async fn stdin_written(ctx: C) -> CaseResult {
     let mut c = ctx.connect().await?;
     let input = "line one\nzwei ünïcödé ✓\nno newline at the end";
     let id = ctx.id("stdin");
-    let e = c
+    let e = ctx
         .run(
+            &mut c,
             &ctx.exec_with(&id, lang, "cat; echo; echo eof", json!({"stdin": input})),
-            ctx.end_within(TIMEOUT_MS),
         )
         .await?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
+    check_status(&e, "completed")?;
     check!(
         e.stdout_text() == format!("{input}\neof\n"),
         "stdin did not arrive as sent (or was not closed): {}",
@@ -315,10 +289,10 @@ async fn stdin_empty(ctx: C) -> CaseResult {
     let mut c = ctx.connect().await?;
     for extra in [json!({}), json!({"stdin": null})] {
         let id = ctx.id("nostdin");
-        let e = c
+        let e = ctx
             .run(
+                &mut c,
                 &ctx.exec_with(&id, lang, "cat; echo eof", extra.clone()),
-                ctx.end_within(TIMEOUT_MS),
             )
             .await?;
         check!(
@@ -343,17 +317,10 @@ async fn files_placed(ctx: C) -> CaseResult {
         {"path": "plain.txt", "content": "plain"},
     ]});
     let code = "cat data/in.csv; od -An -tx1 bin/blob | tr -d ' \\n'; echo; cat plain.txt";
-    let e = c
-        .run(
-            &ctx.exec_with(&id, lang, code, files),
-            ctx.end_within(TIMEOUT_MS),
-        )
+    let e = ctx
+        .run(&mut c, &ctx.exec_with(&id, lang, code, files))
         .await?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
+    check_status(&e, "completed")?;
     check!(
         e.stdout_text() == "a,b\n1,2\n000102ff\nplain",
         "the files were not in the working directory as sent: {}",
@@ -373,13 +340,8 @@ async fn files_escape(ctx: C) -> CaseResult {
             "echo ran",
             json!({"files": [{"path": path, "content": "pwned"}]}),
         );
-        refused(&ctx, &mut c, text(&exec), "INVALID_REQUEST", Some(&id), &[]).await?;
-        c.expect_none(
-            ctx.scaled(Duration::from_millis(300)),
-            "a refused execute must not run",
-            |m| m.is_for(&id),
-        )
-        .await?;
+        refused_invalid(&ctx, &mut c, &exec, &id, &[]).await?;
+        nothing_for(&ctx, &mut c, &id, 300, "a refused execute must not run").await?;
     }
     Ok(String::new())
 }
@@ -395,12 +357,8 @@ async fn artifacts(ctx: C) -> CaseResult {
         json!({"artifacts": {"paths": ["out/**"]}}),
     );
     if ctx.extension("artifacts") == Some(true) {
-        let e = c.run(&exec, ctx.end_within(TIMEOUT_MS)).await?;
-        check!(
-            e.terminal_status().as_deref() == Some("completed"),
-            "{}",
-            e.dump()
-        );
+        let e = ctx.run(&mut c, &exec).await?;
+        check_status(&e, "completed")?;
         check!(
             e.result().is_some_and(|r| r.get("artifacts").is_some()),
             "artifacts were requested but the result has no manifest: {}",
@@ -408,15 +366,7 @@ async fn artifacts(ctx: C) -> CaseResult {
         );
         Ok("artifacts announced: manifest returned".into())
     } else {
-        refused(
-            &ctx,
-            &mut c,
-            text(&exec),
-            "INVALID_REQUEST",
-            Some(&id),
-            &["artifacts"],
-        )
-        .await?;
+        refused_invalid(&ctx, &mut c, &exec, &id, &["artifacts"]).await?;
         Ok("artifacts not announced: refused".into())
     }
 }
@@ -501,11 +451,8 @@ async fn id_reuse(ctx: C) -> CaseResult {
     let mut c = ctx.connect().await?;
     let id = ctx.id("reuse");
     for round in ["first", "again"] {
-        let e = c
-            .run(
-                &ctx.exec(&id, lang, &format!("echo {round}")),
-                ctx.end_within(TIMEOUT_MS),
-            )
+        let e = ctx
+            .run(&mut c, &ctx.exec(&id, lang, &format!("echo {round}")))
             .await?;
         check!(
             e.terminal_status().as_deref() == Some("completed")
@@ -574,15 +521,7 @@ async fn cancel_before_start(ctx: C) -> CaseResult {
 async fn cancel_unknown(ctx: C) -> CaseResult {
     let mut c = ctx.connect().await?;
     let id = ctx.id("never-sent");
-    refused(
-        &ctx,
-        &mut c,
-        text(&cancel(&id)),
-        "UNKNOWN_EXECUTION",
-        Some(&id),
-        &[],
-    )
-    .await?;
+    refused_cancel(&ctx, &mut c, &id).await?;
     Ok(String::new())
 }
 
@@ -590,19 +529,9 @@ async fn cancel_ended(ctx: C) -> CaseResult {
     let lang = ctx.shell()?;
     let mut c = ctx.connect().await?;
     let id = ctx.id("ended");
-    let e = c
-        .run(&ctx.exec(&id, lang, "echo hi"), ctx.end_within(TIMEOUT_MS))
-        .await?;
+    let e = ctx.run(&mut c, &ctx.exec(&id, lang, "echo hi")).await?;
     check!(e.result().is_some(), "{}", e.dump());
-    refused(
-        &ctx,
-        &mut c,
-        text(&cancel(&id)),
-        "UNKNOWN_EXECUTION",
-        Some(&id),
-        &[],
-    )
-    .await?;
+    refused_cancel(&ctx, &mut c, &id).await?;
     Ok(String::new())
 }
 
@@ -620,15 +549,7 @@ async fn cancel_other_connection(ctx: C) -> CaseResult {
             m.is_for(&id) && m.status() == Some("running")
         })
         .await?;
-    refused(
-        &ctx,
-        &mut other,
-        text(&cancel(&id)),
-        "UNKNOWN_EXECUTION",
-        Some(&id),
-        &[],
-    )
-    .await?;
+    refused_cancel(&ctx, &mut other, &id).await?;
     let e = owner.collect(&id, sent, ctx.end_within(TIMEOUT_MS)).await?;
     check!(
         e.terminal_status().as_deref() == Some("completed")

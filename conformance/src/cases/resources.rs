@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::common::{case, idle, wait_no_marked_processes, C};
+use super::common::{case, check_status, idle, run_marked, wait_no_marked_processes, C};
 use super::messages::{oom_exec, timeout_exec, TIMEOUT_LIMIT_MS};
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{checked, Case, CaseResult, Stop};
@@ -199,18 +199,15 @@ async fn disconnect_files(ctx: C) -> CaseResult {
     let mut later = ctx.connect().await?;
     let started = Instant::now();
     loop {
-        let id = ctx.id("findfiles");
-        let e = later
-            .run(
-                &ctx.exec_with(
-                    &id,
-                    lang,
-                    COUNT_MARKED_FILES,
-                    json!({"stdin": format!("{marker}\n")}),
-                ),
-                ctx.end_within(TIMEOUT_MS),
-            )
-            .await?;
+        let e = run_marked(
+            &ctx,
+            &mut later,
+            lang,
+            "findfiles",
+            COUNT_MARKED_FILES,
+            &marker,
+        )
+        .await?;
         let out = e.stdout_text();
         check!(
             e.terminal_status().as_deref() == Some("completed"),
@@ -288,46 +285,42 @@ async fn other_connection(ctx: C) -> CaseResult {
 }
 
 async fn timeout_tree(ctx: C) -> CaseResult {
-    let lang = ctx.shell()?;
-    let marker = ctx.marker();
-    let mut c = ctx.connect().await?;
-    let id = ctx.id("ttree");
-    let code = format!(
-        "( sleep 300.{marker} >/dev/null 2>&1 & ) ; sleep 299.{marker} & echo started; wait"
-    );
-    let e = c
-        .run(
-            &with(
-                ctx.exec(&id, lang, &code),
-                json!({"limits": {"timeout_ms": 1000}}),
-            ),
-            ctx.end_within(1000),
+    let code = |marker: &str| {
+        format!(
+            "( sleep 300.{marker} >/dev/null 2>&1 & ) ; sleep 299.{marker} & echo started; wait"
         )
-        .await?;
-    check!(
-        e.terminal_status().as_deref() == Some("timeout"),
-        "{}",
-        e.dump()
-    );
-    wait_no_marked_processes(&ctx, &mut c, &marker, ctx.secs(10)).await?;
-    Ok(String::new())
+    };
+    leaves_no_tree(&ctx, "ttree", code, Some(1000), "timeout").await
 }
 
 async fn exit_tree(ctx: C) -> CaseResult {
+    let code = |marker: &str| format!("( sleep 300.{marker} >/dev/null 2>&1 & ) ; echo done");
+    leaves_no_tree(&ctx, "etree", code, None, "completed").await
+}
+
+/// Runs `code(marker)`, which leaves processes with the marker in their command line behind, with `timeout_ms`
+/// (the usual limit if `None`); checks it ends with `status` and that later no process of it is left.
+async fn leaves_no_tree(
+    ctx: &Ctx,
+    tag: &str,
+    code: impl FnOnce(&str) -> String,
+    timeout_ms: Option<u64>,
+    status: &str,
+) -> CaseResult {
     let lang = ctx.shell()?;
     let marker = ctx.marker();
     let mut c = ctx.connect().await?;
-    let id = ctx.id("etree");
-    let code = format!("( sleep 300.{marker} >/dev/null 2>&1 & ) ; echo done");
-    let e = c
-        .run(&ctx.exec(&id, lang, &code), ctx.end_within(TIMEOUT_MS))
-        .await?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
-    wait_no_marked_processes(&ctx, &mut c, &marker, ctx.secs(10)).await?;
+    let id = ctx.id(tag);
+    let exec = ctx.exec(&id, lang, &code(&marker));
+    let e = match timeout_ms {
+        Some(t) => {
+            let exec = with(exec, json!({"limits": {"timeout_ms": t}}));
+            c.run(&exec, ctx.end_within(t)).await?
+        }
+        None => ctx.run(&mut c, &exec).await?,
+    };
+    check_status(&e, status)?;
+    wait_no_marked_processes(ctx, &mut c, &marker, ctx.secs(10)).await?;
     Ok(String::new())
 }
 
@@ -342,9 +335,7 @@ async fn default_output_limit(ctx: C) -> CaseResult {
     let mut c = ctx.connect().await?;
     let id = ctx.id("default-out");
     let code = "head -c 1048676 /dev/zero | tr '\\0' x; sleep 5; echo survived";
-    let e = c
-        .run(&ctx.exec(&id, lang, code), ctx.end_within(TIMEOUT_MS))
-        .await?;
+    let e = ctx.run(&mut c, &ctx.exec(&id, lang, code)).await?;
     let total = checked(e.stdout())?.len() + checked(e.stderr())?.len();
     check!(
         total == 1 << 20,
@@ -374,10 +365,10 @@ for i in range(40):
     started += 1
 print(json.dumps({"started": started, "errno": error}))
 "#;
-    let e = c
+    let e = ctx
         .run(
+            &mut c,
             &ctx.exec_with(&id, lang, code, json!({"limits": {"pids_max": 16}})),
-            ctx.end_within(TIMEOUT_MS),
         )
         .await?;
     let out: serde_json::Value = serde_json::from_slice(&checked(e.stdout())?).map_err(|err| {
@@ -403,10 +394,10 @@ async fn disk_enforced(ctx: C) -> CaseResult {
     let id = ctx.id("disk");
     let code =
         "head -c 33554432 /dev/zero > ./big 2>/dev/null; echo \"rc=$? size=$(wc -c < ./big)\"";
-    let e = c
+    let e = ctx
         .run(
+            &mut c,
             &ctx.exec_with(&id, lang, code, json!({"limits": {"disk_mb": 8}})),
-            ctx.end_within(TIMEOUT_MS),
         )
         .await?;
     let out = e.stdout_text();

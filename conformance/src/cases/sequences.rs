@@ -1,10 +1,10 @@
 //! P.5: the message sequences of spec section 5, judged on the executions of P.3 and P.4.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::json;
 
-use super::common::{case, ended, sequence, C};
+use super::common::{case, check_status, ended, nothing_for, sequence, C};
 use super::messages::{completed_exec, exit_code_exec, signaled_exec, Scenario};
 use crate::ctx::Ctx;
 use crate::framework::{Case, CaseResult};
@@ -100,29 +100,17 @@ pub static CASES: &[Case] = &[
 async fn success(ctx: C) -> CaseResult {
     let e = completed_exec(&ctx).await?;
     sequence(&e)?;
-    check!(
-        e.terminal_status().as_deref() == Some("completed"),
-        "{}",
-        e.dump()
-    );
+    check_status(&e, "completed")?;
     Ok(format!("{:?}", e.labels()))
 }
 
 async fn failure(ctx: C) -> CaseResult {
     let a = exit_code_exec(&ctx).await?;
     sequence(&a)?;
-    check!(
-        a.terminal_status().as_deref() == Some("failed"),
-        "{}",
-        a.dump()
-    );
+    check_status(&a, "failed")?;
     let b = signaled_exec(&ctx).await?;
     sequence(&b)?;
-    check!(
-        b.terminal_status().as_deref() == Some("failed"),
-        "{}",
-        b.dump()
-    );
+    check_status(&b, "failed")?;
     Ok(format!("{:?}", a.labels()))
 }
 
@@ -151,12 +139,7 @@ async fn refused_only(ctx: C) -> CaseResult {
             "a refused execute gets its error only: {}",
             e.dump()
         );
-        c.expect_none(
-            ctx.scaled(Duration::from_millis(300)),
-            "a message after the refusal",
-            |m| m.is_for(&id),
-        )
-        .await?;
+        nothing_for(&ctx, &mut c, &id, 300, "a message after the refusal").await?;
     }
     Ok(String::new())
 }
@@ -189,10 +172,12 @@ async fn one_terminal(ctx: C) -> CaseResult {
         sequence(&e)?;
     }
     for id in &ids {
-        c.expect_none(
-            ctx.scaled(Duration::from_millis(300)),
+        nothing_for(
+            &ctx,
+            &mut c,
+            id,
+            300,
             "a message after the execution's terminal message",
-            |m| m.is_for(id),
         )
         .await
         .map_err(|s| {

@@ -5,9 +5,9 @@
 use serde_json::{json, Value};
 
 use super::agents::{create, create_body, http, plugin_error, remove};
-use super::common::{case, refused, text, C};
+use super::common::{case, refused_invalid, C};
 use super::volumes::status_from;
-use crate::ctx::{Ctx, TIMEOUT_MS};
+use crate::ctx::Ctx;
 use crate::framework::{Case, CaseResult, Stop};
 use crate::wire::short;
 use crate::{check, fail, skip};
@@ -348,11 +348,8 @@ async fn executions_on(ctx: &Ctx, made: &mut Vec<String>, snap: &mut Option<Stri
     let from = json!({"snapshot": sid});
     let code = "cat kept.txt; echo; echo changed > kept.txt && cat kept.txt";
     let id = ctx.id("snapx");
-    let e = c
-        .run(
-            &ctx.exec_with(&id, sh, code, from.clone()),
-            ctx.end_within(TIMEOUT_MS),
-        )
+    let e = ctx
+        .run(&mut c, &ctx.exec_with(&id, sh, code, from.clone()))
         .await?;
     check!(
         e.terminal_status().as_deref() == Some("completed") && e.stdout_text() == "kept\nchanged\n",
@@ -360,11 +357,8 @@ async fn executions_on(ctx: &Ctx, made: &mut Vec<String>, snap: &mut Option<Stri
         e.dump()
     );
     let id = ctx.id("snapy");
-    let e = c
-        .run(
-            &ctx.exec_with(&id, sh, "cat kept.txt", from),
-            ctx.end_within(TIMEOUT_MS),
-        )
+    let e = ctx
+        .run(&mut c, &ctx.exec_with(&id, sh, "cat kept.txt", from))
         .await?;
     check!(
         e.stdout_text() == "kept",
@@ -378,15 +372,7 @@ async fn executions_on(ctx: &Ctx, made: &mut Vec<String>, snap: &mut Option<Stri
         "true",
         json!({"snapshot": "snap-conformance-none"}),
     );
-    refused(
-        ctx,
-        &mut c,
-        text(&exec),
-        "INVALID_REQUEST",
-        Some(&id),
-        &["snapshot"],
-    )
-    .await?;
+    refused_invalid(ctx, &mut c, &exec, &id, &["snapshot"]).await?;
     for id in made.drain(..) {
         remove(ctx, &id).await;
     }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::common::{case, refused, sequence, text, C};
+use super::common::{case, refused_invalid, sequence, C};
 use crate::client::Conn;
 use crate::ctx::{Ctx, TIMEOUT_MS};
 use crate::framework::{Case, CaseResult, Stop};
@@ -235,38 +235,14 @@ async fn invalid(ctx: C) -> CaseResult {
         "1",
         json!({"tools": [{"name": "a"}, {"name": "a"}]}),
     );
-    refused(
-        &ctx,
-        &mut c,
-        text(&dup),
-        "INVALID_REQUEST",
-        Some(&id),
-        &["tools[1].name"],
-    )
-    .await?;
+    refused_invalid(&ctx, &mut c, &dup, &id, &["tools[1].name"]).await?;
     let id = ctx.id("tci");
     let bad = ctx.exec_with(&id, lang, "1", json!({"tools": [{"name": "no-dash"}]}));
-    refused(
-        &ctx,
-        &mut c,
-        text(&bad),
-        "INVALID_REQUEST",
-        Some(&id),
-        &["tools[0].name"],
-    )
-    .await?;
+    refused_invalid(&ctx, &mut c, &bad, &id, &["tools[0].name"]).await?;
     if let Ok(shell) = ctx.shell() {
         let id = ctx.id("tci");
         let sh = ctx.exec_with(&id, shell, "true", json!({"tools": [{"name": "a"}]}));
-        refused(
-            &ctx,
-            &mut c,
-            text(&sh),
-            "INVALID_REQUEST",
-            Some(&id),
-            &["tools"],
-        )
-        .await?;
+        refused_invalid(&ctx, &mut c, &sh, &id, &["tools"]).await?;
     }
     Ok("refused, naming the field".into())
 }

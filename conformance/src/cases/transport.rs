@@ -6,7 +6,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
 
-use super::common::{case, refused, sequence, text, C};
+use super::common::{case, check_status, refused, sequence, text, C};
 use crate::client::{upgrade, Closed, Frame, Upgrade};
 use crate::framework::{Case, CaseResult, Stop};
 use crate::wire::Exec;
@@ -358,11 +358,7 @@ async fn multiplexed(ctx: C) -> CaseResult {
     let execs = mux_scenario(&ctx).await?;
     for e in &execs {
         sequence(e)?;
-        check!(
-            e.terminal_status().as_deref() == Some("completed"),
-            "{}",
-            e.dump()
-        );
+        check_status(e, "completed")?;
         let want: String = (1..=3).map(|i| format!("{} {i}\n", e.id)).collect();
         check!(
             e.stdout_text() == want,

@@ -5,8 +5,8 @@
 use serde_json::{json, Value};
 
 use super::agents::{create_body, http, plugin_error, remove, spawn, Events};
-use super::common::{case, refused, text, C};
-use crate::ctx::{Ctx, TIMEOUT_MS};
+use super::common::{case, refused_invalid, C};
+use crate::ctx::Ctx;
 use crate::framework::{Case, CaseResult, Stop};
 use crate::wire::short;
 use crate::{check, fail, skip};
@@ -79,21 +79,11 @@ async fn create_volume(ctx: &Ctx, size_mb: u64) -> Result<Value, Stop> {
     Ok(v)
 }
 
-async fn get_volume(ctx: &Ctx, id: &str) -> Result<(u16, Value), Stop> {
+/// `method /volumes/<id>` with the run's token: the status and the body.
+async fn on_volume(ctx: &Ctx, method: &str, id: &str) -> Result<(u16, Value), Stop> {
     http(
         ctx,
-        "GET",
-        &format!("/volumes/{id}"),
-        b"",
-        Some(&ctx.cfg.token),
-    )
-    .await
-}
-
-async fn delete_volume(ctx: &Ctx, id: &str) -> Result<(u16, Value), Stop> {
-    http(
-        ctx,
-        "DELETE",
+        method,
         &format!("/volumes/{id}"),
         b"",
         Some(&ctx.cfg.token),
@@ -113,7 +103,7 @@ async fn lifecycle(ctx: C) -> CaseResult {
             "POST /volumes: not a new 16 MiB volume: {}",
             short(&v)
         );
-        let (status, got) = get_volume(&ctx, &id).await?;
+        let (status, got) = on_volume(&ctx, "GET", &id).await?;
         check!(
             status == 200 && got["id"] == id.as_str(),
             "GET /volumes/{id}: HTTP {status}: {}",
@@ -131,14 +121,14 @@ async fn lifecycle(ctx: C) -> CaseResult {
         Ok(())
     }
     .await;
-    let (status, body) = delete_volume(&ctx, &id).await?;
+    let (status, body) = on_volume(&ctx, "DELETE", &id).await?;
     r?;
     check!(
         status == 204,
         "DELETE /volumes/{id}: HTTP {status}: {}",
         short(&body)
     );
-    let (status, body) = get_volume(&ctx, &id).await?;
+    let (status, body) = on_volume(&ctx, "GET", &id).await?;
     plugin_error("GET after DELETE", status, 404, &body, "invalid_state")?;
     Ok(format!("created, shown, listed and deleted {id}"))
 }
@@ -146,7 +136,7 @@ async fn lifecycle(ctx: C) -> CaseResult {
 async fn refusals(ctx: C) -> CaseResult {
     // Whether the server has volumes at all (skips when not); removed at once.
     let v = create_volume(&ctx, 8).await?;
-    delete_volume(&ctx, v["id"].as_str().unwrap_or_default()).await?;
+    on_volume(&ctx, "DELETE", v["id"].as_str().unwrap_or_default()).await?;
     let (status, body) = http(&ctx, "GET", "/volumes", b"", None).await?;
     plugin_error(
         "GET /volumes without a token",
@@ -171,14 +161,7 @@ async fn refusals(ctx: C) -> CaseResult {
         "invalid_state",
     )?;
     for method in ["GET", "DELETE"] {
-        let (status, body) = http(
-            &ctx,
-            method,
-            "/volumes/vol-conformance-none",
-            b"",
-            Some(&ctx.cfg.token),
-        )
-        .await?;
+        let (status, body) = on_volume(&ctx, method, "vol-conformance-none").await?;
         plugin_error(
             &format!("{method} of an unknown volume"),
             status,
@@ -254,6 +237,18 @@ pub(super) async fn status_from(
     fail!("no status {prefix:?} in the first 20 events")
 }
 
+/// Deletes volume `vid` once `r`, the verdict of what used it, is in; fails unless the deletion answers 204.
+async fn deleted_after(ctx: &Ctx, vid: &str, r: CaseResult, after: &str) -> CaseResult {
+    let (status, body) = on_volume(ctx, "DELETE", vid).await?;
+    let said = r?;
+    check!(
+        status == 204,
+        "DELETE /volumes/{vid} after {after}: HTTP {status}: {}",
+        short(&body)
+    );
+    Ok(said)
+}
+
 async fn outlives(ctx: C) -> CaseResult {
     let v = create_volume(&ctx, 16).await?;
     let vid = v["id"].as_str().unwrap_or_default().to_owned();
@@ -262,24 +257,19 @@ async fn outlives(ctx: C) -> CaseResult {
     for id in made {
         remove(&ctx, &id).await;
     }
-    let (status, body) = delete_volume(&ctx, &vid).await?;
-    let said = r?;
-    check!(
-        status == 204,
-        "DELETE /volumes/{vid} after its sandboxes: HTTP {status}: {}",
-        short(&body)
-    );
-    Ok(said)
+    deleted_after(&ctx, &vid, r, "its sandboxes").await
+}
+
+/// [`sandbox_on`], failing the case with `what` and the answer when the sandbox is refused.
+async fn sandbox_made(ctx: &Ctx, volume: &str, what: &str) -> Result<String, Stop> {
+    match sandbox_on(ctx, volume).await? {
+        Ok(id) => Ok(id),
+        Err((status, body)) => fail!("{what}: HTTP {status}: {}", short(&body)),
+    }
 }
 
 async fn outlives_on(ctx: &Ctx, vid: &str, made: &mut Vec<String>) -> CaseResult {
-    let first = match sandbox_on(ctx, vid).await? {
-        Ok(id) => id,
-        Err((status, body)) => fail!(
-            "POST /sandboxes with the volume mounted: HTTP {status}: {}",
-            short(&body)
-        ),
-    };
+    let first = sandbox_made(ctx, vid, "POST /sandboxes with the volume mounted").await?;
     made.push(first.clone());
     let script =
         json!([{"write": {"path": "data/kept.txt", "content": "kept"}}, {"read": "data/kept.txt"}]);
@@ -297,7 +287,7 @@ async fn outlives_on(ctx: &Ctx, vid: &str, made: &mut Vec<String>) -> CaseResult
             plugin_error("a second writer", status, 409, &body, "invalid_state")?
         }
     }
-    let (status, body) = delete_volume(ctx, vid).await?;
+    let (status, body) = on_volume(ctx, "DELETE", vid).await?;
     plugin_error(
         "DELETE of a mounted volume",
         status,
@@ -307,13 +297,7 @@ async fn outlives_on(ctx: &Ctx, vid: &str, made: &mut Vec<String>) -> CaseResult
     )?;
     remove(ctx, &first).await;
     made.clear();
-    let next = match sandbox_on(ctx, vid).await? {
-        Ok(id) => id,
-        Err((status, body)) => fail!(
-            "POST /sandboxes after the writer's deletion: HTTP {status}: {}",
-            short(&body)
-        ),
-    };
+    let next = sandbox_made(ctx, vid, "POST /sandboxes after the writer's deletion").await?;
     made.push(next.clone());
     let m = status_from(ctx, &next, json!([{"read": "data/kept.txt"}]), "read").await?;
     check!(
@@ -331,24 +315,17 @@ async fn executions(ctx: C) -> CaseResult {
     let v = create_volume(&ctx, 16).await?;
     let vid = v["id"].as_str().unwrap_or_default().to_owned();
     let r = executions_on(&ctx, sh, &vid).await;
-    let (status, body) = delete_volume(&ctx, &vid).await?;
-    let said = r?;
-    check!(
-        status == 204,
-        "DELETE /volumes/{vid} after the executions: HTTP {status}: {}",
-        short(&body)
-    );
-    Ok(said)
+    deleted_after(&ctx, &vid, r, "the executions").await
 }
 
 async fn executions_on(ctx: &Ctx, sh: &str, vid: &str) -> CaseResult {
     let mut c = ctx.connect().await?;
     let mounts = |read_only: bool| json!({"mounts": [{"volume": vid, "path": "/workspace/vol", "read_only": read_only}]});
     let id = ctx.id("volw");
-    let e = c
+    let e = ctx
         .run(
+            &mut c,
             &ctx.exec_with(&id, sh, "echo kept > vol/f && echo ok", mounts(false)),
-            ctx.end_within(TIMEOUT_MS),
         )
         .await?;
     check!(
@@ -358,11 +335,8 @@ async fn executions_on(ctx: &Ctx, sh: &str, vid: &str) -> CaseResult {
     );
     let id = ctx.id("volr");
     let code = "cat vol/f; echo x > vol/g 2>/dev/null || echo refused";
-    let e = c
-        .run(
-            &ctx.exec_with(&id, sh, code, mounts(true)),
-            ctx.end_within(TIMEOUT_MS),
-        )
+    let e = ctx
+        .run(&mut c, &ctx.exec_with(&id, sh, code, mounts(true)))
         .await?;
     check!(
         e.stdout_text() == "kept\nrefused\n",
@@ -376,14 +350,6 @@ async fn executions_on(ctx: &Ctx, sh: &str, vid: &str) -> CaseResult {
         "true",
         json!({"mounts": [{"volume": "vol-conformance-none", "path": "/workspace/x"}]}),
     );
-    refused(
-        ctx,
-        &mut c,
-        text(&exec),
-        "INVALID_REQUEST",
-        Some(&id),
-        &["mounts"],
-    )
-    .await?;
+    refused_invalid(ctx, &mut c, &exec, &id, &["mounts"]).await?;
     Ok("written, read back read-only, unknown volume refused".into())
 }

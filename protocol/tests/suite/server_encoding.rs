@@ -19,24 +19,16 @@ fn wire(msg: &ServerMessage) -> Value {
 
 fn result(reason: Reason, exit_code: Option<i32>, signal: Option<&str>) -> ResultMessage {
     ResultMessage {
-        id: "exec_1".into(),
         exit_code,
         duration_ms: 12,
         resource_usage: ResourceUsage {
             peak_memory_mb: 3,
             cpu_time_ms: 4,
         },
-        reason,
         signal: signal.map(str::to_owned),
         stdout_bytes: 5,
         stderr_bytes: 6,
-        truncated: false,
-        artifacts: None,
-        environment_fingerprint: None,
-        environment: None,
-        tool_calls: None,
-        return_value: None,
-        network: None,
+        ..ResultMessage::new("exec_1", reason)
     }
 }
 

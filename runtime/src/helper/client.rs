@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use nix::fcntl::OFlag;
 use nix::unistd::Pid;
 use tokio::io::unix::AsyncFd;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use super::proto::{Event, Request};
 use crate::error::{Error, Result};
@@ -41,7 +41,8 @@ pub struct HelperClient {
 struct Inner {
     sock: AsyncFd<OwnedFd>,
     routes: Mutex<HashMap<String, Route>>,
-    alive: AtomicBool,
+    /// True until the helper has gone away; [`HelperClient::gone`] waits on it.
+    alive: watch::Sender<bool>,
     /// A `Shutdown` was sent: the helper's exit is expected.
     stopping: AtomicBool,
     pid: Pid,
@@ -62,7 +63,7 @@ impl HelperClient {
         let inner = Arc::new(Inner {
             sock,
             routes: Mutex::new(HashMap::new()),
-            alive: AtomicBool::new(true),
+            alive: watch::Sender::new(true),
             stopping: AtomicBool::new(false),
             pid,
         });
@@ -77,7 +78,14 @@ impl HelperClient {
 
     /// False once the helper has gone away.
     pub fn is_alive(&self) -> bool {
-        self.inner.alive.load(Ordering::SeqCst)
+        *self.inner.alive.borrow()
+    }
+
+    /// Resolves once the helper has gone away (at once if it has).
+    pub async fn gone(&self) {
+        let mut alive = self.inner.alive.subscribe();
+        // The sender lives in `inner`, which this client holds: the wait ends only by the value.
+        let _ = alive.wait_for(|alive| !alive).await;
     }
 
     /// Creates and starts a container; its init then waits for the launch message. On failure the helper has
@@ -274,6 +282,6 @@ async fn read_events(inner: Arc<Inner>) {
             }
         }
     }
-    inner.alive.store(false, Ordering::SeqCst);
+    inner.alive.send_replace(false);
     lock(&inner.routes).clear();
 }

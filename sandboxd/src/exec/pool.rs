@@ -208,6 +208,11 @@ impl Factory {
         self.backend.alive()
     }
 
+    /// Resolves once containers can no longer be created or removed (a helper process died).
+    pub async fn gone(&self) {
+        self.backend.gone().await
+    }
+
     /// How many helper processes create containers (one creation at a time in each).
     pub fn helper_count(&self) -> usize {
         self.backend.parallelism()

@@ -74,13 +74,8 @@ pub fn interpreter(lang: Language, rt: &LanguageRuntime) -> Option<Launch> {
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     Some(Launch {
-        args,
-        env,
-        warm: false,
         relay,
-        keep: false,
-        cwd: None,
-        serve: false,
+        ..Launch::program(args, env)
     })
 }
 
@@ -190,13 +185,11 @@ mod tests {
     #[test]
     fn a_launch_execve_would_refuse_gets_a_plain_interpreter() {
         let mut l = Launch {
-            args: vec!["/usr/bin/python3".into(), "/sandbox/main.py".into()],
-            env: vec!["A=1".into()],
             warm: true,
-            relay: false,
-            keep: false,
-            cwd: None,
-            serve: false,
+            ..Launch::program(
+                vec!["/usr/bin/python3".into(), "/sandbox/main.py".into()],
+                vec!["A=1".into()],
+            )
         };
         assert!(fits_exec(&l));
         l.env.push(format!("HUGE={}", "e".repeat(MAX_ARG_STRLEN)));

@@ -321,6 +321,32 @@ async fn config_less_start_generates_a_token_once() {
     c.assert_usable().await;
 }
 
+/// A container helper that dies takes the daemon down at once (it can no longer create or remove containers): the
+/// daemon notices the helper's end, says why, drains and exits non-zero, without waiting for a poll.
+#[tokio::test]
+async fn a_dead_helper_shuts_the_daemon_down() {
+    let Some(_g) = privileged("a_dead_helper_shuts_the_daemon_down").await else {
+        return;
+    };
+    let mut d = Daemon::start(DaemonOpts::default()).await;
+    let helpers = children_of(d.pid());
+    assert!(!helpers.is_empty(), "the daemon has a helper child process");
+    // The helper is this test's daemon's own child: the one process ended here, by pid.
+    nix::sys::signal::kill(Pid::from_raw(helpers[0].pid), Signal::SIGKILL).unwrap();
+    let status = d.wait_exit(Duration::from_secs(15)).unwrap_or_else(|| {
+        panic!(
+            "sandboxd still runs 15 s after its helper died\n{}",
+            d.log()
+        )
+    });
+    assert_eq!(status.code(), Some(1), "{status}\n{}", d.log());
+    assert!(
+        d.log().contains("the container helper died; shutting down"),
+        "{}",
+        d.log()
+    );
+}
+
 #[tokio::test]
 async fn restart_after_a_crash_removes_the_leftover_container() {
     let Some(_g) = privileged("restart_after_a_crash_removes_the_leftover_container").await else {

@@ -52,7 +52,7 @@ impl Engine {
             &wanted.types.clone().unwrap_or_default(),
         )
         .map_err(ArtifactError::Patterns)?;
-        let limits = runtime::artifacts::Limits {
+        let limits = runtime::artifacts::CollectLimits {
             max_files: cfg.max_files,
             max_file_bytes: cfg.max_file_bytes,
             max_total_bytes: cfg.max_total_bytes,

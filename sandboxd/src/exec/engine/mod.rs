@@ -640,15 +640,10 @@ impl Engine {
         let mut env = environment(lang, req);
         // With tools, the code runs inside the SDK's runner, which finds the SDK on its path.
         crate::extensions::tools::adjust_command(req, &mut args, &mut env);
-        let mut launch = Launch {
+        let mut launch = Launch::program(
             args,
-            env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
-            warm: false,
-            relay: false,
-            keep: false,
-            cwd: None,
-            serve: false,
-        };
+            env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+        );
         launch.warm = container.interpreter
             && crate::exec::warm::wanted(req)
             && (req.tools.is_empty() || crate::exec::warm::takes_tools(req.language, lang))
@@ -1070,21 +1065,14 @@ fn result(
         None => (None, None),
     };
     ResultMessage {
-        id: id.to_owned(),
         exit_code,
         duration_ms,
         resource_usage,
-        reason,
         signal,
         stdout_bytes: sent[0],
         stderr_bytes: sent[1],
         truncated,
-        artifacts: None,
-        environment_fingerprint: None,
-        environment: None,
-        tool_calls: None,
-        return_value: None,
-        network: None,
+        ..ResultMessage::new(id, reason)
     }
 }
 
