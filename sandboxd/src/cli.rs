@@ -598,11 +598,11 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<Exit> {
     // Serving, and SIGTERM handled from here on.
     crate::ops::notify::spawn_watchdog(engine.clone());
     crate::ops::notify::ready(addr);
-    // Why the daemon stops when it is not asked to: it then exits non-zero (a service manager restarts it).
-    let failed = tokio::select! {
-        _ = term.recv() => { info!("SIGTERM: draining"); None }
-        _ = int.recv() => { info!("SIGINT: draining"); None }
-        r = engine_dead(&engine) => { error!("{r}"); Some(r) }
+    // A daemon that stops without being asked to exits non-zero (a service manager restarts it).
+    let helper_died = tokio::select! {
+        _ = term.recv() => { info!("SIGTERM: draining"); false }
+        _ = int.recv() => { info!("SIGINT: draining"); false }
+        r = engine_dead(&engine) => { error!("{r}"); true }
     };
     crate::ops::notify::stopping();
     // Stop accepting connections and executions; let running ones finish within the grace period.
@@ -638,10 +638,7 @@ async fn serve(engine: Arc<Engine>) -> anyhow::Result<Exit> {
     if let Some(m) = metrics_server {
         m.abort();
     }
-    Ok(match failed {
-        Some(_) => Exit::Runtime,
-        None => Exit::Ok,
-    })
+    Ok(if helper_died { Exit::Runtime } else { Exit::Ok })
 }
 
 /// E2B's API on its own listener: its sandboxes are made through the agent sandboxes' containers (the same uids,
@@ -721,7 +718,11 @@ async fn stop_containers(engine: &Engine) {
     if removed.is_err() {
         warn!("containers still being removed after 10 s; the helpers remove the rest");
     }
-    let taken = engine.daemon().config().uid_count() - factory.uids.available();
+    let taken = engine
+        .daemon()
+        .config()
+        .uid_count()
+        .saturating_sub(factory.uids.available());
     if taken > 0 {
         warn!(
             taken,

@@ -75,22 +75,30 @@ fn say_skipped(test: &str, reason: &str) {
 /// The venv of the pinned E2B SDKs that `tests/e2b/setup.sh` made (`SANDBOXD_TEST_E2B_VENV`), or `None` after saying
 /// why `test` cannot run.
 pub fn e2b_venv(test: &str) -> Option<std::path::PathBuf> {
-    let Some(venv) = std::env::var_os("SANDBOXD_TEST_E2B_VENV").filter(|v| !v.is_empty()) else {
-        cannot_run(
-            test,
-            "SANDBOXD_TEST_E2B_VENV is not set; run tests/e2b/setup.sh and take the variables it prints \
-             (e2b_env=$(tests/e2b/setup.sh) && eval \"$e2b_env\" && export SANDBOXD_TEST_E2B_VENV \
-             SANDBOXD_TEST_E2B_NODE)",
-        );
-        return None;
-    };
-    let venv = std::path::PathBuf::from(venv);
+    let venv = e2b_setup_path(test, "SANDBOXD_TEST_E2B_VENV")?;
     assert!(
         venv.join("bin/python").exists(),
         "SANDBOXD_TEST_E2B_VENV {}: no bin/python (tests/e2b/setup.sh makes it)",
         venv.display()
     );
     Some(venv)
+}
+
+/// The path in `var`, one of the variables `tests/e2b/setup.sh` prints (the E2B SDKs' venv, their node modules), or
+/// `None` after saying why `test` cannot run.
+pub fn e2b_setup_path(test: &str, var: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var_os(var).filter(|v| !v.is_empty());
+    if path.is_none() {
+        cannot_run(
+            test,
+            &format!(
+                "{var} is not set; run tests/e2b/setup.sh and take the variables it prints \
+                 (e2b_env=$(tests/e2b/setup.sh) && eval \"$e2b_env\" && export SANDBOXD_TEST_E2B_VENV \
+                 SANDBOXD_TEST_E2B_NODE)"
+            ),
+        );
+    }
+    path.map(std::path::PathBuf::from)
 }
 
 #[cfg(test)]

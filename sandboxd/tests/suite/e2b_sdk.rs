@@ -26,18 +26,7 @@ pub(super) fn venv(test: &str) -> Option<PathBuf> {
 /// The venv and node_modules directories setup.sh made, or `None` after saying why the test cannot run.
 fn clients(test: &str) -> Option<(PathBuf, PathBuf)> {
     let venv = venv(test)?;
-    let Some(node) = std::env::var_os("SANDBOXD_TEST_E2B_NODE")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-    else {
-        cannot_run(
-            test,
-            "SANDBOXD_TEST_E2B_NODE is not set; run tests/e2b/setup.sh and take the variables it prints \
-             (e2b_env=$(tests/e2b/setup.sh) && eval \"$e2b_env\" && export SANDBOXD_TEST_E2B_VENV \
-             SANDBOXD_TEST_E2B_NODE)",
-        );
-        return None;
-    };
+    let node = test_support::e2b_setup_path(test, "SANDBOXD_TEST_E2B_NODE")?;
     assert!(
         node.join("e2b").is_dir(),
         "SANDBOXD_TEST_E2B_NODE {}: no e2b package (tests/e2b/setup.sh installs it)",
