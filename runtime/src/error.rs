@@ -466,6 +466,9 @@ pub enum LaunchError {
     /// The working directory is not an absolute path.
     #[error("The launch's working directory must be an absolute path")]
     RelativeDirectory,
+    /// An argument or environment string holds a NUL (no program can take it).
+    #[error("A launch argument or environment string holds a NUL byte")]
+    Nul,
 }
 
 // Errors of the container's init (`crate::init`).

@@ -20,6 +20,7 @@
 
 mod common;
 mod floor;
+mod sustained;
 mod warm;
 
 use std::io::Read;
@@ -117,11 +118,16 @@ impl Daemon {
         let config = dir.path().join("config.yaml");
         let parent = format!("sandboxd-bench-{}-{n}", std::process::id());
         let cpu = CpuMeter::new(&parent);
+        // 16 at once unless `extra` sets the capacity itself.
+        let capacity = if extra.contains("capacity:") {
+            ""
+        } else {
+            "capacity: {max_concurrent: 16, max_queue: 256}\n"
+        };
         std::fs::write(
             &config,
             format!(
-                "listen: 127.0.0.1:{port}\nstate_dir: {}\nauth: {{tokens: [\"{TOKEN}\"]}}\n\
-                 capacity: {{max_concurrent: 16, max_queue: 256}}\n\
+                "listen: 127.0.0.1:{port}\nstate_dir: {}\nauth: {{tokens: [\"{TOKEN}\"]}}\n{capacity}\
                  sandbox: {{cgroup_parent: {parent}, uid_base: {}{sandbox}}}\n{extra}",
                 dir.path().join("state").display(),
                 400_000 + n * 1000,
@@ -588,6 +594,17 @@ fn main() {
                 r.cpu_ms_per_exec()
             );
         }
+        return;
+    }
+    // =sustained: executions back to back on the default capacity, and python at 16 in flight, this daemon and
+    // the baseline in turns.
+    if only == "sustained" {
+        sustained::run(
+            &rt,
+            (&warm, baseline.as_ref()),
+            baseline_bin.as_deref(),
+            tmp.path(),
+        );
         return;
     }
     if only.is_empty() {

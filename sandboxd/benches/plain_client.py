@@ -6,6 +6,10 @@ hand: `plain_client.py PORT TOKEN [SAMPLES]`. Each execution is sent after the p
 with a bare spawn of the same program interleaved; then executions per second with 4 in flight (one connection
 per worker). Prints one JSON object on stdout: per case the execute->result (or first stdout byte) times in ms of
 the sandbox and of the bare spawn, and the throughput.
+
+`plain_client.py PORT TOKEN --series LANGUAGE CODE RUNS GAP_MS`: RUNS executions of CODE on one connection, each
+sent GAP_MS after the previous result (0: back to back, the sustained figure; 100: gapped, each from a full pool),
+after 5 unrecorded ones; prints the execute->result p50 and p90 in ms.
 """
 
 import asyncio
@@ -79,8 +83,26 @@ def bare(program, code, first_byte, tmp):
     return (first if first_byte else total) * 1000.0
 
 
+async def series(port, token, lang, code, runs, gap_ms):
+    async with connect(port, token) as ws:
+        times = []
+        for i in range(5 + runs):
+            t = await execute(ws, f"s-{lang}-{i}", lang, code, False)
+            if i >= 5:
+                times.append(t)
+            if gap_ms:
+                await asyncio.sleep(gap_ms / 1000.0)
+    times.sort()
+    print(json.dumps({"language": lang, "runs": runs, "gap_ms": gap_ms,
+                      "p50_ms": round(times[len(times) // 2], 2), "p90_ms": round(times[len(times) * 9 // 10], 2)}))
+
+
 async def main():
     port, token = int(sys.argv[1]), sys.argv[2]
+    if len(sys.argv) > 3 and sys.argv[3] == "--series":
+        lang, code, runs, gap_ms = sys.argv[4], sys.argv[5], int(sys.argv[6]), float(sys.argv[7])
+        await series(port, token, lang, code + "\n", runs, gap_ms)
+        return
     samples = int(sys.argv[3]) if len(sys.argv) > 3 else 80
     out = {"client": f"python websockets {websockets.__version__}", "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:

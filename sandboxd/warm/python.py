@@ -19,21 +19,37 @@
 import sys
 
 
+def _sandboxd_launch(os, fd):
+    # The launch's payload (runtime::launch::send_strings): the count of arguments, then the arguments and the
+    # environment, each string ended by a NUL, decoded as JSON's UTF-8 would be.
+    chunks = []
+    while True:
+        chunk = os.pread(fd, 1 << 20, sum(map(len, chunks)))
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    items = b"".join(chunks).split(b"\0")
+    count = int(items[0])
+    strings = [s.decode("utf-8", "surrogateescape") for s in items[1:-1]]
+    return strings[:count], strings[count:]
+
+
 def _sandboxd_warm():
+    # Only modules built into the interpreter, or loaded by every start anyway: a plain start of the script has no
+    # more (json, socket and the re, enum and collections they import cost about 10 ms of CPU per container).
     import builtins
     import gc
-    import json
     import os
-    import socket
-    import types
-    from importlib.machinery import SourceFileLoader
-
-    # What _sandboxd_exit imports, loaded now (weakref is not among the start-up's modules: importing it at the exit
-    # cost about 0.6 ms in a container).
-    import atexit
-    import weakref
     import _socket
+
+    # What _sandboxd_exit imports, loaded now.
+    import atexit
     import _thread
+    import _weakref
+
+    # importlib.machinery's SourceFileLoader, from the bootstrap module every start loads.
+    SourceFileLoader = sys.modules["_frozen_importlib_external"].SourceFileLoader
 
     skip, fd = int(sys.argv[1]), int(sys.argv[-1])
     for name in sys.argv[2:-1]:
@@ -49,34 +65,33 @@ def _sandboxd_warm():
     # The launch's own steps run once ahead, on a scratch memfd and a variable of their own (set and removed): a
     # first run of each costs about 0.25 ms more.
     scratch = os.memfd_create("sandboxd-warm", os.MFD_CLOEXEC)
-    os.write(scratch, b'{"args": ["/"], "env": ["A=b"]}')
-    with os.fdopen(scratch, "rb") as payload:
-        payload.seek(0)
-        json.loads(payload.read())
+    os.write(scratch, b"1\0/\0A=b\0")
+    _sandboxd_launch(os, scratch)
     os.environ["SANDBOXD_WARM"] = "1"
     del os.environ["SANDBOXD_WARM"]
     os.path.dirname(os.path.realpath("/"))
     gc.collect()
     gc.freeze()
-    channel = socket.socket(fileno=fd)
+    channel = _socket.socket(fileno=fd)
     try:
-        msg, fds, _, _ = socket.recv_fds(channel, 64, 4, socket.MSG_CMSG_CLOEXEC)
+        msg, ancillary, _, _ = channel.recvmsg(64, _socket.CMSG_SPACE(4 * 4), _socket.MSG_CMSG_CLOEXEC)
     finally:
         channel.close()
+    fds = []
+    for level, kind, data in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True) for i in range(0, len(data) & ~3, 4)]
     if msg != b"launch" or len(fds) != 4:
         os._exit(125)
-    with os.fdopen(fds[3], "rb") as payload:
-        payload.seek(0)
-        launch = json.loads(payload.read())
+    args, env = _sandboxd_launch(os, fds[3])
     for target, src in enumerate(fds[:3]):
         os.dup2(src, target)
         os.close(src)
     started_with_path = os.environ.get("PYTHONPATH")
     os.environ.clear()
-    for item in launch["env"]:
+    for item in env:
         key, _, value = item.partition("=")
         os.environ[key] = value
-    args = launch["args"]
     script = args[skip]
     sys.orig_argv = list(args)
     sys.argv = args[skip:]
@@ -85,7 +100,7 @@ def _sandboxd_warm():
         # A PYTHONPATH of the launch's (the tool runner's /sandbox) goes where a plain start puts it: right after the
         # script's directory. (When the image sets PYTHONPATH, the daemon gives a launch with tools a plain start.)
         sys.path[1:1] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    main = types.ModuleType("__main__")
+    main = type(sys)("__main__")
     main.__dict__.update(
         __file__=script,
         __builtins__=builtins,
@@ -155,8 +170,8 @@ def _sandboxd_exit(status, started):
     import builtins
     import gc
     import os
-    import weakref
     import _thread
+    import _weakref
 
     started, sock = started
     if sys.flags.inspect or os.environ.get("PYTHONINSPECT"):
@@ -184,7 +199,7 @@ def _sandboxd_exit(status, started):
     for name in ("stdin", "stdout", "stderr"):
         setattr(sys, name, getattr(sys, "__%s__" % name, None))
     program = [
-        weakref.ref(m)
+        _weakref.ref(m)
         for n, m in sys.modules.items()
         if (n not in started or n == "__main__") and type(m) is type(sys)
     ]

@@ -10,7 +10,7 @@
 //! way. The daemon writes the request's cgroup limits before it sends the launch, so they are in force before any of
 //! the request's code runs.
 //!
-//! At the launch the init passes it on unchanged over the channel ([`crate::launch::send`]: stdio and the
+//! At the launch the init passes it on over the channel ([`crate::launch::send_strings`]: stdio and the
 //! arguments and environment in a memfd), and watches the interpreter as the program, which reports its
 //! program's end before its own exit does ([`super::ending`]). A launch that
 //! does not ask for it (or an interpreter that is gone) gets the interpreter killed and reaped, and a forked
@@ -136,7 +136,7 @@ impl Warm {
             return self.hand_over_relayed(launch, stdin, stdio);
         }
         let [a, b, c] = &stdio;
-        match crate::launch::send(
+        match crate::launch::send_strings(
             self.channel.as_fd(),
             launch,
             [a.as_fd(), b.as_fd(), c.as_fd()],

@@ -35,11 +35,11 @@ fn bare_interpreter(program: &str, args: [&str; 2]) -> Duration {
     timed(cmd).0
 }
 
-fn bare_python() -> Duration {
+pub(super) fn bare_python() -> Duration {
     bare_interpreter("/usr/bin/python3", ["-c", "print(1)"])
 }
 
-fn bare_node() -> Duration {
+pub(super) fn bare_node() -> Duration {
     bare_interpreter("/usr/bin/node", ["-e", "console.log(1)"])
 }
 

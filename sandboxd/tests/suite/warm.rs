@@ -82,6 +82,19 @@ fn corpus() -> Vec<Case> {
                    print(sorted(os.environ.items()))",
             extra: json!({"env": {"FOO": "bar baz", "EMPTY": ""}}),
         },
+        // The stub imports nothing a plain start does not (it used to leave json, socket, re and enum loaded).
+        case(
+            "loaded_modules",
+            "import sys\nprint(sorted(m for m in ('json', 're', 'enum', 'socket', 'selectors', 'types', 'weakref', \
+             'collections', 'functools', 'importlib.machinery') if m in sys.modules))",
+        ),
+        // The launch's strings travel NUL-terminated: UTF-8, `=` in a value, and arguments as a plain start has them.
+        Case {
+            name: "environ_strings",
+            code: "import os, sys\nprint(repr(os.environ['UNI']), repr(os.environ['EQ']), repr(os.environ['SP']), \
+                   sys.argv[1:], len(sys.orig_argv))",
+            extra: json!({"env": {"UNI": "é ü ✓ 日本", "EQ": "a=b==c", "SP": " lead\ttab\nline "}}),
+        },
         case(
             "stdout_stderr_ordering",
             "import sys\nfor i in range(50):\n    print('out', i)\n    print('err', i, file=sys.stderr)\n\
