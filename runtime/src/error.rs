@@ -400,13 +400,31 @@ pub enum SeccompError {
         /// seccompiler's return value.
         compiled: Option<u32>,
     },
+    /// The two filters chained are longer than the kernel takes.
+    #[error("The seccomp filters chained are {0} instructions, over the kernel's 4096")]
+    ChainTooLong(usize),
+    /// The chained program does not answer like the two filters installed in turn (a bug: nothing is installed).
+    #[error(
+        "The chained seccomp program answers syscall {nr} (arch {arch:#x}) with {chained:?}, the two filters with \
+         {separate:?}"
+    )]
+    Chain {
+        /// The syscall number.
+        nr: u32,
+        /// The architecture asked about.
+        arch: u32,
+        /// The chained program's return value (`None`: the emulator could not tell).
+        chained: Option<u32>,
+        /// The filters' return value installed in turn (`None`: the emulator could not tell).
+        separate: Option<u32>,
+    },
     /// The profile holds filters nothing would install.
     #[error("The seccomp profile has filters other than allowlist and denylist")]
     ExtraFilters,
     /// The kernel refused a filter.
     #[error("Cannot install the seccomp {filter}")]
     Install {
-        /// `allowlist` or `denylist`.
+        /// What was installed: `profile` (both filters chained).
         filter: &'static str,
         /// seccompiler's error.
         #[source]

@@ -5,11 +5,13 @@
 //! `denylist` (known-dangerous syscalls and argument patterns: `EPERM`; among them the socket families but
 //! `AF_UNIX`, `AF_INET`, `AF_INET6` and `NETLINK_ROUTE`, `TIOCSETD`, btrfs subvolume creation, personality flags, and
 //! setting `RLIMIT_CORE`).
-//! Both are installed, the allowlist first: for the same action class the kernel returns the most recently
-//! installed filter's value, so a dangerous call answers `EPERM` whether or not the allowlist lists it. The profiles are compiled at daemon start-up (the
-//! allowlist then laid out as a search tree, [`search`]) and installed by the container's init on itself before it
-//! waits for its program; a failure stops the execution.
+//! They answer as if both were installed, the allowlist first: for the same action class the kernel returns the
+//! most recently installed filter's value, so a dangerous call answers `EPERM` whether or not the allowlist lists
+//! it. The profiles are compiled at daemon start-up (the allowlist then laid out as a search tree, [`search`], and
+//! the two chained into one program that answers the same, [`chain`]: one filter for the kernel to install and run)
+//! and installed by the container's init on itself before it waits for its program; a failure stops the execution.
 
+mod chain;
 mod search;
 
 use seccompiler::{BpfProgram, TargetArch};
@@ -31,6 +33,8 @@ pub struct Profile {
     pub allow: BpfProgram,
     /// Dangerous syscalls and argument patterns: `EPERM`.
     pub deny: BpfProgram,
+    /// Both as one program, the one installed: the denylist, then where it allows, the allowlist.
+    pub program: BpfProgram,
     /// `sha256:<hex>` of the profile text (part of an environment fingerprint).
     pub digest: String,
 }
@@ -56,24 +60,24 @@ pub fn compile(text: &str, arch: TargetArch) -> Result<Profile> {
     if !map.is_empty() {
         return Err(SeccompError::ExtraFilters.into());
     }
+    let program = chain::chain(&deny, &allow)?;
     Ok(Profile {
         allow,
         deny,
+        program,
         digest: format!("sha256:{:x}", Sha256::digest(text.as_bytes())),
     })
 }
 
 impl Profile {
-    /// Installs both filters on the calling thread (allowlist, then denylist); every process it forks afterwards
-    /// inherits them. Only for a single-threaded process (the container's init): without `TSYNC`, which costs a
-    /// lock round on every install and showed up in the profile of container creation.
+    /// Installs the profile's one program on the calling thread; every process it forks afterwards inherits it.
+    /// Only for a single-threaded process (the container's init): without `TSYNC`, which costs a lock round on
+    /// every install and showed up in the profile of container creation.
     pub fn install(&self) -> Result<()> {
-        for (name, prog) in [("allowlist", &self.allow), ("denylist", &self.deny)] {
-            seccompiler::apply_filter(prog).map_err(|source| SeccompError::Install {
-                filter: name,
-                source,
-            })?;
-        }
+        seccompiler::apply_filter(&self.program).map_err(|source| SeccompError::Install {
+            filter: "profile",
+            source,
+        })?;
         Ok(())
     }
 }
@@ -417,9 +421,16 @@ mod tests {
                 let nr = pick(nr);
                 let deny = search::emulate_call(&p.deny, audit, nr, &a).unwrap();
                 let allow = search::emulate_call(&p.allow, audit, nr, &a).unwrap();
-                if deny == EPERM {
+                // The installed program answers as the two filters installed in turn.
+                let installed = search::emulate_call(&p.program, audit, nr, &a).unwrap();
+                assert_eq!(
+                    installed,
+                    chain::installed_in_turn(allow, deny),
+                    "{nr} {a:?}"
+                );
+                if installed == EPERM {
                     "EPERM"
-                } else if deny == ALLOW && allow == ALLOW {
+                } else if installed == ALLOW {
                     "allow"
                 } else {
                     "other"

@@ -33,12 +33,12 @@ const LEAF: usize = 4;
 
 // Classic BPF opcodes (linux/filter.h, linux/bpf_common.h).
 const LD_W_ABS: u16 = 0x20;
-const JMP_JA: u16 = 0x05;
-const JMP_JEQ_K: u16 = 0x15;
-const JMP_JGT_K: u16 = 0x25;
-const JMP_JGE_K: u16 = 0x35;
-const JMP_JSET_K: u16 = 0x45;
-const RET_K: u16 = 0x06;
+pub(super) const JMP_JA: u16 = 0x05;
+pub(super) const JMP_JEQ_K: u16 = 0x15;
+pub(super) const JMP_JGT_K: u16 = 0x25;
+pub(super) const JMP_JGE_K: u16 = 0x35;
+pub(super) const JMP_JSET_K: u16 = 0x45;
+pub(super) const RET_K: u16 = 0x06;
 const ALU_AND_K: u16 = 0x54;
 /// Offsets in `struct seccomp_data`.
 const NR: u32 = 0;

@@ -4,7 +4,7 @@
 //! - [`Step::Raw`]: cloned as `posix_spawn` clones (`CLONE_VM | CLONE_VFORK`, so the spawner's size does not count);
 //! - [`Step::Namespaces`]: the first process of fresh user, mount, pid, ipc, uts and net namespaces, as the direct
 //!   start's `clone3` makes them, which then unshares its cgroup namespace, as the container's init does;
-//! - [`Step::Seccomp`]: there, the daemon's two seccomp filters installed, allowlist first, as the init installs them;
+//! - [`Step::Seccomp`]: there, the daemon's seccomp profile installed (its two filters chained), as the init installs it;
 //! - [`Step::Cgroup`]: and a cgroup leaf, made with limits by `Cgroups::create_leaf` (the direct start's code),
 //!   joined through each leaf's `cgroup.procs` and removed by `Cgroups::remove_leaf` (the helper's code).
 //!
@@ -75,10 +75,10 @@ impl Layers {
         Ok(Self { cgroups, profile })
     }
 
-    /// The filters as `seccomp(2)` takes them, allowlist first. seccompiler's `sock_filter` has the kernel's
-    /// layout (`repr(C)`: u16, u8, u8, u32), as libc's does.
+    /// The profile's program as `seccomp(2)` takes it (one: both filters chained, as the init installs it).
+    /// seccompiler's `sock_filter` has the kernel's layout (`repr(C)`: u16, u8, u8, u32), as libc's does.
     fn filters(&self) -> Vec<libc::sock_fprog> {
-        [&self.profile.allow, &self.profile.deny]
+        [&self.profile.program]
             .into_iter()
             .map(|prog| libc::sock_fprog {
                 len: u16::try_from(prog.len()).expect("a filter of at most 65535 instructions"),
