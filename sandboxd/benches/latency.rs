@@ -1095,6 +1095,18 @@ impl HostCpu {
 }
 
 fn run_throughput(rt: &tokio::runtime::Runtime, port: u16, conc: usize, tag: &str) -> f64 {
+    run_in_flight(rt, port, (conc, THROUGHPUT_RUNS), ("shell", "true\n"), tag)
+}
+
+/// Executions per second of `runs` executions of `(language, code)`, `conc` at once (one connection per worker,
+/// each sending its next execution after the previous result).
+fn run_in_flight(
+    rt: &tokio::runtime::Runtime,
+    port: u16,
+    (conc, runs): (usize, usize),
+    (lang, code): (&'static str, &'static str),
+    tag: &str,
+) -> f64 {
     let t0 = Instant::now();
     rt.block_on(async {
         let mut tasks = Vec::new();
@@ -1103,8 +1115,8 @@ fn run_throughput(rt: &tokio::runtime::Runtime, port: u16, conc: usize, tag: &st
             tasks.push(tokio::spawn(async move {
                 let mut ws = connect(port).await;
                 let mut i = w;
-                while i < THROUGHPUT_RUNS {
-                    execute(&mut ws, &format!("tp-{tag}-{conc}-{i}"), "shell", "true\n").await;
+                while i < runs {
+                    execute(&mut ws, &format!("tp-{tag}-{conc}-{i}"), lang, code).await;
                     i += conc;
                 }
             }));
@@ -1113,7 +1125,7 @@ fn run_throughput(rt: &tokio::runtime::Runtime, port: u16, conc: usize, tag: &st
             t.await.unwrap();
         }
     });
-    THROUGHPUT_RUNS as f64 / t0.elapsed().as_secs_f64()
+    runs as f64 / t0.elapsed().as_secs_f64()
 }
 
 /// `SANDBOXD_BENCH_IMAGES=shell=DIR,python=DIR` (OCI layouts from `images/build.sh`): the same programs on a third

@@ -22,12 +22,13 @@ import sys
 def _sandboxd_launch(os, fd):
     # The launch's payload (runtime::launch::send_strings): the count of arguments, then the arguments and the
     # environment, each string ended by a NUL, decoded as JSON's UTF-8 would be.
-    chunks = []
+    chunks, offset = [], 0
     while True:
-        chunk = os.pread(fd, 1 << 20, sum(map(len, chunks)))
+        chunk = os.pread(fd, 1 << 20, offset)
         if not chunk:
             break
         chunks.append(chunk)
+        offset += len(chunk)
     os.close(fd)
     items = b"".join(chunks).split(b"\0")
     count = int(items[0])

@@ -12,7 +12,7 @@
 //! Each figure is a round's; the table quotes every round and their median.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::{connect, execute, median_ms, pct, Daemon};
 
@@ -126,25 +126,13 @@ fn bare(case: &Case, tmp: &Path) -> f64 {
 fn in_flight(rt: &tokio::runtime::Runtime, d: &Daemon, tag: &str) -> (f64, Option<f64>) {
     let n = runs();
     let cpu0 = d.cpu_used();
-    let t0 = Instant::now();
-    rt.block_on(async {
-        let mut tasks = Vec::new();
-        for w in 0..IN_FLIGHT {
-            let (port, tag) = (d.port, tag.to_owned());
-            tasks.push(tokio::spawn(async move {
-                let mut ws = connect(port).await;
-                let mut i = w;
-                while i < n {
-                    execute(&mut ws, &format!("inf-{tag}-{i}"), "python", "print(1)\n").await;
-                    i += IN_FLIGHT;
-                }
-            }));
-        }
-        for t in tasks {
-            t.await.unwrap();
-        }
-    });
-    let per_s = n as f64 / t0.elapsed().as_secs_f64();
+    let per_s = super::run_in_flight(
+        rt,
+        d.port,
+        (IN_FLIGHT, n),
+        ("python", "print(1)\n"),
+        &format!("inf-{tag}"),
+    );
     d.wait_removed();
     let cpu = d
         .cpu_used()
@@ -172,6 +160,16 @@ pub fn run(
         let label = |kind: &str| format!("{who}: waiting {kind} interpreter");
         super::warm::memory_row(binary, n, "python", &label("python"), "");
         super::warm::memory_row(binary, n + 1, "javascript", &label("node"), "");
+    }
+}
+
+/// The median of `v` with two decimals, `-` when there is none (a daemon without a CPU meter).
+fn median_cell(v: impl Iterator<Item = f64>) -> String {
+    let v: Vec<f64> = v.collect();
+    if v.is_empty() {
+        "-".to_owned()
+    } else {
+        format!("{:.2}", median_ms(&v))
     }
 }
 
@@ -228,12 +226,7 @@ fn tables(
             .collect::<Vec<_>>()
             .join(" ");
         let med = median_ms(&blocks.iter().map(|b| b.p50).collect::<Vec<_>>());
-        let cpu = blocks.iter().filter_map(|b| b.cpu).collect::<Vec<_>>();
-        let cpu = if cpu.is_empty() {
-            "-".to_owned()
-        } else {
-            format!("{:.2}", median_ms(&cpu))
-        };
+        let cpu = median_cell(blocks.iter().filter_map(|b| b.cpu));
         let hm = blocks
             .iter()
             .map(|b| format!("{}/{}", b.hits, b.misses))
@@ -264,12 +257,7 @@ fn tables(
             .map(|(p, _)| format!("{p:.1}"))
             .collect::<Vec<_>>()
             .join(" ");
-        let cpu = v.iter().filter_map(|(_, c)| *c).collect::<Vec<_>>();
-        let cpu = if cpu.is_empty() {
-            "-".to_owned()
-        } else {
-            format!("{:.2}", median_ms(&cpu))
-        };
+        let cpu = median_cell(v.iter().filter_map(|(_, c)| *c));
         (
             median_ms(&v.iter().map(|(p, _)| *p).collect::<Vec<_>>()),
             each,
